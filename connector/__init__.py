@@ -1,0 +1,1 @@
+"""vLLM v1 KV connector on kvstore (see redis_connector.py)."""

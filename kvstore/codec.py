@@ -1,0 +1,326 @@
+"""The value format: one block's named tensors as a self-describing safetensors payload.
+
+A value is exactly the safetensors layout -- an 8-byte little-endian header length, a JSON
+header, then the tensor bytes -- so ``redis-cli GETRANGE key 0 400`` prints readable dtype,
+shape and metadata, and an uncompressed value saved to a file loads with ``safetensors``.
+kvstore's own fields live in the header's ``__metadata__`` under ``kvstore.*``:
+
+``format`` (version), ``fingerprint`` (layout), ``key`` (block hash), ``codec`` (``none`` or
+``lz4``), ``raw_bytes`` (uncompressed payload size), ``payload_bytes`` (stored payload size),
+``checksum`` (``xxh3_64`` of the stored payload, verified on every read), ``created`` (UTC).
+
+The framing is written here rather than with ``safetensors.torch.save`` because that copies each
+tensor twice and cannot embed a checksum of its own payload; the tests load our values with the
+safetensors library to keep the framing honest.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lz4.block
+import torch
+import xxhash
+
+from .errors import CorruptValueError, InvalidArgumentError, InvalidValueError
+
+FORMAT_VERSION = "1"
+CODECS = ("none", "lz4")
+# A header is a few hundred bytes per tensor; anything far larger is not ours.
+MAX_HEADER_BYTES = 1 << 20
+_META_PREFIX = "kvstore."
+_CHECKSUM_WIDTH = 16  # hex digits of xxh3_64, fixed so the header length is known before hashing
+
+_DTYPE_TO_ST: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+for _name, _st in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _DTYPE_TO_ST[getattr(torch, _name)] = _st
+_ST_TO_DTYPE = {v: k for k, v in _DTYPE_TO_ST.items()}
+
+# torch warns once that a bytes object is not writable; values from Redis are only read or copied.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str  # safetensors spelling, e.g. "BF16"
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ValueHeader:
+    """The parsed, validated header of a stored value (no payload bytes were touched)."""
+
+    format_version: str
+    fingerprint: str
+    block_hash: str
+    codec: str
+    checksum: str
+    created: str
+    raw_bytes: int
+    payload_bytes: int
+    header_bytes: int  # 8 + JSON length: where the payload starts
+    tensors: tuple[TensorEntry, ...]
+    metadata: dict[str, str] = field(default_factory=dict)  # the caller's own metadata
+
+
+def _now_iso() -> str:
+    t = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+
+
+def _render_header(
+    entries: list[TensorEntry], meta: dict[str, str], pad_to: int | None = None
+) -> bytes:
+    doc: dict[str, Any] = {"__metadata__": meta}  # first, so GETRANGE 0 400 shows it first
+    for e in entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.start, e.end]}
+    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+    # safetensors pads the header with spaces so the payload starts 8-byte aligned
+    size = pad_to if pad_to is not None else len(raw) + (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", size) + raw.ljust(size, b" ")
+
+
+def _validate_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise InvalidValueError(
+            "a value must be a non-empty dict of name -> torch.Tensor, "
+            f"got {type(tensors).__name__}"
+        )
+    items = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise InvalidValueError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidValueError(f"value[{name!r}] is a {type(t).__name__}, not a torch.Tensor")
+        if t.dtype not in _DTYPE_TO_ST:
+            raise InvalidValueError(f"value[{name!r}] has unsupported dtype {t.dtype}")
+        if t.is_sparse or t.layout != torch.strided:
+            raise InvalidValueError(f"value[{name!r}] must be a dense tensor, got {t.layout}")
+        items.append((name, t))
+    return items
+
+
+def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    for k, v in (metadata or {}).items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise InvalidArgumentError(f"metadata must map str to str, got {k!r}: {v!r}")
+        if k.startswith(_META_PREFIX):
+            raise InvalidArgumentError(f"metadata keys starting with {_META_PREFIX!r} are reserved")
+        meta[k] = v
+    return meta
+
+
+def encode_value(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    fingerprint: str,
+    block_hash: str,
+    metadata: Mapping[str, str] | None = None,
+    compression: str = "none",
+    max_value_bytes: int | None = None,
+) -> memoryview:
+    """Serialise ``tensors`` into one value. Tensors may live on any device and need not be
+    contiguous: each is copied exactly once, straight into the output buffer."""
+    if compression not in CODECS:
+        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
+    items = _validate_tensors(tensors)
+    user_meta = _check_metadata(metadata)
+
+    entries: list[TensorEntry] = []
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            TensorEntry(name, _DTYPE_TO_ST[t.dtype], tuple(t.shape), offset, offset + nbytes)
+        )
+        offset += nbytes
+    raw_bytes = offset
+    if max_value_bytes is not None and raw_bytes > max_value_bytes:
+        raise InvalidValueError(
+            f"value of {raw_bytes} bytes exceeds max_value_bytes={max_value_bytes}; "
+            "raise the limit or store smaller blocks"
+        )
+
+    def meta(checksum: str, payload_bytes: int) -> dict[str, str]:
+        return {
+            "kvstore.format": FORMAT_VERSION,
+            "kvstore.fingerprint": fingerprint,
+            "kvstore.key": block_hash,
+            "kvstore.codec": compression,
+            "kvstore.raw_bytes": str(raw_bytes),
+            "kvstore.payload_bytes": str(payload_bytes),
+            "kvstore.checksum": checksum,
+            "kvstore.created": created,
+            **user_meta,
+        }
+
+    created = _now_iso()
+
+    def fill(dst: torch.Tensor) -> None:
+        for (_, t), e in zip(items, entries, strict=True):
+            if e.end > e.start:
+                dst[e.start : e.end].view(t.dtype).view(t.shape).copy_(t)
+
+    if compression == "none":
+        placeholder = _render_header(entries, meta("0" * _CHECKSUM_WIDTH, raw_bytes))
+        out = bytearray(len(placeholder) + raw_bytes)
+        fill(torch.frombuffer(out, dtype=torch.uint8)[len(placeholder) :])
+        view = memoryview(out)
+        checksum = xxhash.xxh3_64_hexdigest(view[len(placeholder) :])
+        header = _render_header(entries, meta(checksum, raw_bytes), pad_to=len(placeholder) - 8)
+        view[: len(header)] = header
+        return view
+
+    raw = bytearray(raw_bytes)
+    if raw_bytes:
+        fill(torch.frombuffer(raw, dtype=torch.uint8))
+    payload = lz4.block.compress(raw, store_size=False)
+    checksum = xxhash.xxh3_64_hexdigest(payload)
+    return memoryview(_render_header(entries, meta(checksum, len(payload))) + payload)
+
+
+def _corrupt(reason: str, detail: str) -> CorruptValueError:
+    return CorruptValueError(reason, detail)
+
+
+def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -> ValueHeader:
+    """Parse and validate a value's header; raises :class:`CorruptValueError`."""
+    if len(value) < 8:
+        raise _corrupt("truncated", f"{len(value)} bytes is shorter than a header length")
+    (n,) = struct.unpack_from("<Q", value, 0)
+    if n > MAX_HEADER_BYTES:
+        raise _corrupt("not-kvstore", f"header length {n} is implausible")
+    if 8 + n > len(value):
+        raise _corrupt("truncated", f"header of {n} bytes but value has {len(value)}")
+    try:
+        doc = json.loads(bytes(value[8 : 8 + n]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _corrupt("not-kvstore", f"header is not JSON ({exc})") from None
+    meta = doc.get("__metadata__") if isinstance(doc, dict) else None
+    if not isinstance(meta, dict) or "kvstore.format" not in meta:
+        raise _corrupt("not-kvstore", "no kvstore.format in the header metadata")
+    if meta["kvstore.format"] != FORMAT_VERSION:
+        raise _corrupt(
+            "format", f"format version {meta['kvstore.format']!r}, expected {FORMAT_VERSION!r}"
+        )
+    try:
+        codec = str(meta["kvstore.codec"])
+        raw_bytes = int(meta["kvstore.raw_bytes"])
+        payload_bytes = int(meta["kvstore.payload_bytes"])
+        entries = []
+        for name, spec in doc.items():
+            if name == "__metadata__":
+                continue
+            start, end = (int(x) for x in spec["data_offsets"])
+            shape = tuple(int(s) for s in spec["shape"])
+            entries.append(TensorEntry(name, str(spec["dtype"]), shape, start, end))
+        header = ValueHeader(
+            format_version=str(meta["kvstore.format"]),
+            fingerprint=str(meta["kvstore.fingerprint"]),
+            block_hash=str(meta["kvstore.key"]),
+            codec=codec,
+            checksum=str(meta["kvstore.checksum"]),
+            created=str(meta.get("kvstore.created", "")),
+            raw_bytes=raw_bytes,
+            payload_bytes=payload_bytes,
+            header_bytes=8 + n,
+            tensors=tuple(sorted(entries, key=lambda e: e.start)),
+            metadata={k: str(v) for k, v in meta.items() if not k.startswith(_META_PREFIX)},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _corrupt("not-kvstore", f"malformed header field ({exc!r})") from None
+
+    if codec not in CODECS:
+        raise _corrupt("format", f"unknown codec {codec!r}")
+    if max_value_bytes is not None and max(raw_bytes, payload_bytes) > max_value_bytes:
+        raise _corrupt("oversize", f"{raw_bytes} bytes exceeds max_value_bytes={max_value_bytes}")
+    expected = 0
+    for e in header.tensors:
+        if e.dtype not in _ST_TO_DTYPE or any(s < 0 for s in e.shape) or e.start != expected:
+            raise _corrupt("not-kvstore", f"bad tensor entry {e.name!r}")
+        numel = 1
+        for s in e.shape:
+            numel *= s
+        if e.end - e.start != numel * _ST_TO_DTYPE[e.dtype].itemsize:
+            raise _corrupt("not-kvstore", f"tensor {e.name!r} size does not match its shape")
+        expected = e.end
+    if expected != raw_bytes:
+        raise _corrupt("not-kvstore", "tensor offsets do not cover the payload")
+    if codec == "none" and payload_bytes != raw_bytes:
+        raise _corrupt("not-kvstore", "uncompressed payload size differs from raw size")
+    if len(value) - header.header_bytes != payload_bytes:
+        raise _corrupt(
+            "truncated",
+            f"payload is {len(value) - header.header_bytes} bytes, header says {payload_bytes}",
+        )
+    return header
+
+
+def decode_value(
+    value: bytes | memoryview,
+    *,
+    fingerprint: str,
+    block_hash: str | None,
+    max_value_bytes: int | None = None,
+    copy: bool = True,
+) -> tuple[ValueHeader, dict[str, torch.Tensor]]:
+    """Validate and decode one value; raises :class:`CorruptValueError` on anything off.
+
+    With ``copy=False`` uncompressed tensors are read-only views on ``value`` (no copy at all):
+    for callers that copy them on into their own buffers straight away.
+    """
+    header = read_header(value, max_value_bytes)
+    if header.fingerprint != fingerprint:
+        raise _corrupt(
+            "fingerprint",
+            f"value has layout fingerprint {header.fingerprint}, this store expects {fingerprint}",
+        )
+    if block_hash is not None and header.block_hash != block_hash:
+        raise _corrupt("key", f"value was written for block {header.block_hash}")
+    payload = memoryview(value)[header.header_bytes :]
+    if xxhash.xxh3_64_hexdigest(payload) != header.checksum:
+        raise _corrupt("checksum", "payload checksum mismatch")
+    if header.codec == "lz4":
+        try:
+            raw: bytes | memoryview = lz4.block.decompress(
+                payload, uncompressed_size=header.raw_bytes
+            )
+        except lz4.block.LZ4BlockError as exc:
+            raise _corrupt("checksum", f"lz4 payload does not decompress ({exc})") from None
+        if len(raw) != header.raw_bytes:
+            raise _corrupt("truncated", "lz4 payload decompressed to the wrong size")
+        copy = False  # the decompressed buffer is already ours
+    else:
+        raw = payload
+    data = torch.frombuffer(raw, dtype=torch.uint8) if header.raw_bytes else None
+    tensors: dict[str, torch.Tensor] = {}
+    for e in header.tensors:
+        dtype = _ST_TO_DTYPE[e.dtype]
+        if data is None or e.end == e.start:
+            tensors[e.name] = torch.empty(e.shape, dtype=dtype)
+            continue
+        t = data[e.start : e.end].view(dtype).view(e.shape)
+        tensors[e.name] = t.clone() if copy else t
+    return header, tensors

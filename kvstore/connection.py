@@ -1,0 +1,215 @@
+"""Store URLs -> redis-py clients, and redis-py errors -> kvstore's typed errors.
+
+Accepted: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix:///path?db=N``
+and the aliases ``valkey://`` / ``valkeys://``. TLS options come as keyword arguments or as
+query parameters (``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_verify``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, quote, unquote, urlsplit
+
+import redis
+import redis.exceptions as rex
+
+from .errors import (
+    InvalidURLError,
+    StoreAuthenticationError,
+    StoreCommandError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+
+_SCHEMES = {
+    "redis": ("tcp", False),
+    "valkey": ("tcp", False),
+    "rediss": ("tcp", True),
+    "valkeys": ("tcp", True),
+    "unix": ("unix", False),
+    "redis+unix": ("unix", False),
+    "valkey+unix": ("unix", False),
+}
+_TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """A parsed store URL. ``safe_url`` is the URL with any password replaced by ``***``."""
+
+    transport: str  # "tcp" or "unix"
+    tls: bool
+    host: str
+    port: int
+    path: str
+    db: int
+    username: str | None
+    password: str | None
+    options: dict[str, str]
+    safe_url: str
+
+    def __repr__(self) -> str:  # never show the password, even in tracebacks' locals
+        return f"StoreAddress({self.safe_url!r})"
+
+
+def _bad(url_for_msg: str, why: str) -> InvalidURLError:
+    return InvalidURLError(
+        f"invalid store URL {url_for_msg!r}: {why}. Expected redis://[user:password@]host:port/db, "
+        "rediss://... (TLS), unix:///path/to.sock?db=N, or the valkey:// / valkeys:// aliases"
+    )
+
+
+def redact_url(url: str) -> str:
+    """The URL with its password (if any) replaced by ``***``; safe for logs."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    user = quote(unquote(parts.username or ""), safe="")
+    netloc = f"{user}:***@{parts.hostname or ''}"
+    with contextlib.suppress(ValueError):
+        if parts.port is not None:
+            netloc += f":{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def parse_url(url: str) -> StoreAddress:
+    """Parse and validate a store URL; raises :class:`InvalidURLError` with a redacted URL."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidURLError("the store URL is empty: set it, e.g. url=redis://127.0.0.1:6379/0")
+    safe = redact_url(url)
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise _bad(safe, str(exc)) from None
+    scheme = parts.scheme.lower()
+    if scheme not in _SCHEMES:
+        raise _bad(safe, f"unsupported scheme {parts.scheme!r}")
+    transport, tls = _SCHEMES[scheme]
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    unknown = set(query) - {"db", *_TLS_QUERY}
+    if unknown:
+        raise _bad(safe, f"unknown query parameter(s) {sorted(unknown)}")
+    db_text = query.pop("db", None)
+    if transport == "tcp":
+        if not parts.hostname:
+            raise _bad(safe, "no host")
+        path_db = parts.path.strip("/")
+        if path_db:
+            db_text = path_db
+        path = ""
+    else:
+        if not parts.path:
+            raise _bad(safe, "no socket path")
+        path = parts.path
+    try:
+        db = int(db_text) if db_text not in (None, "") else 0
+    except ValueError:
+        raise _bad(safe, f"database must be an integer, got {db_text!r}") from None
+    if db < 0:
+        raise _bad(safe, "database must be >= 0")
+    return StoreAddress(
+        transport=transport,
+        tls=tls,
+        host=parts.hostname or "",
+        port=port or 6379,
+        path=path,
+        db=db,
+        username=unquote(parts.username) if parts.username else None,
+        password=unquote(parts.password) if parts.password is not None else None,
+        options=query,
+        safe_url=safe,
+    )
+
+
+def make_client(
+    address: StoreAddress,
+    *,
+    socket_timeout_s: float = 10.0,
+    connect_timeout_s: float = 3.0,
+    max_connections: int = 32,
+    tls_ca_file: str | None = None,
+    tls_cert_file: str | None = None,
+    tls_key_file: str | None = None,
+    tls_verify: bool | None = None,
+    password: str | None = None,
+    username: str | None = None,
+) -> redis.Redis:
+    """A redis-py client (hiredis parser when installed) with a bounded, thread-safe pool."""
+    kwargs: dict[str, Any] = {
+        "db": address.db,
+        "username": username or address.username,
+        "password": password if password is not None else address.password,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+        "max_connections": max_connections,
+        "health_check_interval": 30,
+    }
+    if address.transport == "unix":
+        kwargs["connection_class"] = redis.UnixDomainSocketConnection
+        kwargs["path"] = address.path
+        pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
+        return redis.Redis(connection_pool=pool)
+    kwargs["host"] = address.host
+    kwargs["port"] = address.port
+    if address.tls:
+        opts = address.options
+        verify = tls_verify
+        if verify is None:
+            verify = opts.get("tls_verify", "true").lower() not in ("0", "false", "no", "none")
+        kwargs["connection_class"] = redis.SSLConnection
+        kwargs["ssl_ca_certs"] = tls_ca_file or opts.get("tls_ca_file")
+        kwargs["ssl_certfile"] = tls_cert_file or opts.get("tls_cert_file")
+        kwargs["ssl_keyfile"] = tls_key_file or opts.get("tls_key_file")
+        kwargs["ssl_cert_reqs"] = "required" if verify else "none"
+        kwargs["ssl_check_hostname"] = bool(verify)
+    pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def translated_errors(safe_url: str) -> Iterator[None]:
+    """Re-raise redis-py errors as kvstore errors whose messages say what to do."""
+    try:
+        yield
+    except rex.AuthenticationError:
+        raise StoreAuthenticationError(
+            f"{safe_url} rejected the credentials: check the username/password in the URL "
+            "(or the server's requirepass / ACL users)"
+        ) from None
+    except rex.ResponseError as exc:
+        text = str(exc)
+        if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
+            raise StoreAuthenticationError(
+                f"{safe_url} requires authentication or more permissions ({text.split()[0]}): "
+                "put user:password in the URL and check the ACL allows GET/SET/DEL/EVALSHA/SCAN"
+            ) from None
+        raise StoreCommandError(f"{safe_url} answered an error: {text}") from None
+    except rex.TimeoutError:
+        raise StoreTimeoutError(
+            f"{safe_url} did not answer in time: check the server's load and the network, "
+            "or raise socket_timeout_s"
+        ) from None
+    except rex.ConnectionError as exc:
+        raise StoreUnavailableError(
+            f"cannot reach {safe_url} ({_strip(exc)}): check that the server runs and the "
+            "host, port, socket path and TLS settings are right"
+        ) from None
+
+
+def _strip(exc: BaseException) -> str:
+    return str(exc).strip().rstrip(".") or type(exc).__name__
+
+
+def call(safe_url: str, fn: Callable[[], T]) -> T:
+    with translated_errors(safe_url):
+        return fn()

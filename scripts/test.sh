@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything (scripts/setup.sh), then runs lint, format check, types and every test,
+# including the end-to-end tests on real vLLM CPU engines. Extra arguments go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+VENV="${KVSTORE_VENV:-$ROOT/.venv}"
+export PATH="$VENV/bin:$PATH"
+echo "== ruff"
+ruff check kvstore connector scripts tests
+ruff format --check kvstore connector scripts tests
+echo "== mypy"
+mypy kvstore connector
+echo "== pytest"
+set +e
+python -m pytest -ra "$@"
+rc=$?
+set -e
+if [ "$rc" = 5 ]; then echo "pytest collected no tests: that is a failure here" >&2; exit 1; fi
+exit "$rc"

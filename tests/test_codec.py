@@ -1,0 +1,198 @@
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import safetensors.torch
+import torch
+
+from kvstore import CorruptValueError, InvalidArgumentError, InvalidValueError
+from kvstore.codec import decode_value, encode_value, read_header
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES += [torch.float8_e4m3fn, torch.float8_e5m2]
+SHAPES = [(1,), (2, 16, 4, 8), (3, 0, 5), (128, 129)]
+
+
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.randn(shape) * 4
+    if dtype in (torch.int8, torch.uint8):
+        return t.to(torch.int16).clamp(0 if dtype == torch.uint8 else -128, 127).to(dtype)
+    return t.to(dtype)
+
+
+def encode(tensors: dict[str, torch.Tensor], **kw: object) -> bytes:
+    kw.setdefault("fingerprint", "fp")
+    kw.setdefault("block_hash", "h0")
+    return bytes(encode_value(tensors, **kw))  # type: ignore[arg-type]
+
+
+def decode(value: bytes, **kw: object) -> dict[str, torch.Tensor]:
+    kw.setdefault("fingerprint", "fp")
+    kw.setdefault("block_hash", "h0")
+    return decode_value(value, **kw)[1]  # type: ignore[arg-type]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(
+            a.contiguous().view(torch.uint8) if a.numel() else a.float(),
+            b.contiguous().view(torch.uint8) if b.numel() else b.float(),
+        )
+    )
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_round_trip_is_bit_exact(
+    dtype: torch.dtype, shape: tuple[int, ...], compression: str
+) -> None:
+    tensors = {"k": random_tensor(shape, dtype), "v": random_tensor(shape, dtype)}
+    out = decode(encode(tensors, compression=compression))
+    assert list(out) == ["k", "v"]
+    for name in tensors:
+        assert same_bits(out[name], tensors[name])
+
+
+def test_uncompressed_value_is_a_safetensors_file_with_readable_header(tmp_path) -> None:
+    tensors = {"kv": torch.arange(64, dtype=torch.bfloat16).view(2, 4, 8)}
+    value = encode(tensors, metadata={"tokens": "16"})
+    path = tmp_path / "block.safetensors"
+    path.write_bytes(value)
+    loaded = safetensors.torch.load_file(str(path))
+    assert torch.equal(loaded["kv"], tensors["kv"])
+    head = value[:400].decode("latin-1")
+    for text in ('"BF16"', "[2,4,8]", "kvstore.checksum", "kvstore.format", '"tokens":"16"'):
+        assert text in head
+
+
+def test_compressed_value_is_flagged_and_smaller_for_redundant_data() -> None:
+    tensors = {"kv": torch.zeros(4096, dtype=torch.float16)}
+    value = encode(tensors, compression="lz4")
+    header = read_header(value)
+    assert header.codec == "lz4" and header.payload_bytes < header.raw_bytes
+    assert torch.equal(decode(value)["kv"], tensors["kv"])
+
+
+def test_non_contiguous_tensors_are_stored_as_their_logical_values() -> None:
+    base = torch.randn(8, 6)
+    t = base.t()[:, ::2]
+    assert not t.is_contiguous()
+    assert torch.equal(decode(encode({"x": t}))["x"], t)
+
+
+def test_zero_copy_decode_shares_the_value_buffer() -> None:
+    value = encode({"x": torch.arange(10, dtype=torch.float32)})
+    out = decode(value, copy=False)["x"]
+    assert torch.equal(out, torch.arange(10, dtype=torch.float32))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {},
+        {"x": [1, 2]},
+        {"x": 3},
+        {"": torch.zeros(1)},
+        {"x": torch.zeros(2, dtype=torch.complex64)},
+    ],
+    ids=["empty", "list", "int", "empty-name", "complex"],
+)
+def test_bad_values_are_rejected_with_a_clear_error(bad: dict) -> None:
+    with pytest.raises(InvalidValueError):
+        encode(bad)
+
+
+def test_not_a_dict_is_rejected() -> None:
+    with pytest.raises(InvalidValueError, match="dict"):
+        encode(torch.zeros(3))  # type: ignore[arg-type]
+
+
+def test_reserved_and_non_string_metadata_are_rejected() -> None:
+    with pytest.raises(InvalidArgumentError):
+        encode({"x": torch.zeros(1)}, metadata={"kvstore.format": "2"})
+    with pytest.raises(InvalidArgumentError):
+        encode({"x": torch.zeros(1)}, metadata={"n": 3})
+
+
+def test_value_over_the_limit_is_refused_on_write() -> None:
+    with pytest.raises(InvalidValueError, match="max_value_bytes"):
+        encode({"x": torch.zeros(1000)}, max_value_bytes=100)
+
+
+def _reason(value: bytes, **kw: object) -> str:
+    with pytest.raises(CorruptValueError) as info:
+        decode(value, **kw)
+    return info.value.reason
+
+
+def test_flipped_payload_byte_fails_the_checksum() -> None:
+    value = bytearray(encode({"x": torch.randn(64)}))
+    value[-5] ^= 0x40
+    assert _reason(bytes(value)) == "checksum"
+
+
+def test_flipped_byte_in_compressed_payload_is_detected() -> None:
+    value = bytearray(encode({"x": torch.randn(64)}, compression="lz4"))
+    value[-3] ^= 0x01
+    assert _reason(bytes(value)) == "checksum"
+
+
+def test_truncated_values_are_detected() -> None:
+    value = encode({"x": torch.randn(64)})
+    assert _reason(value[:-1]) == "truncated"
+    assert _reason(value[:20]) == "truncated"
+    assert _reason(value[:3]) == "truncated"
+
+
+@pytest.mark.parametrize(
+    "foreign",
+    [b"hello world, not ours", b"\xff" * 64, struct.pack("<Q", 2) + b"{}"],
+    ids=["text", "binary", "empty-json"],
+)
+def test_values_not_written_by_kvstore_are_rejected(foreign: bytes) -> None:
+    assert _reason(foreign) in ("not-kvstore", "truncated")
+
+
+def test_plain_safetensors_file_without_our_metadata_is_rejected() -> None:
+    assert _reason(safetensors.torch.save({"x": torch.zeros(4)})) == "not-kvstore"
+
+
+def _rewrite_meta(value: bytes, **changes: str) -> bytes:
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    doc["__metadata__"].update(changes)
+    raw = json.dumps(doc).encode()
+    return struct.pack("<Q", len(raw)) + raw + value[8 + n :]
+
+
+def test_other_format_version_is_rejected() -> None:
+    value = _rewrite_meta(encode({"x": torch.zeros(4)}), **{"kvstore.format": "999"})
+    assert _reason(value) == "format"
+
+
+def test_fingerprint_mismatch_is_rejected() -> None:
+    assert _reason(encode({"x": torch.zeros(4)}), fingerprint="other-model") == "fingerprint"
+
+
+def test_value_stored_under_another_block_is_rejected() -> None:
+    assert _reason(encode({"x": torch.zeros(4)}), block_hash="h1") == "key"
+
+
+def test_oversize_header_claim_is_refused_before_allocating() -> None:
+    value = _rewrite_meta(encode({"x": torch.zeros(4)}), **{"kvstore.raw_bytes": str(1 << 40)})
+    assert _reason(value, max_value_bytes=1 << 20) == "oversize"
+
+
+def test_shape_that_does_not_match_offsets_is_rejected() -> None:
+    value = encode({"x": torch.zeros(4)})
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    doc["x"]["shape"] = [1 << 30]
+    raw = json.dumps(doc).encode()
+    assert _reason(struct.pack("<Q", len(raw)) + raw + value[8 + n :]) == "not-kvstore"

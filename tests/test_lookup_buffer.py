@@ -1,0 +1,229 @@
+"""LookupBuffer semantics on fakeredis (fast; the same scripts run on real Redis elsewhere)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import fakeredis
+import pytest
+import torch
+
+from kvstore import (
+    InvalidArgumentError,
+    InvalidValueError,
+    LookupBuffer,
+    chain_hashes,
+    layout_fingerprint,
+)
+
+HASHES = chain_hashes(list(range(16 * 6)), 16)
+
+
+def block(i: int) -> dict[str, torch.Tensor]:
+    return {"k": torch.full((2, 16, 8), float(i)), "v": torch.full((2, 16, 8), -float(i))}
+
+
+def fill(buf: LookupBuffer, n: int) -> None:
+    buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+
+
+def test_insert_then_select_returns_the_tensors_and_keeps_them(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 3)
+    got = fake_buffer.select(HASHES[:4])
+    assert [g is None for g in got] == [False, False, False, True]
+    assert torch.equal(got[2]["k"], block(2)["k"]) and torch.equal(got[2]["v"], block(2)["v"])
+    assert fake_buffer.select(HASHES[:1])[0] is not None
+
+
+def test_drop_select_takes_the_values_once(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 2)
+    first = fake_buffer.drop_select(HASHES[:3])
+    assert torch.equal(first[1]["k"], block(1)["k"]) and first[2] is None
+    assert fake_buffer.drop_select(HASHES[:2]) == [None, None]
+    assert fake_buffer.contains(HASHES[:2]) == [False, False]
+
+
+def test_drop_select_leaves_no_claim_keys(fake_buffer: LookupBuffer, fake_client) -> None:
+    fill(fake_buffer, 3)
+    fake_buffer.drop_select(HASHES[:3])
+    assert fake_client.keys("*") == []
+
+
+def test_drop_select_waits_until_every_key_is_present(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 1)
+    t0 = time.monotonic()
+    got = fake_buffer.drop_select(HASHES[:2], timeout_s=0.3)
+    assert time.monotonic() - t0 >= 0.29
+    assert got[0] is not None and got[1] is None  # on timeout it takes what is there
+
+
+def test_drop_select_waiting_consumes_nothing_until_complete(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 1)
+    # zero timeout: partial take allowed
+    assert fake_buffer.drop_select(HASHES[1:3]) == [None, None]
+    assert fake_buffer.contains(HASHES[:1]) == [True]
+
+
+def test_longest_prefix_counts_leading_blocks(fake_buffer: LookupBuffer) -> None:
+    assert fake_buffer.longest_prefix(HASHES) == 0
+    fill(fake_buffer, 3)
+    fake_buffer.insert(HASHES[4], block(4))  # a gap at 3
+    assert fake_buffer.longest_prefix(HASHES) == 3
+    assert fake_buffer.longest_prefix([]) == 0
+
+
+def test_longest_prefix_across_fingerprints_needs_every_rank(fake_client) -> None:
+    ranks = [
+        LookupBuffer(fake_client, namespace="tp", layout={"tp_rank": r, "tp_size": 2})
+        for r in range(2)
+    ]
+    fps = [b.fingerprint for b in ranks]
+    for i in range(3):
+        ranks[0].insert(HASHES[i], block(i))
+    ranks[1].insert(HASHES[0], block(0))
+    assert ranks[0].longest_prefix(HASHES, fingerprints=fps) == 1
+    assert ranks[0].longest_prefix(HASHES) == 3
+
+
+def test_delete_and_contains(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 2)
+    assert fake_buffer.delete(HASHES[:3]) == 2
+    assert fake_buffer.contains(HASHES[:2]) == [False, False]
+
+
+def test_ttl_is_set_in_milliseconds(fake_client) -> None:
+    buf = LookupBuffer(fake_client, namespace="ttl", ttl_s=2.5)
+    buf.insert(HASHES[0], block(0))
+    assert 2000 < fake_client.pttl(buf.redis_key(HASHES[0])) <= 2500
+
+
+def test_no_ttl_by_default(fake_buffer: LookupBuffer, fake_client) -> None:
+    fake_buffer.insert(HASHES[0], block(0))
+    assert fake_client.pttl(fake_buffer.redis_key(HASHES[0])) == -1
+
+
+def test_insert_async_returns_a_future(fake_buffer: LookupBuffer) -> None:
+    fut = fake_buffer.insert_async(HASHES[0], block(0))
+    assert fut.result(timeout=5) is None
+    assert fake_buffer.contains(HASHES[:1]) == [True]
+
+
+def test_insert_async_future_carries_the_error(fake_buffer: LookupBuffer) -> None:
+    fut = fake_buffer.insert_async(HASHES[0], {"x": "not a tensor"})  # type: ignore[dict-item]
+    with pytest.raises(InvalidValueError):
+        fut.result(timeout=5)
+
+
+def test_key_is_readable_and_scannable(fake_buffer: LookupBuffer, fake_client) -> None:
+    fake_buffer.insert(HASHES[0], block(0))
+    key = fake_buffer.redis_key(HASHES[0])
+    assert key == f"kv:test:{fake_buffer.fingerprint}:{HASHES[0]}"
+    assert [k.decode() for k in fake_client.scan_iter(match=fake_buffer.key_pattern())] == [key]
+
+
+def test_counters(fake_buffer: LookupBuffer) -> None:
+    fill(fake_buffer, 2)
+    fake_buffer.select(HASHES[:3])
+    s = fake_buffer.stats()
+    assert (s.inserts, s.hits, s.misses, s.corrupt) == (2, 2, 1, 0)
+    assert s.bytes_out > 2 * 2 * 2 * 16 * 8 * 4 and s.bytes_in > 0
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not a kvstore value", b"\x00" * 3],
+    ids=["text", "short"],
+)
+def test_corrupt_value_is_a_counted_miss_logged_once(
+    fake_buffer: LookupBuffer, fake_client, garbage: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = fake_buffer.redis_key(HASHES[0])
+    fake_client.set(key, garbage)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        assert fake_buffer.select(HASHES[:1]) == [None]
+        assert fake_buffer.select(HASHES[:1]) == [None]
+    s = fake_buffer.stats()
+    assert s.corrupt == 2 and s.misses == 2 and s.hits == 0
+    assert sum(key in r.getMessage() for r in caplog.records) == 1
+
+
+def test_bit_flip_in_stored_value_is_a_checksum_miss(
+    fake_buffer: LookupBuffer, fake_client
+) -> None:
+    fake_buffer.insert(HASHES[0], block(0))
+    key = fake_buffer.redis_key(HASHES[0])
+    value = bytearray(fake_client.get(key))
+    value[-1] ^= 1
+    fake_client.set(key, bytes(value))
+    assert fake_buffer.drop_select(HASHES[:1]) == [None]
+    assert fake_buffer.stats().corrupt_by_reason == {"checksum": 1}
+
+
+def test_value_copied_to_another_block_key_is_rejected(
+    fake_buffer: LookupBuffer, fake_client
+) -> None:
+    fake_buffer.insert(HASHES[0], block(0))
+    fake_client.copy(fake_buffer.redis_key(HASHES[0]), fake_buffer.redis_key(HASHES[1]))
+    assert fake_buffer.select(HASHES[1:2]) == [None]
+    assert fake_buffer.stats().corrupt_by_reason == {"key": 1}
+
+
+def test_other_model_in_the_same_namespace_never_reads_our_bytes(fake_client) -> None:
+    a = LookupBuffer(fake_client, namespace="shared", layout={"model": "a", "dtype": "bf16"})
+    b = LookupBuffer(fake_client, namespace="shared", layout={"model": "b", "dtype": "bf16"})
+    a.insert(HASHES[0], block(0))
+    assert b.select(HASHES[:1]) == [None] and b.longest_prefix(HASHES) == 0
+    # even if a value is moved under b's key, its header's fingerprint gives it away
+    fake_client.copy(a.redis_key(HASHES[0]), b.redis_key(HASHES[0]))
+    assert b.select(HASHES[:1]) == [None]
+    assert b.stats().corrupt_by_reason == {"fingerprint": 1}
+
+
+def test_wrong_type_key_is_a_counted_miss(fake_buffer: LookupBuffer, fake_client) -> None:
+    fake_client.rpush(fake_buffer.redis_key(HASHES[0]), b"x")
+    assert fake_buffer.select(HASHES[:1]) == [None]
+    assert fake_buffer.drop_select(HASHES[:1]) == [None]
+    assert fake_buffer.stats().corrupt_by_reason == {"wrong-type": 2}
+    assert fake_client.type(fake_buffer.redis_key(HASHES[0])) == b"list"  # not ours: left alone
+
+
+def test_oversize_value_is_refused_without_reading_it(fake_client) -> None:
+    big = LookupBuffer(fake_client, namespace="sz")
+    small = LookupBuffer(fake_client, namespace="sz", max_value_bytes=4096)
+    big.insert(HASHES[0], {"x": torch.zeros(8192)})
+    assert small.select(HASHES[:1]) == [None]
+    assert small.drop_select(HASHES[:1]) == [None]
+    assert small.stats().corrupt_by_reason == {"oversize": 2}
+    assert big.contains(HASHES[:1]) == [True]
+
+
+@pytest.mark.parametrize("bad", [[], "abc", None])
+def test_bad_key_lists_are_rejected(fake_buffer: LookupBuffer, bad: object) -> None:
+    for op in (fake_buffer.select, fake_buffer.drop_select, fake_buffer.delete):
+        with pytest.raises(InvalidArgumentError):
+            op(bad)  # type: ignore[arg-type]
+
+
+def test_bad_hash_and_namespace_are_rejected(fake_client) -> None:
+    with pytest.raises(InvalidArgumentError):
+        LookupBuffer(fake_client, namespace="has space")
+    with pytest.raises(InvalidArgumentError):
+        LookupBuffer(fake_client, namespace="a:b")
+    with pytest.raises(InvalidArgumentError):
+        LookupBuffer(fake_client, compression="zstd")
+    buf = LookupBuffer(fake_client)
+    with pytest.raises(InvalidArgumentError):
+        buf.redis_key("a b")
+
+
+def test_layout_fingerprint_is_order_independent_and_sensitive() -> None:
+    a = layout_fingerprint({"model": "m", "tp_rank": 0})
+    assert a == layout_fingerprint({"tp_rank": 0, "model": "m"})
+    assert a != layout_fingerprint({"model": "m", "tp_rank": 1})
+
+
+def test_compressed_buffer_round_trips(fake_client: fakeredis.FakeRedis) -> None:
+    buf = LookupBuffer(fake_client, namespace="z", compression="lz4")
+    buf.insert(HASHES[0], block(3))
+    assert torch.equal(buf.select(HASHES[:1])[0]["k"], block(3)["k"])  # type: ignore[index]

@@ -1,0 +1,171 @@
+"""kvstore against a real redis-server started on a free port by the fixtures."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import redis
+import torch
+
+from kvstore import (
+    InvalidURLError,
+    LookupBuffer,
+    StoreAuthenticationError,
+    StoreUnavailableError,
+    chain_hashes,
+)
+from kvstore.server import RedisServer, free_port
+
+pytestmark = pytest.mark.redis
+
+HASHES = chain_hashes(list(range(16 * 64)), 16)
+
+
+def block(i: int) -> dict[str, torch.Tensor]:
+    return {"kv": torch.full((4, 16, 8), float(i), dtype=torch.bfloat16)}
+
+
+def test_round_trip_over_tcp(redis_url: str) -> None:
+    with LookupBuffer.from_url(redis_url, namespace="it", ttl_s=60) as buf:
+        buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:4])])
+        assert buf.longest_prefix(HASHES) == 4
+        got = buf.select(HASHES[:5])
+        assert torch.equal(got[3]["kv"], block(3)["kv"]) and got[4] is None
+        got = buf.drop_select(HASHES[:4])
+        assert all(torch.equal(g["kv"], block(i)["kv"]) for i, g in enumerate(got))
+        assert buf.longest_prefix(HASHES) == 0
+
+
+def test_unix_socket(redis_server: RedisServer, redis_url: str) -> None:
+    with LookupBuffer.from_url(redis_server.unix_url, namespace="unix") as buf:
+        buf.insert(HASHES[0], block(0))
+        assert torch.equal(buf.select(HASHES[:1])[0]["kv"], block(0)["kv"])  # type: ignore[index]
+
+
+def test_valkey_alias(redis_server: RedisServer, redis_url: str) -> None:
+    url = redis_url.replace("redis://", "valkey://")
+    with LookupBuffer.from_url(url, namespace="alias") as buf:
+        buf.insert(HASHES[0], block(0))
+        assert buf.longest_prefix(HASHES) == 1
+
+
+def test_ttl_expires_values(redis_url: str) -> None:
+    with LookupBuffer.from_url(redis_url, namespace="ttl", ttl_s=0.2) as buf:
+        buf.insert(HASHES[0], block(0))
+        assert buf.longest_prefix(HASHES) == 1
+        time.sleep(0.4)
+        assert buf.select(HASHES[:1]) == [None]
+
+
+def test_blocking_drop_select_gets_a_value_inserted_later(redis_url: str) -> None:
+    with LookupBuffer.from_url(redis_url, namespace="wait") as buf:
+        buf.insert(HASHES[0], block(0))
+
+        def produce() -> None:
+            time.sleep(0.2)
+            buf.insert(HASHES[1], block(1))
+
+        threading.Thread(target=produce).start()
+        got = buf.drop_select(HASHES[:2], timeout_s=5)
+        assert got[0] is not None and got[1] is not None
+        assert torch.equal(got[1]["kv"], block(1)["kv"])
+
+
+def _racer(url: str, keys: list[str], out: mp.Queue) -> None:
+    buf = LookupBuffer.from_url(url, namespace="race")
+    got = []
+    for start in range(0, len(keys), 3):
+        for value in buf.drop_select(keys[start : start + 5], timeout_s=0.0):
+            if value is not None:
+                got.append(int(value["kv"][0, 0, 0].item()))
+    out.put(got)
+
+
+def test_drop_select_delivers_each_value_exactly_once_across_processes(redis_url: str) -> None:
+    n = 60
+    with LookupBuffer.from_url(redis_url, namespace="race") as buf:
+        buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+    ctx = mp.get_context("spawn")
+    out: mp.Queue = ctx.Queue()
+    # every process walks all keys in overlapping windows, some in reverse order
+    orders = [HASHES[:n], HASHES[:n][::-1], HASHES[:n], HASHES[:n][::-1]]
+    procs = [ctx.Process(target=_racer, args=(redis_url, keys, out)) for keys in orders]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=60) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+    delivered = [v for r in results for v in r]
+    assert sorted(delivered) == list(range(n)), "a value was lost or delivered twice"
+    assert redis.Redis.from_url(redis_url).keys("kv:race:*") == []
+
+
+def test_scripts_reload_after_server_restart(private_redis: RedisServer) -> None:
+    buf = LookupBuffer.from_url(private_redis.url, namespace="restart")
+    buf.insert(HASHES[0], block(0))
+    assert buf.longest_prefix(HASHES) == 1
+    private_redis.restart()  # empty server: the script cache is gone (NOSCRIPT)
+    buf.insert(HASHES[0], block(0))
+    assert buf.longest_prefix(HASHES) == 1
+    assert buf.drop_select(HASHES[:1])[0] is not None
+
+
+def test_unreachable_server_raises_unavailable() -> None:
+    with pytest.raises(StoreUnavailableError, match="cannot reach"):
+        LookupBuffer.from_url(f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=1)
+
+
+def test_server_going_down_mid_use_raises_unavailable(private_redis: RedisServer) -> None:
+    buf = LookupBuffer.from_url(private_redis.url, namespace="down", socket_timeout_s=2)
+    buf.insert(HASHES[0], block(0))
+    private_redis.kill()
+    for op in (
+        lambda: buf.select(HASHES[:1]),
+        lambda: buf.drop_select(HASHES[:1]),
+        lambda: buf.longest_prefix(HASHES),
+        lambda: buf.insert(HASHES[1], block(1)),
+    ):
+        with pytest.raises(StoreUnavailableError):
+            op()
+    assert buf.stats().insert_errors == 1
+
+
+def test_wrong_password_raises_authentication_error_without_the_password() -> None:
+    with RedisServer(password="right-password") as server:
+        url = f"redis://:wrong-password@127.0.0.1:{server.port}/0"
+        with pytest.raises(StoreAuthenticationError) as info:
+            LookupBuffer.from_url(url)
+        assert "wrong-password" not in str(info.value)
+        with pytest.raises(StoreAuthenticationError):
+            LookupBuffer.from_url(f"redis://127.0.0.1:{server.port}/0")
+        with LookupBuffer.from_url(server.url, namespace="auth") as buf:
+            buf.insert(HASHES[0], block(0))
+            assert buf.longest_prefix(HASHES) == 1
+            assert "right-password" not in repr(buf)
+
+
+def test_tls_with_ca_and_client_certificate(tls_files: dict[str, str]) -> None:
+    port = free_port()
+    args = [
+        "--tls-port", str(port), "--port", "0",
+        "--tls-cert-file", tls_files["cert"], "--tls-key-file", tls_files["key"],
+        "--tls-ca-cert-file", tls_files["ca"], "--tls-auth-clients", "optional",
+    ]  # fmt: skip
+    with RedisServer(extra_args=args) as server:
+        url = f"rediss://127.0.0.1:{port}/0"
+        buf = LookupBuffer.from_url(url, namespace="tls", tls_ca_file=tls_files["ca"])
+        buf.insert(HASHES[0], block(0))
+        assert buf.longest_prefix(HASHES) == 1
+        buf.close()
+        # without the CA the certificate cannot be verified: a clear, typed error
+        with pytest.raises(StoreUnavailableError):
+            LookupBuffer.from_url(url)
+        assert server.port  # keep the server alive until here
+
+
+def test_invalid_url_never_connects() -> None:
+    with pytest.raises(InvalidURLError):
+        LookupBuffer.from_url("memcached://127.0.0.1:11211")
