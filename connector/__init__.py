@@ -1,1 +1,4 @@
-"""vLLM v1 KV connector on kvstore (see redis_connector.py)."""
+"""vLLM v1 KV connector on kvstore: ``connector.redis_connector.RedisConnector``.
+
+Importing this package does not import vLLM; ``connector.redis_connector`` does.
+"""

@@ -140,9 +140,14 @@ def encode_value(
     metadata: Mapping[str, str] | None = None,
     compression: str = "none",
     max_value_bytes: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> memoryview:
     """Serialise ``tensors`` into one value. Tensors may live on any device and need not be
-    contiguous: each is copied exactly once, straight into the output buffer."""
+    contiguous: each is copied exactly once, straight into the output buffer.
+
+    ``out`` (a CPU uint8 tensor, e.g. pinned staging memory reused across calls) receives an
+    uncompressed value instead of a fresh buffer; the result is then a view on ``out``.
+    """
     if compression not in CODECS:
         raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
     items = _validate_tensors(tensors)
@@ -185,9 +190,20 @@ def encode_value(
 
     if compression == "none":
         placeholder = _render_header(entries, meta("0" * _CHECKSUM_WIDTH, raw_bytes))
-        out = bytearray(len(placeholder) + raw_bytes)
-        fill(torch.frombuffer(out, dtype=torch.uint8)[len(placeholder) :])
-        view = memoryview(out)
+        total = len(placeholder) + raw_bytes
+        if out is None:
+            buffer = bytearray(total)
+            dst = torch.frombuffer(buffer, dtype=torch.uint8)
+            view = memoryview(buffer)
+        else:
+            if out.dtype != torch.uint8 or out.device.type != "cpu" or out.numel() < total:
+                raise InvalidArgumentError(
+                    f"out must be a CPU uint8 tensor of at least {total} bytes, got "
+                    f"{out.dtype} {out.device} with {out.numel()} elements"
+                )
+            dst = out[:total]
+            view = memoryview(dst.numpy()).cast("B")  # type: ignore[arg-type]
+        fill(dst[len(placeholder) :])
         checksum = xxhash.xxh3_64_hexdigest(view[len(placeholder) :])
         header = _render_header(entries, meta(checksum, raw_bytes), pad_to=len(placeholder) - 8)
         view[: len(header)] = header

@@ -266,8 +266,12 @@ class LookupBuffer:
         block_hash: str,
         tensors: Mapping[str, torch.Tensor],
         metadata: Mapping[str, str] | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> memoryview:
-        """The bytes ``insert`` would store (for callers that batch their own I/O)."""
+        """The bytes ``insert`` would store, for callers that stage values in reusable buffers
+        (``out``) and write them later with :meth:`insert_encoded`."""
+        self.redis_key(block_hash)  # validates the hash
         return encode_value(
             tensors,
             fingerprint=self.fingerprint,
@@ -275,6 +279,7 @@ class LookupBuffer:
             metadata=metadata,
             compression=self.compression,
             max_value_bytes=self.max_value_bytes,
+            out=out,
         )
 
     def insert(
@@ -292,7 +297,11 @@ class LookupBuffer:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         """Pipelined ``SET`` of several blocks in one round trip."""
-        encoded = [(self.redis_key(h), self.encode(h, t, metadata)) for h, t in items]
+        self.insert_encoded([(h, self.encode(h, t, metadata)) for h, t in items])
+
+    def insert_encoded(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
+        """Pipelined ``SET`` of values made by :meth:`encode`."""
+        encoded = [(self.redis_key(h), v) for h, v in items]
         if not encoded:
             return
         nbytes = sum(len(v) for _, v in encoded)
@@ -437,9 +446,11 @@ class LookupBuffer:
                 pipe.exists(k)
             return [bool(x) for x in pipe.execute()]
 
-    def delete(self, hashes: Sequence[str]) -> int:
-        """Delete blocks; returns how many existed."""
-        keys = self._keys(hashes)
+    def delete(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
+        """Delete blocks (under each of ``fingerprints``, default this buffer's); returns how many
+        keys existed."""
+        fps: Sequence[str | None] = list(fingerprints) if fingerprints else [None]
+        keys = [k for fp in fps for k in self._keys(hashes, fp)]
         with translated_errors(self.safe_url):
             return int(self._client.unlink(*keys))
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +96,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "e2e" in item.keywords:
                 item.add_marker(skip_e2e)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Llama model made locally by scripts/make_tiny_model.py (no downloads)."""
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_model.py"), str(out)],
+        check=True,
+        capture_output=True,
+    )
+    return out

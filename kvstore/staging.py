@@ -1,0 +1,49 @@
+"""A fixed pool of equal-size host buffers, pinned when CUDA is present.
+
+Staging memory is allocated once and reused: steady-state traffic allocates none, and the pool's
+size bounds the bytes in flight (a caller that finds it empty sheds work instead of growing).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class StagingPool:
+    def __init__(self, buffer_bytes: int, count: int, *, pin_memory: bool | None = None) -> None:
+        if buffer_bytes <= 0 or count <= 0:
+            raise ValueError(
+                f"buffer_bytes and count must be positive, got {buffer_bytes}, {count}"
+            )
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self.buffer_bytes = buffer_bytes
+        self.count = count
+        self.pinned = pin_memory
+        self._free = [
+            torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+            for _ in range(count)
+        ]
+        self._cond = threading.Condition()
+
+    def try_acquire(self) -> torch.Tensor | None:
+        with self._cond:
+            return self._free.pop() if self._free else None
+
+    def acquire(self, timeout_s: float | None = None) -> torch.Tensor | None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._free), timeout=timeout_s):
+                return None
+            return self._free.pop()
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+    @property
+    def available(self) -> int:
+        with self._cond:
+            return len(self._free)

@@ -1,0 +1,94 @@
+"""Runs one offline vLLM CPU engine (optionally with RedisConnector) over prompts, in phases.
+
+Used by the end-to-end tests as a separate process per engine, like real instances:
+
+    python tests/engine_runner.py --model DIR --out out.json --prompts prompts.json \
+        [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json]
+
+prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"}. out.json: per prompt
+id the greedy token ids, their logprobs, num_cached_tokens and kv_transfer_params, plus the
+engine's connector metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--role")
+    ap.add_argument("--url")
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--params", help="json: prompt id -> kv_transfer_params (from a producer)")
+    ap.add_argument("--by-module-path", action="store_true")
+    ap.add_argument("--max-tokens", type=int, default=12)
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if args.role:
+        cfg = {
+            "kv_connector": "RedisConnector",
+            "kv_role": args.role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": args.url, **json.loads(args.extra)},
+        }
+        if args.by_module_path:
+            cfg["kv_connector_module_path"] = "connector.redis_connector"
+        kv = KVTransferConfig(**cfg)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=4096,
+        enforce_eager=True,
+        seed=0,
+        kv_transfer_config=kv,
+        disable_log_stats=False,
+    )
+    with open(args.prompts) as f:
+        phases = json.load(f)
+    params: dict = {}
+    if args.params:
+        with open(args.params) as f:
+            params = json.load(f)
+    out: dict = {"prompts": {}}
+    for phase in phases:
+        sps = []
+        for p in phase:
+            extra = {"kv_transfer_params": params[p["id"]]} if p["id"] in params else None
+            sps.append(
+                SamplingParams(
+                    max_tokens=args.max_tokens, temperature=0, logprobs=0, extra_args=extra
+                )
+            )
+        prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in phase]
+        for p, res in zip(phase, llm.generate(prompts, sps, use_tqdm=False), strict=True):
+            c = res.outputs[0]
+            key = p["id"] if p["id"] not in out["prompts"] else p["id"] + "#2"
+            out["prompts"][key] = {
+                "token_ids": list(c.token_ids),
+                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+                "num_cached_tokens": res.num_cached_tokens,
+                "num_prompt_tokens": len(p["prompt_token_ids"]),
+                "kv_transfer_params": res.kv_transfer_params,
+            }
+    metrics = {}
+    for m in llm.get_metrics():
+        if "redis_kv" in m.name or "prefix_cache" in m.name:
+            metrics[m.name] = getattr(m, "value", None)
+    out["metrics"] = metrics
+    with open(args.out, "w") as f:
+        json.dump(out, f)
+    os._exit(0)  # skip slow engine teardown
+
+
+if __name__ == "__main__":
+    main()
