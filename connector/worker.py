@@ -283,13 +283,18 @@ class RedisConnectorWorker:
         with self._lock:
             return self.stats.take()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
+    def shutdown_pending(self, timeout_s: float) -> int:
+        """Wait (bounded) for running transfers; returns how many are still running."""
         with self._lock:
             pending = list(self._pending)
         _, not_done = wait(pending, timeout=timeout_s)
-        if not_done:
+        return len(not_done)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        still_running = self.shutdown_pending(timeout_s)
+        if still_running:
             logger.warning(
-                "RedisConnector: %d transfer(s) still running at shutdown", len(not_done)
+                "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
         self._load_io.shutdown(wait=False, cancel_futures=True)
         self._save_io.shutdown(wait=False, cancel_futures=True)
