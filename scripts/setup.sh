@@ -12,6 +12,8 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 missing=()
 command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+# docker-compose (v1, Debian's package) validates the compose files in the tests; no engine needed
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 "$PY" -m venv --help >/dev/null 2>&1 || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing OS packages: ${missing[*]}"

@@ -1,0 +1,311 @@
+"""``kvstore`` (or ``python -m kvstore``): see what is cached in Redis/Valkey.
+
+    kvstore --url redis://127.0.0.1:6379/0 ls [--namespace NS] [--json]
+    kvstore --url ... inspect KEY [--json]
+    kvstore --url ... stats [--json]
+    kvstore --url ... flush --namespace NS [--yes]
+
+Keys are walked with SCAN (never KEYS), so it is safe on a busy server. ``ls`` groups keys by
+namespace and layout fingerprint; ``inspect`` decodes a value's header and verifies its checksum;
+``flush`` deletes one namespace (never FLUSHALL) after confirmation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+import xxhash
+from rich.console import Console
+from rich.table import Table
+
+from .codec import read_header
+from .connection import make_client, parse_url, translated_errors
+from .errors import CorruptValueError, KVStoreError
+from .lookup_buffer import CLAIM_MARKER, DEFAULT_KEY_PREFIX
+
+_SCAN_COUNT = 1000
+
+
+def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
+    for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
+        yield key.decode() if isinstance(key, bytes) else str(key)
+
+
+def _split(key: str) -> tuple[str, str, str] | None:
+    parts = key.split(":")
+    if len(parts) != 4:
+        return None  # claim keys (in-flight drop_select) and foreign keys
+    return parts[1], parts[2], parts[3]
+
+
+def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> list[dict[str, Any]]:
+    """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range."""
+    pattern = f"{prefix}:{namespace or '*'}:*"
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    in_flight = 0
+    for key in _scan(client, pattern):
+        if CLAIM_MARKER in key:
+            in_flight += 1
+            continue
+        parts = _split(key)
+        if parts:
+            groups[parts[:2]].append(key)
+    rows = []
+    now = time.time()
+    for (ns, fp), keys in sorted(groups.items()):
+        pipe = client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(k)
+            pipe.pttl(k)
+            pipe.getrange(k, 0, 1023)
+        replies = pipe.execute()
+        sizes, ttls, ages, models = [], [], [], set()
+        for i in range(len(keys)):
+            size, pttl, head = replies[3 * i : 3 * i + 3]
+            sizes.append(int(size))
+            if pttl >= 0:
+                ttls.append(pttl / 1000)
+            created, model = _peek(head)
+            if created:
+                ages.append(now - created)
+            if model:
+                models.add(model)
+        rows.append(
+            {
+                "namespace": ns,
+                "fingerprint": fp,
+                "blocks": len(keys),
+                "bytes": sum(sizes),
+                "ttl_min_s": round(min(ttls), 1) if ttls else None,
+                "ttl_max_s": round(max(ttls), 1) if ttls else None,
+                "age_min_s": round(min(ages), 1) if ages else None,
+                "age_max_s": round(max(ages), 1) if ages else None,
+                "pattern": f"{prefix}:{ns}:{fp}:*",
+            }
+        )
+    if in_flight:
+        rows.append({"namespace": "(in-flight drop_select claims)", "blocks": in_flight})
+    return rows
+
+
+def _peek(head: bytes) -> tuple[float | None, str | None]:
+    """Creation time from the first KiB of a value's header (best effort, for ls)."""
+    marker = b'"kvstore.created":"'
+    i = head.find(marker)
+    if i < 0:
+        return None, None
+    text = head[i + len(marker) : i + len(marker) + 24].decode(errors="replace")
+    try:
+        t = time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")
+        return time.mktime(t) - time.timezone + float("0" + text[19:23]), None
+    except ValueError:
+        return None, None
+
+
+def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
+    value = client.get(key)
+    if not isinstance(value, bytes):
+        return {"key": key, "exists": False}
+    out: dict[str, Any] = {
+        "key": key,
+        "exists": True,
+        "bytes": len(value),
+        "ttl_s": (lambda t: None if t < 0 else t / 1000)(client.pttl(key)),
+    }
+    try:
+        header = read_header(value)
+    except CorruptValueError as exc:
+        out.update(valid=False, reason=exc.reason, detail=str(exc))
+        return out
+    payload = memoryview(value)[header.header_bytes :]
+    checksum_ok = xxhash.xxh3_64_hexdigest(payload) == header.checksum
+    parts = _split(key)
+    out.update(
+        valid=checksum_ok and (parts is None or parts[1] == header.fingerprint),
+        checksum=header.checksum,
+        checksum_ok=checksum_ok,
+        fingerprint=header.fingerprint,
+        fingerprint_matches_key=parts is None or parts[1] == header.fingerprint,
+        block_hash=header.block_hash,
+        format=header.format_version,
+        codec=header.codec,
+        raw_bytes=header.raw_bytes,
+        payload_bytes=header.payload_bytes,
+        created=header.created,
+        metadata=header.metadata,
+        tensors=[
+            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.end - e.start}
+            for e in header.tensors
+        ],
+    )
+    return out
+
+
+def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
+    info_mem = client.info("memory")
+    info_stats = client.info("stats")
+    info_server = client.info("server")
+    keys = 0
+    namespaces: dict[str, int] = defaultdict(int)
+    for key in _scan(client, f"{prefix}:*"):
+        keys += 1
+        parts = _split(key)
+        if parts:
+            namespaces[parts[0]] += 1
+    return {
+        "server": f"{info_server.get('server_name', 'redis')} {info_server.get('redis_version')}",
+        "kv_keys": keys,
+        "keys_by_namespace": dict(namespaces),
+        "used_memory": info_mem.get("used_memory"),
+        "used_memory_human": info_mem.get("used_memory_human"),
+        "maxmemory": info_mem.get("maxmemory"),
+        "maxmemory_policy": info_mem.get("maxmemory_policy"),
+        "keyspace_hits": info_stats.get("keyspace_hits"),
+        "keyspace_misses": info_stats.get("keyspace_misses"),
+        "evicted_keys": info_stats.get("evicted_keys"),
+        "expired_keys": info_stats.get("expired_keys"),
+    }
+
+
+def flush_namespace(client: redis.Redis, prefix: str, namespace: str) -> int:
+    deleted = 0
+    batch: list[str] = []
+    for key in _scan(client, f"{prefix}:{namespace}:*"):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += int(client.unlink(*batch))
+            batch = []
+    if batch:
+        deleted += int(client.unlink(*batch))
+    return deleted
+
+
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n:.1f} TiB"
+
+
+def _range(lo: float | None, hi: float | None) -> str:
+    if lo is None:
+        return "-"
+    return f"{lo:.0f}s" if lo == hi else f"{lo:.0f}-{hi:.0f}s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvstore", description="Look inside a kvstore Redis/Valkey.")
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("KVSTORE_URL", "redis://127.0.0.1:6379/0"),
+        help="store URL (default: $KVSTORE_URL or redis://127.0.0.1:6379/0)",
+    )
+    ap.add_argument("--prefix", default=DEFAULT_KEY_PREFIX, help="key prefix (default: kv)")
+    ap.add_argument("--json", action="store_true", help="machine-readable output")
+    # --json is accepted before or after the subcommand
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p_ls = sub.add_parser("ls", parents=[common], help="cached prefixes by namespace/fingerprint")
+    p_ls.add_argument("--namespace")
+    p_in = sub.add_parser("inspect", parents=[common], help="decode a value's header, verify it")
+    p_in.add_argument("key")
+    sub.add_parser("stats", parents=[common], help="key counts, memory, hit/miss counters")
+    p_fl = sub.add_parser("flush", parents=[common], help="delete every key of one namespace")
+    p_fl.add_argument("--namespace", required=True)
+    p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    args = ap.parse_args(argv)
+    console = Console()
+    err = Console(stderr=True)
+    try:
+        address = parse_url(args.url)
+        client = make_client(address)
+        with translated_errors(address.safe_url):
+            return _run(args, client, console, err)
+    except KVStoreError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+
+
+def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: Console) -> int:
+    if args.cmd == "ls":
+        rows = list_prefixes(client, args.prefix, args.namespace)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        table = Table(title=f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
+        for col in ("namespace", "fingerprint", "blocks", "bytes", "TTL", "age", "pattern"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                r["namespace"],
+                r.get("fingerprint", ""),
+                str(r["blocks"]),
+                _human(r.get("bytes")),
+                _range(r.get("ttl_min_s"), r.get("ttl_max_s")),
+                _range(r.get("age_min_s"), r.get("age_max_s")),
+                r.get("pattern", ""),
+            )
+        console.print(table if rows else "no kvstore keys found")
+        return 0
+    if args.cmd == "inspect":
+        info = inspect_key(client, args.key)
+        if args.json:
+            print(json.dumps(info, indent=2))
+        elif not info["exists"]:
+            console.print(f"{args.key}: no such key")
+        else:
+            verdict = "[green]valid[/green]" if info.get("valid") else "[red]INVALID[/red]"
+            console.print(f"[bold]{args.key}[/bold]  {verdict}  {_human(info['bytes'])}")
+            for k in ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
+                      "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
+                if k in info:
+                    console.print(f"  {k}: {info[k]}")
+            if info.get("tensors"):
+                table = Table("tensor", "dtype", "shape", "bytes")
+                for t in info["tensors"]:
+                    table.add_row(t["name"], t["dtype"], str(t["shape"]), _human(t["bytes"]))
+                console.print(table)
+        return 0 if info.get("valid") else 1
+    if args.cmd == "stats":
+        stats = server_stats(client, args.prefix)
+        if args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            table = Table("", "value", title="kvstore server stats")
+            for k, v in stats.items():
+                table.add_row(k, str(v))
+            console.print(table)
+        return 0
+    if args.cmd == "flush":
+        count = sum(1 for _ in _scan(client, f"{args.prefix}:{args.namespace}:*"))
+        if not args.yes:
+            if not sys.stdin.isatty():
+                err.print("refusing to flush without --yes when not run interactively")
+                return 2
+            answer = input(f"delete {count} keys of namespace {args.namespace!r}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                err.print("nothing deleted")
+                return 1
+        deleted = flush_namespace(client, args.prefix, args.namespace)
+        if args.json:
+            print(json.dumps({"namespace": args.namespace, "deleted": deleted}))
+        else:
+            console.print(f"deleted {deleted} keys of namespace {args.namespace!r}")
+        return 0
+    raise AssertionError(args.cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+#!/usr/bin/env python3
+"""OpenAI-compatible proxy for disaggregated prefill through Redis.
+
+For each completion / chat request it sends a copy to a prefill server (``max_tokens`` 1, no
+streaming), takes ``kv_transfer_params`` from that answer (how many blocks the prefill saved to
+Redis, and the chain's last hash), and sends the original request with those params to a decode
+server, streaming the answer back unchanged. The decode server loads the prompt's KV from Redis
+instead of recomputing it.
+
+    vllm-redis-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Several ``--prefill`` / ``--decode`` servers are balanced round-robin or by fewest requests in
+flight. A backend that is down or errs gives the client an OpenAI-style error with the right
+status (502/504, or the backend's own), never a hang; malformed requests get 400.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+logger = logging.getLogger("vllm_redis_proxy")
+
+
+def openai_error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+class BackendError(Exception):
+    def __init__(self, response: Response) -> None:
+        super().__init__("backend error")
+        self.response = response
+
+
+@dataclass
+class Pool:
+    """One role's servers and how the next one is chosen."""
+
+    role: str
+    urls: list[str]
+    policy: str = "round_robin"
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self._rr = itertools.cycle(range(len(self.urls)))
+
+    def order(self) -> list[str]:
+        """Every server once, best first (later ones are fallbacks when one is down)."""
+        if self.policy == "least_loaded":
+            return sorted(self.urls, key=lambda u: self.in_flight[u])
+        start = next(self._rr)
+        return self.urls[start:] + self.urls[:start]
+
+
+@dataclass
+class ProxyConfig:
+    prefill: list[str]
+    decode: list[str]
+    policy: str = "round_robin"
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+
+
+def build_app(cfg: ProxyConfig) -> FastAPI:
+    prefill = Pool("prefill", cfg.prefill, cfg.policy)
+    decode = Pool("decode", cfg.decode, cfg.policy)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+    state: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["client"] = httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=512)
+        )
+        yield
+        await state["client"].aclose()
+
+    app = FastAPI(title="vllm-redis-proxy", lifespan=lifespan)
+
+    async def send(pool: Pool, path: str, body: dict, req_id: str, stream: bool) -> httpx.Response:
+        """POST to the first server of the pool that answers; connection failures fall through to
+        the next server, a timeout or an HTTP error is final."""
+        client = state["client"]
+        last_error = "no server configured"
+        for url in pool.order():
+            pool.in_flight[url] += 1
+            try:
+                req = client.build_request(
+                    "POST", url + path, json=body, headers={"X-Request-Id": req_id}
+                )
+                resp = await client.send(req, stream=stream)
+            except httpx.ConnectError as exc:
+                last_error = f"{pool.role} server {url} is unreachable ({exc})"
+                logger.warning("%s", last_error)
+                continue
+            except httpx.TimeoutException:
+                raise BackendError(
+                    openai_error(
+                        504, f"{pool.role} server {url} timed out after {cfg.timeout_s}s", "timeout"
+                    )
+                ) from None
+            except httpx.HTTPError as exc:
+                raise BackendError(
+                    openai_error(502, f"{pool.role} server {url} failed: {exc}", "backend_error")
+                ) from None
+            finally:
+                pool.in_flight[url] -= 1
+            if resp.status_code != 200:
+                content = await resp.aread()
+                await resp.aclose()
+                raise BackendError(_passthrough_error(resp.status_code, content, pool.role, url))
+            return resp
+        raise BackendError(
+            openai_error(
+                502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
+            )
+        )
+
+    async def handle(request: Request, path: str) -> Response:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return openai_error(
+                400, f"request body is not valid JSON: {exc}", "invalid_request_error"
+            )
+        problem = _validate(body, path)
+        if problem:
+            return openai_error(400, problem[0], "invalid_request_error", problem[1])
+        req_id = request.headers.get("x-request-id") or f"proxy-{uuid.uuid4().hex}"
+        stream = bool(body.get("stream"))
+
+        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        pre.update(max_tokens=1, stream=False)
+        if "max_completion_tokens" in pre:
+            pre["max_completion_tokens"] = 1
+        try:
+            resp = await send(prefill, path, pre, req_id + "-prefill", stream=False)
+            params = resp.json().get("kv_transfer_params")
+            dec = dict(body)
+            if params:
+                dec["kv_transfer_params"] = params
+            resp = await send(decode, path, dec, req_id, stream=stream)
+        except BackendError as err:
+            return err.response
+        headers = {"x-request-id": req_id}
+        if stream:
+            return StreamingResponse(
+                resp.aiter_raw(),
+                media_type=resp.headers.get("content-type", "text/event-stream"),
+                headers=headers,
+                background=BackgroundTask(resp.aclose),
+            )
+        return Response(
+            content=resp.content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+            headers=headers,
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        client = state["client"]
+        for url in decode.order():
+            try:
+                r = await client.get(url + "/v1/models", timeout=10)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return openai_error(502, "no decode server available", "backend_unavailable")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        client = state["client"]
+
+        async def check(url: str) -> bool:
+            try:
+                return (await client.get(url + "/health", timeout=3)).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        pools = {"prefill": prefill.urls, "decode": decode.urls}
+        results = {
+            role: dict(zip(urls, await asyncio.gather(*(check(u) for u in urls)), strict=True))
+            for role, urls in pools.items()
+        }
+        ok = all(any(r.values()) for r in results.values())
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", **results}, status_code=200 if ok else 503
+        )
+
+    return app
+
+
+def _validate(body: Any, path: str) -> tuple[str, str | None] | None:
+    if not isinstance(body, dict):
+        return "request body must be a JSON object", None
+    if path.endswith("/chat/completions"):
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list", "messages"
+    elif "prompt" not in body:
+        return "'prompt' is required", "prompt"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            return f"'{key}' must be a positive integer", key
+    return None
+
+
+def _passthrough_error(status: int, content: bytes, role: str, url: str) -> Response:
+    """The backend's own OpenAI error when it sent one, else a wrapped one; same status."""
+    try:
+        doc = json.loads(content)
+        if isinstance(doc, dict) and ("error" in doc or "message" in doc or "detail" in doc):
+            return JSONResponse(doc, status_code=status)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        pass
+    text = content[:500].decode(errors="replace")
+    return openai_error(status, f"{role} server {url} answered {status}: {text}", "backend_error")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill", action="append", required=True, help="prefill server URL")
+    ap.add_argument("--decode", action="append", required=True, help="decode server URL")
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin")
+    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    cfg = ProxyConfig(args.prefill, args.decode, args.policy, args.timeout_s)
+    uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

