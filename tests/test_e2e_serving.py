@@ -78,8 +78,8 @@ def chat(url: str, content: str, stream: bool) -> str:
     c = client(url)
     msgs = [{"role": "user", "content": content}]
     if not stream:
-        return c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
-                                         temperature=0).choices[0].message.content or ""  # fmt: skip
+        reply = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
+        return reply.choices[0].message.content or ""
     out = ""
     for chunk in c.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True
