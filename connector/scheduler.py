@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("connector.scheduler")
 
+# How often a request waiting for a producer's blocks re-checks Redis.
+_POLL_INTERVAL_S = 0.01
+
 
 def request_salt(request: Request) -> str:
     """Everything besides the tokens that changes the KV of a prompt: LoRA adapter, cache_salt,
@@ -46,6 +49,7 @@ class _RequestState:
     handed_off: bool = False  # a producer saved this prompt for us (consume mode cleans up)
     lookup: Future[int] | None = None
     lookup_span: tuple[int, int] = (0, 0)
+    next_poll: float = 0.0  # while waiting for a producer: no new lookup before this time
     present_blocks: int = 0  # last lookup's answer
     load_range: tuple[int, int] = (0, 0)
     block_ids: list[int] = field(default_factory=list)
@@ -134,6 +138,8 @@ class RedisConnectorScheduler:
         rid = request.request_id
         if any(self._loading.get(h, rid) != rid for h in st.hashes[start:max_blocks]):
             return None, False  # another request is loading these blocks; wait for it
+        if st.lookup is None and time.monotonic() < st.next_poll:
+            return None, False  # polled Redis a moment ago; do not hammer it while waiting
         n = self._present_blocks(st, start, max_blocks)
         if n is None:
             return None, False
@@ -141,8 +147,10 @@ class RedisConnectorScheduler:
             # The producer's saves may still be in flight (or, in consume mode, another request
             # of this instance is loading the shared prefix, which then becomes a local hit):
             # ask again, until load_timeout_s.
-            if time.monotonic() - st.first_seen < self.config.load_timeout_s:
+            now = time.monotonic()
+            if now - st.first_seen < self.config.load_timeout_s:
                 self.stats.waits_for_producer += 1
+                st.next_poll = now + _POLL_INTERVAL_S
                 return None, False
             self.stats.producer_wait_timeouts += 1
             logger.warning(
@@ -163,6 +171,8 @@ class RedisConnectorScheduler:
     ) -> None:
         st = self._state(request)
         st.block_ids = list(blocks.get_block_ids()[0])
+        if self.config.mode == "share":
+            st.saved_blocks = max(st.saved_blocks, st.present_blocks)  # in Redis already
         if num_external_tokens > 0:
             start, _ = st.load_range
             end = start + num_external_tokens // self.block_size

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "tests" / "engine_runner.py"
+RUNNER = ROOT / "scripts" / "engine_runner.py"
 
 
 def engine_env(core: int) -> dict[str, str]:

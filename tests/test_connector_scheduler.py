@@ -4,6 +4,7 @@ scheduler receives, the way vLLM's own connector unit tests do it."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,7 @@ def test_consumer_waits_for_producer_without_blocking_then_loads(
     assert meta_of(out).loads == []
     seed_blocks(sched, tokens, 5)  # the producer's remaining saves land
     sched.update_from_output(out, runner_output([other]))
+    time.sleep(0.05)  # waiting requests re-poll Redis at most every 10 ms
     out = sched.schedule()
     loads = meta_of(out).loads
     assert [s.hashes for s in loads] == [hashes[:5]]
@@ -291,3 +293,21 @@ def test_salt_separates_tenants(tiny_model: Path, fake_redis: fakeredis.FakeRedi
     sched.add_request(req)
     out = sched.schedule()
     assert meta_of(out).loads == []
+
+
+def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_both")
+    tokens = prompt(5 * BS + 3)
+    hashes = seed_blocks(sched, tokens, 3)  # another instance cached the first 3 blocks
+    req = make_request("s", tokens)
+    sched.add_request(req)
+    out = sched.schedule()
+    load = meta_of(out).loads
+    assert [(s.hashes, s.consume) for s in load] == [(hashes[:3], False)]
+    sched.update_from_output(out, runner_output([], recving={"s"}))
+    out = sched.schedule()
+    saves = [h for s in meta_of(out).saves for h in s.hashes]
+    assert saves == hashes[3:5]
+    assert store_for(sched).longest_prefix(hashes) == 3  # select kept the pool's blocks

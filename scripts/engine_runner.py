@@ -1,13 +1,15 @@
-"""Runs one offline vLLM CPU engine (optionally with RedisConnector) over prompts, in phases.
+"""Runs one offline vLLM engine (optionally with a KV connector) over prompts, in phases.
 
-Used by the end-to-end tests as a separate process per engine, like real instances:
+Used by the end-to-end tests and by bench_connector.py, one process per engine like real
+instances:
 
-    python tests/engine_runner.py --model DIR --out out.json --prompts prompts.json \
-        [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json]
+    python scripts/engine_runner.py --model DIR --out out.json --prompts prompts.json \
+        [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json] \
+        [--connector ExampleConnector --extra '{"shared_storage_path": "/tmp/kv"}']
 
 prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"}. out.json: per prompt
-id the greedy token ids, their logprobs, num_cached_tokens and kv_transfer_params, plus the
-engine's connector metrics.
+id the greedy token ids, their logprobs, num_cached_tokens, kv_transfer_params and the phase's
+wall time (``elapsed_s``), plus the engine's connector metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 
 def main() -> None:
@@ -27,6 +30,8 @@ def main() -> None:
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--params", help="json: prompt id -> kv_transfer_params (from a producer)")
     ap.add_argument("--by-module-path", action="store_true")
+    ap.add_argument("--connector", default="RedisConnector")
+    ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--max-tokens", type=int, default=12)
     args = ap.parse_args()
 
@@ -35,18 +40,21 @@ def main() -> None:
 
     kv = None
     if args.role:
+        extra = json.loads(args.extra)
+        if args.connector == "RedisConnector":
+            extra = {"url": args.url, **extra}
         cfg = {
-            "kv_connector": "RedisConnector",
+            "kv_connector": args.connector,
             "kv_role": args.role,
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"url": args.url, **json.loads(args.extra)},
+            "kv_connector_extra_config": extra,
         }
         if args.by_module_path:
             cfg["kv_connector_module_path"] = "connector.redis_connector"
         kv = KVTransferConfig(**cfg)
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=4096,
         enforce_eager=True,
         seed=0,
@@ -70,7 +78,10 @@ def main() -> None:
                 )
             )
         prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in phase]
-        for p, res in zip(phase, llm.generate(prompts, sps, use_tqdm=False), strict=True):
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, sps, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        for p, res in zip(phase, results, strict=True):
             c = res.outputs[0]
             key = p["id"] if p["id"] not in out["prompts"] else p["id"] + "#2"
             out["prompts"][key] = {
@@ -79,6 +90,7 @@ def main() -> None:
                 "num_cached_tokens": res.num_cached_tokens,
                 "num_prompt_tokens": len(p["prompt_token_ids"]),
                 "kv_transfer_params": res.kv_transfer_params,
+                "elapsed_s": elapsed,
             }
     metrics = {}
     for m in llm.get_metrics():
