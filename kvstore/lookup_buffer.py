@@ -88,6 +88,10 @@ return n
 """
 
 
+# Scratch memory kept per thread for framing values in insert_many (see there).
+_SCRATCH_LIMIT = 64 << 20
+
+
 def layout_fingerprint(layout: Mapping[str, Any] | None = None) -> str:
     """16 hex chars naming everything that makes stored bytes (in)compatible: model, dtype, KV
     geometry, tensor-parallel rank and size, ... plus the value format version."""
@@ -158,6 +162,7 @@ class LookupBuffer:
         self._lock = threading.Lock()
         self._stats = StoreStats()
         self._logged_bad: OrderedDict[str, None] = OrderedDict()
+        self._local = threading.local()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -296,8 +301,40 @@ class LookupBuffer:
         items: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
-        """Pipelined ``SET`` of several blocks in one round trip."""
-        self.insert_encoded([(h, self.encode(h, t, metadata)) for h, t in items])
+        """Pipelined ``SET`` of several blocks in one round trip.
+
+        Values are framed in per-thread scratch buffers that are reused by the next call (fresh
+        multi-MiB buffers cost a page fault per 4 KiB and made insert ~30% slower than plain
+        ``SET``); buffers beyond ``_SCRATCH_LIMIT`` bytes per thread are not kept.
+        """
+        encoded = [
+            (h, self.encode(h, t, metadata, out=self._scratch(i, t)))
+            for i, (h, t) in enumerate(items)
+        ]
+        self.insert_encoded(encoded)
+
+    def _scratch(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """This thread's reusable buffer number ``slot``, big enough for ``tensors``; None when
+        compressing, when the value is not valid (encode then says why) or too big to keep."""
+        if self.compression != "none":
+            return None
+        try:
+            need = sum(t.numel() * t.element_size() for t in tensors.values())
+            need += 4096 + 256 * len(tensors)  # room for the JSON header
+        except (AttributeError, TypeError):
+            return None
+        bufs: list[torch.Tensor] = self._local.__dict__.setdefault("scratch", [])
+        if slot < len(bufs) and bufs[slot].numel() >= need:
+            return bufs[slot]
+        kept = sum(b.numel() for j, b in enumerate(bufs) if j != slot)
+        if kept + need > _SCRATCH_LIMIT:
+            return None
+        buf = torch.empty(need, dtype=torch.uint8)
+        if slot < len(bufs):
+            bufs[slot] = buf
+        else:
+            bufs.append(buf)
+        return buf
 
     def insert_encoded(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
         """Pipelined ``SET`` of values made by :meth:`encode`."""

@@ -6,9 +6,11 @@ Starts its own redis-server (free port, no persistence) and measures, for block 
 
 - plain redis-py, pipelined: ``SET`` / ``GET`` / ``GETDEL`` of ready-made bytes of the same size;
 - kvstore: ``insert_many`` (tensor -> framed value, checksum, pipelined SET), ``select`` and
-  ``drop_select`` (Lua script, checksum verified, tensors copied out).
+  ``drop_select`` (claim script + GETDEL, header and checksum verified), each returning tensors
+  that are views on the received bytes (``copy=False``, what the connector uses) and, in the
+  ``(copy)`` columns, freshly allocated tensors (``copy=True``, the default).
 
-GB/s counts tensor payload bytes only. The ratio column is kvstore / plain.
+GB/s counts tensor payload bytes only. Ratios are kvstore / plain redis-py in the same run.
 
     python scripts/bench_store.py [--sizes 64K,256K,1M,2M,8M] [--total 256M] [--json out.json]
 """
@@ -50,8 +52,10 @@ def bench_size(url: str, size: int, total: int, batch: int, repeats: int, compre
     n -= n % batch
     client = redis.Redis.from_url(url)
     client.flushdb()
-    payload = os.urandom(size)
-    tensors = [torch.frombuffer(bytearray(payload), dtype=torch.bfloat16) for _ in range(batch)]
+    # distinct buffers per value on both sides: one object sent 8 times would sit in the CPU
+    # cache and flatter the baseline
+    payloads = [os.urandom(size) for _ in range(batch)]
+    tensors = [torch.frombuffer(bytearray(p), dtype=torch.bfloat16) for p in payloads]
     hashes = chain_hashes(list(range(n * 16)), 16)
     plain_keys = [f"plain:{h}" for h in hashes]
     buf = LookupBuffer.from_url(url, namespace="bench", compression=compression)
@@ -62,7 +66,7 @@ def bench_size(url: str, size: int, total: int, batch: int, repeats: int, compre
     def plain_set() -> None:
         for keys in batches(plain_keys):
             pipe = client.pipeline(transaction=False)
-            for k in keys:
+            for k, payload in zip(keys, payloads, strict=False):
                 pipe.set(k, payload)
             pipe.execute()
 
@@ -80,10 +84,10 @@ def bench_size(url: str, size: int, total: int, batch: int, repeats: int, compre
         for hs in batches(hashes):
             buf.insert_many(list(zip(hs, ({"kv": t} for t in tensors), strict=False)))
 
-    def kv_read(op: str) -> Callable[[], None]:
+    def kv_read(op: str, copy: bool) -> Callable[[], None]:
         def run() -> None:
             for hs in batches(hashes):
-                assert all(v is not None for v in getattr(buf, op)(hs))
+                assert all(v is not None for v in getattr(buf, op)(hs, copy=copy))
 
         return run
 
@@ -94,8 +98,10 @@ def bench_size(url: str, size: int, total: int, batch: int, repeats: int, compre
         "plain_get": (plain_read("get"), plain_set),
         "plain_getdel": (plain_read("getdel"), plain_set),
         "kv_insert": (kv_insert, None),
-        "kv_select": (kv_read("select"), kv_insert),
-        "kv_drop_select": (kv_read("drop_select"), kv_insert),
+        "kv_select": (kv_read("select", False), kv_insert),
+        "kv_drop_select": (kv_read("drop_select", False), kv_insert),
+        "kv_select_copy": (kv_read("select", True), kv_insert),
+        "kv_drop_select_copy": (kv_read("drop_select", True), kv_insert),
     }
     times: dict[str, list[float]] = {k: [] for k in ops}
     for _ in range(repeats):
@@ -114,6 +120,8 @@ def bench_size(url: str, size: int, total: int, batch: int, repeats: int, compre
             "insert": gbps["kv_insert"] / gbps["plain_set"],
             "select": gbps["kv_select"] / gbps["plain_get"],
             "drop_select": gbps["kv_drop_select"] / gbps["plain_getdel"],
+            "select_copy": gbps["kv_select_copy"] / gbps["plain_get"],
+            "drop_select_copy": gbps["kv_drop_select_copy"] / gbps["plain_getdel"],
         },
     }
 
@@ -135,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     total = parse_size(args.total)
     rows = []
+    print(
+        "| transport | value | SET GB/s | insert GB/s | insert/SET | GET GB/s | select GB/s "
+        "| select/GET | select(copy)/GET | GETDEL GB/s | drop_select GB/s | drop_select/GETDEL "
+        "| drop_select(copy)/GETDEL |\n|" + " --- |" * 13
+    )
     with RedisServer(extra_args=["--maxmemory", "0"]) as server:
         urls = {"tcp": server.url, "unix": server.unix_url}
         for transport in args.transports.split(","):
@@ -146,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 g, q = r["gbps"], r["ratio"]
                 print(
-                    f"{transport:4} {human(size):>7} | SET {g['plain_set']:5.2f} insert "
-                    f"{g['kv_insert']:5.2f} ({q['insert']:.2f}x) | GET {g['plain_get']:5.2f} "
-                    f"select {g['kv_select']:5.2f} ({q['select']:.2f}x) | GETDEL "
-                    f"{g['plain_getdel']:5.2f} drop_select {g['kv_drop_select']:5.2f} "
-                    f"({q['drop_select']:.2f}x)  GB/s",
+                    f"| {transport} | {human(size)} | {g['plain_set']:.2f} | {g['kv_insert']:.2f} "
+                    f"| **{q['insert']:.2f}x** | {g['plain_get']:.2f} | {g['kv_select']:.2f} "
+                    f"| **{q['select']:.2f}x** | {q['select_copy']:.2f}x | {g['plain_getdel']:.2f} "
+                    f"| {g['kv_drop_select']:.2f} | **{q['drop_select']:.2f}x** "
+                    f"| {q['drop_select_copy']:.2f}x |",
                     flush=True,
                 )
     info = {

@@ -227,3 +227,13 @@ def test_compressed_buffer_round_trips(fake_client: fakeredis.FakeRedis) -> None
     buf = LookupBuffer(fake_client, namespace="z", compression="lz4")
     buf.insert(HASHES[0], block(3))
     assert torch.equal(buf.select(HASHES[:1])[0]["k"], block(3)["k"])  # type: ignore[index]
+
+
+def test_reused_scratch_buffers_never_mix_values(fake_buffer: LookupBuffer) -> None:
+    for i in range(3):  # one thread, consecutive batches: the same scratch buffers each time
+        fake_buffer.insert_many(
+            [(HASHES[2 * i], block(2 * i)), (HASHES[2 * i + 1], block(2 * i + 1))]
+        )
+    got = fake_buffer.select(HASHES[:6])
+    for i in range(6):
+        assert torch.equal(got[i]["k"], block(i)["k"])  # type: ignore[index]
