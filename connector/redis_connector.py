@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore import LookupBuffer
+from kvstore import KVStoreError, LookupBuffer
 
 from .config import KVLayout, RedisConnectorConfig, check_vllm_version
 from .metadata import RedisConnectorMetadata
@@ -89,6 +89,15 @@ class RedisConnector(KVConnectorBase_V1):
             tls_key_file=self.rc.tls_key_file,
             check=False,
         )
+        try:
+            store.ping()
+        except KVStoreError as exc:
+            logger.error(
+                "RedisConnector cannot use %s now (%s). vLLM keeps serving and recomputes what it "
+                "cannot load; saves and loads resume when the store answers.",
+                store.safe_url,
+                exc,
+            )
         self.connector_scheduler: RedisConnectorScheduler | None = None
         self.connector_worker: RedisConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -13,6 +13,7 @@ from kvstore import KVStoreError, LookupBuffer, chain_hashes
 
 from .config import TRANSFER_PARAMS_KEY, KVLayout, RedisConnectorConfig
 from .metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
+from .stats import log_sparsely
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -118,7 +119,12 @@ class RedisConnectorScheduler:
             return None
         except KVStoreError as exc:
             self.stats.lookup_errors += 1
-            logger.warning("Redis lookup failed, recomputing the prompt: %s", exc)
+            if log_sparsely(self.stats.lookup_errors):
+                logger.warning(
+                    "Redis lookup failed (%d so far), recomputing the prompt: %s",
+                    self.stats.lookup_errors,
+                    exc,
+                )
             n = 0
         st.lookup = None
         st.present_blocks = start + n

@@ -39,6 +39,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
+def log_sparsely(count: int) -> bool:
+    """True for the 1st, 2nd, 4th, 8th, ... occurrence: a Redis outage logs a handful of lines,
+    not one per request (the counters keep the full count)."""
+    return count > 0 and count & (count - 1) == 0
+
+
 @dataclass
 class RedisConnectorStats(KVConnectorStats):
     def reset(self) -> None:

@@ -28,6 +28,7 @@ from kvstore.staging import StagingPool
 
 from .config import KVLayout, RedisConnectorConfig
 from .metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
+from .stats import log_sparsely
 
 logger = logging.getLogger("connector.worker")
 
@@ -85,6 +86,7 @@ class RedisConnectorWorker:
         self._failed_block_ids: set[int] = set()
         self._pending: set[Future[None]] = set()
         self._stream: Any = None
+        self._errors_seen = 0  # never reset (stats are): drives sparse logging
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -144,9 +146,14 @@ class RedisConnectorWorker:
             else:
                 values = self.store.select(spec.hashes, copy=False)
         except KVStoreError as exc:
-            logger.warning(
-                "request %s: loading from Redis failed (%s); recomputing", spec.req_id, exc
-            )
+            if self._count_error():
+                logger.warning(
+                    "request %s: loading from Redis failed (%d Redis errors so far): %s; "
+                    "recomputing",
+                    spec.req_id,
+                    self._errors_seen,
+                    exc,
+                )
             values = [None] * len(spec.hashes)
             errors = 1
         try:
@@ -241,7 +248,14 @@ class RedisConnectorWorker:
             self.store.insert_encoded([(h, v) for h, v, _ in staged])
         except KVStoreError as exc:
             ok = False
-            logger.warning("request %s: saving %d block(s) failed: %s", req_id, len(staged), exc)
+            if self._count_error():
+                logger.warning(
+                    "request %s: saving %d block(s) failed (%d Redis errors so far): %s",
+                    req_id,
+                    len(staged),
+                    self._errors_seen,
+                    exc,
+                )
         finally:
             assert self._save_pool is not None
             for _, _, buf in staged:
@@ -255,6 +269,12 @@ class RedisConnectorWorker:
                 self.stats.blocks_save_failed += len(staged)
                 self.stats.redis_errors += 1
             self.stats.save_seconds += time.perf_counter() - t0
+
+    def _count_error(self) -> bool:
+        """Count a Redis error; True when this one should be logged (sparse logging)."""
+        with self._lock:
+            self._errors_seen += 1
+            return log_sparsely(self._errors_seen)
 
     # ------------------------------------------------------------------ completion
     def _track(self, fut: Future[None]) -> None:

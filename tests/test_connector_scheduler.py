@@ -4,6 +4,7 @@ scheduler receives, the way vLLM's own connector unit tests do it."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -311,3 +312,18 @@ def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
     saves = [h for s in meta_of(out).saves for h in s.hashes]
     assert saves == hashes[3:5]
     assert store_for(sched).longest_prefix(hashes) == 3  # select kept the pool's blocks
+
+
+def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
+    tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvstore.server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with caplog.at_level(logging.ERROR, logger="connector"):
+        sched = make_scheduler(tiny_model, "kv_consumer", url=url, connect_timeout_s=0.5)
+    assert any("cannot use" in r.getMessage() and url in r.getMessage() for r in caplog.records)
+    req = make_request("r", prompt(3 * BS + 1))
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r": 3 * BS + 1}  # computed, not loaded

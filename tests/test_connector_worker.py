@@ -3,6 +3,7 @@ tests run on a GPU with ``-m cuda``)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import fakeredis
@@ -168,3 +169,16 @@ def test_cuda_pinned_staging_round_trip(dst_layout: str) -> None:
     for name in LAYERS:
         assert torch.equal(dst_kv[name][0], src_kv[name][3])
         assert torch.equal(dst_kv[name][1], src_kv[name][4])
+
+
+def test_redis_outage_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> None:
+    server = fakeredis.FakeServer()
+    dst, _ = make_worker(fakeredis.FakeRedis(server=server))
+    server.connected = False
+    hashes = chain_hashes(list(range(N)), N)
+    with caplog.at_level(logging.WARNING, logger="connector.worker"):
+        for i in range(8):
+            dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec(f"d{i}", [i], hashes, True)]))
+            wait_loaded(dst, f"d{i}")
+    assert dst.take_stats()["redis_errors"] == 8
+    assert len([r for r in caplog.records if "loading from Redis failed" in r.getMessage()]) == 4
