@@ -150,9 +150,14 @@ def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
 
 
 def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
-    info_mem = client.info("memory")
-    info_stats = client.info("stats")
-    info_server = client.info("server")
+    def info(section: str) -> dict[str, Any]:
+        # managed services often deny INFO through ACLs; report the keys anyway
+        try:
+            return dict(client.info(section))
+        except redis.exceptions.ResponseError:
+            return {}
+
+    info_mem, info_stats, info_server = info("memory"), info("stats"), info("server")
     keys = 0
     namespaces: dict[str, int] = defaultdict(int)
     for key in _scan(client, f"{prefix}:*"):
@@ -161,7 +166,11 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
         if parts:
             namespaces[parts[0]] += 1
     return {
-        "server": f"{info_server.get('server_name', 'redis')} {info_server.get('redis_version')}",
+        "server": (
+            f"{info_server.get('server_name', 'redis')} {info_server['redis_version']}"
+            if "redis_version" in info_server
+            else "unknown (INFO not permitted)"
+        ),
         "kv_keys": keys,
         "keys_by_namespace": dict(namespaces),
         "used_memory": info_mem.get("used_memory"),
@@ -226,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     p_fl.add_argument("--namespace", required=True)
     p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
-    console = Console()
-    err = Console(stderr=True)
+    # emoji off: rich would render key parts such as ":b:" as emoji
+    console = Console(emoji=False, highlight=False)
+    err = Console(stderr=True, emoji=False, highlight=False)
     try:
         address = parse_url(args.url)
         client = make_client(address)

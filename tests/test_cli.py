@@ -1,0 +1,82 @@
+"""The kvstore CLI on fakeredis (fast); test_e2e_serving.py runs it on real connector output."""
+
+from __future__ import annotations
+
+import json
+
+import fakeredis
+import pytest
+import torch
+
+import kvstore.cli
+from kvstore import LookupBuffer, chain_hashes
+
+HASHES = chain_hashes(list(range(64)), 16)
+
+
+@pytest.fixture
+def client(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
+    c = fakeredis.FakeRedis()
+    monkeypatch.setattr(kvstore.cli, "make_client", lambda *a, **k: c)
+    a = LookupBuffer(c, namespace="a", layout={"m": 1}, ttl_s=100)
+    a.insert_many([(h, {"kv": torch.ones(2, 16)}) for h in HASHES[:3]])
+    LookupBuffer(c, namespace="b", layout={"m": 2}).insert(HASHES[0], {"kv": torch.ones(4)})
+    c.set("unrelated", b"x")
+    return c
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    rc = kvstore.cli.main(["--url", "redis://fake:1/0", *args])
+    return rc, capsys.readouterr().out
+
+
+def test_ls_groups_by_namespace_and_fingerprint(client, capsys) -> None:
+    rc, out = run(capsys, "ls", "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [(r["namespace"], r["blocks"]) for r in rows] == [("a", 3), ("b", 1)]
+    assert 90 < rows[0]["ttl_max_s"] <= 100 and rows[1]["ttl_max_s"] is None
+    assert rows[0]["bytes"] > 3 * 2 * 16 * 4
+    rc, out = run(capsys, "ls", "--namespace", "b", "--json")
+    assert [r["namespace"] for r in json.loads(out)] == ["b"]
+    rc, out = run(capsys, "ls")  # the human table
+    assert rc == 0 and "namespace" in out and "kv:a:" in out
+
+
+def test_inspect_reports_header_and_checksum(client, capsys) -> None:
+    key = next(k.decode() for k in client.scan_iter(match="kv:a:*"))
+    rc, out = run(capsys, "--json", "inspect", key)
+    info = json.loads(out)
+    assert rc == 0 and info["valid"] and info["checksum_ok"]
+    assert info["tensors"] == [{"name": "kv", "dtype": "F32", "shape": [2, 16], "bytes": 128}]
+    value = bytearray(client.get(key))
+    value[-1] ^= 1
+    client.set(key, bytes(value))
+    rc, out = run(capsys, "inspect", key, "--json")
+    assert rc == 1 and json.loads(out)["checksum_ok"] is False
+    rc, out = run(capsys, "inspect", "kv:a:nope:nope", "--json")
+    assert rc == 1 and json.loads(out)["exists"] is False
+
+
+def test_stats_counts_only_kvstore_keys(client, capsys) -> None:
+    rc, out = run(capsys, "stats", "--json")
+    stats = json.loads(out)
+    assert rc == 0 and stats["kv_keys"] == 4 and stats["keys_by_namespace"] == {"a": 3, "b": 1}
+
+
+def test_flush_deletes_one_namespace_only(client, capsys) -> None:
+    rc, out = run(capsys, "flush", "--namespace", "a", "--yes", "--json")
+    assert rc == 0 and json.loads(out)["deleted"] == 3
+    assert client.exists("unrelated") and len(list(client.scan_iter(match="kv:b:*"))) == 1
+
+
+def test_flush_without_yes_refuses_when_not_interactive(client, capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    rc, _ = run(capsys, "flush", "--namespace", "a")
+    assert rc == 2 and len(list(client.scan_iter(match="kv:a:*"))) == 3
+
+
+def test_unreachable_server_and_bad_url_exit_2_with_a_message(capsys) -> None:
+    assert kvstore.cli.main(["--url", "redis://127.0.0.1:1/0", "ls"]) == 2
+    assert "cannot reach" in capsys.readouterr().err.replace("\n", " ")
+    assert kvstore.cli.main(["--url", "http://x", "ls"]) == 2
+    assert "invalid store URL" in capsys.readouterr().err.replace("\n", " ")
