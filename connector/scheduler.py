@@ -59,11 +59,7 @@ class _RequestState:
 
 @dataclass
 class SchedulerStats:
-    lookups: int = 0
     lookup_errors: int = 0
-    waits_for_producer: int = 0
-    producer_wait_timeouts: int = 0
-    tokens_matched: int = 0
 
 
 class RedisConnectorScheduler:
@@ -108,7 +104,6 @@ class RedisConnectorScheduler:
         (the blocks before it are computed locally; a block's hash already covers its prefix).
         None while Redis has not answered."""
         if st.lookup is None or st.lookup_span != (start, max_blocks):
-            self.stats.lookups += 1
             st.lookup_span = (start, max_blocks)
             st.lookup = self._io.submit(
                 self.store.longest_prefix, st.hashes[start:max_blocks], self.fingerprints
@@ -155,10 +150,8 @@ class RedisConnectorScheduler:
             # ask again, until load_timeout_s.
             now = time.monotonic()
             if now - st.first_seen < self.config.load_timeout_s:
-                self.stats.waits_for_producer += 1
                 st.next_poll = now + _POLL_INTERVAL_S
                 return None, False
-            self.stats.producer_wait_timeouts += 1
             logger.warning(
                 "request %s: %d of %d expected blocks in Redis after %.1fs; recomputing the rest",
                 request.request_id,
@@ -183,7 +176,6 @@ class RedisConnectorScheduler:
             start, _ = st.load_range
             end = start + num_external_tokens // self.block_size
             st.load_range = (start, end)
-            self.stats.tokens_matched += num_external_tokens
             for h in st.hashes[start:end]:
                 self._loading[h] = request.request_id
             self._pending_loads.append(
@@ -195,8 +187,7 @@ class RedisConnectorScheduler:
                 )
             )
             st.saved_blocks = max(st.saved_blocks, end)  # already in Redis
-            if self.config.mode == "consume":
-                self._drop(st.hashes[:start] + st.hashes[end:])
+            self._drop(st.hashes[:start] + st.hashes[end:])
         elif st.handed_off:
             self._drop(st.hashes)  # handed off to us but not needed (e.g. local cache hit)
 

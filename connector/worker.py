@@ -161,11 +161,9 @@ class RedisConnectorWorker:
                 if value is None or not self._fits(value):
                     failed.append(block_id)
                     continue
-                self._copy_in(block_id, value)
+                self._copy_in(block_id, value)  # synchronous: done when it returns
                 loaded += 1
                 nbytes += sum(t.numel() * t.element_size() for t in value.values())
-            if self._stream is not None:
-                self._stream.synchronize()
         except Exception:  # never leave the request waiting forever
             logger.exception("request %s: copying loaded blocks failed; recomputing", spec.req_id)
             failed = list(spec.block_ids)

@@ -22,11 +22,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
-import xxhash
 from rich.console import Console
 from rich.table import Table
 
-from .codec import read_header
+from .codec import checksum_ok, read_header
 from .connection import make_client, parse_url, translated_errors
 from .errors import CorruptValueError, KVStoreError
 from .lookup_buffer import CLAIM_MARKER, DEFAULT_KEY_PREFIX
@@ -67,17 +66,15 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
             pipe.pttl(k)
             pipe.getrange(k, 0, 1023)
         replies = pipe.execute()
-        sizes, ttls, ages, models = [], [], [], set()
+        sizes, ttls, ages = [], [], []
         for i in range(len(keys)):
             size, pttl, head = replies[3 * i : 3 * i + 3]
             sizes.append(int(size))
             if pttl >= 0:
                 ttls.append(pttl / 1000)
-            created, model = _peek(head)
+            created = _created(head)
             if created:
                 ages.append(now - created)
-            if model:
-                models.add(model)
         rows.append(
             {
                 "namespace": ns,
@@ -96,18 +93,18 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
     return rows
 
 
-def _peek(head: bytes) -> tuple[float | None, str | None]:
+def _created(head: bytes) -> float | None:
     """Creation time from the first KiB of a value's header (best effort, for ls)."""
     marker = b'"kvstore.created":"'
     i = head.find(marker)
     if i < 0:
-        return None, None
+        return None
     text = head[i + len(marker) : i + len(marker) + 24].decode(errors="replace")
     try:
         t = time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")
-        return time.mktime(t) - time.timezone + float("0" + text[19:23]), None
+        return time.mktime(t) - time.timezone + float("0" + text[19:23])
     except ValueError:
-        return None, None
+        return None
 
 
 def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
@@ -125,15 +122,15 @@ def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
     except CorruptValueError as exc:
         out.update(valid=False, reason=exc.reason, detail=str(exc))
         return out
-    payload = memoryview(value)[header.header_bytes :]
-    checksum_ok = xxhash.xxh3_64_hexdigest(payload) == header.checksum
+    sum_ok = checksum_ok(value, header)
     parts = _split(key)
+    fingerprint_ok = parts is None or parts[1] == header.fingerprint
     out.update(
-        valid=checksum_ok and (parts is None or parts[1] == header.fingerprint),
+        valid=sum_ok and fingerprint_ok,
         checksum=header.checksum,
-        checksum_ok=checksum_ok,
+        checksum_ok=sum_ok,
         fingerprint=header.fingerprint,
-        fingerprint_matches_key=parts is None or parts[1] == header.fingerprint,
+        fingerprint_matches_key=fingerprint_ok,
         block_hash=header.block_hash,
         format=header.format_version,
         codec=header.codec,
@@ -299,11 +296,11 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             console.print(table)
         return 0
     if args.cmd == "flush":
-        count = sum(1 for _ in _scan(client, f"{args.prefix}:{args.namespace}:*"))
         if not args.yes:
             if not sys.stdin.isatty():
                 err.print("refusing to flush without --yes when not run interactively")
                 return 2
+            count = sum(1 for _ in _scan(client, f"{args.prefix}:{args.namespace}:*"))
             answer = input(f"delete {count} keys of namespace {args.namespace!r}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 err.print("nothing deleted")

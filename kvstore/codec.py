@@ -294,6 +294,11 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
     return header
 
 
+def checksum_ok(value: bytes | memoryview, header: ValueHeader) -> bool:
+    """Whether the stored payload hashes to the header's checksum."""
+    return xxhash.xxh3_64_hexdigest(memoryview(value)[header.header_bytes :]) == header.checksum
+
+
 def decode_value(
     value: bytes | memoryview,
     *,
@@ -315,9 +320,9 @@ def decode_value(
         )
     if block_hash is not None and header.block_hash != block_hash:
         raise _corrupt("key", f"value was written for block {header.block_hash}")
-    payload = memoryview(value)[header.header_bytes :]
-    if xxhash.xxh3_64_hexdigest(payload) != header.checksum:
+    if not checksum_ok(value, header):
         raise _corrupt("checksum", "payload checksum mismatch")
+    payload = memoryview(value)[header.header_bytes :]
     if header.codec == "lz4":
         try:
             raw: bytes | memoryview = lz4.block.decompress(

@@ -42,8 +42,3 @@ class StagingPool:
         with self._cond:
             self._free.append(buf)
             self._cond.notify()
-
-    @property
-    def available(self) -> int:
-        with self._cond:
-            return len(self._free)
