@@ -13,7 +13,7 @@ from kvstore import KVStoreError, LookupBuffer, chain_hashes
 
 from .config import TRANSFER_PARAMS_KEY, KVLayout, RedisConnectorConfig
 from .metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import log_sparsely
+from .stats import FailureCounts
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -59,7 +59,7 @@ class _RequestState:
 
 @dataclass
 class SchedulerStats:
-    lookup_errors: int = 0
+    lookup_errors: int
 
 
 class RedisConnectorScheduler:
@@ -69,7 +69,7 @@ class RedisConnectorScheduler:
         self.block_size = layout.block_size
         self.store = store
         self.fingerprints = layout.all_fingerprints()
-        self.stats = SchedulerStats()
+        self.failures = FailureCounts()
         self._reqs: dict[str, _RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
         # block hash -> request loading it now. A request whose blocks another request of this
@@ -113,12 +113,10 @@ class RedisConnectorScheduler:
         except FutureTimeout:
             return None
         except KVStoreError as exc:
-            self.stats.lookup_errors += 1
-            if log_sparsely(self.stats.lookup_errors):
+            total = self.failures.add("lookup")
+            if total:
                 logger.warning(
-                    "Redis lookup failed (%d so far), recomputing the prompt: %s",
-                    self.stats.lookup_errors,
-                    exc,
+                    "Redis lookup failed (%d so far), recomputing the prompt: %s", total, exc
                 )
             n = 0
         st.lookup = None
@@ -207,7 +205,7 @@ class RedisConnectorScheduler:
         """Consume mode leaves nothing behind: delete the blocks this instance will not load."""
         if hashes and self.config.mode == "consume":
             fut = self._io.submit(self.store.delete, hashes, self.fingerprints)
-            fut.add_done_callback(_log_failure("deleting unused blocks"))
+            fut.add_done_callback(self._log_delete_failure)
 
     # ------------------------------------------------------------------ saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
@@ -266,14 +264,15 @@ class RedisConnectorScheduler:
             }
         }
 
+    def _log_delete_failure(self, fut: Future[Any]) -> None:
+        exc = fut.exception()
+        total = self.failures.add("delete") if exc is not None else None
+        if total:
+            logger.warning("Redis: deleting unused blocks failed (%d so far): %s", total, exc)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(lookup_errors=self.failures["lookup"])
+
     def shutdown(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
-
-
-def _log_failure(what: str) -> Any:
-    def callback(fut: Future[Any]) -> None:
-        exc = fut.exception()
-        if exc is not None:
-            logger.warning("Redis: %s failed: %s", what, exc)
-
-    return callback

@@ -7,6 +7,7 @@ which exports ``vllm:redis_kv_*`` Prometheus counters.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,24 @@ COUNTERS: dict[str, tuple[str, str]] = {
 }
 
 
-def log_sparsely(count: int) -> bool:
-    """True for the 1st, 2nd, 4th, 8th, ... occurrence: a Redis outage logs a handful of lines,
-    not one per request (the counters keep the full count)."""
-    return count > 0 and count & (count - 1) == 0
+class FailureCounts:
+    """Totals of failures by kind, and which of them to log: a line when a total reaches 1, 2,
+    4, 8, ... so an outage logs a handful of lines instead of one per request or block."""
+
+    def __init__(self) -> None:
+        self._totals: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, kind: str, n: int = 1) -> int | None:
+        """Count ``n`` more; returns the new total when it should be logged, else None."""
+        with self._lock:
+            old = self._totals.get(kind, 0)
+            new = self._totals[kind] = old + n
+        return new if new.bit_length() != old.bit_length() else None
+
+    def __getitem__(self, kind: str) -> int:
+        with self._lock:
+            return self._totals.get(kind, 0)
 
 
 @dataclass

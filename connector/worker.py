@@ -28,7 +28,7 @@ from kvstore.staging import StagingPool
 
 from .config import KVLayout, RedisConnectorConfig
 from .metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import log_sparsely
+from .stats import FailureCounts
 
 logger = logging.getLogger("connector.worker")
 
@@ -86,7 +86,7 @@ class RedisConnectorWorker:
         self._failed_block_ids: set[int] = set()
         self._pending: set[Future[None]] = set()
         self._stream: Any = None
-        self._errors_seen = 0  # never reset (stats are): drives sparse logging
+        self._failures = FailureCounts()  # never reset (stats are): drives sparse logging
 
     # ------------------------------------------------------------------ setup
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -146,12 +146,13 @@ class RedisConnectorWorker:
             else:
                 values = self.store.select(spec.hashes, copy=False)
         except KVStoreError as exc:
-            if self._count_error():
+            total = self._failures.add("redis")
+            if total:
                 logger.warning(
                     "request %s: loading from Redis failed (%d Redis errors so far): %s; "
                     "recomputing",
                     spec.req_id,
-                    self._errors_seen,
+                    total,
                     exc,
                 )
             values = [None] * len(spec.hashes)
@@ -230,12 +231,15 @@ class RedisConnectorWorker:
         if shed:
             with self._lock:
                 self.stats.blocks_shed += shed
-            logger.warning(
-                "request %s: %d block(s) not saved, staging full (Redis slower than the model; "
-                "raise max_inflight_bytes)",
-                spec.req_id,
-                shed,
-            )
+            total = self._failures.add("shed", shed)
+            if total:
+                logger.warning(
+                    "request %s: %d block(s) not saved, staging full (%d shed so far; Redis is "
+                    "slower than the model: raise max_inflight_bytes or speed up Redis)",
+                    spec.req_id,
+                    shed,
+                    total,
+                )
         if staged:
             self._track(self._save_io.submit(self._write, spec.req_id, staged))
 
@@ -246,12 +250,13 @@ class RedisConnectorWorker:
             self.store.insert_encoded([(h, v) for h, v, _ in staged])
         except KVStoreError as exc:
             ok = False
-            if self._count_error():
+            total = self._failures.add("redis")
+            if total:
                 logger.warning(
                     "request %s: saving %d block(s) failed (%d Redis errors so far): %s",
                     req_id,
                     len(staged),
-                    self._errors_seen,
+                    total,
                     exc,
                 )
         finally:
@@ -267,12 +272,6 @@ class RedisConnectorWorker:
                 self.stats.blocks_save_failed += len(staged)
                 self.stats.redis_errors += 1
             self.stats.save_seconds += time.perf_counter() - t0
-
-    def _count_error(self) -> bool:
-        """Count a Redis error; True when this one should be logged (sparse logging)."""
-        with self._lock:
-            self._errors_seen += 1
-            return log_sparsely(self._errors_seen)
 
     # ------------------------------------------------------------------ completion
     def _track(self, fut: Future[None]) -> None:

@@ -182,3 +182,12 @@ def test_redis_outage_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> No
             wait_loaded(dst, f"d{i}")
     assert dst.take_stats()["redis_errors"] == 8
     assert len([r for r in caplog.records if "loading from Redis failed" in r.getMessage()]) == 4
+
+
+def test_failure_counts_log_when_a_total_crosses_a_power_of_two() -> None:
+    from connector.stats import FailureCounts
+
+    f = FailureCounts()
+    logged = [f.add("shed", n) for n in (3, 1, 1, 1, 1, 4)]
+    assert logged == [3, 4, None, None, None, 11]
+    assert f["shed"] == 11 and f["other"] == 0
