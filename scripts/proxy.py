@@ -23,7 +23,7 @@ import json
 import logging
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,9 +95,13 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="vllm-redis-proxy", lifespan=lifespan)
 
-    async def send(pool: Pool, path: str, body: dict, req_id: str, stream: bool) -> httpx.Response:
+    async def send(
+        pool: Pool, path: str, body: dict, req_id: str, stream: bool
+    ) -> tuple[httpx.Response, Callable[[], Awaitable[None]]]:
         """POST to the first server of the pool that answers; connection failures fall through to
-        the next server, a timeout or an HTTP error is final."""
+        the next server, a timeout or an HTTP error is final. Returns the response and its
+        ``finish``: the server counts as busy (for least_loaded) until ``finish`` is awaited,
+        which also closes the response -- after the last byte of a stream."""
         client = state["client"]
         last_error = "no server configured"
         for url in pool.order():
@@ -108,26 +112,32 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 )
                 resp = await client.send(req, stream=stream)
             except httpx.ConnectError as exc:
+                pool.in_flight[url] -= 1
                 last_error = f"{pool.role} server {url} is unreachable ({exc})"
                 logger.warning("%s", last_error)
                 continue
             except httpx.TimeoutException:
+                pool.in_flight[url] -= 1
                 raise BackendError(
                     openai_error(
                         504, f"{pool.role} server {url} timed out after {cfg.timeout_s}s", "timeout"
                     )
                 ) from None
             except httpx.HTTPError as exc:
+                pool.in_flight[url] -= 1
                 raise BackendError(
                     openai_error(502, f"{pool.role} server {url} failed: {exc}", "backend_error")
                 ) from None
-            finally:
+
+            async def finish(resp: httpx.Response = resp, url: str = url) -> None:
+                await resp.aclose()
                 pool.in_flight[url] -= 1
+
             if resp.status_code != 200:
                 content = await resp.aread()
-                await resp.aclose()
+                await finish()
                 raise BackendError(_passthrough_error(resp.status_code, content, pool.role, url))
-            return resp
+            return resp, finish
         raise BackendError(
             openai_error(
                 502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
@@ -152,12 +162,13 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
         try:
-            resp = await send(prefill, path, pre, req_id + "-prefill", stream=False)
+            resp, finish = await send(prefill, path, pre, req_id + "-prefill", stream=False)
+            await finish()
             params = resp.json().get("kv_transfer_params")
             dec = dict(body)
             if params:
                 dec["kv_transfer_params"] = params
-            resp = await send(decode, path, dec, req_id, stream=stream)
+            resp, finish = await send(decode, path, dec, req_id, stream=stream)
         except BackendError as err:
             return err.response
         headers = {"x-request-id": req_id}
@@ -166,8 +177,9 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 resp.aiter_raw(),
                 media_type=resp.headers.get("content-type", "text/event-stream"),
                 headers=headers,
-                background=BackgroundTask(resp.aclose),
+                background=BackgroundTask(finish),
             )
+        await finish()
         return Response(
             content=resp.content,
             status_code=resp.status_code,

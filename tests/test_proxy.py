@@ -8,13 +8,13 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from kvstore.server import free_port
 from scripts.proxy import ProxyConfig, build_app
@@ -166,3 +166,46 @@ def test_health_reports_each_backend(echo_backend: str) -> None:
 def test_models_without_decode_server_is_502() -> None:
     r = call(ProxyConfig([DOWN], [DOWN]), "GET", "/v1/models")
     assert r.status_code == 502 and json.loads(r.content)["error"]["code"] == 502
+
+
+def test_least_loaded_counts_a_stream_until_it_ends(echo_backend: str) -> None:
+    """A decode server busy streaming an answer is not chosen again while another is idle."""
+    hits: list[str] = []
+
+    def slow_stream_backend(name: str) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> StreamingResponse:
+            hits.append(name)
+
+            async def body() -> AsyncIterator[bytes]:
+                for _ in range(10):
+                    await asyncio.sleep(0.05)
+                    yield b"data: {}\n\n"
+
+            return StreamingResponse(body(), media_type="text/event-stream")
+
+        return app
+
+    gens = [run_server(slow_stream_backend(n)) for n in ("a", "b")]
+    a, b = (next(g) for g in gens)
+    cfg = ProxyConfig([echo_backend], [a, b], policy="least_loaded")
+    proxy_gen = run_server(build_app(cfg))  # a real server: ASGITransport would buffer streams
+    proxy = next(proxy_gen)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as c:
+            body = {"prompt": "x", "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body) as first:
+                await first.aread()  # the first stream ends before the next request
+            async with c.stream("POST", "/v1/completions", json=body) as second:
+                await asyncio.sleep(0.1)  # second is streaming now ...
+                third = await c.post("/v1/completions", json=body)  # ... pick the other
+                assert third.status_code == 200
+                await second.aread()
+
+    asyncio.run(go())
+    for g in [proxy_gen, *gens]:
+        next(g, None)
+    assert hits[1] != hits[2], hits
