@@ -15,18 +15,17 @@ same single core, and a warm-up prompt runs first in each.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from kvstore.server import RedisServer
+from scripts import stack
 from scripts.make_tiny_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,19 +35,16 @@ def run_engine(tmp: Path, name: str, model: Path, phases: list, args: list[str])
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
     out = tmp / f"{name}.json"
-    log = tmp / f"{name}.log"
     cmd = [sys.executable, str(ROOT / "scripts" / "engine_runner.py"), "--model", str(model),
            "--prompts", str(prompts), "--out", str(out), "--max-tokens", "1", *args]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
            "PYTHONPATH": str(ROOT)}  # fmt: skip
     print(f"  running {name} ...", flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    rc = proc.wait()
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, 9)  # vLLM's engine and worker processes
+    proc = stack.spawn(name, cmd, tmp, env=env)
+    rc = proc.popen.wait()
+    proc.kill()  # vLLM's engine and worker processes
     if rc != 0 or not out.exists():
-        raise SystemExit(f"{name} failed (rc={rc}); log: {log}")
+        raise SystemExit(f"{name} failed (rc={rc}); log: {proc.log}")
     return json.loads(out.read_text())
 
 

@@ -64,15 +64,20 @@ class Proc:
         return lines[-1][-110:] if lines else ""
 
     def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL it after 15 s."""
         # each process is its own group leader: vLLM's engine and worker processes go with it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGTERM)
         try:
             self.popen.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (also children left behind by an exited leader)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
 
 
 def spawn(name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:

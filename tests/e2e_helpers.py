@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 from pathlib import Path
+
+from scripts import stack
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "scripts" / "engine_runner.py"
@@ -20,14 +19,12 @@ def engine_env(core: int) -> dict[str, str]:
     reductions happen in the same order and outputs can be compared bit for bit. (vLLM reserves
     a different number of cores when a KV connector is configured, which would otherwise change
     the thread count between a connector run and a plain run.)"""
-    env = dict(os.environ)
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_CPU_OMP_THREADS_BIND=str(core % max(1, os.cpu_count() or 1)),
-        PYTHONPATH=str(ROOT),
-        TOKENIZERS_PARALLELISM="false",
-    )
-    return env
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core % max(1, os.cpu_count() or 1)),
+        "PYTHONPATH": str(ROOT),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -47,11 +44,10 @@ def start_engine(
     extra: dict | None = None,
     params: dict | None = None,
     by_module_path: bool = False,
-) -> tuple[subprocess.Popen[bytes], Path, Path]:
+) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
     out = tmp / f"{name}.out.json"
-    log = tmp / f"{name}.log"
     cmd = [sys.executable, str(RUNNER), "--model", str(model), "--prompts", str(prompts)]
     cmd += ["--out", str(out)]
     if role:
@@ -62,31 +58,15 @@ def start_engine(
         cmd += ["--params", str(p)]
     if by_module_path:
         cmd.append("--by-module-path")
-    # own process group: vLLM's EngineCore and worker processes are killed with it
-    proc = subprocess.Popen(
-        cmd,
-        env=engine_env(core),
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    return proc, out, log
+    return stack.spawn(name, cmd, tmp, env=engine_env(core)), out
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def finish(job: tuple[subprocess.Popen[bytes], Path, Path], timeout_s: float = 600) -> dict:
-    proc, out, log = job
+def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
+    proc, out = job
     try:
-        rc = proc.wait(timeout=timeout_s)
+        rc = proc.popen.wait(timeout=timeout_s)
     finally:
-        kill_group(proc)
+        proc.kill()  # the runner exits without tearing vLLM down: its children go here
     if rc != 0 or not out.exists():
-        tail = log.read_text(errors="replace")[-6000:]
-        raise AssertionError(f"engine {out.name} failed (rc={rc}):\n{tail}")
+        raise AssertionError(f"engine {out.name} failed (rc={rc}):\n{proc.log_tail(6000)}")
     return json.loads(out.read_text())
