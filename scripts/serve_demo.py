@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvstore import KVStoreError
@@ -240,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
             raise stack.StackError(f"{', '.join(dead)} stopped; logs in {logs}")
         return 0
     except stack.StackError as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        # soft_wrap: an error line is never broken at the console width (paths are long), and
+        # escape: a path with [brackets] is not read as rich markup
+        console.print(f"[red]error:[/red] {escape(str(exc))}", soft_wrap=True)
         return 1
     except KeyboardInterrupt:
         console.print("stopping...")

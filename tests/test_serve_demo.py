@@ -3,6 +3,7 @@ the same stack runs in test_e2e_serving.py)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,7 +20,12 @@ def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, "COLUMNS": "80"},  # a narrow console: long lines must not wrap
     )
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def test_a_taken_port_fails_with_a_clear_message(tmp_path) -> None:
@@ -29,7 +35,7 @@ def test_a_taken_port_fails_with_a_clear_message(tmp_path) -> None:
         port = s.getsockname()[1]
         out = run_demo("--proxy-port", str(port), "--workdir", str(tmp_path))
     assert out.returncode == 1
-    assert f"proxy port {port} already in use" in out.stdout.replace("\n", " ")
+    assert f"proxy port {port} already in use" in one_line(out.stdout)
 
 
 def test_a_model_directory_without_config_fails_clearly(tmp_path) -> None:
@@ -39,4 +45,6 @@ def test_a_model_directory_without_config_fails_clearly(tmp_path) -> None:
         "--proxy-port", ports[0], "--prefill-port", ports[1],
         "--decode-port", ports[2], "--redis-port", ports[3],
     )  # fmt: skip
-    assert out.returncode == 1 and "has no config.json" in out.stdout.replace("\n", " ")
+    assert out.returncode == 1
+    # the whole message on one line, whatever the path's length
+    assert f"--model {tmp_path.resolve()} has no config.json" in out.stdout.splitlines()[-1]
