@@ -8,9 +8,9 @@ query parameters (``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_ve
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
@@ -20,7 +20,10 @@ from .errors import (
     InvalidURLError,
     StoreAuthenticationError,
     StoreCommandError,
+    StoreOutOfMemoryError,
+    StorePermissionError,
     StoreTimeoutError,
+    StoreTopologyError,
     StoreUnavailableError,
 )
 
@@ -173,43 +176,91 @@ def make_client(
     return redis.Redis(connection_pool=pool)
 
 
-T = TypeVar("T")
+# Server error types (redis-py maps each error code to a class) -> what the user should do.
+_TOPOLOGY_ERRORS = (
+    rex.AskError,  # MovedError too
+    rex.ClusterDownError,  # MasterDownError too
+    rex.TryAgainError,
+    rex.ClusterCrossSlotError,
+)
 
 
 @contextlib.contextmanager
-def translated_errors(safe_url: str) -> Iterator[None]:
-    """Re-raise redis-py errors as kvstore errors whose messages say what to do."""
+def translated_errors(safe_url: str, command: str | None = None) -> Iterator[None]:
+    """Re-raise redis-py errors (and socket errors it let through) as kvstore's typed errors,
+    chosen by the error's type, with a message that says what to do.
+
+    ``command`` names what was being run, for permission errors (e.g. ``"SET"``).
+    """
     try:
         yield
+    except rex.NoPermissionError as exc:
+        raise permission_error(safe_url, command, _strip(exc)) from None
     except rex.AuthenticationError:
         raise StoreAuthenticationError(
             f"{safe_url} rejected the credentials: check the username/password in the URL "
             "(or the server's requirepass / ACL users)"
         ) from None
-    except rex.ResponseError as exc:
-        text = str(exc)
-        if text.startswith(("NOAUTH", "WRONGPASS", "NOPERM")):
-            raise StoreAuthenticationError(
-                f"{safe_url} requires authentication or more permissions ({text.split()[0]}): "
-                "put user:password in the URL and check the ACL allows GET/SET/DEL/EVALSHA/SCAN"
-            ) from None
-        raise StoreCommandError(f"{safe_url} answered an error: {text}") from None
+    except rex.OutOfMemoryError:
+        raise StoreOutOfMemoryError(
+            f"{safe_url} is full (used memory > maxmemory) and refuses writes: set "
+            "maxmemory-policy to volatile-ttl (or allkeys-lru), raise maxmemory, or lower ttl_s"
+        ) from None
+    except rex.ReadOnlyError:
+        raise StoreTopologyError(
+            f"{safe_url} is a read-only replica: point the URL at the master (after a failover, "
+            "use a redis-sentinel:// URL so the new master is found)"
+        ) from None
+    except _TOPOLOGY_ERRORS as exc:
+        raise StoreTopologyError(
+            f"{safe_url} is a Redis/Valkey Cluster node that does not serve this key "
+            f"({type(exc).__name__}: {_strip(exc)}): use a redis-cluster:// URL"
+        ) from None
+    except rex.BusyLoadingError:
+        raise StoreUnavailableError(
+            f"{safe_url} is loading its dataset into memory: retry when it has finished"
+        ) from None
     except rex.TimeoutError:
         raise StoreTimeoutError(
             f"{safe_url} did not answer in time: check the server's load and the network, "
             "or raise socket_timeout_s"
         ) from None
+    except rex.ResponseError as exc:
+        raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None
     except rex.ConnectionError as exc:
         raise StoreUnavailableError(
             f"cannot reach {safe_url} ({_strip(exc)}): check that the server runs and the "
             "host, port, socket path and TLS settings are right"
         ) from None
+    except rex.RedisError as exc:  # InvalidResponse, DataError, ...: a reply we cannot use
+        raise StoreCommandError(
+            f"{safe_url}: {type(exc).__name__}: {_strip(exc)} (a protocol or client error; "
+            "check that the URL points at Redis/Valkey and not another service)"
+        ) from None
+    except OSError as exc:  # socket errors redis-py did not wrap
+        raise StoreUnavailableError(f"cannot reach {safe_url} ({_strip(exc)})") from None
+
+
+def permission_error(
+    safe_url: str, command: str | None, server_text: str = ""
+) -> StorePermissionError:
+    what = f"run {command}" if command else "run a command or touch a key it needs"
+    return StorePermissionError(
+        f"{safe_url}: the ACL user may not {what} ({server_text or 'NOPERM'}). Grant the rule "
+        "for this role from the README's ACL table, e.g. ACL SETUSER <user> "
+        f"{'+' + command.split()[0].lower() if command else '+<command>'} ~kv:*",
+        command=command,
+    )
+
+
+def error_code(exc: BaseException) -> str | None:
+    """The server's error code of an unmapped ``ResponseError`` (``WRONGTYPE``, ``ERR``, ...):
+    redis-py keeps the first word for codes it has no class for."""
+    if type(exc) is not rex.ResponseError:
+        return None
+    word = str(exc).split(" ", 1)[0]
+    return word if word.isupper() else None
 
 
 def _strip(exc: BaseException) -> str:
     return str(exc).strip().rstrip(".") or type(exc).__name__
-
-
-def call(safe_url: str, fn: Callable[[], T]) -> T:
-    with translated_errors(safe_url):
-        return fn()

@@ -12,19 +12,49 @@ class InvalidURLError(KVStoreError, ValueError):
 
 
 class StoreUnavailableError(KVStoreError, ConnectionError):
-    """The Redis/Valkey server cannot be reached (refused, DNS, TLS handshake, reset)."""
+    """The Redis/Valkey server cannot be reached (refused, DNS, TLS handshake, reset, loading)."""
+
+
+class StoreCircuitOpenError(StoreUnavailableError):
+    """Recent calls failed, so this one was not sent: the store is skipped until a background
+    probe sees it answer again (see :class:`kvstore.breaker.CircuitBreaker`)."""
 
 
 class StoreAuthenticationError(KVStoreError, PermissionError):
     """The server rejected the username/password (or needs one that was not given)."""
 
 
+class StorePermissionError(KVStoreError, PermissionError):
+    """The ACL user may not run a command or touch a key (the server answered NOPERM).
+
+    ``command`` names the command that was refused, where known.
+    """
+
+    def __init__(self, message: str, command: str | None = None) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 class StoreTimeoutError(KVStoreError, TimeoutError):
-    """The server did not answer within the socket timeout."""
+    """The server did not answer within the socket timeout.
+
+    It is a builtin ``TimeoutError`` too, which on Python >= 3.11 is also
+    ``concurrent.futures.TimeoutError``: code that waits on a Future holding kvstore work must
+    tell the two apart by ``Future.done()``, never by catching the type.
+    """
 
 
 class StoreCommandError(KVStoreError, RuntimeError):
-    """The server answered a command with an error (e.g. OOM, a read-only replica)."""
+    """The server answered a command with an error, or sent a reply that could not be parsed."""
+
+
+class StoreOutOfMemoryError(StoreCommandError):
+    """The server refused a write because it reached ``maxmemory`` (OOM)."""
+
+
+class StoreTopologyError(StoreCommandError):
+    """The server is part of a cluster or a replica set and did not serve the key here
+    (MOVED, ASK, CLUSTERDOWN, TRYAGAIN, CROSSSLOT, MASTERDOWN, or READONLY on a replica)."""
 
 
 class InvalidValueError(KVStoreError, TypeError):
