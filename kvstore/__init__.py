@@ -12,16 +12,21 @@ from .errors import (
     InvalidValueError,
     KVStoreError,
     StoreAuthenticationError,
+    StoreCircuitOpenError,
     StoreCommandError,
+    StoreOutOfMemoryError,
+    StorePermissionError,
     StoreTimeoutError,
+    StoreTopologyError,
     StoreUnavailableError,
 )
 from .hashing import chain_hashes, root_hash
-from .lookup_buffer import LookupBuffer, StoreStats, layout_fingerprint
+from .lookup_buffer import HandoffState, LookupBuffer, StoreStats, layout_fingerprint
 
 __all__ = [
     "FORMAT_VERSION",
     "CorruptValueError",
+    "HandoffState",
     "InvalidArgumentError",
     "InvalidURLError",
     "InvalidValueError",
@@ -29,9 +34,13 @@ __all__ = [
     "LookupBuffer",
     "StoreAddress",
     "StoreAuthenticationError",
+    "StoreCircuitOpenError",
     "StoreCommandError",
+    "StoreOutOfMemoryError",
+    "StorePermissionError",
     "StoreStats",
     "StoreTimeoutError",
+    "StoreTopologyError",
     "StoreUnavailableError",
     "ValueHeader",
     "chain_hashes",

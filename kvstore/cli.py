@@ -28,7 +28,7 @@ from rich.table import Table
 from .codec import checksum_ok, read_header
 from .connection import make_client, parse_url, translated_errors
 from .errors import CorruptValueError, KVStoreError
-from .lookup_buffer import CLAIM_MARKER, DEFAULT_KEY_PREFIX
+from .keys import DEFAULT_KEY_PREFIX, parse_key
 
 _SCAN_COUNT = 1000
 
@@ -38,25 +38,19 @@ def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
         yield key.decode() if isinstance(key, bytes) else str(key)
 
 
-def _split(key: str) -> tuple[str, str, str] | None:
-    parts = key.split(":")
-    if len(parts) != 4:
-        return None  # claim keys (in-flight drop_select) and foreign keys
-    return parts[1], parts[2], parts[3]
-
-
 def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> list[dict[str, Any]]:
     """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range."""
     pattern = f"{prefix}:{namespace or '*'}:*"
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-    in_flight = 0
+    others: dict[str, int] = defaultdict(int)  # claims, handoff records, probes
     for key in _scan(client, pattern):
-        if CLAIM_MARKER in key:
-            in_flight += 1
+        parsed = parse_key(key, prefix)
+        if parsed is None:
             continue
-        parts = _split(key)
-        if parts:
-            groups[parts[:2]].append(key)
+        if parsed.kind == "block":
+            groups[(parsed.namespace, parsed.fingerprint)].append(key)
+        else:
+            others[parsed.kind] += 1
     rows = []
     now = time.time()
     for (ns, fp), keys in sorted(groups.items()):
@@ -88,8 +82,13 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
                 "pattern": f"{prefix}:{ns}:{fp}:*",
             }
         )
-    if in_flight:
-        rows.append({"namespace": "(in-flight drop_select claims)", "blocks": in_flight})
+    labels = {
+        "claim": "(in-flight drop_select claims)",
+        "handoff": "(handoff commit records)",
+        "probe": "(permission probes)",
+    }
+    for kind, count in sorted(others.items()):
+        rows.append({"namespace": labels[kind], "blocks": count})
     return rows
 
 
@@ -123,8 +122,8 @@ def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
         out.update(valid=False, reason=exc.reason, detail=str(exc))
         return out
     sum_ok = checksum_ok(value, header)
-    parts = _split(key)
-    fingerprint_ok = parts is None or parts[1] == header.fingerprint
+    parsed = parse_key(key)
+    fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
     out.update(
         valid=sum_ok and fingerprint_ok,
         checksum=header.checksum,
@@ -159,9 +158,9 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
     namespaces: dict[str, int] = defaultdict(int)
     for key in _scan(client, f"{prefix}:*"):
         keys += 1
-        parts = _split(key)
-        if parts:
-            namespaces[parts[0]] += 1
+        parsed = parse_key(key, prefix)
+        if parsed:
+            namespaces[parsed.namespace] += 1
     return {
         "server": (
             f"{info_server.get('server_name', 'redis')} {info_server['redis_version']}"

@@ -132,6 +132,132 @@ def _check_metadata(metadata: Mapping[str, str] | None) -> dict[str, str]:
     return meta
 
 
+@dataclass
+class StagedValue:
+    """A value whose tensor bytes are already in ``buffer`` (payload at ``header_bytes``) but
+    whose header -- checksum, codec -- is not written yet: :func:`finish_value` does that.
+
+    Staging only copies, so it can run on the forward path; hashing and compression run later
+    on a writer thread. ``buffer`` always holds the *uncompressed* value, so a pool of staging
+    buffers sized from one staged probe value bounds memory whatever the codec.
+    """
+
+    buffer: torch.Tensor  # CPU uint8, at least header_bytes + raw_bytes long
+    entries: list[TensorEntry]
+    raw_bytes: int
+    header_bytes: int  # 8 + the padded JSON header of the uncompressed value
+    fingerprint: str
+    block_hash: str
+    metadata: dict[str, str]
+    created: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.header_bytes + self.raw_bytes
+
+
+def _meta(staged: StagedValue, codec: str, checksum: str, payload_bytes: int) -> dict[str, str]:
+    return {
+        "kvstore.format": FORMAT_VERSION,
+        "kvstore.fingerprint": staged.fingerprint,
+        "kvstore.key": staged.block_hash,
+        "kvstore.codec": codec,
+        "kvstore.raw_bytes": str(staged.raw_bytes),
+        "kvstore.payload_bytes": str(payload_bytes),
+        "kvstore.checksum": checksum,
+        "kvstore.created": staged.created,
+        **staged.metadata,
+    }
+
+
+def _plan(
+    tensors: Mapping[str, torch.Tensor], max_value_bytes: int | None
+) -> tuple[list[tuple[str, torch.Tensor]], list[TensorEntry], int]:
+    items = _validate_tensors(tensors)
+    entries: list[TensorEntry] = []
+    offset = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            TensorEntry(name, _DTYPE_TO_ST[t.dtype], tuple(t.shape), offset, offset + nbytes)
+        )
+        offset += nbytes
+    if max_value_bytes is not None and offset > max_value_bytes:
+        raise InvalidValueError(
+            f"value of {offset} bytes exceeds max_value_bytes={max_value_bytes}; "
+            "raise the limit or store smaller blocks"
+        )
+    return items, entries, offset
+
+
+def stage_value(
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    fingerprint: str,
+    block_hash: str,
+    metadata: Mapping[str, str] | None = None,
+    max_value_bytes: int | None = None,
+    out: torch.Tensor | None = None,
+) -> StagedValue:
+    """Copy ``tensors`` (any device, any strides) once, straight into ``out`` (a CPU uint8
+    tensor, e.g. pinned staging memory reused across calls) or a fresh buffer, behind room for
+    the header. Nothing is hashed or compressed here."""
+    items, entries, raw_bytes = _plan(tensors, max_value_bytes)
+    staged = StagedValue(
+        buffer=torch.empty(0, dtype=torch.uint8),
+        entries=entries,
+        raw_bytes=raw_bytes,
+        header_bytes=0,
+        fingerprint=fingerprint,
+        block_hash=block_hash,
+        metadata=_check_metadata(metadata),
+        created=_now_iso(),
+    )
+    staged.header_bytes = len(
+        _render_header(entries, _meta(staged, "none", "0" * _CHECKSUM_WIDTH, raw_bytes))
+    )
+    total = staged.nbytes
+    if out is None:
+        out = torch.empty(total, dtype=torch.uint8)
+    elif out.dtype != torch.uint8 or out.device.type != "cpu" or out.numel() < total:
+        raise InvalidArgumentError(
+            f"out must be a CPU uint8 tensor of at least {total} bytes, got "
+            f"{out.dtype} {out.device} with {out.numel()} elements"
+        )
+    staged.buffer = out
+    payload = out[staged.header_bytes : total]
+    for (_, t), e in zip(items, entries, strict=True):
+        if e.end > e.start:
+            payload[e.start : e.end].view(t.dtype).view(t.shape).copy_(t)
+    return staged
+
+
+def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
+    """Hash (and compress) a staged value and write its header; returns the bytes to store.
+
+    Uncompressed, the result is a view on the staging buffer itself (no copy); with lz4 it is
+    a new buffer of header + compressed payload.
+    """
+    if compression not in CODECS:
+        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
+    whole = memoryview(staged.buffer[: staged.nbytes].numpy()).cast("B")  # type: ignore[arg-type]
+    payload = whole[staged.header_bytes :]
+    if compression == "none":
+        checksum = xxhash.xxh3_64_hexdigest(payload)
+        header = _render_header(
+            staged.entries,
+            _meta(staged, "none", checksum, staged.raw_bytes),
+            pad_to=staged.header_bytes - 8,
+        )
+        whole[: len(header)] = header
+        return whole
+    packed = lz4.block.compress(payload, store_size=False)
+    checksum = xxhash.xxh3_64_hexdigest(packed)
+    return memoryview(
+        _render_header(staged.entries, _meta(staged, compression, checksum, len(packed))) + packed
+    )
+
+
 def encode_value(
     tensors: Mapping[str, torch.Tensor],
     *,
@@ -142,79 +268,22 @@ def encode_value(
     max_value_bytes: int | None = None,
     out: torch.Tensor | None = None,
 ) -> memoryview:
-    """Serialise ``tensors`` into one value. Tensors may live on any device and need not be
-    contiguous: each is copied exactly once, straight into the output buffer.
+    """Serialise ``tensors`` into one value: :func:`stage_value` then :func:`finish_value`.
 
-    ``out`` (a CPU uint8 tensor, e.g. pinned staging memory reused across calls) receives an
-    uncompressed value instead of a fresh buffer; the result is then a view on ``out``.
+    ``out`` receives the uncompressed value; the result is then a view on ``out`` unless it
+    is compressed.
     """
     if compression not in CODECS:
         raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
-    items = _validate_tensors(tensors)
-    user_meta = _check_metadata(metadata)
-
-    entries: list[TensorEntry] = []
-    offset = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        entries.append(
-            TensorEntry(name, _DTYPE_TO_ST[t.dtype], tuple(t.shape), offset, offset + nbytes)
-        )
-        offset += nbytes
-    raw_bytes = offset
-    if max_value_bytes is not None and raw_bytes > max_value_bytes:
-        raise InvalidValueError(
-            f"value of {raw_bytes} bytes exceeds max_value_bytes={max_value_bytes}; "
-            "raise the limit or store smaller blocks"
-        )
-
-    def meta(checksum: str, payload_bytes: int) -> dict[str, str]:
-        return {
-            "kvstore.format": FORMAT_VERSION,
-            "kvstore.fingerprint": fingerprint,
-            "kvstore.key": block_hash,
-            "kvstore.codec": compression,
-            "kvstore.raw_bytes": str(raw_bytes),
-            "kvstore.payload_bytes": str(payload_bytes),
-            "kvstore.checksum": checksum,
-            "kvstore.created": created,
-            **user_meta,
-        }
-
-    created = _now_iso()
-
-    def fill(dst: torch.Tensor) -> None:
-        for (_, t), e in zip(items, entries, strict=True):
-            if e.end > e.start:
-                dst[e.start : e.end].view(t.dtype).view(t.shape).copy_(t)
-
-    if compression == "none":
-        placeholder = _render_header(entries, meta("0" * _CHECKSUM_WIDTH, raw_bytes))
-        total = len(placeholder) + raw_bytes
-        if out is None:
-            buffer = bytearray(total)
-            dst = torch.frombuffer(buffer, dtype=torch.uint8)
-            view = memoryview(buffer)
-        else:
-            if out.dtype != torch.uint8 or out.device.type != "cpu" or out.numel() < total:
-                raise InvalidArgumentError(
-                    f"out must be a CPU uint8 tensor of at least {total} bytes, got "
-                    f"{out.dtype} {out.device} with {out.numel()} elements"
-                )
-            dst = out[:total]
-            view = memoryview(dst.numpy()).cast("B")  # type: ignore[arg-type]
-        fill(dst[len(placeholder) :])
-        checksum = xxhash.xxh3_64_hexdigest(view[len(placeholder) :])
-        header = _render_header(entries, meta(checksum, raw_bytes), pad_to=len(placeholder) - 8)
-        view[: len(header)] = header
-        return view
-
-    raw = bytearray(raw_bytes)
-    if raw_bytes:
-        fill(torch.frombuffer(raw, dtype=torch.uint8))
-    payload = lz4.block.compress(raw, store_size=False)
-    checksum = xxhash.xxh3_64_hexdigest(payload)
-    return memoryview(_render_header(entries, meta(checksum, len(payload))) + payload)
+    staged = stage_value(
+        tensors,
+        fingerprint=fingerprint,
+        block_hash=block_hash,
+        metadata=metadata,
+        max_value_bytes=max_value_bytes,
+        out=out,
+    )
+    return finish_value(staged, compression)
 
 
 def _corrupt(reason: str, detail: str) -> CorruptValueError:

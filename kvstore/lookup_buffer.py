@@ -2,55 +2,83 @@
 
 Redis semantics, one line each:
 - ``insert``: ``SET key value [PX ttl]``; batches are pipelined, ``insert_async`` returns a Future.
-- ``drop_select``: a Lua script (EVALSHA) that gets and deletes a batch atomically, so each stored
-  value reaches exactly one caller; it can wait until every key is present.
-- ``select``: the same script without the delete, for shared prefix reuse.
-- ``longest_prefix``: a Lua script counting leading present blocks in one round trip.
+  Blocks later in a chain get a slightly shorter TTL, so under ``volatile-ttl`` eviction a
+  prompt's tail goes before its head (a head without its tail is still useful; not vice versa).
+- ``drop_select``: a Lua script claims a batch atomically (each stored value reaches exactly one
+  caller), a pipelined ``GET`` fetches it, and the claimed keys are deleted only after the values
+  arrived and were verified, so a dropped connection loses nothing.
+- ``select``: pipelined ``GETRANGE`` without deleting, for shared prefix reuse.
+- ``longest_prefix``: pipelined ``EXISTS``, counting leading present blocks in one round trip.
+- handoffs: a producer's commit record says how many leading blocks of a chain it really wrote
+  (``publish_handoff``); a consumer reads it (``read_handoff``) and takes it once
+  (``claim_handoff``).
 
 A value that fails validation is never returned: it is a counted miss, logged once per key.
+Every Redis call goes through one circuit breaker: when the server is refusing, hung or gone,
+calls fail at once with :class:`StoreCircuitOpenError` until a background probe sees it answer.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import re
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 import torch
 import xxhash
 
+from .breaker import CircuitBreaker
 from .codec import CODECS, FORMAT_VERSION, decode_value, encode_value
-from .connection import StoreAddress, make_client, parse_url, translated_errors
-from .errors import CorruptValueError, InvalidArgumentError
+from .connection import (
+    StoreAddress,
+    error_code,
+    make_client,
+    parse_url,
+    permission_error,
+    translated_errors,
+)
+from .errors import (
+    CorruptValueError,
+    InvalidArgumentError,
+    KVStoreError,
+    StoreCircuitOpenError,
+    StoreCommandError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from .keys import CLAIM_MARKER, DEFAULT_KEY_PREFIX, KeySpace
 
 logger = logging.getLogger("kvstore")
 
-DEFAULT_KEY_PREFIX = "kv"
-DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+T = TypeVar("T")
 
-# Claims blocks for one caller, atomically: each present key is RENAMEd to a key private to
-# this call (ARGV[3] is a fresh suffix), which then expires after ARGV[4] ms unless the caller
-# reads it first (it reads with GETDEL right after). Values never pass through Lua: returning a
-# multi-MiB string from a script costs ~4x a plain GET. ARGV[1]: max bytes, ARGV[2]: "all" (claim
-# nothing unless every key is present; reply nil) or "any". Reply: a [status, length] pair per
-# key; status 1 claimed, 0 missing, 2 over the size limit (left in place), 3 not a string.
+DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
+
+# Claims blocks for one caller, atomically: each present key is given the claim TTL (ARGV[4] ms)
+# and then RENAMEd to a key private to this call (ARGV[3] is a fresh suffix); RENAME keeps the
+# TTL, so a claim the caller never reads expires. The TTL is set first: if RENAME is refused
+# (ACL) nothing is left behind without one. Values never pass through Lua: returning a
+# multi-MiB string from a script costs ~4x a plain GET. ARGV[1]: max bytes, ARGV[2]: "all"
+# (claim nothing unless every key is present; reply nil) or "any". Reply: a [status, length]
+# pair per key; status 1 claimed, 0 missing, 2 over the size limit (left in place), 3 not a
+# string.
 _CLAIM_LUA = """
 local maxlen = tonumber(ARGV[1])
 local out = {}
 local missing = false
 for i, k in ipairs(KEYS) do
   local n = redis.pcall('STRLEN', k)
-  if type(n) == 'table' then
+  if type(n) == 'table' and n.err then
+    if not string.find(tostring(n.err), 'WRONGTYPE', 1, true) then return n end
     out[2 * i - 1] = 3; out[2 * i] = 0
   elseif n == 0 then
     out[2 * i - 1] = 0; out[2 * i] = 0; missing = true
@@ -63,33 +91,36 @@ end
 if missing and ARGV[2] == 'all' then return false end
 for i, k in ipairs(KEYS) do
   if out[2 * i - 1] == 1 then
-    local claim = k .. ':claim:' .. ARGV[3]
-    redis.call('RENAME', k, claim)
-    redis.call('PEXPIRE', claim, ARGV[4])
+    redis.call('PEXPIRE', k, ARGV[4])
+    redis.call('RENAME', k, k .. ':claim:' .. ARGV[3])
   end
 end
 return out
 """
-CLAIM_MARKER = ":claim:"
 _CLAIM_TTL_MS = 60_000
-
-# Keys come grouped by block (ARGV[1] keys per block, e.g. one per tensor-parallel rank); a block
-# counts only when all its keys exist. Returns the number of leading complete blocks.
-_LONGEST_PREFIX_LUA = """
-local per = tonumber(ARGV[1])
-local n = 0
-for i = 1, #KEYS, per do
-  for j = i, i + per - 1 do
-    if redis.call('EXISTS', KEYS[j]) == 0 then return n end
-  end
-  n = n + 1
-end
-return n
-"""
-
+HANDOFF_TAKEN = b"taken"
 
 # Scratch memory kept per thread for framing values in insert_many (see there).
 _SCRATCH_LIMIT = 64 << 20
+
+# What each operation needs the ACL user to be allowed, for check_access / the README.
+ACCESS: dict[str, tuple[str, ...]] = {
+    "ping": ("PING",),
+    "insert": ("SET",),
+    "select": ("GETRANGE",),
+    "lookup": ("EXISTS",),
+    "delete": ("UNLINK",),
+    "handoff_read": ("GET",),
+    "handoff_claim": ("SET",),
+    "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "PEXPIRE", "RENAME", "GET", "UNLINK"),
+}
+
+
+def acl_rule(operations: Iterable[str], key_pattern: str = "kv:*") -> str:
+    """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)."""
+    commands = dict.fromkeys(c for op in operations for c in ACCESS[op])
+    perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands)
+    return f"{perms} ~{key_pattern}"
 
 
 def layout_fingerprint(layout: Mapping[str, Any] | None = None) -> str:
@@ -111,9 +142,25 @@ class StoreStats:
     bytes_in: int = 0  # read from Redis (valid values only)
     corrupt: int = 0
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)
+    breaker_opens: int = 0  # times the circuit breaker opened (Redis refusing, hung, gone)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """What a consumer learns of a handoff in one round trip.
+
+    ``committed``: leading blocks the producer wrote and acknowledged (the minimum over the
+    fingerprints asked about), or None while any producer rank has not committed yet.
+    ``taken``: another consumer already claimed this handoff. ``present``: leading blocks of the
+    chain present now under every fingerprint.
+    """
+
+    committed: int | None
+    taken: bool
+    present: int
 
 
 class LookupBuffer:
@@ -127,36 +174,47 @@ class LookupBuffer:
         fingerprint: str | None = None,
         layout: Mapping[str, Any] | None = None,
         ttl_s: float | None = None,
+        ttl_step_ms: int = 1,
         compression: str = "none",
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         safe_url: str = "redis",
         io_threads: int = 4,
+        control_client: redis.Redis | None = None,
+        breaker_failures: int = 3,
+        breaker_probe_s: float = 0.5,
     ) -> None:
-        for what, name in (("namespace", namespace), ("key_prefix", key_prefix)):
-            if not isinstance(name, str) or not _NAME_RE.match(name):
-                raise InvalidArgumentError(
-                    f"{what} must be non-empty and use only letters, digits, '_', '.', '-': "
-                    f"got {name!r}"
-                )
         if compression not in CODECS:
             raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
         if ttl_s is not None and ttl_s < 0:
             raise InvalidArgumentError(f"ttl_s must be >= 0 or None, got {ttl_s}")
+        if ttl_step_ms < 0:
+            raise InvalidArgumentError(f"ttl_step_ms must be >= 0, got {ttl_step_ms}")
         if max_value_bytes <= 0:
             raise InvalidArgumentError("max_value_bytes must be positive")
         if fingerprint is not None and layout is not None:
             raise InvalidArgumentError("give fingerprint or layout, not both")
-        self._client = client
+        self.keys = KeySpace(key_prefix, namespace, fingerprint or layout_fingerprint(layout))
         self.namespace = namespace
-        self.fingerprint = fingerprint or layout_fingerprint(layout)
+        self.fingerprint = self.keys.fingerprint
+        self.key_prefix = key_prefix
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
+        self.ttl_step_ms = ttl_step_ms
         self.compression = compression
         self.max_value_bytes = max_value_bytes
-        self.key_prefix = key_prefix
         self.safe_url = safe_url
+        self._client = client
+        # small, latency-critical calls (lookups, handoffs, deletes) use their own connection
+        # pool, with a shorter socket timeout when made by from_url: they never queue behind
+        # multi-MiB transfers on a slow server
+        self._control = control_client or client
         self._claim = client.register_script(_CLAIM_LUA)
-        self._longest = client.register_script(_LONGEST_PREFIX_LUA)
+        self.breaker = CircuitBreaker(
+            self._control.ping,
+            name=f"Redis at {safe_url}",
+            failure_threshold=breaker_failures,
+            probe_interval_s=breaker_probe_s,
+        )
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -178,6 +236,7 @@ class LookupBuffer:
         max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         socket_timeout_s: float = 10.0,
+        control_timeout_s: float | None = None,
         connect_timeout_s: float = 3.0,
         max_connections: int = 32,
         tls_ca_file: str | None = None,
@@ -185,20 +244,35 @@ class LookupBuffer:
         tls_key_file: str | None = None,
         tls_verify: bool | None = None,
         io_threads: int = 4,
+        breaker_failures: int = 3,
+        breaker_probe_s: float = 0.5,
         check: bool = True,
     ) -> LookupBuffer:
         """Connect to ``url``. With ``check`` (default) the server is pinged now, so a wrong URL,
-        a server that is down or a wrong password fails here with a typed error."""
+        a server that is down or a wrong password fails here with a typed error.
+
+        ``control_timeout_s`` (default: ``socket_timeout_s``) is the socket timeout of the
+        small calls (lookups, handoff records, deletes, pings), which never move values.
+        """
         address: StoreAddress = parse_url(url)
+        common: dict[str, Any] = {
+            "connect_timeout_s": connect_timeout_s,
+            "tls_ca_file": tls_ca_file,
+            "tls_cert_file": tls_cert_file,
+            "tls_key_file": tls_key_file,
+            "tls_verify": tls_verify,
+        }
         client = make_client(
             address,
             socket_timeout_s=socket_timeout_s,
-            connect_timeout_s=connect_timeout_s,
             max_connections=max(max_connections, io_threads + 2),
-            tls_ca_file=tls_ca_file,
-            tls_cert_file=tls_cert_file,
-            tls_key_file=tls_key_file,
-            tls_verify=tls_verify,
+            **common,
+        )
+        control = make_client(
+            address,
+            socket_timeout_s=control_timeout_s or socket_timeout_s,
+            max_connections=max_connections,
+            **common,
         )
         buf = cls(
             client,
@@ -211,6 +285,9 @@ class LookupBuffer:
             key_prefix=key_prefix,
             safe_url=address.safe_url,
             io_threads=io_threads,
+            control_client=control,
+            breaker_failures=breaker_failures,
+            breaker_probe_s=breaker_probe_s,
         )
         if check:
             buf.ping()
@@ -229,32 +306,93 @@ class LookupBuffer:
         self.close()
 
     def close(self) -> None:
+        self.breaker.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
         self._client.close()
+        if self._control is not self._client:
+            self._control.close()
 
     @property
     def client(self) -> redis.Redis:
         """The underlying redis-py client (for tools; prefer the methods above)."""
         return self._client
 
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker is open: calls would fail at once."""
+        return self.breaker.allow()
+
+    # ------------------------------------------------------------------ every call
+    def _call(self, command: str, fn: Callable[[], T]) -> T:
+        """Run one Redis round trip: fail fast while the breaker is open, translate errors to
+        kvstore's types, and tell the breaker whether the server answered."""
+        if not self.breaker.allow():
+            raise StoreCircuitOpenError(
+                f"{self.safe_url} is skipped for now: recent calls failed "
+                f"({self.breaker.last_error}); it is used again once it answers a probe"
+            )
+        try:
+            with translated_errors(self.safe_url, command):
+                result = fn()
+        except (StoreUnavailableError, StoreTimeoutError) as exc:
+            self.breaker.record_failure(str(exc))
+            raise
+        self.breaker.record_success()
+        return result
+
     def ping(self) -> None:
-        with translated_errors(self.safe_url):
-            self._client.ping()
+        self._call("PING", self._control.ping)
+
+    def check_access(self, operations: Iterable[str]) -> None:
+        """Run each operation's commands once against a short-lived probe key, so a missing ACL
+        permission fails now, naming the command, instead of as misses later.
+
+        ``operations``: keys of :data:`ACCESS`. Raises :class:`StorePermissionError` (or the
+        usual typed errors when the server cannot be reached).
+        """
+        ops = list(dict.fromkeys(operations))
+        unknown = set(ops) - set(ACCESS)
+        if unknown:
+            raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
+        if "drop_select" in ops and "insert" not in ops:
+            ops.append("insert")  # the claim script only runs its commands on a present key
+        probe = self.keys.probe(uuid.uuid4().hex)
+        suffix = uuid.uuid4().hex
+        c, ctl = self._client, self._control
+        steps: dict[str, Callable[[], object]] = {
+            "ping": ctl.ping,
+            "insert": lambda: c.set(probe, b"probe", px=10_000),
+            "select": lambda: c.getrange(probe, 0, 0),
+            "lookup": lambda: ctl.exists(probe),
+            "handoff_read": lambda: ctl.get(probe),
+            "handoff_claim": lambda: ctl.set(probe, HANDOFF_TAKEN, xx=True, keepttl=True, get=True),
+            "drop_select": lambda: self._claim(
+                keys=[probe], args=[self.max_value_bytes, "any", suffix, 10_000], client=c
+            ),
+            "delete": lambda: ctl.unlink(probe, probe + CLAIM_MARKER + suffix),
+        }
+        order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
+        order += ["drop_select", "delete"]
+        for op in (o for o in order if o in ops):
+            command = " ".join(ACCESS[op]) if op == "drop_select" else ACCESS[op][0]
+            try:
+                self._call(command, steps[op])
+            except StoreCommandError as exc:
+                if op != "drop_select":
+                    raise
+                # inside a script a refused command is a plain script error (no NOPERM code)
+                raise permission_error(self.safe_url, command, str(exc)) from None
 
     # ------------------------------------------------------------------ keys
     def key_pattern(self, fingerprint: str | None = None) -> str:
         """The SCAN/redis-cli pattern of this buffer's keys."""
-        return f"{self.key_prefix}:{self.namespace}:{fingerprint or self.fingerprint}:*"
+        return self.keys.pattern(fingerprint)
 
     def redis_key(self, block_hash: str, fingerprint: str | None = None) -> str:
         """The full Redis key of a block, e.g. for ``redis-cli GETRANGE <key> 0 400``."""
-        if not isinstance(block_hash, str) or not block_hash or not _NAME_RE.match(block_hash):
-            raise InvalidArgumentError(
-                f"a block hash must be a non-empty str of letters/digits, got {block_hash!r}"
-            )
-        return f"{self.key_prefix}:{self.namespace}:{fingerprint or self.fingerprint}:{block_hash}"
+        return self.keys.block(block_hash, fingerprint)
 
     def _keys(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:
         if isinstance(hashes, str) or not isinstance(hashes, Sequence):
@@ -263,7 +401,14 @@ class LookupBuffer:
             )
         if not hashes:
             raise InvalidArgumentError("the list of block hashes is empty")
-        return [self.redis_key(h, fingerprint) for h in hashes]
+        return [self.keys.block(h, fingerprint) for h in hashes]
+
+    def _ttl_ms(self, position: int) -> int | None:
+        """The TTL of the block at ``position`` in its chain: one ``ttl_step_ms`` shorter per
+        position (never below half the TTL), so tails expire and get evicted first."""
+        if self.ttl_ms is None:
+            return None
+        return max(self.ttl_ms // 2, self.ttl_ms - position * self.ttl_step_ms)
 
     # ------------------------------------------------------------------ insert
     def encode(
@@ -276,7 +421,7 @@ class LookupBuffer:
     ) -> memoryview:
         """The bytes ``insert`` would store, for callers that stage values in reusable buffers
         (``out``) and write them later with :meth:`insert_encoded`."""
-        self.redis_key(block_hash)  # validates the hash
+        self.keys.block(block_hash)  # validates the hash
         return encode_value(
             tensors,
             fingerprint=self.fingerprint,
@@ -301,7 +446,7 @@ class LookupBuffer:
         items: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
-        """Pipelined ``SET`` of several blocks in one round trip.
+        """Pipelined ``SET`` of several blocks in one round trip; ``items`` in chain order.
 
         Values are framed in per-thread scratch buffers that are reused by the next call (fresh
         multi-MiB buffers cost a page fault per 4 KiB and made insert ~30% slower than plain
@@ -336,21 +481,36 @@ class LookupBuffer:
             bufs.append(buf)
         return buf
 
-    def insert_encoded(self, items: Sequence[tuple[str, bytes | memoryview]]) -> None:
-        """Pipelined ``SET`` of values made by :meth:`encode`."""
-        encoded = [(self.redis_key(h), v) for h, v in items]
+    def insert_encoded(
+        self,
+        items: Sequence[tuple[str, bytes | memoryview]],
+        *,
+        positions: Sequence[int] | None = None,
+    ) -> None:
+        """Pipelined ``SET`` of values made by :meth:`encode`.
+
+        ``positions``: each block's index in its chain (default: the order of ``items``); later
+        blocks get slightly shorter TTLs (see the module docstring).
+        """
+        encoded = [(self.keys.block(h), v) for h, v in items]
         if not encoded:
             return
+        where = list(positions) if positions is not None else list(range(len(encoded)))
+        if len(where) != len(encoded):
+            raise InvalidArgumentError("positions must have one entry per item")
         nbytes = sum(len(v) for _, v in encoded)
+
+        def write() -> None:
+            if len(encoded) == 1:
+                self._client.set(encoded[0][0], encoded[0][1], px=self._ttl_ms(where[0]))
+                return
+            pipe = self._client.pipeline(transaction=False)
+            for (key, value), pos in zip(encoded, where, strict=True):
+                pipe.set(key, value, px=self._ttl_ms(pos))
+            pipe.execute()
+
         try:
-            with translated_errors(self.safe_url):
-                if len(encoded) == 1:
-                    self._client.set(encoded[0][0], encoded[0][1], px=self.ttl_ms)
-                else:
-                    pipe = self._client.pipeline(transaction=False)
-                    for key, value in encoded:
-                        pipe.set(key, value, px=self.ttl_ms)
-                    pipe.execute()
+            self._call("SET", write)
         except Exception:
             with self._lock:
                 self._stats.insert_errors += len(encoded)
@@ -395,17 +555,20 @@ class LookupBuffer:
         received bytes.
         """
         keys = self._keys(hashes)
-        with translated_errors(self.safe_url):
+
+        def read() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.getrange(k, 0, self.max_value_bytes)
-            replies = pipe.execute(raise_on_error=False)
+            replies = list(pipe.execute(raise_on_error=False))
+            for r in replies:  # a key of another type is a counted miss; anything else raises
+                if isinstance(r, Exception) and error_code(r) != "WRONGTYPE":
+                    raise r
+            return replies
+
         raw: list[Any] = []
-        for r in replies:
+        for r in self._call("GETRANGE", read):
             if isinstance(r, Exception):
-                if not str(r).startswith("WRONGTYPE"):
-                    with translated_errors(self.safe_url):
-                        raise r
                 raw.append(-1)
             elif not r:
                 raw.append(None)
@@ -418,12 +581,14 @@ class LookupBuffer:
     def drop_select(
         self, hashes: Sequence[str], timeout_s: float = 0.0, *, copy: bool = True
     ) -> list[dict[str, torch.Tensor] | None]:
-        """Atomically get and delete blocks; each stored value is delivered to exactly one caller.
+        """Atomically take blocks; each stored value is delivered to exactly one caller.
 
-        A Lua script claims the present keys for this call (atomic ``RENAME`` to a private key),
-        then one pipelined ``GETDEL`` fetches them. With ``timeout_s > 0`` it waits (polling with
-        backoff up to 20 ms) until *every* key is present and claims them all at once; when the
-        time runs out it takes what is there.
+        A Lua script claims the present keys for this call (atomic ``RENAME`` to a private key
+        that expires unless read), one pipelined ``GET`` fetches them -- retried once if the
+        connection drops, the claimed keys are still there -- and they are deleted after they
+        arrived and were verified. With ``timeout_s > 0`` it waits (polling with backoff up to
+        20 ms) until *every* key is present and claims them all at once; when the time runs
+        out it takes what is there.
         """
         keys = self._keys(hashes)
         if timeout_s < 0:
@@ -431,34 +596,48 @@ class LookupBuffer:
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
         suffix = uuid.uuid4().hex
-        with translated_errors(self.safe_url):
-            while True:
-                waiting = time.monotonic() < deadline
-                claimed = self._claim(
-                    keys=keys,
-                    args=[self.max_value_bytes, "all" if waiting else "any", suffix, _CLAIM_TTL_MS],
-                )
-                if claimed is not None:
-                    break
-                time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-                delay = min(delay * 2, 0.02)
-            statuses = claimed[0::2]
+        while True:
+            waiting = time.monotonic() < deadline
+            args = [self.max_value_bytes, "all" if waiting else "any", suffix, _CLAIM_TTL_MS]
+            claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
+            if claimed is not None:
+                break
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.02)
+        statuses = claimed[0::2]
+        claimed_at = [k for k, st in zip(keys, statuses, strict=True) if st == 1]
+        claim_keys = [k + CLAIM_MARKER + suffix for k in claimed_at]
+
+        def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            for k, status in zip(keys, statuses, strict=True):
-                if status == 1:
-                    pipe.getdel(k + CLAIM_MARKER + suffix)
-            values = iter(pipe.execute() if any(s == 1 for s in statuses) else [])
+            for k in claim_keys:
+                pipe.get(k)
+            return list(pipe.execute())
+
+        values: list[Any] = []
+        if claim_keys:
+            try:
+                values = self._call("GET", fetch)
+            except (StoreUnavailableError, StoreTimeoutError):
+                values = self._call("GET", fetch)  # the claims are still there: one retry
+        fetched = iter(values)
         raw: list[Any] = []
         for status, length in zip(statuses, claimed[1::2], strict=True):
             if status == 1:
-                raw.append(next(values))
+                raw.append(next(fetched))
             elif status == 2:
                 raw.append(int(length))
             elif status == 3:
                 raw.append(-1)
             else:
                 raw.append(None)
-        return self._decode_all(hashes, keys, raw, copy)
+        out = self._decode_all(hashes, keys, raw, copy)
+        if claim_keys:
+            try:
+                self._call("UNLINK", lambda: self._control.unlink(*claim_keys))
+            except KVStoreError as exc:  # the values were delivered; the claims expire anyway
+                logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
+        return out
 
     def longest_prefix(
         self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
@@ -471,32 +650,95 @@ class LookupBuffer:
         if not hashes:
             return 0
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
-        keys = [self.redis_key(h, fp) for h in hashes for fp in fps]
-        with translated_errors(self.safe_url):
-            return int(self._longest(keys=keys, args=[len(fps)]))
+        keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
+
+        def exists() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        return _leading_present(self._call("EXISTS", exists), len(fps))
 
     def contains(self, hashes: Sequence[str]) -> list[bool]:
         keys = self._keys(hashes)
-        with translated_errors(self.safe_url):
-            pipe = self._client.pipeline(transaction=False)
+
+        def exists() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(k)
-            return [bool(x) for x in pipe.execute()]
+            return list(pipe.execute())
+
+        return [bool(x) for x in self._call("EXISTS", exists)]
 
     def delete(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
         """Delete blocks (under each of ``fingerprints``, default this buffer's); returns how many
         keys existed."""
         fps: Sequence[str | None] = list(fingerprints) if fingerprints else [None]
         keys = [k for fp in fps for k in self._keys(hashes, fp)]
-        with translated_errors(self.safe_url):
-            return int(self._client.unlink(*keys))
+        return int(self._call("UNLINK", lambda: self._control.unlink(*keys)))
+
+    # ------------------------------------------------------------------ handoffs
+    def publish_handoff(self, handoff_id: str, num_blocks: int) -> None:
+        """Record that the first ``num_blocks`` blocks of a handoff's chain are written (call it
+        after their SETs were acknowledged); expires with the blocks."""
+        if num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks must be >= 0, got {num_blocks}")
+        key = self.keys.handoff(handoff_id)
+        self._call("SET", lambda: self._control.set(key, str(num_blocks), px=self.ttl_ms))
+
+    def read_handoff(
+        self, handoff_id: str, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
+    ) -> HandoffState:
+        """One round trip: every rank's commit record, and how many leading blocks of ``hashes``
+        are present under every fingerprint."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        block_keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
+
+        def read() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
+            for fp in fps:
+                pipe.get(self.keys.handoff(handoff_id, fp))
+            for k in block_keys:
+                pipe.exists(k)
+            return list(pipe.execute())
+
+        replies = self._call("GET", read)
+        committed, taken = _commits(replies[: len(fps)])
+        return HandoffState(committed, taken, _leading_present(replies[len(fps) :], len(fps)))
+
+    def claim_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> bool:
+        """Take a committed handoff for this caller (``SET ... XX KEEPTTL GET``): True for
+        exactly one caller; False when another caller took it first or it is not committed."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+
+        def claim() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
+            for fp in fps:
+                pipe.set(
+                    self.keys.handoff(handoff_id, fp),
+                    HANDOFF_TAKEN,
+                    xx=True,
+                    keepttl=True,
+                    get=True,
+                )
+            return list(pipe.execute())
+
+        committed, taken = _commits(self._call("SET", claim))
+        return committed is not None and not taken
+
+    def delete_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        keys = [self.keys.handoff(handoff_id, fp) for fp in fps]
+        return int(self._call("UNLINK", lambda: self._control.unlink(*keys)))
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> StoreStats:
         with self._lock:
             snap = StoreStats(**{**asdict(self._stats)})
             snap.corrupt_by_reason = dict(self._stats.corrupt_by_reason)
-            return snap
+        snap.breaker_opens = self.breaker.opens
+        return snap
 
     def _decode_all(
         self, hashes: Sequence[str], keys: list[str], raw: list[Any], copy: bool
@@ -553,3 +795,32 @@ class LookupBuffer:
                         key,
                     )
         return out
+
+
+def _leading_present(exists: Sequence[Any], per_block: int) -> int:
+    """Leading blocks whose ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
+    n = 0
+    for i in range(0, len(exists), per_block):
+        if not all(exists[i : i + per_block]):
+            break
+        n += 1
+    return n
+
+
+def _commits(replies: Sequence[Any]) -> tuple[int | None, bool]:
+    """(minimum committed count or None if any rank has none, whether any rank's is taken)."""
+    counts: list[int] = []
+    taken = False
+    for r in replies:
+        if r is None:
+            continue
+        if r == HANDOFF_TAKEN:
+            taken = True
+            continue
+        try:
+            counts.append(int(r))
+        except (TypeError, ValueError):
+            taken = True  # not ours to read: treat as unusable, never wait on it
+    if taken or len(counts) < len(replies):
+        return None, taken
+    return min(counts), False

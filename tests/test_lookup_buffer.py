@@ -237,3 +237,87 @@ def test_reused_scratch_buffers_never_mix_values(fake_buffer: LookupBuffer) -> N
     got = fake_buffer.select(HASHES[:6])
     for i in range(6):
         assert torch.equal(got[i]["k"], block(i)["k"])  # type: ignore[index]
+
+
+def test_chain_tails_get_shorter_ttls_so_they_expire_and_evict_first(fake_client) -> None:
+    buf = LookupBuffer(fake_client, namespace="ttl", ttl_s=100, ttl_step_ms=50)
+    fill(buf, 4)
+    ttls = [fake_client.pttl(buf.redis_key(h)) for h in HASHES[:4]]
+    assert ttls == sorted(ttls, reverse=True) and ttls[0] - ttls[3] >= 140
+    buf.insert_encoded([(HASHES[5], buf.encode(HASHES[5], block(5)))], positions=[40])
+    assert fake_client.pttl(buf.redis_key(HASHES[5])) <= 100_000 - 40 * 50
+
+
+def test_handoff_is_committed_then_taken_by_exactly_one_consumer(fake_client) -> None:
+    producer = LookupBuffer(fake_client, namespace="h", fingerprint="f0", ttl_s=60)
+    consumer = LookupBuffer(fake_client, namespace="h", fingerprint="f0")
+    fill(producer, 3)
+    before = consumer.read_handoff("req1", HASHES[:4])
+    assert (before.committed, before.taken, before.present) == (None, False, 3)
+    producer.publish_handoff("req1", 3)
+    assert consumer.read_handoff("req1", HASHES[:4]).committed == 3
+    claims = [consumer.claim_handoff("req1") for _ in range(3)]
+    assert claims == [True, False, False]
+    after = consumer.read_handoff("req1", HASHES[:4])
+    assert after.taken and after.committed is None
+    assert fake_client.pttl(consumer.keys.handoff("req1")) > 0  # the record still expires
+
+
+def test_handoff_over_ranks_waits_for_every_rank_and_takes_the_minimum(fake_client) -> None:
+    ranks = [LookupBuffer(fake_client, namespace="h", fingerprint=f"f{r}") for r in range(2)]
+    fps = [r.fingerprint for r in ranks]
+    ranks[0].publish_handoff("req", 5)
+    assert ranks[0].read_handoff("req", HASHES[:1], fps).committed is None  # rank 1 still writing
+    assert not ranks[0].claim_handoff("req", ["f1"])  # nothing to claim yet, nothing created
+    assert fake_client.exists(ranks[1].keys.handoff("req")) == 0
+    ranks[1].publish_handoff("req", 2)  # rank 1 had to shed three blocks
+    assert ranks[0].read_handoff("req", HASHES[:1], fps).committed == 2
+
+
+def test_a_lost_reply_during_drop_select_loses_nothing(fake_buffer: LookupBuffer) -> None:
+    """The server may have executed the fetch when the connection drops: the values must still
+    be there for the retry (they were deleted before the reply arrived, formerly)."""
+    import redis.exceptions as rex
+
+    fill(fake_buffer, 3)
+    real_pipeline = fake_buffer.client.pipeline
+    dropped = []
+
+    def pipeline_losing_first_get_reply(*a, **k):  # type: ignore[no-untyped-def]
+        pipe = real_pipeline(*a, **k)
+        execute = pipe.execute
+
+        def execute_then_drop(*ea, **ek):  # type: ignore[no-untyped-def]
+            gets = any(c[0][0] == "GET" for c in pipe.command_stack)
+            result = execute(*ea, **ek)  # the server runs the commands ...
+            if gets and not dropped:  # ... and the reply is lost
+                dropped.append(True)
+                raise rex.ConnectionError("Connection reset by peer")
+            return result
+
+        pipe.execute = execute_then_drop
+        return pipe
+
+    fake_buffer.client.pipeline = pipeline_losing_first_get_reply  # type: ignore[method-assign]
+    got = fake_buffer.drop_select(HASHES[:3])
+    assert dropped and all(g is not None for g in got)
+    assert torch.equal(got[2]["k"], block(2)["k"])  # type: ignore[index]
+    assert fake_buffer.client.keys("*") == []  # taken, and the claims cleaned up
+
+
+def test_any_redis_py_error_becomes_a_typed_store_error(fake_buffer: LookupBuffer) -> None:
+    import redis.exceptions as rex
+
+    from kvstore import KVStoreError, StoreCommandError
+
+    for exc in (rex.InvalidResponse("Protocol error"), rex.DataError("bad"), OSError("EPIPE")):
+
+        def broken(*a, exc=exc, **k):  # type: ignore[no-untyped-def]
+            raise exc
+
+        fake_buffer._control.ping = broken  # type: ignore[method-assign]
+        with pytest.raises(KVStoreError) as info:
+            fake_buffer.ping()
+        assert not isinstance(info.value, rex.RedisError)
+        if not isinstance(exc, OSError):
+            assert isinstance(info.value, StoreCommandError)

@@ -1,0 +1,86 @@
+"""The Redis key format, defined once: built by the lookup buffer, parsed by the CLI.
+
+    <prefix>:<namespace>:<fingerprint>:<block hash>              one block's value
+    <prefix>:<namespace>:<fingerprint>:<block hash>:claim:<id>   a block claimed by drop_select
+    <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
+    <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
+
+The handoff id sits in braces (a Redis Cluster hash tag), so every tensor-parallel rank's commit
+record of one handoff lives in one slot.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidArgumentError
+
+DEFAULT_KEY_PREFIX = "kv"
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+CLAIM_MARKER = ":claim:"
+_HANDOFF = "handoff"
+_PROBE = "probe"
+
+
+def check_name(what: str, name: object) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidArgumentError(
+            f"{what} must be a non-empty str of letters, digits, '_', '.', '-': got {name!r}"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The keys of one (prefix, namespace, fingerprint)."""
+
+    prefix: str
+    namespace: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        check_name("key_prefix", self.prefix)
+        check_name("namespace", self.namespace)
+        check_name("fingerprint", self.fingerprint)
+
+    def _base(self, fingerprint: str | None) -> str:
+        return f"{self.prefix}:{self.namespace}:{fingerprint or self.fingerprint}"
+
+    def block(self, block_hash: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{check_name('a block hash', block_hash)}"
+
+    def handoff(self, handoff_id: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{_HANDOFF}:{{{check_name('handoff id', handoff_id)}}}"
+
+    def probe(self, token: str) -> str:
+        return f"{self._base(None)}:{_PROBE}:{token}"
+
+    def pattern(self, fingerprint: str | None = None) -> str:
+        """The SCAN / redis-cli pattern of every key of this space."""
+        return f"{self._base(fingerprint)}:*"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    kind: str  # "block", "claim", "handoff", "probe"
+    namespace: str
+    fingerprint: str
+    name: str  # the block hash, or the handoff / probe id
+
+
+def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
+    """What a key is, or None for a key that is not kvstore's."""
+    parts = key.split(":")
+    if len(parts) < 4 or parts[0] != prefix:
+        return None
+    ns, fp, rest = parts[1], parts[2], parts[3:]
+    if len(rest) == 1:
+        return ParsedKey("block", ns, fp, rest[0])
+    if len(rest) == 3 and rest[1] == CLAIM_MARKER.strip(":"):
+        return ParsedKey("claim", ns, fp, rest[0])
+    if len(rest) == 2 and rest[0] == _HANDOFF:
+        return ParsedKey("handoff", ns, fp, rest[1].strip("{}"))
+    if len(rest) == 2 and rest[0] == _PROBE:
+        return ParsedKey("probe", ns, fp, rest[1])
+    return None
