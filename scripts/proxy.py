@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -32,7 +33,6 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 logger = logging.getLogger("vllm_redis_proxy")
 
@@ -94,54 +94,124 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         await state["client"].aclose()
 
     app = FastAPI(title="vllm-redis-proxy", lifespan=lifespan)
+    app.state.pools = {"prefill": prefill, "decode": decode}
 
     async def send(
         pool: Pool, path: str, body: dict, req_id: str, stream: bool
     ) -> tuple[httpx.Response, Callable[[], Awaitable[None]]]:
-        """POST to the first server of the pool that answers; connection failures fall through to
-        the next server, a timeout or an HTTP error is final. Returns the response and its
-        ``finish``: the server counts as busy (for least_loaded) until ``finish`` is awaited,
-        which also closes the response -- after the last byte of a stream."""
+        """POST to the first server of the pool that answers. A refused connection falls
+        through to the next server; a pooled keep-alive connection the server had closed
+        (no response at all) is retried once on a fresh one; a timeout or an HTTP error is
+        final. Returns the response and its ``finish``: the server counts as busy (for
+        least_loaded) until ``finish`` is awaited, which also closes the response -- after
+        the last byte of a stream. Whatever happens, cancellation included, the count is
+        given back exactly once."""
         client = state["client"]
         last_error = "no server configured"
         for url in pool.order():
-            pool.in_flight[url] += 1
-            try:
-                req = client.build_request(
-                    "POST", url + path, json=body, headers={"X-Request-Id": req_id}
-                )
-                resp = await client.send(req, stream=stream)
-            except httpx.ConnectError as exc:
-                pool.in_flight[url] -= 1
-                last_error = f"{pool.role} server {url} is unreachable ({exc})"
-                logger.warning("%s", last_error)
-                continue
-            except httpx.TimeoutException:
-                pool.in_flight[url] -= 1
-                raise BackendError(
-                    openai_error(
-                        504, f"{pool.role} server {url} timed out after {cfg.timeout_s}s", "timeout"
+            for attempt in (1, 2):
+                pool.in_flight[url] += 1
+                handed_off = False
+                try:
+                    req = client.build_request(
+                        "POST", url + path, json=body, headers={"X-Request-Id": req_id}
                     )
-                ) from None
-            except httpx.HTTPError as exc:
-                pool.in_flight[url] -= 1
-                raise BackendError(
-                    openai_error(502, f"{pool.role} server {url} failed: {exc}", "backend_error")
-                ) from None
-
-            async def finish(resp: httpx.Response = resp, url: str = url) -> None:
-                await resp.aclose()
-                pool.in_flight[url] -= 1
-
-            if resp.status_code != 200:
-                content = await resp.aread()
-                await finish()
-                raise BackendError(_passthrough_error(resp.status_code, content, pool.role, url))
-            return resp, finish
+                    resp = await client.send(req, stream=stream)
+                    if resp.status_code != 200:
+                        content = await resp.aread()
+                        await resp.aclose()
+                        raise BackendError(
+                            _passthrough_error(resp.status_code, content, pool.role, url)
+                        )
+                    handed_off = True
+                    return resp, _finisher(pool, url, resp)
+                except _STALE_CONNECTION as exc:
+                    last_error = f"{pool.role} server {url} dropped the connection ({exc!r})"
+                    logger.warning("%s (attempt %d)", last_error, attempt)
+                    if attempt == 1:
+                        continue  # most likely a keep-alive connection it had just closed
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    last_error = f"{pool.role} server {url} is unreachable ({exc})"
+                    logger.warning("%s", last_error)
+                    break
+                except httpx.TimeoutException:
+                    raise BackendError(
+                        openai_error(
+                            504,
+                            f"{pool.role} server {url} timed out after {cfg.timeout_s}s",
+                            "timeout",
+                        )
+                    ) from None
+                except httpx.HTTPError as exc:
+                    raise BackendError(
+                        openai_error(
+                            502, f"{pool.role} server {url} failed: {exc}", "backend_error"
+                        )
+                    ) from None
+                finally:
+                    if not handed_off:
+                        pool.in_flight[url] -= 1
         raise BackendError(
             openai_error(
                 502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
             )
+        )
+
+    async def relay(
+        resp: httpx.Response, finish: Callable[[], Awaitable[None]], url: str
+    ) -> AsyncIterator[bytes]:
+        """The decode server's stream, then -- if it fails midway -- an OpenAI-style error
+        event, so the client learns the answer is incomplete. The server is released when the
+        stream ends, fails, or the client leaves (Starlette cancels this generator)."""
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            logger.warning("decode server %s failed mid-stream: %r", url, exc)
+            err = {
+                "error": {
+                    "message": f"decode server {url} failed mid-stream: {exc!r}",
+                    "type": "backend_error",
+                    "param": None,
+                    "code": 502,
+                }
+            }
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await finish()
+
+    async def pipeline(body: dict, path: str, req_id: str, stream: bool) -> Response:
+        """Prefill, then decode: everything up to the first byte of the answer."""
+        try:
+            resp, finish = await send(prefill, path, prefill_request(body), req_id + "-prefill",
+                                      stream=False)  # fmt: skip
+            await finish()
+            params = resp.json().get("kv_transfer_params")
+            dec = dict(body)
+            if params:
+                dec["kv_transfer_params"] = params
+            resp, finish = await send(decode, path, dec, req_id, stream=stream)
+        except BackendError as err:
+            return err.response
+        headers = {"x-request-id": req_id}
+        if stream:
+            return StreamingResponse(
+                relay(resp, finish, str(resp.request.url)),
+                media_type=resp.headers.get("content-type", "text/event-stream"),
+                headers=headers,
+            )
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as exc:
+            return openai_error(502, f"decode server failed mid-answer: {exc!r}", "backend_error")
+        finally:
+            await finish()
+        return Response(
+            content=content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+            headers=headers,
         )
 
     async def handle(request: Request, path: str) -> Response:
@@ -155,37 +225,21 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         if problem:
             return openai_error(400, problem[0], "invalid_request_error", problem[1])
         req_id = request.headers.get("x-request-id") or f"proxy-{uuid.uuid4().hex}"
-        stream = bool(body.get("stream"))
-
-        pre = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        pre.update(max_tokens=1, stream=False)
-        if "max_completion_tokens" in pre:
-            pre["max_completion_tokens"] = 1
+        work = asyncio.ensure_future(pipeline(body, path, req_id, bool(body.get("stream"))))
+        gone = asyncio.ensure_future(_client_disconnected(request))
         try:
-            resp, finish = await send(prefill, path, pre, req_id + "-prefill", stream=False)
-            await finish()
-            params = resp.json().get("kv_transfer_params")
-            dec = dict(body)
-            if params:
-                dec["kv_transfer_params"] = params
-            resp, finish = await send(decode, path, dec, req_id, stream=stream)
-        except BackendError as err:
-            return err.response
-        headers = {"x-request-id": req_id}
-        if stream:
-            return StreamingResponse(
-                resp.aiter_raw(),
-                media_type=resp.headers.get("content-type", "text/event-stream"),
-                headers=headers,
-                background=BackgroundTask(finish),
-            )
-        await finish()
-        return Response(
-            content=resp.content,
-            status_code=resp.status_code,
-            media_type=resp.headers.get("content-type", "application/json"),
-            headers=headers,
-        )
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            # the client left before the answer: stop the backends' work (closing the
+            # connection makes vLLM abort the request) instead of computing for nobody
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            logger.info("request %s: the client left; cancelled", req_id)
+            return Response(status_code=499)
+        return work.result()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -227,6 +281,51 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         )
 
     return app
+
+
+# Errors where the server sent no response at all on a connection: on a pooled keep-alive
+# connection, usually one the server closed a moment ago. Worth one retry on a fresh one.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def _finisher(pool: Pool, url: str, resp: httpx.Response) -> Callable[[], Awaitable[None]]:
+    """Close the response and give the server's in-flight slot back, once."""
+    done = False
+
+    async def finish() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        try:
+            await resp.aclose()
+        finally:
+            pool.in_flight[url] -= 1
+
+    return finish
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def prefill_request(body: dict) -> dict:
+    """The copy of a request sent to a prefill server: one token, one sequence, no stream.
+    Options that would make it invalid with one token (``min_tokens`` > 1) or repeat work
+    (``n``, ``best_of``) are dropped; the decode server gets them unchanged."""
+    pre = {
+        k: v
+        for k, v in body.items()
+        if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")
+    }
+    pre.update(max_tokens=1, stream=False)
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    return pre
 
 
 def _validate(body: Any, path: str) -> tuple[str, str | None] | None:

@@ -46,6 +46,8 @@ def echo_backend() -> Iterator[str]:
     async def completions(request: Request) -> JSONResponse:
         body = await request.json()
         SEEN.append((request.headers.get("x-request-id"), body))
+        if body.get("min_tokens", 0) > body.get("max_tokens", 16):  # as vLLM answers
+            return JSONResponse({"error": {"message": "min_tokens > max_tokens"}}, 400)
         return JSONResponse(
             {"choices": [{"text": "x"}], "kv_transfer_params": {"redis_kv": {"num_blocks": 2}}}
         )
@@ -209,3 +211,123 @@ def test_least_loaded_counts_a_stream_until_it_ends(echo_backend: str) -> None:
     for g in [proxy_gen, *gens]:
         next(g, None)
     assert hits[1] != hits[2], hits
+
+
+def proxy_server(cfg: ProxyConfig) -> tuple[Iterator[str], str, FastAPI]:
+    app = build_app(cfg)
+    gen = run_server(app)  # a real server: ASGITransport would buffer streams
+    return gen, next(gen), app
+
+
+def test_a_decode_server_failing_mid_stream_gives_an_error_event_and_frees_its_slot(
+    echo_backend: str,
+) -> None:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            await asyncio.sleep(0.05)
+            raise RuntimeError("the decode server crashed")  # the connection is cut
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    backend_gen = run_server(app)
+    crashing = next(backend_gen)
+    gen, proxy, proxy_app = proxy_server(ProxyConfig([echo_backend], [crashing], "least_loaded"))
+    with httpx.Client(base_url=proxy, timeout=30) as c:
+        text = c.post("/v1/completions", json={"prompt": "x", "stream": True}).text
+    events = [e for e in text.split("\n\n") if e.strip()]
+    assert events[0] == 'data: {"choices": [{"text": "a"}]}'
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == 502
+    assert events[-1] == "data: [DONE]"
+    assert proxy_app.state.pools["decode"].in_flight == {crashing: 0}
+    for g in (gen, backend_gen):
+        next(g, None)
+
+
+def test_a_client_that_leaves_cancels_its_request_at_the_backend(echo_backend: str) -> None:
+    cancelled = threading.Event()
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        for _ in range(200):  # a long generation, watching for the caller to go away
+            if await request.is_disconnected():
+                cancelled.set()
+                break
+            await asyncio.sleep(0.02)
+        return JSONResponse({"choices": [{"text": "late"}]})
+
+    backend_gen = run_server(app)
+    slow = next(backend_gen)
+    gen, proxy, proxy_app = proxy_server(ProxyConfig([echo_backend], [slow], "least_loaded"))
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=proxy, timeout=0.3) as c:
+        c.post("/v1/completions", json={"prompt": "x"})  # not streaming; gives up after 0.3 s
+    assert cancelled.wait(3), "the backend kept generating for a client that had left"
+    deadline = time.monotonic() + 3
+    while proxy_app.state.pools["decode"].in_flight[slow] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert proxy_app.state.pools["decode"].in_flight == {slow: 0}
+    for g in (gen, backend_gen):
+        next(g, None)
+
+
+def test_a_stale_keep_alive_connection_is_retried_not_a_502() -> None:
+    """A backend that closes an idle keep-alive connection as the next request arrives: the
+    request gets no response at all on it, and must be sent again on a new connection."""
+    import socket
+
+    body = json.dumps({"choices": [{"text": "ok"}], "kv_transfer_params": None}).encode()
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: keep-alive\r\n"
+        b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve_connection(conn: socket.socket) -> None:
+        with conn:
+            for n in range(2):
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, rest = data.split(b"\r\n\r\n", 1)
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                if n == 1:
+                    return  # the keep-alive connection is closed instead of answered
+                conn.sendall(answer)
+
+    def accept_forever() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_connection, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept_forever, daemon=True).start()
+    backend = f"http://127.0.0.1:{port}"
+    gen, proxy, _ = proxy_server(ProxyConfig([backend], [backend]))
+    with httpx.Client(base_url=proxy, timeout=10) as c:
+        for _ in range(3):  # prefill then decode reuse the pooled connection every time
+            r = c.post("/v1/completions", json={"prompt": "x"})
+            assert r.status_code == 200, r.text
+    listener.close()
+    next(gen, None)
+
+
+def test_min_tokens_and_n_are_not_sent_to_prefill(echo_backend: str) -> None:
+    cfg = ProxyConfig([echo_backend], [echo_backend])
+    r = call(cfg, "POST", "/v1/completions",
+             json={"prompt": "x", "max_tokens": 8, "min_tokens": 4, "n": 2})  # fmt: skip
+    assert r.status_code == 200, r.text
+    (_, pre), (_, dec) = SEEN
+    assert "min_tokens" not in pre and "n" not in pre and pre["max_tokens"] == 1
+    assert dec["min_tokens"] == 4 and dec["n"] == 2 and dec["max_tokens"] == 8
