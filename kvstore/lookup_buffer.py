@@ -99,6 +99,15 @@ return out
 """
 _CLAIM_TTL_MS = 60_000
 HANDOFF_TAKEN = b"taken"
+# A claimed handoff's record lives on this long as "taken", so a retried request learns at
+# once that it is gone, then expires (the blocks are deleted by the consumer).
+_TAKEN_TTL_MS = 60_000
+# A commit record matters for the seconds between a prefill and its decode; it never outlives
+# this (nor the blocks' TTL), so instances that nobody consumes from leave little behind.
+_HANDOFF_TTL_MS = 600_000
+# The permission probe's key: it lives for the few milliseconds check_access takes; a role
+# that may not delete leaves it to expire.
+_PROBE_TTL_MS = 1_000
 
 # Scratch memory kept per thread for framing values in insert_many (see there).
 _SCRATCH_LIMIT = 64 << 20
@@ -363,13 +372,15 @@ class LookupBuffer:
         c, ctl = self._client, self._control
         steps: dict[str, Callable[[], object]] = {
             "ping": ctl.ping,
-            "insert": lambda: c.set(probe, b"probe", px=10_000),
+            "insert": lambda: c.set(probe, b"probe", px=_PROBE_TTL_MS),
             "select": lambda: c.getrange(probe, 0, 0),
             "lookup": lambda: ctl.exists(probe),
             "handoff_read": lambda: ctl.get(probe),
-            "handoff_claim": lambda: ctl.set(probe, HANDOFF_TAKEN, xx=True, keepttl=True, get=True),
+            "handoff_claim": lambda: ctl.set(
+                probe, HANDOFF_TAKEN, xx=True, px=_PROBE_TTL_MS, get=True
+            ),
             "drop_select": lambda: self._claim(
-                keys=[probe], args=[self.max_value_bytes, "any", suffix, 10_000], client=c
+                keys=[probe], args=[self.max_value_bytes, "any", suffix, _PROBE_TTL_MS], client=c
             ),
             "delete": lambda: ctl.unlink(probe, probe + CLAIM_MARKER + suffix),
         }
@@ -681,11 +692,12 @@ class LookupBuffer:
     # ------------------------------------------------------------------ handoffs
     def publish_handoff(self, handoff_id: str, num_blocks: int) -> None:
         """Record that the first ``num_blocks`` blocks of a handoff's chain are written (call it
-        after their SETs were acknowledged); expires with the blocks."""
+        after their SETs were acknowledged); expires with the blocks, or after 10 minutes."""
         if num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be >= 0, got {num_blocks}")
         key = self.keys.handoff(handoff_id)
-        self._call("SET", lambda: self._control.set(key, str(num_blocks), px=self.ttl_ms))
+        ttl = min(self.ttl_ms or _HANDOFF_TTL_MS, _HANDOFF_TTL_MS)
+        self._call("SET", lambda: self._control.set(key, str(num_blocks), px=ttl))
 
     def read_handoff(
         self, handoff_id: str, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
@@ -708,8 +720,9 @@ class LookupBuffer:
         return HandoffState(committed, taken, _leading_present(replies[len(fps) :], len(fps)))
 
     def claim_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> bool:
-        """Take a committed handoff for this caller (``SET ... XX KEEPTTL GET``): True for
-        exactly one caller; False when another caller took it first or it is not committed."""
+        """Take a committed handoff for this caller (``SET ... XX PX GET``): True for exactly
+        one caller; False when another caller took it first or it is not committed. The record
+        then says "taken" for a minute and expires."""
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
 
         def claim() -> list[Any]:
@@ -719,7 +732,7 @@ class LookupBuffer:
                     self.keys.handoff(handoff_id, fp),
                     HANDOFF_TAKEN,
                     xx=True,
-                    keepttl=True,
+                    px=_TAKEN_TTL_MS,
                     get=True,
                 )
             return list(pipe.execute())
