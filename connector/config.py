@@ -37,13 +37,24 @@ class RedisConnectorConfig:
     mode: str = "share"
     ttl_s: float | None = 3600.0
     compression: str = "none"
-    load_timeout_s: float = 10.0
+    # Everything Redis-related for one request -- the lookup, waiting for the producer's
+    # commit, the load -- ends by this deadline: deadline_s + deadline_per_1k_tokens_s per
+    # 1,000 prompt tokens, at most deadline_max_s. Then the request recomputes what is missing.
+    deadline_s: float = 2.0
+    deadline_per_1k_tokens_s: float = 1.0
+    deadline_max_s: float = 30.0
     max_inflight_bytes: int = 256 << 20
     lookup_wait_s: float = 0.005
     model_id: str | None = None
     socket_timeout_s: float = 5.0
+    # socket timeout of lookups, handoff records and deletes (small, latency-critical calls)
+    control_timeout_s: float = 0.5
     connect_timeout_s: float = 2.0
     io_threads: int = 4
+    lookup_threads: int = 4
+    breaker_failures: int = 3
+    breaker_probe_s: float = 0.5
+    check_access: bool = True
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -55,6 +66,30 @@ class RedisConnectorConfig:
     @property
     def loads(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
+
+    @property
+    def consume(self) -> bool:
+        return self.mode == "consume"
+
+    def request_deadline_s(self, num_prompt_tokens: int) -> float:
+        """The Redis time budget of a request with this many prompt tokens."""
+        budget = self.deadline_s + self.deadline_per_1k_tokens_s * num_prompt_tokens / 1000
+        return min(self.deadline_max_s, budget)
+
+    def operations(self, side: str) -> list[str]:
+        """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
+        ``kvstore.lookup_buffer.ACCESS``, checked at startup."""
+        ops = ["ping"]
+        if side == "scheduler" and self.loads:
+            ops += ["lookup", "handoff_read"]
+            if self.consume:
+                ops += ["handoff_claim", "delete"]
+        if side == "worker":
+            if self.saves:
+                ops += ["insert"]  # blocks and handoff commit records
+            if self.loads:
+                ops += ["select"] + (["delete"] if self.consume else [])
+        return ops
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, role: str) -> RedisConnectorConfig:
@@ -70,6 +105,8 @@ class RedisConnectorConfig:
                 'e.g. {"url": "redis://redis:6379/0"}'
             )
         parse_url(url)  # a bad URL fails here, at startup, with a redacted message
+        if "load_timeout_s" in extra:  # the name before per-request deadlines
+            extra.setdefault("deadline_s", extra.pop("load_timeout_s"))
         known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role")}
         unknown = set(extra) - known
         if unknown:
@@ -77,20 +114,16 @@ class RedisConnectorConfig:
                 f"unknown kv_connector_extra_config key(s) {sorted(unknown)}; "
                 f"known: url, {', '.join(sorted(known))}"
             )
-        extra.setdefault("mode", "consume" if role == "kv_consumer" else "share")
+        # A producer/consumer pair hands each request over once (consume); instances that
+        # both save and load share a pool of prefixes (share).
+        extra.setdefault("mode", "share" if role == "kv_both" else "consume")
         if extra["mode"] not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {extra['mode']!r}")
-        numeric = {
-            "ttl_s": float,
-            "load_timeout_s": float,
-            "max_inflight_bytes": int,
-            "lookup_wait_s": float,
-            "socket_timeout_s": float,
-            "connect_timeout_s": float,
-            "io_threads": int,
-        }
-        for key, conv in numeric.items():
-            if key in extra and extra[key] is not None:
+        for key, f in cls.__dataclass_fields__.items():
+            if key not in extra or extra[key] is None:
+                continue
+            if f.type in ("float", "float | None", "int"):
+                conv = int if f.type == "int" else float
                 try:
                     extra[key] = conv(extra[key])
                 except (TypeError, ValueError):
@@ -99,8 +132,13 @@ class RedisConnectorConfig:
                     ) from None
                 if extra[key] < 0:
                     raise InvalidArgumentError(f"{key} must be >= 0, got {extra[key]}")
+            elif f.type == "bool" and not isinstance(extra[key], bool):
+                raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
+        for key in ("lookup_threads", "io_threads", "breaker_failures"):
+            if extra.get(key) == 0:
+                raise InvalidArgumentError(f"{key} must be >= 1")
         return cls(url=url, role=role, **extra)
 
 

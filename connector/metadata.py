@@ -9,25 +9,43 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class LoadSpec:
-    """Load ``hashes[i]`` into ``block_ids[i]``; in consume mode also delete ``drop_hashes``."""
+    """Load ``hashes[i]`` into ``block_ids[i]`` within ``timeout_s`` (the rest of the request's
+    deadline, counted from when the worker receives it); then delete ``drop_hashes`` (consume
+    mode: the whole handed-off chain, loaded or not)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
-    consume: bool
+    timeout_s: float
     drop_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass
 class SaveSpec:
-    """Save the KV of ``block_ids[i]`` under ``hashes[i]`` once this step's forward is done."""
+    """Save the KV of ``block_ids[i]`` under ``hashes[i]`` once this step's forward is done;
+    ``hashes[0]`` is block ``first_position`` of the request's chain ``handoff``."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
+    first_position: int
+    handoff: str
+
+
+@dataclass
+class CommitSpec:
+    """The request finished: once its saves are acknowledged, publish how many leading blocks
+    of the chain are in Redis. Blocks below ``present_blocks`` were there already (share mode)
+    and were not saved again."""
+
+    req_id: str
+    handoff: str
+    num_blocks: int
+    present_blocks: int
 
 
 @dataclass
 class RedisConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    commits: list[CommitSpec] = field(default_factory=list)

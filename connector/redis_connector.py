@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore import KVStoreError, LookupBuffer
+from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 
 from .config import KVLayout, RedisConnectorConfig, check_vllm_version
 from .metadata import RedisConnectorMetadata
@@ -73,6 +73,7 @@ class RedisConnector(KVConnectorBase_V1):
                 ktc.kv_load_failure_policy,
             )
         tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        side = "worker" if role == KVConnectorRole.WORKER else "scheduler"
         # check=False: Redis being down at startup must not stop the engine; it degrades to
         # recompute and the errors are counted and logged.
         store = LookupBuffer.from_url(
@@ -82,15 +83,25 @@ class RedisConnector(KVConnectorBase_V1):
             ttl_s=self.rc.ttl_s,
             compression=self.rc.compression,
             socket_timeout_s=self.rc.socket_timeout_s,
+            control_timeout_s=self.rc.control_timeout_s,
             connect_timeout_s=self.rc.connect_timeout_s,
             io_threads=self.rc.io_threads,
             tls_ca_file=self.rc.tls_ca_file,
             tls_cert_file=self.rc.tls_cert_file,
             tls_key_file=self.rc.tls_key_file,
+            breaker_failures=self.rc.breaker_failures,
+            breaker_probe_s=self.rc.breaker_probe_s,
             check=False,
         )
         try:
-            store.ping()
+            if self.rc.check_access:
+                # a missing ACL permission never heals by itself: fail now, naming it
+                store.check_access(self.rc.operations(side))
+            else:
+                store.ping()
+        except StorePermissionError:
+            store.close()
+            raise
         except KVStoreError as exc:
             logger.error(
                 "RedisConnector cannot use %s now (%s). vLLM keeps serving and recomputes what it "
@@ -155,16 +166,16 @@ class RedisConnector(KVConnectorBase_V1):
         self.worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, (self.worker.get_finished() or None)
+        sending, recving = self.worker.get_finished()
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.connector_worker is None:
-            return None
-        data = self.connector_worker.take_stats()
-        return RedisConnectorStats(data=data) if any(data.values()) else None
+        side = self.connector_worker or self.connector_scheduler
+        data = side.take_stats() if side is not None else {}
+        return RedisConnectorStats(data=data) if data else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
@@ -201,7 +212,7 @@ class RedisConnector(KVConnectorBase_V1):
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.update_connector_output(connector_output.finished_recving)
+        self.scheduler.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -1,8 +1,11 @@
-"""The connector's counters, carried to vLLM's logs and ``/metrics`` by its KV-connector hooks.
+"""The connector's metrics, carried to vLLM's logs and ``/metrics`` by its KV-connector hooks.
 
-Workers return ``RedisConnectorStats`` each step (``get_kv_connector_stats``); vLLM aggregates
-them in the frontend, logs ``reduce()`` periodically and feeds ``RedisPromMetrics.observe``,
-which exports ``vllm:redis_kv_*`` Prometheus counters.
+Both sides return ``RedisConnectorStats`` (workers each step from ``get_kv_connector_stats``,
+the scheduler side after each step); vLLM aggregates them in the frontend, logs ``reduce()``
+periodically and feeds ``RedisPromMetrics.observe``, which exports ``vllm:redis_kv_*``.
+
+Latencies are histograms (one observation per load, save or lookup), never float counters:
+vLLM's offline metrics reader truncates counter values to integers.
 """
 
 from __future__ import annotations
@@ -20,29 +23,90 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 # stats key -> (Prometheus name, help text)
 COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_loaded": ("vllm:redis_kv_blocks_loaded", "KV blocks loaded from Redis"),
+    "tokens_loaded": (
+        "vllm:redis_kv_tokens_loaded",
+        "Prompt tokens whose KV was loaded from Redis (external hits actually delivered)",
+    ),
     "blocks_load_failed": (
         "vllm:redis_kv_blocks_load_failed",
-        "KV blocks that could not be loaded (missing, corrupt, Redis error) and were recomputed",
+        "KV blocks announced as hits that could not be loaded (missing, corrupt, Redis error, "
+        "deadline) and were recomputed",
+    ),
+    "tokens_load_failed": (
+        "vllm:redis_kv_tokens_load_failed",
+        "Prompt tokens counted by vLLM as external hits whose load then failed (recomputed)",
     ),
     "blocks_saved": ("vllm:redis_kv_blocks_saved", "KV blocks written to Redis"),
     "blocks_save_failed": ("vllm:redis_kv_blocks_save_failed", "KV block writes that failed"),
     "blocks_shed": (
         "vllm:redis_kv_blocks_shed",
-        "KV blocks not saved because staging was full (Redis slower than the model)",
+        "KV blocks not saved because staging was full or Redis was unavailable",
     ),
     "bytes_loaded": ("vllm:redis_kv_bytes_loaded", "Bytes of KV loaded from Redis"),
     "bytes_saved": ("vllm:redis_kv_bytes_saved", "Bytes of KV written to Redis"),
-    "load_seconds": ("vllm:redis_kv_load_seconds", "Seconds spent loading KV from Redis"),
-    "save_seconds": ("vllm:redis_kv_save_seconds", "Seconds spent writing KV to Redis"),
-    "loads": ("vllm:redis_kv_loads", "Load jobs (one per request and step)"),
+    "loads": ("vllm:redis_kv_loads", "Load jobs (one per request)"),
+    "loads_expired": (
+        "vllm:redis_kv_loads_expired",
+        "Load jobs cut off by the request's deadline (their blocks were recomputed)",
+    ),
     "saves": ("vllm:redis_kv_saves", "Save jobs (one per request and step)"),
+    "handoffs_published": (
+        "vllm:redis_kv_handoffs_published",
+        "Producer commit records written (how many blocks a request really saved)",
+    ),
+    "lookups": ("vllm:redis_kv_lookups", "Lookups of a prompt's blocks in Redis"),
+    "requests_given_up": (
+        "vllm:redis_kv_requests_given_up",
+        "Requests that stopped waiting for Redis (deadline, breaker open, handoff taken) and "
+        "recomputed",
+    ),
+    "transfer_params_ignored": (
+        "vllm:redis_kv_transfer_params_ignored",
+        "Producer kv_transfer_params that did not match this instance (namespace, block size, "
+        "prompt) and were ignored",
+    ),
     "redis_errors": ("vllm:redis_kv_redis_errors", "Redis operations that raised an error"),
+    "breaker_opens": (
+        "vllm:redis_kv_breaker_opens",
+        "Times the circuit breaker stopped traffic to an unavailable Redis",
+    ),
+}
+# stats key -> (Prometheus name, help text, buckets in seconds)
+_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
+HISTOGRAMS: dict[str, tuple[str, str, list[float]]] = {
+    "load_seconds": (
+        "vllm:redis_kv_load_seconds",
+        "Time to load one request's blocks (fetch, verify, copy into the KV cache)",
+        _LATENCY_BUCKETS,
+    ),
+    "save_seconds": (
+        "vllm:redis_kv_save_seconds",
+        "Time to write one save job's blocks (hash, compress, SET)",
+        _LATENCY_BUCKETS,
+    ),
+    "lookup_seconds": (
+        "vllm:redis_kv_lookup_seconds",
+        "Time of one lookup round trip (present blocks, producer commit record)",
+        _LATENCY_BUCKETS,
+    ),
+    "handoff_wait_seconds": (
+        "vllm:redis_kv_handoff_wait_seconds",
+        "Time a consumer waited for the producer's commit record",
+        _LATENCY_BUCKETS,
+    ),
+}
+GAUGES: dict[str, tuple[str, str]] = {
+    "breaker_open": (
+        "vllm:redis_kv_breaker_open",
+        "1 while the scheduler's circuit breaker is open (Redis skipped, requests recompute)",
+    ),
 }
 
 
 class FailureCounts:
-    """Totals of failures by kind, and which of them to log: a line when a total reaches 1, 2,
-    4, 8, ... so an outage logs a handful of lines instead of one per request or block."""
+    """Totals of failures by cause, and which of them to log: a line when a cause's total
+    reaches 1, 2, 4, 8, ... so an outage logs a handful of lines per cause instead of one per
+    request or block."""
 
     def __init__(self) -> None:
         self._totals: dict[str, int] = {}
@@ -60,6 +124,33 @@ class FailureCounts:
             return self._totals.get(kind, 0)
 
 
+class StatsBuffer:
+    """Counters and latency observations since the last ``take()``, safe across threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {}
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                if v:
+                    self._data[k] = self._data.get(k, 0) + v
+
+    def observe(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self._data.setdefault(key, []).append(seconds)
+
+    def set(self, key: str, value: float) -> None:
+        with self._lock:
+            self._data[key] = value
+
+    def take(self) -> dict[str, Any]:
+        with self._lock:
+            data, self._data = self._data, {}
+        return data
+
+
 @dataclass
 class RedisConnectorStats(KVConnectorStats):
     def reset(self) -> None:
@@ -67,19 +158,24 @@ class RedisConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
+            if k in HISTOGRAMS:
+                self.data[k] = list(self.data.get(k, [])) + list(v)
+            else:
+                self.data[k] = self.data.get(k, 0) + v
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: v for k, v in self.data.items() if v}
-        if self.data.get("loads"):
-            out["avg_load_ms"] = round(1000 * self.data["load_seconds"] / self.data["loads"], 2)
-        if self.data.get("saves"):
-            out["avg_save_ms"] = round(1000 * self.data["save_seconds"] / self.data["saves"], 2)
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if k in HISTOGRAMS:
+                if v:
+                    out[f"avg_{k.removesuffix('_seconds')}_ms"] = round(1000 * sum(v) / len(v), 2)
+            elif v or k in GAUGES:
+                out[k] = v
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not self.data
 
 
 class RedisPromMetrics(KVConnectorPromMetrics):
@@ -91,16 +187,42 @@ class RedisPromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = per_engine_labelvalues
         self._counters = {
             key: create_metric_per_engine(
-                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
-                per_engine_labelvalues,
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames), per_engine
             )
             for key, (name, doc) in COUNTERS.items()
+        }
+        self._histograms = {
+            key: create_metric_per_engine(
+                self._histogram_cls(  # type: ignore[call-arg]  # vLLM types the classes loosely
+                    name=name, documentation=doc, labelnames=labelnames, buckets=buckets
+                ),
+                per_engine,
+            )
+            for key, (name, doc, buckets) in HISTOGRAMS.items()
+        }
+        self._gauges = {
+            key: create_metric_per_engine(
+                self._gauge_cls(  # type: ignore[call-arg]  # vLLM types the classes loosely
+                    name=name,
+                    documentation=doc,
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine,
+            )
+            for key, (name, doc) in GAUGES.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            per_engine = self._counters.get(key)
-            if per_engine is not None and value:
-                per_engine[engine_idx].inc(value)  # type: ignore[union-attr]
+            if key in self._counters and value:
+                self._counters[key][engine_idx].inc(value)  # type: ignore[union-attr]
+            elif key in self._histograms:
+                hist = self._histograms[key][engine_idx]
+                for seconds in value:
+                    hist.observe(seconds)  # type: ignore[union-attr]
+            elif key in self._gauges:
+                self._gauges[key][engine_idx].set(value)  # type: ignore[union-attr]

@@ -1,12 +1,18 @@
 """Worker side: move blocks between vLLM's paged KV cache and Redis, off the forward path.
 
-- Loads run on a background thread: fetch (``select`` or ``drop_select``), validate, and copy
-  each block into its allocated slot (CUDA: through pinned staging on a side stream, synchronised
-  before the request is reported loaded). vLLM keeps scheduling other requests meanwhile.
+- Loads run on background threads: fetch (``select``), validate, and copy each block into its
+  allocated slot (CUDA: through pinned staging on a side stream, synchronised before the
+  request is reported loaded). vLLM keeps scheduling other requests meanwhile. Every load is
+  reported finished -- with its failed blocks -- whatever happens: an exception of any type, or
+  its deadline passing while a thread is still stuck in a socket read (the late thread then
+  writes nothing). In consume mode the handed-off chain is deleted after the copy, so a
+  dropped connection mid-fetch loses nothing.
 - Saves: after the forward pass, each new full block is copied once, straight from the KV cache
-  into a reusable staging buffer in its final value format; a background thread then writes it
-  with a pipelined ``SET``. When no staging buffer is free (Redis slower than the model), the
-  block is shed and counted instead of growing memory.
+  into a reusable staging buffer (uncompressed, so the pool bounds memory whatever the codec);
+  writer threads then hash, compress and ``SET`` it. When no staging buffer is free (Redis
+  slower than the model) or the store is unavailable, the block is shed and counted. When a
+  request has finished and its writes are acknowledged, its commit record says how many
+  leading blocks really made it; the request's blocks are released then (finished sending).
 - Blocks are gathered and scattered along the block dimension of the *logical* per-layer view
   vLLM presents ([blocks, kv_heads, block_size, content]), so no backend's layout is assumed.
 """
@@ -18,43 +24,44 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvstore import KVStoreError, LookupBuffer
+from kvstore import KVStoreError, LookupBuffer, StoreTimeoutError, StoreUnavailableError
+from kvstore.codec import StagedValue, finish_value, stage_value
 from kvstore.staging import StagingPool
 
 from .config import KVLayout, RedisConnectorConfig
-from .metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import FailureCounts
+from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from .stats import FailureCounts, StatsBuffer
 
 logger = logging.getLogger("connector.worker")
 
+# A retry of a failed fetch is only worth it with this much of the deadline left.
+_RETRY_MIN_LEFT_S = 0.1
+
 
 @dataclass
-class WorkerStats:
-    """Counters since the last ``take()``: the interval vLLM's stats hooks report."""
+class _LoadJob:
+    spec: LoadSpec
+    deadline: float
+    started: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    copied: set[int] = field(default_factory=set)  # block ids written into the KV cache
+    nbytes: int = 0
+    reported: bool = False  # once True, nothing touches this request's blocks any more
 
-    blocks_loaded: int = 0
-    blocks_load_failed: int = 0
-    blocks_saved: int = 0
-    blocks_save_failed: int = 0
-    blocks_shed: int = 0
-    bytes_loaded: int = 0
-    bytes_saved: int = 0
-    load_seconds: float = 0.0
-    save_seconds: float = 0.0
-    loads: int = 0
-    saves: int = 0
-    redis_errors: int = 0
 
-    def take(self) -> dict[str, Any]:
-        snap = asdict(self)
-        for k in snap:
-            setattr(self, k, type(snap[k])())
-        return snap
+@dataclass
+class _SaveTrack:
+    """One request's saves: which chain positions were acknowledged, what is in flight."""
+
+    ok: set[int] = field(default_factory=set)
+    pending: int = 0
+    commit: CommitSpec | None = None
+    publishing: bool = False
 
 
 class RedisConnectorWorker:
@@ -69,7 +76,7 @@ class RedisConnectorWorker:
         self.layout = layout
         self.tp_rank = tp_rank
         self.store = store
-        self.stats = WorkerStats()
+        self.stats = StatsBuffer()
         self._lock = threading.Lock()
         self._kv: dict[str, torch.Tensor] = {}
         self._block_shape: tuple[int, ...] = ()
@@ -79,12 +86,16 @@ class RedisConnectorWorker:
         self._save_io = ThreadPoolExecutor(
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
+        self._cleanup_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-cleanup")
         self._save_pool: StagingPool | None = None
         self._load_pool: StagingPool | None = None  # CUDA only: pinned bounce buffers
         self._value_bytes = 0
+        self._jobs: dict[str, _LoadJob] = {}
+        self._saves: dict[str, _SaveTrack] = {}
         self._finished_loads: set[str] = set()
+        self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
-        self._pending: set[Future[None]] = set()
+        self._pending: set[Future[Any]] = set()
         self._stream: Any = None
         self._failures = FailureCounts()  # never reset (stats are): drives sparse logging
 
@@ -106,9 +117,14 @@ class RedisConnectorWorker:
                 f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
                 f"[blocks, {self.layout.num_kv_heads}, {self.layout.block_size}, content]"
             )
-        # One dry-run encode learns the exact value size, then staging is allocated once.
-        probe = {name: t[0] for name, t in self._kv.items()}
-        self._value_bytes = len(self.store.encode("0" * 32, probe)) + 64
+        # One staged probe learns the exact (uncompressed) value size, then staging is allocated
+        # once: the pool bounds the bytes in flight whatever the codec.
+        probe = stage_value(
+            {name: t[0] for name, t in self._kv.items()},
+            fingerprint=self.store.fingerprint,
+            block_hash="0" * 32,
+        )
+        self._value_bytes = probe.nbytes + 64
         count = max(2, self.config.max_inflight_bytes // self._value_bytes)
         pin = self._device.type == "cuda"
         self._save_pool = StagingPool(self._value_bytes, count, pin_memory=pin)
@@ -133,49 +149,87 @@ class RedisConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: RedisConnectorMetadata) -> None:
+        now = time.monotonic()
         for spec in meta.loads:
-            self._track(self._load_io.submit(self._load, spec))
+            job = _LoadJob(spec, deadline=now + spec.timeout_s, started=time.perf_counter())
+            with self._lock:
+                self._jobs[spec.req_id] = job
+            self._track(self._load_io.submit(self._load, job))
 
-    def _load(self, spec: LoadSpec) -> None:
-        t0 = time.perf_counter()
-        failed: list[int] = []
-        loaded = nbytes = errors = 0
+    def _load(self, job: _LoadJob) -> None:
+        spec = job.spec
         try:
-            if spec.consume:
-                values = self.store.drop_select(spec.hashes, copy=False)
-            else:
-                values = self.store.select(spec.hashes, copy=False)
-        except KVStoreError as exc:
-            total = self._failures.add("redis")
-            if total:
-                logger.warning(
-                    "request %s: loading from Redis failed (%d Redis errors so far): %s; "
-                    "recomputing",
-                    spec.req_id,
-                    total,
-                    exc,
-                )
-            values = [None] * len(spec.hashes)
-            errors = 1
-        try:
+            if time.monotonic() >= job.deadline:
+                return  # waited in the queue past its deadline: reported below as failed
+            values = self._fetch(job)
             for block_id, value in zip(spec.block_ids, values, strict=True):
                 if value is None or not self._fits(value):
-                    failed.append(block_id)
                     continue
-                self._copy_in(block_id, value)  # synchronous: done when it returns
-                loaded += 1
-                nbytes += sum(t.numel() * t.element_size() for t in value.values())
-        except Exception:  # never leave the request waiting forever
-            logger.exception("request %s: copying loaded blocks failed; recomputing", spec.req_id)
-            failed = list(spec.block_ids)
-            loaded = 0
+                with job.lock:
+                    if job.reported:  # the deadline passed: these blocks are no longer ours
+                        return
+                    self._copy_in(block_id, value)  # synchronous: done when it returns
+                    job.copied.add(block_id)
+                    job.nbytes += sum(t.numel() * t.element_size() for t in value.values())
+        except KVStoreError as exc:
+            self.stats.add(redis_errors=1)
+            self._warn(
+                f"redis:{type(exc).__name__}",
+                "request %(req)s: loading from Redis failed (%(total)d so far): %(exc)s; "
+                "recomputing",
+                req=spec.req_id,
+                exc=exc,
+            )
+        except Exception:  # never leave the request waiting, whatever went wrong
+            logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
+        finally:
+            self._report_load(job)
+            if spec.drop_hashes:
+                # consume mode: the chain was this request's alone and nothing will read it
+                # again; it is deleted only now, after the values were received and copied
+                fut = self._cleanup_io.submit(
+                    self.store.delete, spec.drop_hashes, self.layout.all_fingerprints()
+                )
+                self._track(fut, "deleting a consumed handoff")
+
+    def _fetch(self, job: _LoadJob) -> list[dict[str, torch.Tensor] | None]:
+        """``select`` the blocks; once more if the connection dropped and time is left (the
+        values are only deleted after they were copied, so they are still there)."""
+        try:
+            return self.store.select(job.spec.hashes, copy=False)
+        except (StoreUnavailableError, StoreTimeoutError):
+            if job.deadline - time.monotonic() < _RETRY_MIN_LEFT_S or not self.store.available:
+                raise
+            return self.store.select(job.spec.hashes, copy=False)
+
+    def _report_load(self, job: _LoadJob, expired: bool = False) -> None:
+        """Report a load finished, exactly once; blocks not copied by now are failed."""
+        with job.lock:
+            if job.reported:
+                return
+            job.reported = True
+        spec = job.spec
+        failed = [b for b in spec.block_ids if b not in job.copied]
+        loaded = len(spec.block_ids) - len(failed)
+        self.stats.add(
+            loads=1,
+            loads_expired=int(expired),
+            blocks_loaded=loaded,
+            tokens_loaded=loaded * self.layout.block_size,
+            blocks_load_failed=len(failed),
+            tokens_load_failed=len(failed) * self.layout.block_size,
+            bytes_loaded=job.nbytes,
+        )
+        self.stats.observe("load_seconds", time.perf_counter() - job.started)
+        if expired:
+            self._warn(
+                "deadline",
+                "request %(req)s: its deadline passed while loading from Redis (%(total)d so "
+                "far); recomputing what was not loaded",
+                req=spec.req_id,
+            )
         with self._lock:
-            self.stats.loads += 1
-            self.stats.blocks_loaded += loaded
-            self.stats.blocks_load_failed += len(failed)
-            self.stats.bytes_loaded += nbytes
-            self.stats.load_seconds += time.perf_counter() - t0
-            self.stats.redis_errors += errors
+            self._jobs.pop(spec.req_id, None)
             self._failed_block_ids.update(failed)
             self._finished_loads.add(spec.req_id)
 
@@ -184,7 +238,12 @@ class RedisConnectorWorker:
             tuple(t.shape) == self._block_shape and t.dtype == self._dtype for t in value.values()
         )
         if not ok:
-            logger.warning("a stored block does not match this instance's KV layout; ignoring it")
+            self._warn(
+                "layout",
+                "a stored block does not match this instance's KV layout; ignoring it "
+                "(%(total)d so far). Is another model writing to namespace %(ns)r?",
+                ns=self.config.namespace,
+            )
         return ok
 
     def _copy_in(self, block_id: int, value: Mapping[str, torch.Tensor]) -> None:
@@ -212,84 +271,158 @@ class RedisConnectorWorker:
 
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: RedisConnectorMetadata) -> None:
-        """Copy this step's new full blocks into staging (bounded, no Redis I/O) and hand them
-        to the writer threads; the forward path never waits on Redis."""
+        """Copy this step's new full blocks into staging (bounded, no hashing, no compression,
+        no Redis I/O) and hand them to the writer threads; the forward path never waits on
+        Redis. Then note which requests finished, to publish their commit records."""
         for spec in meta.saves:
             self._stage_and_submit(spec)
+        for commit in meta.commits:
+            with self._lock:
+                track = self._saves.setdefault(commit.req_id, _SaveTrack())
+                track.commit = commit
+            self._maybe_publish(commit.req_id)
 
     def _stage_and_submit(self, spec: SaveSpec) -> None:
         assert self._save_pool is not None
-        staged: list[tuple[str, memoryview, torch.Tensor]] = []
+        with self._lock:
+            track = self._saves.setdefault(spec.req_id, _SaveTrack())
+        staged: list[tuple[int, StagedValue, torch.Tensor]] = []
         shed = 0
-        for block_id, block_hash in zip(spec.block_ids, spec.hashes, strict=True):
-            buf = self._save_pool.try_acquire()
-            if buf is None:
-                shed += 1
-                continue
-            tensors = {name: kv[block_id] for name, kv in self._kv.items()}
-            staged.append((block_hash, self.store.encode(block_hash, tensors, out=buf), buf))
+        if self.store.available:
+            for i, (block_id, block_hash) in enumerate(
+                zip(spec.block_ids, spec.hashes, strict=True)
+            ):
+                buf = self._save_pool.try_acquire()
+                if buf is None:
+                    shed += 1
+                    continue
+                tensors = {name: kv[block_id] for name, kv in self._kv.items()}
+                value = stage_value(
+                    tensors, fingerprint=self.store.fingerprint, block_hash=block_hash, out=buf
+                )
+                staged.append((spec.first_position + i, value, buf))
+        else:  # Redis is down or hung: do not even copy
+            shed = len(spec.block_ids)
         if shed:
-            with self._lock:
-                self.stats.blocks_shed += shed
-            total = self._failures.add("shed", shed)
-            if total:
-                logger.warning(
-                    "request %s: %d block(s) not saved, staging full (%d shed so far; Redis is "
-                    "slower than the model: raise max_inflight_bytes or speed up Redis)",
-                    spec.req_id,
-                    shed,
-                    total,
-                )
+            self.stats.add(blocks_shed=shed)
+            self._warn(
+                "shed",
+                "request %(req)s: %(n)d block(s) not saved: staging full or Redis unavailable "
+                "(%(total)d shed so far; if Redis is up it is slower than the model: raise "
+                "max_inflight_bytes)",
+                n=shed,
+                req=spec.req_id,
+            )
         if staged:
-            self._track(self._save_io.submit(self._write, spec.req_id, staged))
+            with self._lock:
+                track.pending += 1
+            self._track(self._save_io.submit(self._write, spec.req_id, staged), "a save")
 
-    def _write(self, req_id: str, staged: list[tuple[str, memoryview, torch.Tensor]]) -> None:
+    def _write(self, req_id: str, staged: list[tuple[int, StagedValue, torch.Tensor]]) -> None:
         t0 = time.perf_counter()
-        ok = True
+        ok = False
+        nbytes = 0
         try:
-            self.store.insert_encoded([(h, v) for h, v, _ in staged])
+            items = [(s.block_hash, finish_value(s, self.store.compression)) for _, s, _ in staged]
+            nbytes = sum(len(v) for _, v in items)
+            self.store.insert_encoded(items, positions=[pos for pos, _, _ in staged])
+            ok = True
         except KVStoreError as exc:
-            ok = False
-            total = self._failures.add("redis")
-            if total:
-                logger.warning(
-                    "request %s: saving %d block(s) failed (%d Redis errors so far): %s",
-                    req_id,
-                    len(staged),
-                    total,
-                    exc,
-                )
+            self.stats.add(redis_errors=1)
+            self._warn(
+                f"redis:{type(exc).__name__}",
+                "request %(req)s: saving %(blocks)d block(s) failed (%(total)d Redis errors so "
+                "far): %(exc)s",
+                req=req_id,
+                blocks=len(staged),
+                exc=exc,
+            )
+        except Exception:
+            logger.exception("request %s: saving %d block(s) failed", req_id, len(staged))
         finally:
             assert self._save_pool is not None
             for _, _, buf in staged:
                 self._save_pool.release(buf)
+            with self._lock:
+                track = self._saves.get(req_id)
+                if track is not None:
+                    track.pending -= 1
+                    if ok:
+                        track.ok.update(pos for pos, _, _ in staged)
+            self.stats.add(
+                saves=1,
+                blocks_saved=len(staged) if ok else 0,
+                bytes_saved=nbytes if ok else 0,
+                blocks_save_failed=0 if ok else len(staged),
+            )
+            self.stats.observe("save_seconds", time.perf_counter() - t0)
+            self._maybe_publish(req_id)
+
+    def _maybe_publish(self, req_id: str) -> None:
+        """Once a finished request has no write in flight, publish its commit record."""
         with self._lock:
-            self.stats.saves += 1
-            if ok:
-                self.stats.blocks_saved += len(staged)
-                self.stats.bytes_saved += sum(len(v) for _, v, _ in staged)
-            else:
-                self.stats.blocks_save_failed += len(staged)
-                self.stats.redis_errors += 1
-            self.stats.save_seconds += time.perf_counter() - t0
+            track = self._saves.get(req_id)
+            if track is None or track.commit is None or track.pending or track.publishing:
+                return
+            track.publishing = True
+        self._track(self._save_io.submit(self._publish, req_id, track), "a commit record")
+
+    def _publish(self, req_id: str, track: _SaveTrack) -> None:
+        commit = track.commit
+        assert commit is not None
+        n = commit.present_blocks
+        while n < commit.num_blocks and n in track.ok:
+            n += 1
+        try:
+            self.store.publish_handoff(commit.handoff, n)
+            self.stats.add(handoffs_published=1)
+        except KVStoreError as exc:
+            self.stats.add(redis_errors=1)
+            self._warn(
+                f"redis:{type(exc).__name__}",
+                "request %(req)s: publishing its commit record failed (%(total)d Redis errors "
+                "so far): %(exc)s; its consumer recomputes by its deadline",
+                req=req_id,
+                exc=exc,
+            )
+        finally:
+            with self._lock:
+                self._saves.pop(req_id, None)
+                self._finished_saves.add(req_id)
 
     # ------------------------------------------------------------------ completion
-    def _track(self, fut: Future[None]) -> None:
+    def _warn(self, cause: str, msg: str, n: int = 1, **fields: Any) -> None:
+        """A warning at 1, 2, 4, 8, ... occurrences of a cause, not one per block or request;
+        ``msg`` uses ``%(total)d`` for the running total and ``%(name)s`` for ``fields``."""
+        total = self._failures.add(cause, n)
+        if total:
+            logger.warning(msg, {**fields, "n": n, "total": total})
+
+    def _track(self, fut: Future[Any], what: str = "a load") -> None:
         with self._lock:
             self._pending.add(fut)
-        fut.add_done_callback(self._untrack)
 
-    def _untrack(self, fut: Future[None]) -> None:
-        with self._lock:
-            self._pending.discard(fut)
-        exc = fut.exception()
-        if exc is not None:
-            logger.error("RedisConnector background task failed: %r", exc)
+        def done(f: Future[Any]) -> None:
+            with self._lock:
+                self._pending.discard(f)
+            exc = f.exception()
+            if exc is not None:  # the tasks catch what they can; anything else is said here
+                logger.error("RedisConnector background task (%s) failed: %r", what, exc)
 
-    def get_finished(self) -> set[str]:
+        fut.add_done_callback(done)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished saves, finished loads). Loads past their deadline are reported now, with
+        every block not yet copied failed, even if their thread is still waiting on Redis."""
+        now = time.monotonic()
         with self._lock:
-            done, self._finished_loads = self._finished_loads, set()
-        return done
+            expired = [job for job in self._jobs.values() if now >= job.deadline]
+        for job in expired:
+            self._report_load(job, expired=True)
+        with self._lock:
+            saves, self._finished_saves = self._finished_saves, set()
+            loads, self._finished_loads = self._finished_loads, set()
+        return saves, loads
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
@@ -297,15 +430,18 @@ class RedisConnectorWorker:
         return failed
 
     def take_stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self.stats.take()
+        return self.stats.take()
 
     def shutdown_pending(self, timeout_s: float) -> int:
         """Wait (bounded) for running transfers; returns how many are still running."""
-        with self._lock:
-            pending = list(self._pending)
-        _, not_done = wait(pending, timeout=timeout_s)
-        return len(not_done)
+        deadline = time.monotonic() + timeout_s
+        while True:  # a finished write may start a commit record: wait for those too
+            with self._lock:
+                pending = list(self._pending)
+            left = deadline - time.monotonic()
+            if not pending or left <= 0:
+                return len(pending)
+            wait(pending, timeout=left)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         still_running = self.shutdown_pending(timeout_s)
@@ -313,6 +449,6 @@ class RedisConnectorWorker:
             logger.warning(
                 "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
-        self._load_io.shutdown(wait=False, cancel_futures=True)
-        self._save_io.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._load_io, self._save_io, self._cleanup_io):
+            pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -92,10 +92,19 @@ def main() -> None:
                 "kv_transfer_params": res.kv_transfer_params,
                 "elapsed_s": elapsed,
             }
-    metrics = {}
+    # An offline LLM processes engine outputs only while generate() runs; counters of work that
+    # ended after the last request's final token (commit records, late saves) arrive in later,
+    # stats-only outputs. One tiny request, a moment later, pulls them in. (A server's output
+    # loop always pulls; it needs nothing like this.)
+    time.sleep(0.5)
+    llm.generate([{"prompt_token_ids": [3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    metrics: dict = {}
     for m in llm.get_metrics():
         if "redis_kv" in m.name or "prefix_cache" in m.name:
-            metrics[m.name] = getattr(m, "value", None)
+            if hasattr(m, "sum"):  # a histogram
+                metrics[m.name] = {"count": m.count, "sum": m.sum}
+            else:
+                metrics[m.name] = getattr(m, "value", None)
     out["metrics"] = metrics
     with open(args.out, "w") as f:
         json.dump(out, f)

@@ -39,7 +39,8 @@ from vllm.v1.structured_output import StructuredOutputManager
 import kvstore.lookup_buffer
 from connector.config import KVLayout
 from connector.metadata import RedisConnectorMetadata
-from kvstore import LookupBuffer, chain_hashes
+from connector.scheduler import handoff_salt
+from kvstore import LookupBuffer, StoreTimeoutError, chain_hashes
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -128,12 +129,46 @@ def store_for(sched: Scheduler) -> LookupBuffer:
     )
 
 
+def block() -> dict[str, torch.Tensor]:
+    return {LAYERS[0]: torch.zeros(2, BS, 128), LAYERS[1]: torch.zeros(2, BS, 128)}
+
+
 def seed_blocks(sched: Scheduler, tokens: list[int], n: int) -> list[str]:
+    """Put the first ``n`` blocks of the shared (share-mode) chain in the store."""
     hashes = chain_hashes(tokens, BS)
-    store = store_for(sched)
-    for h in hashes[:n]:
-        store.insert(h, {LAYERS[0]: torch.zeros(2, BS, 128), LAYERS[1]: torch.zeros(2, BS, 128)})
+    store_for(sched).insert_many([(h, block()) for h in hashes[:n]])
     return hashes
+
+
+def hand_off(
+    sched: Scheduler,
+    tokens: list[int],
+    written: int,
+    *,
+    announced: int | None = None,
+    commit: int | None = None,
+    handoff: str = "feed1234",
+) -> tuple[dict, list[str]]:
+    """What a consume-mode producer leaves: ``written`` blocks of a chain private to this
+    handoff, its commit record (``commit`` blocks; None: still writing) and the params it
+    returns (``announced`` blocks)."""
+    chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
+    store = store_for(sched)
+    store.insert_many([(h, block()) for h in chain[:written]])
+    if commit is not None:
+        store.publish_handoff(handoff, commit)
+    n = announced if announced is not None else written
+    params = {
+        "redis_kv": {
+            "handoff": handoff,
+            "scope": "handoff",
+            "num_blocks": n,
+            "last_hash": chain[n - 1],
+            "namespace": "vllm",
+            "block_size": BS,
+        }
+    }
+    return params, chain
 
 
 def runner_output(
@@ -160,18 +195,34 @@ def meta_of(out: Any) -> RedisConnectorMetadata:
     return meta
 
 
-def test_consumer_loads_present_prefix_asynchronously_and_never_the_last_token(
+def connector_of(sched: Scheduler) -> Any:
+    return sched.connector.scheduler  # type: ignore[union-attr]
+
+
+def schedule_until_admitted(sched: Scheduler, rid: str, steps: int = 50) -> Any:
+    """Step the scheduler (nothing else running) until ``rid`` is admitted or starts loading."""
+    for _ in range(steps):
+        out = sched.schedule()
+        if rid in out.num_scheduled_tokens or any(s.req_id == rid for s in meta_of(out).loads):
+            return out
+        sched.update_from_output(out, runner_output([]))
+        time.sleep(0.012)
+    raise AssertionError(f"{rid} was never admitted")
+
+
+def test_consumer_loads_a_handoff_asynchronously_and_never_the_last_token(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     sched = make_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS)  # exactly 4 blocks: only 3 may be loaded
-    hashes = seed_blocks(sched, tokens, 4)
-    req = make_request("r1", tokens)
+    params, chain = hand_off(sched, tokens, 4, commit=4)
+    req = make_request("r1", tokens, params)
     sched.add_request(req)
     out = sched.schedule()
     meta = meta_of(out)
-    assert [(s.req_id, s.hashes, s.consume) for s in meta.loads] == [("r1", hashes[:3], True)]
-    assert len(meta.loads[0].block_ids) == 3
+    assert [(s.req_id, s.hashes) for s in meta.loads] == [("r1", chain[:3])]
+    assert len(meta.loads[0].block_ids) == 3 and 0 < meta.loads[0].timeout_s <= 3
+    assert meta.loads[0].drop_hashes == chain  # consume mode: the whole chain goes after
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.num_scheduled_tokens == {}
     # the worker reports the load done; the request then runs from the loaded prefix
@@ -181,23 +232,25 @@ def test_consumer_loads_present_prefix_asynchronously_and_never_the_last_token(
     assert [r.num_computed_tokens for r in out2.scheduled_new_reqs] == [3 * BS]
 
 
-def test_consumer_without_hits_computes_everything(
+def test_consume_mode_without_a_handoff_never_asks_redis(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     sched = make_scheduler(tiny_model, "kv_consumer")
-    req = make_request("r1", prompt(50))
-    sched.add_request(req)
+    tokens = prompt(4 * BS + 1)
+    seed_blocks(sched, tokens, 4)  # shared blocks are share mode's business, not ours
+    fake_redis.server.connected = False  # type: ignore[attr-defined]  # and Redis is down
+    sched.add_request(make_request("r1", tokens))
     out = sched.schedule()
-    assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r1": 50}
+    assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r1": 4 * BS + 1}
+    assert connector_of(sched).stats.take().get("lookups") is None
 
 
-def test_consumer_waits_for_producer_without_blocking_then_loads(
+def test_consumer_waits_for_the_commit_record_without_blocking_then_loads(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", load_timeout_s=30)
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(5 * BS + 3)
-    hashes = seed_blocks(sched, tokens, 2)  # the producer has written 2 of its 5 blocks
-    params = {"redis_kv": {"num_blocks": 5, "last_hash": hashes[4]}}
+    params, chain = hand_off(sched, tokens, 2, announced=5)  # 2 of 5 written, no commit yet
     waiting = make_request("late", tokens, params)
     other = make_request("other", prompt(20, seed=9))
     sched.add_request(waiting)
@@ -206,32 +259,160 @@ def test_consumer_waits_for_producer_without_blocking_then_loads(
     # the scheduler is not blocked: the other request runs, the waiting one is asked again later
     assert out.num_scheduled_tokens == {"other": 20}
     assert meta_of(out).loads == []
-    seed_blocks(sched, tokens, 5)  # the producer's remaining saves land
+    store = store_for(sched)
+    store.insert_many([(h, block()) for h in chain[2:5]])  # the producer's last saves land
+    store.publish_handoff("feed1234", 5)  # and its commit record
     sched.update_from_output(out, runner_output([other]))
     time.sleep(0.05)  # waiting requests re-poll Redis at most every 10 ms
     out = sched.schedule()
-    loads = meta_of(out).loads
-    assert [s.hashes for s in loads] == [hashes[:5]]
+    assert [s.hashes for s in meta_of(out).loads] == [chain[:5]]
 
 
-def test_consumer_gives_up_waiting_after_load_timeout(
+def test_a_commit_of_fewer_blocks_loads_those_at_once(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", load_timeout_s=0)
-    tokens = prompt(5 * BS + 3)
-    hashes = seed_blocks(sched, tokens, 2)
-    req = make_request("r", tokens, {"redis_kv": {"num_blocks": 5, "last_hash": hashes[4]}})
-    sched.add_request(req)
+    """The producer shed or failed saves: its commit record says so, the consumer never waits
+    for blocks that are not coming (formerly: the whole load_timeout_s)."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(6 * BS + 3)
+    params, chain = hand_off(sched, tokens, 2, announced=6, commit=2)
+    sched.add_request(make_request("r", tokens, params))
+    t0 = time.monotonic()
     out = sched.schedule()
-    assert [s.hashes for s in meta_of(out).loads] == [hashes[:2]]
+    assert [s.hashes for s in meta_of(out).loads] == [chain[:2]]
+    assert time.monotonic() - t0 < 1
+
+
+def test_blocks_missing_after_the_commit_are_recomputed_at_once(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(5 * BS + 3)
+    params, chain = hand_off(sched, tokens, 5, commit=5)
+    fake_redis.delete(store_for(sched).redis_key(chain[2]))  # evicted after it was written
+    sched.add_request(make_request("r", tokens, params))
+    out = sched.schedule()
+    assert [s.hashes for s in meta_of(out).loads] == [chain[:2]]
+
+
+def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    cfg = {"deadline_s": 0.2, "deadline_per_1k_tokens_s": 10.0, "deadline_max_s": 0.5}
+    sched = make_scheduler(tiny_model, "kv_consumer", **cfg)
+    rc = sched.connector.rc  # type: ignore[union-attr]
+    assert rc.request_deadline_s(0) == 0.2 and rc.request_deadline_s(10) == pytest.approx(0.3)
+    assert rc.request_deadline_s(100_000) == 0.5
+    tokens = prompt(5 * BS + 3)
+    params, _ = hand_off(sched, tokens, 2, announced=5)  # never committed: the producer died
+    sched.add_request(make_request("r", tokens, params))
+    t0 = time.monotonic()
+    out = schedule_until_admitted(sched, "r")
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r": 5 * BS + 3}
+    assert connector_of(sched).stats.take()["requests_given_up"] == 1
+
+
+@pytest.mark.parametrize("error", [StoreTimeoutError("socket timeout"), ValueError("bug")])
+def test_a_failing_lookup_recomputes_instead_of_hanging(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, error: Exception
+) -> None:
+    """A real Redis timeout is a builtin TimeoutError, hence concurrent.futures.TimeoutError on
+    Python >= 3.11: it was taken for "not answered yet" and the request waited forever."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(4 * BS + 1)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+
+    def failing(*a: object, **k: object) -> None:
+        raise error
+
+    connector_of(sched).store.read_handoff = failing
+    sched.add_request(make_request("r", tokens, params))
+    out = schedule_until_admitted(sched, "r", steps=5)
+    assert out.num_scheduled_tokens == {"r": 4 * BS + 1}
+
+
+def test_an_open_breaker_answers_at_once_without_asking_redis(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    store = connector_of(sched).store
+    for _ in range(3):
+        store.breaker.record_failure("refused")
+    tokens = prompt(8 * BS + 1)
+    params, _ = hand_off(sched, tokens, 8, commit=8)
+    sched.add_request(make_request("r", tokens, params))
+    t0 = time.perf_counter()
+    out = sched.schedule()
+    assert time.perf_counter() - t0 < 0.05
+    assert out.num_scheduled_tokens == {"r": 8 * BS + 1}
+    stats = connector_of(sched).take_stats()
+    assert stats["breaker_open"] == 1 and stats["requests_given_up"] == 1
+    assert "lookups" not in stats
+
+
+def test_two_consumers_with_a_shared_prefix_never_take_each_others_blocks(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    system = prompt(4 * BS, seed=3)
+    a, b = system + prompt(BS + 5, seed=4), system + prompt(2 * BS + 1, seed=5)
+    dec_a = make_scheduler(tiny_model, "kv_consumer")
+    dec_b = make_scheduler(tiny_model, "kv_consumer")
+    params_a, chain_a = hand_off(dec_a, a, 5, commit=5, handoff="aaaa")
+    params_b, chain_b = hand_off(dec_b, b, 6, commit=6, handoff="bbbb")
+    assert not set(chain_a) & set(chain_b)  # the same system prompt, different keys
+    dec_a.add_request(make_request("ra", a, params_a))
+    dec_b.add_request(make_request("rb", b, params_b))
+    loads_a, loads_b = meta_of(dec_a.schedule()).loads, meta_of(dec_b.schedule()).loads
+    assert [s.hashes for s in loads_a] == [chain_a[:5]]
+    assert [s.hashes for s in loads_b] == [chain_b[:6]]
+
+
+def test_a_handoff_is_taken_once(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
+    """The same params twice (a retried request): the second recomputes at once instead of
+    waiting for blocks the first one takes."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(4 * BS + 1)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+    sched.add_request(make_request("first", tokens, params))
+    assert len(meta_of(sched.schedule()).loads) == 1
+    other = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    other.add_request(make_request("again", tokens, params))
+    t0 = time.monotonic()
+    out = other.schedule()
+    assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"again": 4 * BS + 1}
+    assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("namespace", "other"), ("block_size", 32), ("last_hash", "0" * 32), ("num_blocks", 99)],
+)
+def test_params_that_do_not_match_are_ignored_with_one_warning(
+    tiny_model: Path,
+    fake_redis: fakeredis.FakeRedis,
+    caplog: pytest.LogCaptureFixture,
+    field: str,
+    value: object,
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(4 * BS + 1)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+    params["redis_kv"][field] = value
+    with caplog.at_level(logging.WARNING, logger="connector.scheduler"):
+        for i in range(3):
+            sched.add_request(make_request(f"r{i}", tokens, params))
+        out = sched.schedule()
+    assert meta_of(out).loads == [] and len(out.num_scheduled_tokens) == 3
+    assert len([r for r in caplog.records if "ignoring" in r.getMessage()]) == 2  # 1st, 2nd
+    assert connector_of(sched).stats.take()["transfer_params_ignored"] == 3
 
 
 def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
     sched = make_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS + 1)
-    seed_blocks(sched, tokens, 4)
-    req = make_request("r", tokens)
-    sched.add_request(req)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+    sched.add_request(make_request("r", tokens, params))
     out = sched.schedule()
     block_ids = meta_of(out).loads[0].block_ids
     # the worker found block 2 corrupt: it reports it with the finished load
@@ -241,29 +422,65 @@ def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.Fa
     assert out2.num_scheduled_tokens == {"r": 2 * BS + 1}
 
 
+def test_share_mode_saves_a_block_again_when_its_load_failed(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_both")
+    tokens = prompt(4 * BS + 1)
+    hashes = seed_blocks(sched, tokens, 4)
+    req = make_request("s", tokens)
+    sched.add_request(req)
+    out = sched.schedule()
+    block_ids = meta_of(out).loads[0].block_ids
+    sched.update_from_output(out, runner_output([], recving={"s"}, invalid={block_ids[1]}))
+    out = sched.schedule()  # recomputes blocks 1..; they replace the bad values in the pool
+    assert [h for s in meta_of(out).saves for h in s.hashes] == hashes[1:4]
+
+
+def test_a_preempted_request_does_not_wait_for_its_handoff_again(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    tokens = prompt(4 * BS + 1)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+    req = make_request("r", tokens, params)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output([], recving={"r"}))
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output([req]))
+    sched.running.remove(req)  # memory pressure: it starts over
+    sched._preempt_request(req, time.monotonic())
+    fake_redis.flushall()  # the consumed handoff is gone from Redis
+    t0 = time.monotonic()
+    out = sched.schedule()
+    assert meta_of(out).loads == [] and out.num_scheduled_tokens["r"] > 0
+    assert time.monotonic() - t0 < 1
+
+
 def test_redis_down_degrades_to_recompute(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = make_scheduler(tiny_model, "kv_both")
     tokens = prompt(4 * BS + 1)
     seed_blocks(sched, tokens, 4)
     fake_redis.server.connected = False  # type: ignore[attr-defined]
-    req = make_request("r", tokens)
-    sched.add_request(req)
+    sched.add_request(make_request("r", tokens))
     out = sched.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r": 4 * BS + 1}
-    assert sched.connector.scheduler.stats.lookup_errors == 1  # type: ignore[union-attr]
+    assert connector_of(sched).take_stats()["redis_errors"] == 1
 
 
-def test_producer_saves_full_blocks_as_they_are_computed_and_returns_params(
+def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     sched = make_scheduler(tiny_model, "kv_producer", max_batched=2 * BS + 8)
     tokens = prompt(5 * BS + 3)
-    hashes = chain_hashes(tokens, BS)
     req = make_request("p", tokens)
     sched.add_request(req)
     saved: list[str] = []
+    positions: list[int] = []
+    handoffs: set[str] = set()
     for _ in range(5):
         out = sched.schedule()
         meta = meta_of(out)
@@ -271,23 +488,34 @@ def test_producer_saves_full_blocks_as_they_are_computed_and_returns_params(
         for s in meta.saves:
             assert len(s.block_ids) == len(s.hashes)
             saved += s.hashes
+            positions.append(s.first_position)
+            handoffs.add(s.handoff)
         sched.update_from_output(out, runner_output([req]))
         if req.num_computed_tokens >= len(tokens):
             break
-    assert saved == hashes  # every full prompt block once, in order, chunk by chunk
-    _, params = sched.connector.request_finished(req, [])  # type: ignore[union-attr]
+    (handoff,) = handoffs
+    chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
+    assert saved == chain and positions == [0, 2]  # every block once, in order, by chunk
+    delay_free, params = sched.connector.request_finished(req, [])  # type: ignore[union-attr]
+    assert delay_free  # blocks stay until the worker's commit record is written
     assert params == {
         "redis_kv": {
+            "handoff": handoff,
+            "scope": "handoff",
             "num_blocks": 5,
-            "last_hash": hashes[4],
+            "last_hash": chain[4],
             "namespace": "vllm",
             "block_size": BS,
         }
     }
+    commits = meta_of(sched.schedule()).commits
+    assert [(c.req_id, c.handoff, c.num_blocks, c.present_blocks) for c in commits] == [
+        ("p", handoff, 5, 0)
+    ]
 
 
 def test_salt_separates_tenants(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = make_scheduler(tiny_model, "kv_both")
     tokens = prompt(4 * BS + 1)
     seed_blocks(sched, tokens, 4)  # stored without a salt
     req = make_request("salted", tokens, cache_salt="tenant-b")
@@ -306,12 +534,30 @@ def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
     sched.add_request(req)
     out = sched.schedule()
     load = meta_of(out).loads
-    assert [(s.hashes, s.consume) for s in load] == [(hashes[:3], False)]
+    assert [(s.hashes, s.drop_hashes) for s in load] == [(hashes[:3], [])]
     sched.update_from_output(out, runner_output([], recving={"s"}))
     out = sched.schedule()
     saves = [h for s in meta_of(out).saves for h in s.hashes]
     assert saves == hashes[3:5]
     assert store_for(sched).longest_prefix(hashes) == 3  # select kept the pool's blocks
+
+
+def test_consume_mode_deletes_a_handoff_it_gives_up_on(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0)
+    tokens = prompt(4 * BS + 1)
+    params, chain = hand_off(sched, tokens, 4)  # the producer never commits (it died)
+    sched.add_request(make_request("r", tokens, params, cache_salt="x"))
+    schedule_until_admitted(sched, "r")
+    time.sleep(0.1)
+    assert store_for(sched).longest_prefix(chain) == 4  # params ignored: not ours to delete
+    sched.add_request(make_request("r2", tokens, params))
+    schedule_until_admitted(sched, "r2")  # the deadline passes: it recomputes ...
+    deadline = time.monotonic() + 5
+    while store_for(sched).longest_prefix(chain) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store_for(sched).longest_prefix(chain) == 0  # ... and leaves nothing behind
 
 
 def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
@@ -321,7 +567,7 @@ def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     with caplog.at_level(logging.ERROR, logger="connector"):
-        sched = make_scheduler(tiny_model, "kv_consumer", url=url, connect_timeout_s=0.5)
+        sched = make_scheduler(tiny_model, "kv_both", url=url, connect_timeout_s=0.5)
     assert any("cannot use" in r.getMessage() and url in r.getMessage() for r in caplog.records)
     req = make_request("r", prompt(3 * BS + 1))
     sched.add_request(req)

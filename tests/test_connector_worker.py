@@ -4,18 +4,20 @@ tests run on a GPU with ``-m cuda``)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import fakeredis
 import pytest
+import redis.exceptions as rex
 import torch
 
 pytest.importorskip("vllm")
 
 from connector.config import KVLayout, RedisConnectorConfig
-from connector.metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.worker import RedisConnectorWorker
-from kvstore import LookupBuffer, chain_hashes
+from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 
 LAYERS = ("layer.0", "layer.1")
 H, N, C, BLOCKS = 2, 16, 128, 32
@@ -32,11 +34,18 @@ def make_worker(
     device: str = "cpu",
     max_inflight_bytes: int = 64 << 20,
     mode: str = "share",
+    compression: str = "none",
 ) -> tuple[RedisConnectorWorker, dict[str, torch.Tensor]]:
     cfg = RedisConnectorConfig(
-        url="redis://x", role="kv_both", mode=mode, max_inflight_bytes=max_inflight_bytes
+        url="redis://x",
+        role="kv_both",
+        mode=mode,
+        max_inflight_bytes=max_inflight_bytes,
+        compression=compression,
     )
-    store = LookupBuffer(client, namespace="w", fingerprint=layout().fingerprint(0))
+    store = LookupBuffer(
+        client, namespace="w", fingerprint=layout().fingerprint(0), compression=compression
+    )
     worker = RedisConnectorWorker(cfg, layout(), store)
     caches = {}
     for name in LAYERS:
@@ -58,14 +67,29 @@ def fill_random(caches: dict[str, torch.Tensor], seed: int = 0) -> None:
 def wait_loaded(worker: RedisConnectorWorker, req_id: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if req_id in worker.get_finished():
+        if req_id in worker.get_finished()[1]:
             return
         time.sleep(0.01)
     raise AssertionError(f"{req_id} never finished loading")
 
 
-def save(worker: RedisConnectorWorker, req: str, block_ids: list[int], hashes: list[str]) -> None:
-    worker.wait_for_save(RedisConnectorMetadata(saves=[SaveSpec(req, block_ids, hashes)]))
+def load(req: str, block_ids: list[int], hashes: list[str], **kw: object) -> RedisConnectorMetadata:
+    spec = LoadSpec(req, block_ids, hashes, timeout_s=kw.pop("timeout_s", 10.0), **kw)  # type: ignore[arg-type]
+    return RedisConnectorMetadata(loads=[spec])
+
+
+def save(
+    worker: RedisConnectorWorker,
+    req: str,
+    block_ids: list[int],
+    hashes: list[str],
+    commit: int | None = None,
+) -> None:
+    """Save a request's blocks (chain positions 0..) and, with ``commit``, finish it."""
+    meta = RedisConnectorMetadata(saves=[SaveSpec(req, block_ids, hashes, 0, f"h{req}")])
+    if commit is not None:
+        meta.commits.append(CommitSpec(req, f"h{req}", commit, 0))
+    worker.wait_for_save(meta)
     worker.shutdown_pending(timeout_s=10)
 
 
@@ -79,7 +103,7 @@ def test_blocks_move_between_instances_with_different_physical_layouts(
     fill_random(src_kv)
     hashes = chain_hashes(list(range(3 * N)), N)
     save(src, "p", [5, 9, 2], hashes)
-    dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec("d", [1, 2, 3], hashes, False)]))
+    dst.start_load_kv(load("d", [1, 2, 3], hashes))
     wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == set()
     for name in LAYERS:
@@ -97,7 +121,7 @@ def test_missing_and_corrupt_blocks_are_reported_and_the_request_still_finishes(
     save(src, "p", [0, 1, 2], hashes[:3])
     key = src.store.redis_key(hashes[1])
     client.setrange(key, client.strlen(key) - 4, b"XXXX")
-    dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec("d", [10, 11, 12, 13], hashes, True)]))
+    dst.start_load_kv(load("d", [10, 11, 12, 13], hashes))
     wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == {11, 13}
     stats = dst.take_stats()
@@ -110,7 +134,7 @@ def test_redis_down_fails_the_blocks_not_the_engine() -> None:
     dst, _ = make_worker(client)
     server.connected = False
     hashes = chain_hashes(list(range(2 * N)), N)
-    dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec("d", [3, 4], hashes, True)]))
+    dst.start_load_kv(load("d", [3, 4], hashes))
     wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == {3, 4}
     # saving while Redis is down is counted, never raised into the forward pass
@@ -123,11 +147,13 @@ def test_saves_are_shed_and_counted_when_staging_is_full() -> None:
     client = fakeredis.FakeRedis()
     worker, _kv = make_worker(client, max_inflight_bytes=1)  # the minimum: 2 staging buffers
     hashes = chain_hashes(list(range(5 * N)), N)
-    worker.wait_for_save(RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1, 2, 3, 4], hashes)]))
-    worker.shutdown_pending(timeout_s=10)
+    save(worker, "p", [0, 1, 2, 3, 4], hashes, commit=5)
     stats = worker.take_stats()
     assert stats["blocks_shed"] == 3 and stats["blocks_saved"] == 2
     assert worker.store.contains(hashes) == [True, True, False, False, False]
+    # the commit record tells the truth: 2 blocks, not the 5 the scheduler planned
+    assert worker.store.read_handoff("hp", hashes).committed == 2
+    assert worker.get_finished()[0] == {"p"}
 
 
 def test_steady_state_reuses_staging_buffers() -> None:
@@ -148,7 +174,7 @@ def test_foreign_layout_block_is_refused() -> None:
     hashes = chain_hashes(list(range(N)), N)
     # same fingerprint, but tensors of another geometry (e.g. a bug or a hand-written value)
     dst.store.insert(hashes[0], {name: torch.ones(H, N, 64) for name in LAYERS})
-    dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec("d", [7], hashes, False)]))
+    dst.start_load_kv(load("d", [7], hashes))
     wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == {7}
     assert dst_kv[LAYERS[0]][7].abs().sum() == 0
@@ -164,7 +190,7 @@ def test_cuda_pinned_staging_round_trip(dst_layout: str) -> None:
     fill_random(src_kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(src, "p", [3, 4], hashes)
-    dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec("d", [0, 1], hashes, True)]))
+    dst.start_load_kv(load("d", [0, 1], hashes))
     wait_loaded(dst, "d")
     for name in LAYERS:
         assert torch.equal(dst_kv[name][0], src_kv[name][3])
@@ -178,10 +204,12 @@ def test_redis_outage_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> No
     hashes = chain_hashes(list(range(N)), N)
     with caplog.at_level(logging.WARNING, logger="connector.worker"):
         for i in range(8):
-            dst.start_load_kv(RedisConnectorMetadata(loads=[LoadSpec(f"d{i}", [i], hashes, True)]))
+            dst.start_load_kv(load(f"d{i}", [i], hashes))
             wait_loaded(dst, f"d{i}")
     assert dst.take_stats()["redis_errors"] == 8
-    assert len([r for r in caplog.records if "loading from Redis failed" in r.getMessage()]) == 4
+    logged = [r.args["total"] for r in caplog.records if "loading from Redis" in r.msg]  # type: ignore[call-overload,index]
+    # a line at the 1st, 2nd, 4th, ... failure of each cause (refused; then circuit open)
+    assert 2 <= len(logged) <= 6 and all(t & (t - 1) == 0 for t in logged)
 
 
 def test_failure_counts_log_when_a_total_crosses_a_power_of_two() -> None:
@@ -191,3 +219,132 @@ def test_failure_counts_log_when_a_total_crosses_a_power_of_two() -> None:
     logged = [f.add("shed", n) for n in (3, 1, 1, 1, 1, 4)]
     assert logged == [3, 4, None, None, None, 11]
     assert f["shed"] == 11 and f["other"] == 0
+
+
+@pytest.mark.parametrize(
+    "error",
+    [rex.InvalidResponse("Protocol error"), rex.DataError("bad"), ValueError("x"), KeyError("y")],
+)
+def test_any_exception_while_loading_still_finishes_the_request(error: Exception) -> None:
+    client = fakeredis.FakeRedis()
+    dst, _ = make_worker(client)
+
+    def broken(*a: object, **k: object) -> None:
+        raise error
+
+    dst.store.select = broken  # type: ignore[method-assign]
+    hashes = chain_hashes(list(range(2 * N)), N)
+    dst.start_load_kv(load("d", [3, 4], hashes))
+    wait_loaded(dst, "d")
+    assert dst.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing() -> None:
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client)
+    dst, dst_kv = make_worker(client)
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(src, "p", [0, 1], hashes)
+    release = threading.Event()
+    real_select = dst.store.select
+
+    def hung_select(*a: object, **k: object) -> object:
+        release.wait(10)  # Redis stops answering mid-load
+        return real_select(*a, **k)  # type: ignore[arg-type]
+
+    dst.store.select = hung_select  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.3))
+    wait_loaded(dst, "d")
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert dst.get_block_ids_with_load_errors() == {5, 6}
+    release.set()  # the reply arrives late: the blocks may belong to another request now
+    dst.shutdown_pending(timeout_s=10)
+    assert dst_kv[LAYERS[0]][5].abs().sum() == 0 and dst_kv[LAYERS[0]][6].abs().sum() == 0
+    assert dst.take_stats()["loads_expired"] == 1
+
+
+def test_lz4_staging_is_sized_from_the_uncompressed_value_and_round_trips() -> None:
+    client = fakeredis.FakeRedis()
+    worker, kv = make_worker(client, compression="lz4", max_inflight_bytes=1 << 20)
+    pool = worker._save_pool
+    assert pool is not None
+    # formerly sized from a compressed all-zero block: thousands of buffers, far over the bound
+    assert pool.count * pool.buffer_bytes <= 1 << 20
+    fill_random(kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(worker, "p", [0, 1], hashes)
+    assert client.getrange(worker.store.redis_key(hashes[0]), 0, 300).find(b'"lz4"') > 0
+    other, other_kv = make_worker(client, compression="lz4")
+    other.start_load_kv(load("d", [7, 8], hashes))
+    wait_loaded(other, "d")
+    assert torch.equal(other_kv[LAYERS[1]][8], kv[LAYERS[1]][1])
+
+
+def test_a_failed_write_ends_the_committed_chain_there() -> None:
+    client = fakeredis.FakeRedis()
+    worker, _ = make_worker(client)
+    hashes = chain_hashes(list(range(4 * N)), N)
+    real = worker.store.insert_encoded
+    calls = []
+
+    def second_write_fails(items, **kw):  # type: ignore[no-untyped-def]
+        calls.append(kw["positions"])
+        if len(calls) == 2:
+            raise StoreUnavailableError("connection reset")
+        return real(items, **kw)
+
+    worker.store.insert_encoded = second_write_fails  # type: ignore[method-assign]
+    meta = RedisConnectorMetadata(
+        saves=[
+            SaveSpec("p", [0, 1], hashes[:2], 0, "hp"),
+            SaveSpec("p", [2, 3], hashes[2:], 2, "hp"),
+        ],
+        commits=[CommitSpec("p", "hp", 4, 0)],
+    )
+    worker.wait_for_save(meta)
+    worker.shutdown_pending(timeout_s=10)
+    assert worker.store.read_handoff("hp", hashes).committed == 2
+    assert worker.get_finished()[0] == {"p"}
+
+
+def test_consume_loads_delete_the_chain_only_after_copying_and_survive_a_dropped_reply() -> None:
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client, mode="consume")
+    dst, dst_kv = make_worker(client, mode="consume")
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(3 * N)), N)
+    save(src, "p", [0, 1, 2], hashes)
+    real_select = dst.store.select
+    drops = []
+
+    def select_losing_first_reply(*a: object, **k: object) -> object:
+        got = real_select(*a, **k)  # type: ignore[arg-type]
+        if not drops:
+            drops.append(1)
+            raise StoreUnavailableError("connection reset by peer")
+        return got
+
+    dst.store.select = select_losing_first_reply  # type: ignore[method-assign]
+    dst.start_load_kv(load("d", [4, 5], hashes[:2], drop_hashes=hashes))
+    wait_loaded(dst, "d")
+    dst.shutdown_pending(timeout_s=10)
+    assert dst.get_block_ids_with_load_errors() == set()
+    assert torch.equal(dst_kv[LAYERS[0]][5], src_kv[LAYERS[0]][1])
+    assert client.keys("kv:w:*") == []  # the whole handed-off chain is gone
+
+
+def test_a_foreign_layout_is_warned_about_per_cause_not_per_block(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    client = fakeredis.FakeRedis()
+    dst, _ = make_worker(client)
+    hashes = chain_hashes(list(range(8 * N)), N)
+    for h in hashes:
+        dst.store.insert(h, {name: torch.ones(H, N, 64) for name in LAYERS})
+    with caplog.at_level(logging.WARNING, logger="connector.worker"):
+        dst.start_load_kv(load("d", list(range(8)), hashes))
+        wait_loaded(dst, "d")
+    assert dst.get_block_ids_with_load_errors() == set(range(8))
+    assert len([r for r in caplog.records if "KV layout" in r.msg]) == 4  # 1st, 2nd, 4th, 8th

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-from kvstore import LookupBuffer
+from connector.scheduler import handoff_salt
+from kvstore import LookupBuffer, chain_hashes
+from kvstore.keys import parse_key
 from kvstore.server import RedisServer
 
 from .e2e_helpers import finish, start_engine, tokens
@@ -66,18 +68,16 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         client = redis.Redis.from_url(url)
         pd_keys = {k.decode() for k in client.scan_iter(match="kv:pd:*")}
         store = LookupBuffer.from_url(url, namespace="pd", fingerprint=_fp(pd_keys))
-        from kvstore import chain_hashes
-
-        corrupt_key = store.redis_key(chain_hashes(PROMPTS["corrupt"], BLOCK)[3])
+        corrupt_key = store.redis_key(handoff_chain(params, "corrupt")[3])
         value = bytearray(client.get(corrupt_key))
         value[-100] ^= 0xFF
         client.set(corrupt_key, bytes(value))
-        client.delete(store.redis_key(chain_hashes(PROMPTS["deleted"], BLOCK)[2]))
+        client.delete(store.redis_key(handoff_chain(params, "deleted")[2]))
 
         # selected by module path; share-mode instance 1 runs meanwhile on the other core
         cons = start_engine(
             tmp, "cons", tiny_model, one_per_phase(ids), core=0, role="kv_consumer", url=url,
-            extra={"namespace": "pd", "load_timeout_s": 3}, params=params, by_module_path=True,
+            extra={"namespace": "pd", "deadline_s": 3}, params=params, by_module_path=True,
         )  # fmt: skip
         share_ids = ["few", "long", "shareA", "shareB"]
         both1 = start_engine(
@@ -87,15 +87,27 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         res["cons"] = finish(cons)
         res["both1"] = finish(both1)
         res["pd_keys_after_decode"] = sorted(k.decode() for k in client.scan_iter(match="kv:pd:*"))
-        res["pool_keys_after_1"] = len(list(client.scan_iter(match="kv:pool:*")))
+        res["pd_ttls_after_decode"] = [client.pttl(k) for k in res["pd_keys_after_decode"]]
+        res["pool_keys_after_1"] = block_keys(client, "pool")
         both2 = start_engine(
             tmp, "both2", tiny_model, one_per_phase(share_ids), core=0, role="kv_both", url=url,
             extra={"namespace": "pool"},
         )  # fmt: skip
         res["both2"] = finish(both2)
-        res["pool_keys_after_2"] = len(list(client.scan_iter(match="kv:pool:*")))
+        res["pool_keys_after_2"] = block_keys(client, "pool")
         (tmp / "results.json").write_text(json.dumps(res, indent=1, default=str))
         return res
+
+
+def block_keys(client: redis.Redis, namespace: str) -> int:
+    keys = (parse_key(k.decode()) for k in client.scan_iter(match=f"kv:{namespace}:*"))
+    return sum(1 for k in keys if k is not None and k.kind == "block")
+
+
+def handoff_chain(params: dict, prompt: str) -> list[str]:
+    """The chain a consume-mode producer wrote for one prompt: salted with its handoff id."""
+    handoff = params[prompt]["redis_kv"]["handoff"]
+    return chain_hashes(PROMPTS[prompt], BLOCK, handoff_salt("", handoff))
 
 
 def _fp(keys: set[str]) -> str:
@@ -132,7 +144,16 @@ def test_producer_returns_transfer_params(e2e: dict) -> None:
             assert params is None
         else:
             assert params["redis_kv"]["num_blocks"] == full, i
+            assert params["redis_kv"]["scope"] == "handoff", i
     assert e2e["keys_after_prefill"] > 0
+
+
+def test_the_producers_counters_include_its_last_saves(e2e: dict) -> None:
+    """Formerly the last request's saves were still in flight when its counters were read."""
+    m = e2e["prod"]["metrics"]
+    full_blocks = sum(len(p) // BLOCK for p in PROMPTS.values())
+    assert m["vllm:redis_kv_blocks_saved"] == full_blocks
+    assert m["vllm:redis_kv_handoffs_published"] == sum(len(p) >= BLOCK for p in PROMPTS.values())
 
 
 def test_decode_output_equals_a_single_instance(e2e: dict) -> None:
@@ -152,6 +173,16 @@ def test_decode_loaded_long_prompts_from_redis(e2e: dict) -> None:
     expected = sum((len(PROMPTS[i]) - 1) // BLOCK for i in ["few", "long", "exact", "shareA"])
     assert m["vllm:redis_kv_blocks_loaded"] >= expected
     assert m["vllm:external_prefix_cache_hits"] >= 0.9 * sum(len(PROMPTS[i]) for i in ["long"])
+    # delivered hits: vLLM counts hits when it admits a request; we count what arrived
+    assert m["vllm:redis_kv_tokens_loaded"] == m["vllm:redis_kv_blocks_loaded"] * BLOCK
+    assert (
+        m["vllm:redis_kv_tokens_loaded"] + m["vllm:redis_kv_tokens_load_failed"]
+        == m["vllm:external_prefix_cache_hits"]
+    )
+    # latencies are histograms: their sums survive vLLM's integer counter reader
+    assert (
+        m["vllm:redis_kv_load_seconds"]["count"] >= 5 and m["vllm:redis_kv_load_seconds"]["sum"] > 0
+    )
     # the no-connector run computed everything the first time
     assert cold(e2e, "long")["num_cached_tokens"] == 0
 
@@ -167,8 +198,10 @@ def test_corrupt_and_deleted_blocks_are_recomputed_with_correct_output(e2e: dict
     assert e2e["cons"]["metrics"]["vllm:redis_kv_blocks_load_failed"] >= 1
 
 
-def test_consume_mode_leaves_no_keys(e2e: dict) -> None:
-    assert e2e["pd_keys_after_decode"] == []
+def test_consume_mode_leaves_no_blocks_only_expiring_taken_markers(e2e: dict) -> None:
+    kinds = {parse_key(k).kind for k in e2e["pd_keys_after_decode"]}  # type: ignore[union-attr]
+    assert kinds <= {"handoff"}
+    assert all(0 < ttl <= 60_000 for ttl in e2e["pd_ttls_after_decode"])
 
 
 def test_share_mode_instances_reuse_each_others_prefixes(e2e: dict) -> None:
