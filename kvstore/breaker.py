@@ -4,7 +4,9 @@ Closed: calls go through; ``failure_threshold`` availability failures in a row (
 timed out, or a caller's deadline passing while it waited) open it. Open: callers are told not
 to send anything (``allow()`` is False), so a dead or hung store costs a request microseconds
 instead of a socket timeout. A background thread probes the store every ``probe_interval_s``;
-the first probe that succeeds closes the breaker. Each transition is logged once and counted.
+the first probe that succeeds lets calls through again, half-open: the next call that fails
+reopens it at once (a flapping server costs one call per cycle), the next that succeeds closes
+it. Each transition is logged once and counted.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class CircuitBreaker:
         self._lock = threading.Lock()
         self._failures = 0
         self._open = False
+        self._half_open = False
         self._opened_at = 0.0
         self._closed_event = threading.Event()
         self._closed_event.set()
@@ -51,9 +54,10 @@ class CircuitBreaker:
         return not self._open
 
     def record_success(self) -> None:
-        if self._failures:
+        if self._failures or self._half_open:
             with self._lock:
                 self._failures = 0
+                self._half_open = False
 
     def record_failure(self, why: str) -> None:
         """One availability failure (never a bad value or a permission error: those are not
@@ -63,17 +67,18 @@ class CircuitBreaker:
             if self._open:
                 return
             self._failures += 1
-            if self._failures < self.failure_threshold:
+            if self._failures < self.failure_threshold and not self._half_open:
                 return
+            self._half_open = False
             self._open = True
             self._opened_at = time.monotonic()
             self.opens += 1
             self._closed_event.clear()
         logger.warning(
-            "%s: %d failures in a row (last: %s); not sending it anything until it answers "
+            "%s: %d failure(s) in a row (last: %s); not sending it anything until it answers "
             "again (probing every %.1fs). Requests recompute meanwhile.",
             self.name,
-            self.failure_threshold,
+            self._failures,
             why,
             self.probe_interval_s,
         )
@@ -88,6 +93,7 @@ class CircuitBreaker:
                 continue
             with self._lock:
                 self._open = False
+                self._half_open = True  # one failure reopens it until a call succeeds
                 self._failures = 0
                 down_s = time.monotonic() - self._opened_at
                 self._closed_event.set()

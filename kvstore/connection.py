@@ -15,6 +15,8 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import redis
 import redis.exceptions as rex
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import (
     InvalidURLError,
@@ -146,6 +148,11 @@ def make_client(
 ) -> redis.Redis:
     """A redis-py client (hiredis parser when installed) with a bounded, thread-safe pool."""
     kwargs: dict[str, Any] = {
+        # One immediate retry on a broken connection (a pooled one the server dropped, e.g.
+        # after a restart), none on a timeout: redis-py's default -- 10 retries with backoff on
+        # timeouts too -- turns one hung server into many socket timeouts per call. Callers
+        # own deadlines and retries above this.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(rex.ConnectionError,)),
         "db": address.db,
         "username": username or address.username,
         "password": password if password is not None else address.password,

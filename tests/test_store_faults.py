@@ -181,3 +181,27 @@ def test_a_hung_server_costs_one_control_timeout_then_nothing(
     assert buf.breaker.wait_closed(5)
     assert buf.longest_prefix(HASHES) == 1
     buf.close()
+
+
+def test_a_new_connection_to_a_hung_server_costs_one_timeout_not_a_retry_storm(
+    private_redis: RedisServer,
+) -> None:
+    """redis-py 8 retries a failed connect 10 times with backoff by default: a lookup on a
+    fresh connection to a stopped server took seconds instead of one timeout."""
+    assert private_redis.proc is not None
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        buf = LookupBuffer.from_url(
+            private_redis.url,
+            namespace="hung",
+            connect_timeout_s=0.3,
+            control_timeout_s=0.3,
+            check=False,
+        )
+        t0 = time.perf_counter()
+        with pytest.raises((StoreTimeoutError, StoreUnavailableError)):
+            buf.longest_prefix(HASHES)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    buf.close()
