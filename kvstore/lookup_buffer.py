@@ -70,13 +70,17 @@ DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
 # multi-MiB string from a script costs ~4x a plain GET. ARGV[1]: max bytes, ARGV[2]: "all"
 # (claim nothing unless every key is present; reply nil) or "any". Reply: a [status, length]
 # pair per key; status 1 claimed, 0 missing, 2 over the size limit (left in place), 3 not a
-# string.
+# string. A key this call's suffix already claimed counts as claimed: the call may be sent
+# again after a dropped connection and must not lose what it took the first time.
 _CLAIM_LUA = """
 local maxlen = tonumber(ARGV[1])
 local out = {}
+local mine = {}
 local missing = false
 for i, k in ipairs(KEYS) do
-  local n = redis.pcall('STRLEN', k)
+  local n = redis.pcall('STRLEN', k .. ':claim:' .. ARGV[3])
+  mine[i] = type(n) == 'number' and n > 0
+  if not mine[i] then n = redis.pcall('STRLEN', k) end
   if type(n) == 'table' and n.err then
     if not string.find(tostring(n.err), 'WRONGTYPE', 1, true) then return n end
     out[2 * i - 1] = 3; out[2 * i] = 0
@@ -90,7 +94,7 @@ for i, k in ipairs(KEYS) do
 end
 if missing and ARGV[2] == 'all' then return false end
 for i, k in ipairs(KEYS) do
-  if out[2 * i - 1] == 1 then
+  if out[2 * i - 1] == 1 and not mine[i] then
     redis.call('PEXPIRE', k, ARGV[4])
     redis.call('RENAME', k, k .. ':claim:' .. ARGV[3])
   end
@@ -99,6 +103,7 @@ return out
 """
 _CLAIM_TTL_MS = 60_000
 HANDOFF_TAKEN = b"taken"
+HANDOFF_PENDING = b"pending"
 # A claimed handoff's record lives on this long as "taken", so a retried request learns at
 # once that it is gone, then expires (the blocks are deleted by the consumer).
 _TAKEN_TTL_MS = 60_000
@@ -163,13 +168,16 @@ class HandoffState:
 
     ``committed``: leading blocks the producer wrote and acknowledged (the minimum over the
     fingerprints asked about), or None while any producer rank has not committed yet.
-    ``taken``: another consumer already claimed this handoff. ``present``: leading blocks of the
+    ``taken``: another consumer already claimed this handoff. ``pending``: a producer rank has
+    started writing and not finished (its record says so); with neither a count nor a
+    pending record, the record never came or was evicted. ``present``: leading blocks of the
     chain present now under every fingerprint.
     """
 
     committed: int | None
     taken: bool
     present: int
+    pending: bool = False
 
 
 class LookupBuffer:
@@ -690,6 +698,20 @@ class LookupBuffer:
         return int(self._call("UNLINK", lambda: self._control.unlink(*keys)))
 
     # ------------------------------------------------------------------ handoffs
+    def open_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
+        """Mark a handoff as being written (``SET ... NX``: never over a final count), so a
+        consumer knows to wait for its commit record."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        ttl = min(self.ttl_ms or _HANDOFF_TTL_MS, _HANDOFF_TTL_MS)
+
+        def mark() -> None:
+            pipe = self._control.pipeline(transaction=False)
+            for fp in fps:
+                pipe.set(self.keys.handoff(handoff_id, fp), HANDOFF_PENDING, nx=True, px=ttl)
+            pipe.execute()
+
+        self._call("SET", mark)
+
     def publish_handoff(self, handoff_id: str, num_blocks: int) -> None:
         """Record that the first ``num_blocks`` blocks of a handoff's chain are written (call it
         after their SETs were acknowledged); expires with the blocks, or after 10 minutes."""
@@ -716,29 +738,33 @@ class LookupBuffer:
             return list(pipe.execute())
 
         replies = self._call("GET", read)
-        committed, taken = _commits(replies[: len(fps)])
-        return HandoffState(committed, taken, _leading_present(replies[len(fps) :], len(fps)))
+        records = _Records(replies[: len(fps)])
+        return HandoffState(
+            records.committed,
+            records.taken,
+            _leading_present(replies[len(fps) :], len(fps)),
+            records.pending,
+        )
 
-    def claim_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> bool:
-        """Take a committed handoff for this caller (``SET ... XX PX GET``): True for exactly
-        one caller; False when another caller took it first or it is not committed. The record
-        then says "taken" for a minute and expires."""
+    def claim_handoff(
+        self, handoff_id: str, fingerprints: Sequence[str] | None = None, *, owner: str = ""
+    ) -> bool:
+        """Take a committed handoff for ``owner`` (``SET ... XX PX GET``): True for exactly one
+        owner, also when its claim is sent again; False when another owner took it first or it
+        is not committed. The record then says "taken" for a minute and expires."""
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        mark = HANDOFF_TAKEN + b":" + owner.encode()
 
         def claim() -> list[Any]:
             pipe = self._control.pipeline(transaction=False)
             for fp in fps:
                 pipe.set(
-                    self.keys.handoff(handoff_id, fp),
-                    HANDOFF_TAKEN,
-                    xx=True,
-                    px=_TAKEN_TTL_MS,
-                    get=True,
+                    self.keys.handoff(handoff_id, fp), mark, xx=True, px=_TAKEN_TTL_MS, get=True
                 )
             return list(pipe.execute())
 
-        committed, taken = _commits(self._call("SET", claim))
-        return committed is not None and not taken
+        records = _Records(self._call("SET", claim), own=mark)
+        return records.committed is not None and not records.taken
 
     def delete_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
@@ -820,20 +846,26 @@ def _leading_present(exists: Sequence[Any], per_block: int) -> int:
     return n
 
 
-def _commits(replies: Sequence[Any]) -> tuple[int | None, bool]:
-    """(minimum committed count or None if any rank has none, whether any rank's is taken)."""
-    counts: list[int] = []
-    taken = False
-    for r in replies:
-        if r is None:
-            continue
-        if r == HANDOFF_TAKEN:
-            taken = True
-            continue
-        try:
-            counts.append(int(r))
-        except (TypeError, ValueError):
-            taken = True  # not ours to read: treat as unusable, never wait on it
-    if taken or len(counts) < len(replies):
-        return None, taken
-    return min(counts), False
+class _Records:
+    """Every producer rank's handoff record, read together: a count (committed), "pending",
+    "taken:<owner>" or nothing. A claim this owner already made counts as its count."""
+
+    def __init__(self, replies: Sequence[Any], own: bytes | None = None) -> None:
+        counts: list[int] = []
+        self.taken = self.pending = False
+        for r in replies:
+            if r is None:
+                continue
+            if r == HANDOFF_PENDING:
+                self.pending = True
+            elif own is not None and r == own:
+                counts.append(0)  # ours already (a claim sent twice): the count was read
+            elif isinstance(r, bytes) and r.startswith(HANDOFF_TAKEN):
+                self.taken = True
+            else:
+                try:
+                    counts.append(int(r))
+                except (TypeError, ValueError):
+                    self.taken = True  # not a record we can read: never wait on it
+        complete = len(counts) == len(replies) and not self.taken
+        self.committed: int | None = min(counts) if complete else None

@@ -256,8 +256,8 @@ def test_handoff_is_committed_then_taken_by_exactly_one_consumer(fake_client) ->
     assert (before.committed, before.taken, before.present) == (None, False, 3)
     producer.publish_handoff("req1", 3)
     assert consumer.read_handoff("req1", HASHES[:4]).committed == 3
-    claims = [consumer.claim_handoff("req1") for _ in range(3)]
-    assert claims == [True, False, False]
+    claims = [consumer.claim_handoff("req1", owner=who) for who in ("a", "a", "b")]
+    assert claims == [True, True, False]  # one owner; its claim may be sent again
     after = consumer.read_handoff("req1", HASHES[:4])
     assert after.taken and after.committed is None
     assert 0 < fake_client.pttl(consumer.keys.handoff("req1")) <= 60_000  # and soon expires
@@ -270,6 +270,9 @@ def test_handoff_over_ranks_waits_for_every_rank_and_takes_the_minimum(fake_clie
     assert ranks[0].read_handoff("req", HASHES[:1], fps).committed is None  # rank 1 still writing
     assert not ranks[0].claim_handoff("req", ["f1"])  # nothing to claim yet, nothing created
     assert fake_client.exists(ranks[1].keys.handoff("req")) == 0
+    assert ranks[0].read_handoff("req", HASHES[:1], fps).pending is False
+    ranks[1].open_handoff("req")
+    assert ranks[0].read_handoff("req", HASHES[:1], fps).pending  # rank 1 is writing
     ranks[1].publish_handoff("req", 2)  # rank 1 had to shed three blocks
     assert ranks[0].read_handoff("req", HASHES[:1], fps).committed == 2
 
