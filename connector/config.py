@@ -43,6 +43,9 @@ class RedisConnectorConfig:
     deadline_s: float = 2.0
     deadline_per_1k_tokens_s: float = 1.0
     deadline_max_s: float = 30.0
+    # a consumer that finds no handoff record at all (evicted, or the producer never wrote
+    # one) waits this long for it, then loads what is there; "pending" is waited for
+    handoff_grace_s: float = 0.1
     max_inflight_bytes: int = 256 << 20
     lookup_wait_s: float = 0.005
     model_id: str | None = None
@@ -80,6 +83,8 @@ class RedisConnectorConfig:
         """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
         ``kvstore.lookup_buffer.ACCESS``, checked at startup."""
         ops = ["ping"]
+        if side == "scheduler" and self.saves:
+            ops += ["insert"]  # the "pending" handoff record
         if side == "scheduler" and self.loads:
             ops += ["lookup", "handoff_read"]
             if self.consume:

@@ -68,6 +68,7 @@ class Handoff:
     num_blocks: int
     scoped: bool  # the chain is salted with the handoff id (consume mode): ours alone
     state: str = "waiting"  # waiting -> claimed | taken | abandoned
+    owner: str = field(default_factory=lambda: uuid.uuid4().hex)  # who claims it
 
 
 @dataclass
@@ -75,6 +76,7 @@ class LookupResult:
     present: int  # leading blocks present (absolute index)
     committed: int | None = None  # handoff: blocks the producer committed, None if not yet
     taken: bool = False  # handoff: another consumer claimed it
+    pending: bool = False  # handoff: the producer is writing it (its record says so)
 
 
 @dataclass
@@ -126,8 +128,8 @@ class RedisConnectorScheduler:
         self._lookup_io = ThreadPoolExecutor(
             config.lookup_threads, thread_name_prefix="redis-kv-lookup"
         )
-        # deletes never hold up lookups
-        self._cleanup_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-cleanup")
+        # deletes and handoff records never hold up lookups
+        self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
 
@@ -242,8 +244,10 @@ class RedisConnectorScheduler:
             committed, taken = state.committed, state.taken
             if committed is not None and self.config.consume and handoff.scoped:
                 # take it for this request, exactly once (a retried request finds it taken)
-                taken = not self.store.claim_handoff(handoff.handoff_id, self.fingerprints)
-            return LookupResult(start + state.present, committed, taken)
+                taken = not self.store.claim_handoff(
+                    handoff.handoff_id, self.fingerprints, owner=handoff.owner
+                )
+            return LookupResult(start + state.present, committed, taken, state.pending)
         finally:
             self.stats.observe("lookup_seconds", time.perf_counter() - t0)
 
@@ -311,12 +315,18 @@ class RedisConnectorScheduler:
             if result.taken:
                 st.handoff.state = "taken"
                 return self._give_up(st, rid, "handoff already taken by another request")
-            if result.committed is None:
-                st.next_poll = now + _POLL_INTERVAL_S  # the producer is still writing
+            waited = now - st.first_seen
+            if result.committed is None and (
+                result.pending or waited < self.config.handoff_grace_s
+            ):
+                # the producer is still writing (or its first write is just landing)
+                st.next_poll = now + _POLL_INTERVAL_S
                 return None, False
             st.handoff.state = "claimed"
-            self.stats.observe("handoff_wait_seconds", now - st.first_seen)
-            n = min(n, result.committed)  # anything else was shed, failed or is gone
+            self.stats.observe("handoff_wait_seconds", waited)
+            if result.committed is not None:
+                n = min(n, result.committed)  # anything else was shed, failed or is gone
+            # else: no record at all (evicted, or the producer never wrote): load what is there
         st.present_blocks = n
         if n <= start:
             return 0, False
@@ -364,8 +374,8 @@ class RedisConnectorScheduler:
         """Consume mode leaves nothing behind: delete a handoff's blocks it will not load."""
         if self._owns_handoff(st) and not st.cleaned and st.load_hashes:
             st.cleaned = True
-            fut = self._cleanup_io.submit(self.store.delete, st.load_hashes, self.fingerprints)
-            fut.add_done_callback(self._log_delete_failure)
+            fut = self._background_io.submit(self.store.delete, st.load_hashes, self.fingerprints)
+            fut.add_done_callback(self._log_background_failure)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for block_id in output.invalid_block_ids or ():
@@ -423,6 +433,11 @@ class RedisConnectorScheduler:
             if full > st.saved_blocks:
                 if st.save_start is None:
                     st.save_start = st.saved_blocks
+                    # a consumer that finds this before the commit record knows to wait
+                    fut = self._background_io.submit(
+                        self.store.open_handoff, st.save_handoff, self.fingerprints
+                    )
+                    fut.add_done_callback(self._log_background_failure)
                 meta.saves.append(
                     SaveSpec(
                         req_id=req_id,
@@ -439,8 +454,8 @@ class RedisConnectorScheduler:
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """A producer returns the handoff a consumer waits for; its worker publishes the commit
-        record once the saves are acknowledged. The blocks stay allocated until then (True)
-        so the last saves' counters are reported before the engine goes idle."""
+        record once the saves are acknowledged. True: the worker reports when the blocks may be
+        freed (finished sending) -- at once today, since saves copy them out when staging."""
         self._release(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None:
@@ -473,13 +488,19 @@ class RedisConnectorScheduler:
         }
         return True, params
 
-    def _log_delete_failure(self, fut: Future[Any]) -> None:
+    def _log_background_failure(self, fut: Future[Any]) -> None:
         exc = fut.exception()
-        total = self.failures.add("delete") if exc is not None else None
-        if exc is not None:
-            self.stats.add(redis_errors=1)
+        if exc is None:
+            return
+        self.stats.add(redis_errors=1)
+        total = self.failures.add(f"background:{type(exc).__name__}")
         if total:
-            logger.warning("Redis: deleting unused blocks failed (%d so far): %s", total, exc)
+            logger.warning(
+                "Redis: a background call (deleting unused blocks, marking a handoff) failed "
+                "(%d so far): %s",
+                total,
+                exc,
+            )
 
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()
@@ -495,5 +516,5 @@ class RedisConnectorScheduler:
 
     def shutdown(self) -> None:
         self._lookup_io.shutdown(wait=False, cancel_futures=True)
-        self._cleanup_io.shutdown(wait=False, cancel_futures=True)
+        self._background_io.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -12,7 +12,8 @@
   writer threads then hash, compress and ``SET`` it. When no staging buffer is free (Redis
   slower than the model) or the store is unavailable, the block is shed and counted. When a
   request has finished and its writes are acknowledged, its commit record says how many
-  leading blocks really made it; the request's blocks are released then (finished sending).
+  leading blocks really made it. Its blocks go back to vLLM (finished sending) as soon as it
+  has finished, since everything was copied out when it was staged.
 - Blocks are gathered and scattered along the block dimension of the *logical* per-layer view
   vLLM presents ([blocks, kv_heads, block_size, content]), so no backend's layout is assumed.
 """
@@ -280,6 +281,10 @@ class RedisConnectorWorker:
             with self._lock:
                 track = self._saves.setdefault(commit.req_id, _SaveTrack())
                 track.commit = commit
+                # Its blocks were copied out when they were staged: vLLM may reuse them now,
+                # whatever Redis does. (An engine that holds finished requests' blocks keeps
+                # stepping; holding them until a hung Redis answers burned a core for seconds.)
+                self._finished_saves.add(commit.req_id)
             self._maybe_publish(commit.req_id)
 
     def _stage_and_submit(self, spec: SaveSpec) -> None:
@@ -388,7 +393,6 @@ class RedisConnectorWorker:
         finally:
             with self._lock:
                 self._saves.pop(req_id, None)
-                self._finished_saves.add(req_id)
 
     # ------------------------------------------------------------------ completion
     def _warn(self, cause: str, msg: str, n: int = 1, **fields: Any) -> None:

@@ -147,14 +147,17 @@ def hand_off(
     *,
     announced: int | None = None,
     commit: int | None = None,
+    pending: bool = False,
     handoff: str = "feed1234",
 ) -> tuple[dict, list[str]]:
     """What a consume-mode producer leaves: ``written`` blocks of a chain private to this
-    handoff, its commit record (``commit`` blocks; None: still writing) and the params it
-    returns (``announced`` blocks)."""
+    handoff, its record (a ``commit`` of that many blocks, or ``pending``: still writing, or
+    none at all) and the params it returns (``announced`` blocks)."""
     chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
     store = store_for(sched)
     store.insert_many([(h, block()) for h in chain[:written]])
+    if pending:
+        store.open_handoff(handoff)
     if commit is not None:
         store.publish_handoff(handoff, commit)
     n = announced if announced is not None else written
@@ -250,7 +253,7 @@ def test_consumer_waits_for_the_commit_record_without_blocking_then_loads(
 ) -> None:
     sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(5 * BS + 3)
-    params, chain = hand_off(sched, tokens, 2, announced=5)  # 2 of 5 written, no commit yet
+    params, chain = hand_off(sched, tokens, 2, announced=5, pending=True)  # 2 of 5 written
     waiting = make_request("late", tokens, params)
     other = make_request("other", prompt(20, seed=9))
     sched.add_request(waiting)
@@ -295,6 +298,21 @@ def test_blocks_missing_after_the_commit_are_recomputed_at_once(
     assert [s.hashes for s in meta_of(out).loads] == [chain[:2]]
 
 
+def test_a_missing_record_is_waited_for_briefly_then_what_is_there_loads(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """The record was evicted (allkeys-lru takes any key) or never written: waiting for it
+    until the deadline, as every request under memory pressure did, helps nobody."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.2)
+    tokens = prompt(5 * BS + 3)
+    params, chain = hand_off(sched, tokens, 3, announced=5)  # no record: evicted
+    sched.add_request(make_request("r", tokens, params))
+    t0 = time.monotonic()
+    out = schedule_until_admitted(sched, "r")
+    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert [s.hashes for s in meta_of(out).loads] == [chain[:3]]
+
+
 def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
@@ -304,7 +322,8 @@ def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
     assert rc.request_deadline_s(0) == 0.2 and rc.request_deadline_s(10) == pytest.approx(0.3)
     assert rc.request_deadline_s(100_000) == 0.5
     tokens = prompt(5 * BS + 3)
-    params, _ = hand_off(sched, tokens, 2, announced=5)  # never committed: the producer died
+    # the producer died writing: its record says "pending" for good
+    params, _ = hand_off(sched, tokens, 2, announced=5, pending=True)
     sched.add_request(make_request("r", tokens, params))
     t0 = time.monotonic()
     out = schedule_until_admitted(sched, "r")
@@ -468,7 +487,8 @@ def test_redis_down_degrades_to_recompute(
     sched.add_request(make_request("r", tokens))
     out = sched.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r": 4 * BS + 1}
-    assert connector_of(sched).take_stats()["redis_errors"] == 1
+    # the lookup, and marking the handoff of the blocks it then saves (kv_both)
+    assert connector_of(sched).take_stats()["redis_errors"] == 2
 
 
 def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
@@ -547,7 +567,7 @@ def test_consume_mode_deletes_a_handoff_it_gives_up_on(
 ) -> None:
     sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0)
     tokens = prompt(4 * BS + 1)
-    params, chain = hand_off(sched, tokens, 4)  # the producer never commits (it died)
+    params, chain = hand_off(sched, tokens, 4, pending=True)  # the producer died writing
     sched.add_request(make_request("r", tokens, params, cache_salt="x"))
     schedule_until_admitted(sched, "r")
     time.sleep(0.1)

@@ -348,3 +348,31 @@ def test_a_foreign_layout_is_warned_about_per_cause_not_per_block(
         wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == set(range(8))
     assert len([r for r in caplog.records if "KV layout" in r.msg]) == 4  # 1st, 2nd, 4th, 8th
+
+
+def test_a_finished_requests_blocks_are_released_soon_even_if_redis_hangs() -> None:
+    client = fakeredis.FakeRedis()
+    worker, _ = make_worker(client)
+    release = threading.Event()
+    real = worker.store.insert_encoded
+
+    def hung_write(*a, **k):  # type: ignore[no-untyped-def]
+        release.wait(10)
+        return real(*a, **k)
+
+    worker.store.insert_encoded = hung_write  # type: ignore[method-assign]
+    hashes = chain_hashes(list(range(2 * N)), N)
+    meta = RedisConnectorMetadata(
+        saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")], commits=[CommitSpec("p", "hp", 2, 0)]
+    )
+    worker.wait_for_save(meta)
+    t0 = time.monotonic()
+    finished: set[str] = set()
+    while "p" not in finished and time.monotonic() - t0 < 5:
+        finished |= worker.get_finished()[0]
+        time.sleep(0.01)
+    assert "p" in finished and time.monotonic() - t0 < 0.5  # not after the write's timeout
+    release.set()
+    worker.shutdown_pending(timeout_s=10)
+    assert worker.get_finished()[0] == set()  # reported once
+    assert worker.store.read_handoff("hp", hashes).committed == 2  # the record still comes
