@@ -1,0 +1,531 @@
+#!/usr/bin/env python3
+"""Faults injected into a real redis-server under real vLLM CPU servers, and what requests see.
+
+A prefill server (kv_producer) and two decode servers (kv_consumer) with RedisConnector share
+one redis-server that this script kills, pauses, stops, restarts and fills. For each fault it
+sends prompts the way the proxy does (prefill, then decode with the prefill's
+kv_transfer_params) and records, per request:
+
+- wrong: the decode server's answer differs from a connector-less server's answer;
+- hung: prefill or decode did not answer within --hang-s;
+- added latency: the decode request's latency minus the same prompt's latency when the decode
+  server computes it from scratch (a request without transfer params never touches Redis),
+  measured beforehand on the same server; likewise for prefill against a healthy run;
+- tokens from Redis (``usage.prompt_tokens_details.cached_tokens``).
+
+    python -m scripts.reliability [--requests 6] [--markdown docs/reliability.md]
+
+The end-to-end test tests/test_e2e_faults.py runs the same scenarios with fewer requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from kvstore.server import RedisServer, free_port
+from scripts import stack
+from scripts.make_tiny_model import make_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = 1200  # 9 full blocks of 128 (vLLM's CPU block size)
+MAX_TOKENS = 8
+# The connector settings under test (the defaults, spelled out so the table can say them).
+CONNECTOR = {"deadline_s": 2.0, "control_timeout_s": 0.5, "breaker_probe_s": 0.5}
+
+
+@dataclass
+class Outcome:
+    prompt: int
+    ok: bool  # answered, and equal to the reference
+    hung: bool
+    prefill_s: float | None
+    decode_s: float | None
+    cached_tokens: int
+    added_s: float | None = None  # decode latency minus the prompt's recompute latency
+    prefill_added_s: float | None = None
+    error: str = ""
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    what: str
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def sent(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def wrong(self) -> int:
+        return sum(1 for o in self.outcomes if not o.ok and not o.hung)
+
+    @property
+    def hung(self) -> int:
+        return sum(1 for o in self.outcomes if o.hung)
+
+    def worst(self, attr: str, skip: int = 0) -> float | None:
+        vals = [getattr(o, attr) for o in self.outcomes[skip:] if getattr(o, attr) is not None]
+        return max(vals) if vals else None
+
+    @property
+    def cached_fraction(self) -> float:
+        return sum(o.cached_tokens for o in self.outcomes) / max(1, self.sent * PROMPT_TOKENS)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "fault": self.fault,
+            "what": self.what,
+            "sent": self.sent,
+            "wrong": self.wrong,
+            "hung": self.hung,
+            "worst_added_s": self.worst("added_s"),
+            "worst_added_after_3_s": self.worst("added_s", skip=3),
+            "worst_prefill_added_s": self.worst("prefill_added_s"),
+            "tokens_from_redis": round(self.cached_fraction, 3),
+            "outcomes": [asdict(o) for o in self.outcomes],
+        }
+
+
+def prompt_tokens(i: int, shared: list[int] | None = None) -> list[int]:
+    r = random.Random(1000 + i)
+    head = list(shared or [])
+    return head + [r.randrange(3, 259) for _ in range(PROMPT_TOKENS - len(head))]
+
+
+class Harness:
+    """Redis plus the vLLM servers; one instance serves every scenario."""
+
+    def __init__(self, workdir: Path, model: Path | None = None, hang_s: float = 60) -> None:
+        self.workdir = workdir
+        self.logs = workdir / "logs"
+        self.model = model
+        self.hang_s = hang_s
+        self.redis = RedisServer(extra_args=["--enable-debug-command", "yes"])
+        self.stack = stack.Stack()
+        self.urls: dict[str, str] = {}
+        # per prompt (its tokens): the connector-less server's answer, the decode server's
+        # latency computing it from scratch, the prefill server's latency with Redis healthy
+        self.reference: dict[tuple[int, ...], str] = {}
+        self.recompute_s: dict[tuple[int, ...], float] = {}
+        self.prefill_s: dict[tuple[int, ...], float] = {}
+        self.noise_s = 0.0  # the largest spread of one prompt's recompute latency over 3 runs
+        self.http = httpx.Client(timeout=hang_s)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        model = self.model
+        if model is None:
+            model = self.workdir / "tiny-llama"
+            if not (model / "config.json").exists():
+                make_model(model)
+        self.redis.start()
+
+        def server(name: str, role: str | None, core: int) -> stack.Proc:
+            return stack.vllm_server(
+                name,
+                model=str(model),
+                port=free_port(),
+                role=role,
+                redis_url=self.redis.url,
+                log_dir=self.logs,
+                core=core,
+                extra_config=CONNECTOR,
+                # no local prefix cache: every cached token comes from Redis, and a prompt
+                # computed for the baselines is computed again, not remembered
+                extra_args=["--no-enable-prefix-caching"],
+            )
+
+        procs = [
+            server("prefill", "kv_producer", 1),
+            server("decode", "kv_consumer", 0),
+            server("decode2", "kv_consumer", 1),
+            server("reference", None, 0),
+        ]
+        for p in procs:
+            self.stack.add(p)
+            self.urls[p.name] = p.url
+        stack.wait_healthy(procs, timeout_s=900)
+
+    def stop(self) -> None:
+        self.stack.stop()
+        self.redis.cleanup()
+        self.http.close()
+
+    def prepare(self, prompts: list[list[int]]) -> None:
+        """Reference answers (a server without any connector) and the latency baselines."""
+        for p in prompts:
+            self.reference[tuple(p)] = self.complete("reference", p)[0]
+        ref = self.stack.procs.pop()  # the reference server is not needed any more
+        ref.stop()
+        for p in prompts:
+            runs = [self.complete("decode", p) for _ in range(3)]
+            if any(r[0] != self.reference[tuple(p)] for r in runs):
+                raise AssertionError("the decode server's recompute differs from the reference")
+            took = sorted(r[1] for r in runs)
+            self.recompute_s[tuple(p)] = took[0]
+            self.noise_s = max(self.noise_s, took[-1] - took[0])
+
+    # ------------------------------------------------------------------ requests
+    def complete(
+        self, server: str, prompt: list[int], params: dict | None = None
+    ) -> tuple[str, float, int, dict | None]:
+        body: dict[str, Any] = {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "temperature": 0,
+            "max_tokens": MAX_TOKENS,
+        }
+        if params is not None:
+            body["kv_transfer_params"] = params
+        t0 = time.perf_counter()
+        r = self.http.post(self.urls[server] + "/v1/completions", json=body)
+        took = time.perf_counter() - t0
+        r.raise_for_status()
+        doc = r.json()
+        details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+        return (
+            doc["choices"][0]["text"],
+            took,
+            int(details.get("cached_tokens") or 0),
+            doc.get("kv_transfer_params"),
+        )
+
+    def prefill(self, prompt: list[int]) -> tuple[dict | None, float]:
+        _, took, _, params = self.complete("prefill", prompt)
+        return params, took
+
+    def disaggregated(
+        self,
+        i: int,
+        prompt: list[int],
+        *,
+        decoder: str = "decode",
+        during_prefill: Callable[[], None] | None = None,
+        during_decode: Callable[[], None] | None = None,
+        params: dict | None = None,
+        prefill_s: float | None = None,
+    ) -> Outcome:
+        """One request as the proxy sends it; faults may be injected while either half runs."""
+        try:
+            if params is None:
+                params, prefill_s = self._with(during_prefill, lambda: self.prefill(prompt))
+            text, decode_s, cached, _ = self._with(
+                during_decode, lambda: self.complete(decoder, prompt, params)
+            )
+        except httpx.TimeoutException as exc:
+            return Outcome(i, False, True, prefill_s, None, 0, error=repr(exc))
+        except httpx.HTTPError as exc:
+            return Outcome(i, False, False, prefill_s, None, 0, error=repr(exc))
+        key = tuple(prompt)
+        healthy_prefill = self.prefill_s.get(key)
+        return Outcome(
+            i,
+            ok=text == self.reference[key],
+            hung=False,
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            cached_tokens=cached,
+            added_s=decode_s - self.recompute_s[key],
+            prefill_added_s=None
+            if healthy_prefill is None or prefill_s is None
+            else prefill_s - healthy_prefill,
+        )
+
+    @staticmethod
+    def _with(fault: Callable[[], None] | None, request: Callable[[], Any]) -> Any:
+        if fault is None:
+            return request()
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(request)
+            fault()
+            return fut.result()
+
+    # ------------------------------------------------------------------ the server's state
+    def admin(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis.url, socket_timeout=5)
+
+    def kill(self) -> None:
+        self.redis.kill()
+
+    def kill_after(self, delay_s: float) -> Callable[[], None]:
+        """A fault for ``disaggregated``: SIGKILL Redis ``delay_s`` into a request."""
+
+        def fault() -> None:
+            time.sleep(delay_s)
+            self.kill()
+
+        return fault
+
+    def revive(self) -> None:
+        if self.redis.proc is None:
+            self.redis.start()
+        time.sleep(2 * CONNECTOR["breaker_probe_s"] + 0.2)  # let the breakers close again
+
+    @contextlib.contextmanager
+    def stopped(self) -> Iterator[None]:
+        """SIGSTOP: the kernel still accepts connections, the server never answers."""
+        assert self.redis.proc is not None
+        os.kill(self.redis.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.redis.proc.pid, signal.SIGCONT)
+            self.revive()
+
+    @contextlib.contextmanager
+    def paused(self, seconds: float) -> Iterator[None]:
+        """CLIENT PAUSE ALL for ``seconds``: every command waits (UNPAUSE would wait too)."""
+        ends = time.monotonic() + seconds
+        with self.admin() as a:
+            a.execute_command("CLIENT", "PAUSE", int(seconds * 1000), "ALL")
+        try:
+            yield
+        finally:
+            time.sleep(max(0.0, ends - time.monotonic()))
+            self.revive()
+
+    @contextlib.contextmanager
+    def debug_sleeping(self, seconds: float = 2.0) -> Iterator[None]:
+        """The server blocks in DEBUG SLEEP again and again (a long blocking command)."""
+        stop = threading.Event()
+
+        def sleeper() -> None:
+            with redis.Redis.from_url(self.redis.url, socket_timeout=seconds + 5) as a:
+                while not stop.is_set():
+                    with contextlib.suppress(redis.RedisError):
+                        a.execute_command("DEBUG", "SLEEP", seconds)
+
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        time.sleep(0.1)
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join(timeout=seconds + 10)
+            self.revive()
+
+    def flush(self) -> None:
+        with self.admin() as a:
+            a.flushall()
+
+
+# ---------------------------------------------------------------------- scenarios
+def healthy(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("none", "healthy Redis: the baseline")
+    for i, p in enumerate(prompts):
+        o = h.disaggregated(i, p)
+        if o.prefill_s is not None:
+            h.prefill_s[tuple(p)] = o.prefill_s
+        o.prefill_added_s = 0.0
+        res.outcomes.append(o)
+    return res
+
+
+def killed(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("killed", "redis-server killed (SIGKILL): connections refused")
+    h.kill()
+    try:
+        res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts)]
+    finally:
+        h.revive()
+    return res
+
+
+def sigstopped(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("hung", "redis-server stopped (SIGSTOP): accepts, never answers")
+    with h.stopped():
+        res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts)]
+    return res
+
+
+def client_paused(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("client-pause", "CLIENT PAUSE ALL: every command times out")
+    with h.paused(seconds=2.0 * len(prompts) + 2):
+        res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts)]
+    return res
+
+
+def debug_sleep(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("debug-sleep", "DEBUG SLEEP 2 in a loop: the server blocks for seconds")
+    with h.debug_sleeping():
+        res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts)]
+    return res
+
+
+def killed_mid_save(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("killed-mid-save", "SIGKILL while the prefill server saves, then restart")
+    for i, p in enumerate(prompts):
+        res.outcomes.append(h.disaggregated(i, p, during_prefill=h.kill_after(0.02 * (i % 5))))
+        h.revive()
+    return res
+
+
+def killed_mid_load(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("killed-mid-load", "SIGKILL while the decode server loads, then restart")
+    for i, p in enumerate(prompts):
+        res.outcomes.append(h.disaggregated(i, p, during_decode=h.kill_after(0.005 * (i % 5))))
+        h.revive()
+    return res
+
+
+def restarted(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    res = FaultResult("restarted", "killed, half the requests, restarted (empty), the rest")
+    half = len(prompts) // 2
+    h.kill()
+    res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts[:half])]
+    h.revive()
+    res.outcomes += [h.disaggregated(i + half, p) for i, p in enumerate(prompts[half:])]
+    return res
+
+
+def evicting(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    """maxmemory + allkeys-lru: later prefills evict earlier prompts' blocks before decode."""
+    res = FaultResult("evicted", "maxmemory for ~2 prompts, allkeys-lru; all prefills first")
+    with h.admin() as a:
+        used = int(a.info("memory")["used_memory"])
+        a.config_set("maxmemory-policy", "allkeys-lru")
+        a.config_set("maxmemory", str(used + 2 * 9 * 270_000))
+    try:
+        saved = [h.prefill(p) for p in prompts]
+        for i, p in enumerate(prompts):
+            params, took = saved[i]
+            res.outcomes.append(h.disaggregated(i, p, params=params or {}, prefill_s=took))
+    finally:
+        with h.admin() as a:
+            a.config_set("maxmemory", "0")
+        h.flush()
+    return res
+
+
+def shared_prefix(h: Harness, prompts: list[list[int]]) -> FaultResult:
+    """Two decode servers, prompts sharing 1,000 tokens, decoded at the same time."""
+    res = FaultResult("two-consumers", "two decode servers, a shared 1,000-token prefix")
+    saved = [h.prefill(p) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(
+                h.disaggregated,
+                i,
+                p,
+                decoder=("decode", "decode2")[i % 2],
+                params=saved[i][0] or {},
+                prefill_s=saved[i][1],
+            )
+            for i, p in enumerate(prompts)
+        ]
+        res.outcomes = [f.result() for f in futs]
+    return res
+
+
+SCENARIOS: dict[str, Callable[[Harness, list[list[int]]], FaultResult]] = {
+    "none": healthy,
+    "killed": killed,
+    "hung": sigstopped,
+    "client-pause": client_paused,
+    "debug-sleep": debug_sleep,
+    "killed-mid-save": killed_mid_save,
+    "killed-mid-load": killed_mid_load,
+    "restarted": restarted,
+    "evicted": evicting,
+    "two-consumers": shared_prefix,
+}
+
+
+def run(h: Harness, n: int, names: list[str]) -> list[FaultResult]:
+    shared = prompt_tokens(10_000)[:1000]
+    prompts = [prompt_tokens(i) for i in range(n)]
+    sharing = [prompt_tokens(100 + i, shared) for i in range(n)]
+    h.prepare(prompts + (sharing if "two-consumers" in names else []))
+    results = []
+    for name in names:
+        results.append(SCENARIOS[name](h, sharing if name == "two-consumers" else prompts))
+        h.flush()
+    return results
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.0f} ms"
+
+
+def markdown(results: list[FaultResult], info: dict[str, Any]) -> str:
+    lines = [
+        "| fault | what happens | requests | wrong answers | hung | worst added latency "
+        "| after the first 3 | worst added prefill latency | prompt tokens from Redis |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        row = r.row()
+        lines.append(
+            f"| {r.fault} | {r.what} | {r.sent} | **{r.wrong}** | **{r.hung}** "
+            f"| {_ms(row['worst_added_s'])} | {_ms(row['worst_added_after_3_s'])} "
+            f"| {_ms(row['worst_prefill_added_s'])} | {100 * row['tokens_from_redis']:.0f}% |"
+        )
+    lines.append("")
+    lines.append(
+        f"Machine: {info['machine']}. Each request: {PROMPT_TOKENS} prompt tokens "
+        f"(9 blocks), {MAX_TOKENS} output tokens, tiny 2-layer model, every server on one "
+        f"pinned core. Recompute baseline (median over prompts, the fastest of 3 runs each): "
+        f"{_ms(info['recompute_median_s'])}; the same prompt's recompute varied by up to "
+        f"{_ms(info['noise_s'])} between runs, the noise below which an added latency means "
+        f"nothing here. Connector settings: {json.dumps(CONNECTOR)}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=6, help="requests per fault")
+    ap.add_argument("--faults", default=",".join(SCENARIOS), help="comma-separated subset")
+    ap.add_argument("--workdir", type=Path, default=ROOT / ".run" / "reliability")
+    ap.add_argument("--model", type=Path, help="a local model directory (default: tiny Llama)")
+    ap.add_argument("--hang-s", type=float, default=60.0)
+    ap.add_argument("--markdown", type=Path, help="write the table here")
+    ap.add_argument("--json", type=Path, help="write every request's outcome here")
+    args = ap.parse_args(argv)
+    names = [n for n in args.faults.split(",") if n]
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        ap.error(f"unknown faults {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
+    h = Harness(args.workdir, args.model, args.hang_s)
+    try:
+        h.start()
+        results = run(h, args.requests, names)
+    finally:
+        h.stop()
+    info = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
+        "recompute_median_s": statistics.median(h.recompute_s.values()),
+        "noise_s": h.noise_s,
+    }
+    table = markdown(results, info)
+    print(table)
+    if args.markdown:
+        args.markdown.write_text(table)
+    if args.json:
+        args.json.write_text(
+            json.dumps({"info": info, "results": [r.row() for r in results]}, indent=1)
+        )
+    return 0 if all(r.wrong == 0 and r.hung == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
