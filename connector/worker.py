@@ -173,13 +173,11 @@ class RedisConnectorWorker:
                     job.copied.add(block_id)
                     job.nbytes += sum(t.numel() * t.element_size() for t in value.values())
         except KVStoreError as exc:
-            self.stats.add(redis_errors=1)
-            self._warn(
-                f"redis:{type(exc).__name__}",
+            self._redis_error(
+                exc,
                 "request %(req)s: loading from Redis failed (%(total)d so far): %(exc)s; "
                 "recomputing",
                 req=spec.req_id,
-                exc=exc,
             )
         except Exception:  # never leave the request waiting, whatever went wrong
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
@@ -333,14 +331,12 @@ class RedisConnectorWorker:
             self.store.insert_encoded(items, positions=[pos for pos, _, _ in staged])
             ok = True
         except KVStoreError as exc:
-            self.stats.add(redis_errors=1)
-            self._warn(
-                f"redis:{type(exc).__name__}",
+            self._redis_error(
+                exc,
                 "request %(req)s: saving %(blocks)d block(s) failed (%(total)d Redis errors so "
                 "far): %(exc)s",
                 req=req_id,
                 blocks=len(staged),
-                exc=exc,
             )
         except Exception:
             logger.exception("request %s: saving %d block(s) failed", req_id, len(staged))
@@ -382,13 +378,11 @@ class RedisConnectorWorker:
             self.store.publish_handoff(commit.handoff, n)
             self.stats.add(handoffs_published=1)
         except KVStoreError as exc:
-            self.stats.add(redis_errors=1)
-            self._warn(
-                f"redis:{type(exc).__name__}",
+            self._redis_error(
+                exc,
                 "request %(req)s: publishing its commit record failed (%(total)d Redis errors "
                 "so far): %(exc)s; its consumer recomputes by its deadline",
                 req=req_id,
-                exc=exc,
             )
         finally:
             with self._lock:
@@ -401,6 +395,11 @@ class RedisConnectorWorker:
         total = self._failures.add(cause, n)
         if total:
             logger.warning(msg, {**fields, "n": n, "total": total})
+
+    def _redis_error(self, exc: KVStoreError, msg: str, **fields: Any) -> None:
+        """Count a failed Redis call and warn sparsely, per error type."""
+        self.stats.add(redis_errors=1)
+        self._warn(f"redis:{type(exc).__name__}", msg, exc=exc, **fields)
 
     def _track(self, fut: Future[Any], what: str = "a load") -> None:
         with self._lock:
