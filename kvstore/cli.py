@@ -154,13 +154,14 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
             return {}
 
     info_mem, info_stats, info_server = info("memory"), info("stats"), info("server")
-    keys = 0
+    keys = blocks = 0
     namespaces: dict[str, int] = defaultdict(int)
     for key in _scan(client, f"{prefix}:*"):
         keys += 1
         parsed = parse_key(key, prefix)
         if parsed:
             namespaces[parsed.namespace] += 1
+            blocks += parsed.kind == "block"
     return {
         "server": (
             f"{info_server.get('server_name', 'redis')} {info_server['redis_version']}"
@@ -168,6 +169,7 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
             else "unknown (INFO not permitted)"
         ),
         "kv_keys": keys,
+        "blocks": blocks,  # the rest: handoff records, in-flight claims, permission probes
         "keys_by_namespace": dict(namespaces),
         "used_memory": info_mem.get("used_memory"),
         "used_memory_human": info_mem.get("used_memory_human"),

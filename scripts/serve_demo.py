@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstore import KVStoreError
+from kvstore.keys import parse_key
 from kvstore.server import RedisServer
 from scripts import stack
 from scripts.make_tiny_model import make_model
@@ -111,8 +112,17 @@ def walkthrough(
     info = params.get("redis_kv", {})
     console.print(f"prefill saved {info.get('num_blocks')} blocks; kv_transfer_params = {params}")
     console.print(kvstore_ls(redis.url))
-    key = None
     client = redis_client(redis)
+    handoff = next(
+        (k.decode() for k in client.scan_iter(match=f"kv:*:handoff:{{{info.get('handoff')}}}")),
+        None,
+    )
+    if handoff:
+        console.print(
+            f"the producer's commit record {handoff} = {client.get(handoff)!r}: the blocks it "
+            "really wrote; the decode server waits for it, then takes the handoff once"
+        )
+    key = None
     for k in client.scan_iter(match="kv:*"):
         if k.decode().endswith(str(info.get("last_hash"))):
             key = k.decode()
@@ -134,8 +144,12 @@ def walkthrough(
         f"{cached} of {d['usage']['prompt_tokens']} prompt tokens from Redis: "
         f"{d['choices'][0]['text']!r}"
     )
-    left = len(list(client.scan_iter(match="kv:*")))
-    console.print(f"keys left in Redis after decode (consume mode takes them): {left}")
+    kinds = [parse_key(k.decode()) for k in client.scan_iter(match="kv:*")]
+    blocks = sum(1 for k in kinds if k is not None and k.kind == "block")
+    console.print(
+        f"blocks left in Redis after decode (consume mode takes them): {blocks}; the commit "
+        f"record now says {client.get(handoff) if handoff else None!r} and expires within a minute"
+    )
 
     console.rule(f"2. requests through the proxy (OpenAI API at {prx.url})")
     table = Table("request", "via", "prompt tokens", "from Redis", "TTFT", "total", "answer")

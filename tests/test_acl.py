@@ -1,0 +1,68 @@
+"""The README's least-privilege ACL rules: they match what the code needs, they are enough on a
+real redis-server, and a missing command stops the connector at startup, named."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import redis
+
+from connector.config import RedisConnectorConfig
+from kvstore import LookupBuffer, StorePermissionError
+from kvstore.lookup_buffer import acl_rule
+from kvstore.server import RedisServer
+
+from .conftest import ROOT
+
+pytestmark = pytest.mark.redis
+
+ROLES = [
+    ("kv_producer", "consume", "`kv_producer`"),
+    ("kv_consumer", "consume", "`kv_consumer`, consume mode"),
+    ("kv_consumer", "share", "`kv_consumer`, share mode"),
+    ("kv_both", "share", "`kv_both`, share mode"),
+    ("kv_both", "consume", "`kv_both`, consume mode"),
+]
+
+
+def documented_rule(label: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(rf"^\| {re.escape(label)} \| `([^`]+)` \|", readme, re.MULTILINE)
+    assert m, f"no ACL row for {label} in the README"
+    return m.group(1)
+
+
+def needed(role: str, mode: str) -> list[str]:
+    cfg = RedisConnectorConfig(url="redis://x", role=role, mode=mode)
+    return cfg.operations("scheduler") + cfg.operations("worker")
+
+
+@pytest.mark.parametrize(("role", "mode", "label"), ROLES)
+def test_the_readme_rule_is_what_the_code_needs_and_enough(
+    private_redis: RedisServer, role: str, mode: str, label: str
+) -> None:
+    rule = documented_rule(label)
+    assert rule == acl_rule(needed(role, mode))
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
+    url = f"redis://u:pw@127.0.0.1:{private_redis.port}/0"
+    cfg = RedisConnectorConfig(url=url, role=role, mode=mode)
+    for side in ("scheduler", "worker"):
+        with LookupBuffer.from_url(url, namespace="vllm", check=False) as buf:
+            buf.check_access(cfg.operations(side))
+
+
+def test_a_missing_command_stops_the_connector_at_startup(
+    private_redis: RedisServer, tiny_model: Path
+) -> None:
+    from .test_connector_scheduler import make_scheduler
+
+    rule = documented_rule("`kv_consumer`, consume mode").replace(" +get ", " ")
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "nog", "reset", "on", ">pw", *rule.split())
+    url = f"redis://nog:pw@127.0.0.1:{private_redis.port}/0"
+    with pytest.raises(StorePermissionError, match="GET") as info:
+        make_scheduler(tiny_model, "kv_consumer", url=url)
+    assert "pw" not in str(info.value)  # the password never shows
