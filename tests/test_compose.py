@@ -59,7 +59,7 @@ def test_compose_file_is_valid_and_wired(name: str) -> None:
     published = {s: v.get("ports") for s, v in services.items() if v.get("ports")}
     assert list(published) == ["proxy"]
     redis_cmd = services["redis"]["command"]
-    for flag in ("--save", "--maxmemory ", "--maxmemory-policy allkeys-lru", "--io-threads"):
+    for flag in ("--save", "--maxmemory ", "--maxmemory-policy volatile-ttl", "--io-threads"):
         assert flag in redis_cmd
     gpu = [
         d["device_ids"]
