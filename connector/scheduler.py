@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
+from kvstore.keys import NAME_RE
 
 from .config import TRANSFER_PARAMS_KEY, KVLayout, RedisConnectorConfig
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
@@ -81,7 +82,7 @@ class LookupResult:
 
 @dataclass
 class _RequestState:
-    shared: list[str]  # the prompt's content chain (share mode)
+    num_tokens: int  # prompt tokens
     load_hashes: list[str]  # the chain loads look up (the handoff's, or the shared one)
     save_hashes: list[str]  # the chain saves write (ours)
     save_handoff: str  # the id our commit record is published under
@@ -141,13 +142,17 @@ class RedisConnectorScheduler:
                 # preempted after its load: it starts over with a fresh budget (a consumed
                 # handoff is never waited for again)
                 st.preemptions = request.num_preemptions
-                st.deadline = time.monotonic() + self.config.request_deadline_s(len(st.shared))
+                st.deadline = time.monotonic() + self.config.request_deadline_s(st.num_tokens)
                 st.gave_up = st.load_planned = False
             return st
         salt = request_salt(request)
         tokens = request.prompt_token_ids or []
-        shared = chain_hashes(tokens, self.block_size, salt)
         save_handoff = uuid.uuid4().hex
+        # the content chain: what share mode saves and loads, and what incoming params are
+        # checked against (a consume-mode producer needs none of it)
+        shared: list[str] = []
+        if self.config.loads or not self.config.consume:
+            shared = chain_hashes(tokens, self.block_size, salt)
         save_hashes = shared
         if self.config.saves and self.config.consume:  # a chain private to this request
             save_hashes = chain_hashes(tokens, self.block_size, handoff_salt(salt, save_handoff))
@@ -156,7 +161,7 @@ class RedisConnectorScheduler:
             handoff, load_hashes = self._incoming_handoff(request, shared, salt)
         now = time.monotonic()
         st = _RequestState(
-            shared=shared,
+            num_tokens=len(tokens),
             load_hashes=load_hashes,
             save_hashes=save_hashes,
             save_handoff=save_handoff,
@@ -188,7 +193,7 @@ class RedisConnectorScheduler:
         else:
             handoff_id, n = ours.get("handoff"), ours.get("num_blocks")
             scoped = ours.get("scope") == "handoff"
-            if not isinstance(handoff_id, str) or not handoff_id.isalnum():
+            if not isinstance(handoff_id, str) or not NAME_RE.match(handoff_id):
                 problem = "no valid handoff id"
             elif not isinstance(n, int) or not 0 < n <= len(shared):
                 problem = f"num_blocks {n!r} does not fit a prompt of {len(shared)} blocks"
@@ -489,6 +494,8 @@ class RedisConnectorScheduler:
         return True, params
 
     def _log_background_failure(self, fut: Future[Any]) -> None:
+        if fut.cancelled():  # cancelled at shutdown
+            return
         exc = fut.exception()
         if exc is None:
             return

@@ -57,7 +57,7 @@ def test_the_readme_rule_is_what_the_code_needs_and_enough(
 def test_a_missing_command_stops_the_connector_at_startup(
     private_redis: RedisServer, tiny_model: Path
 ) -> None:
-    from .test_connector_scheduler import make_scheduler
+    from scripts.scheduler_harness import make_scheduler
 
     rule = documented_rule("`kv_consumer`, consume mode").replace(" +get ", " ")
     admin = redis.Redis.from_url(private_redis.url)

@@ -15,35 +15,22 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    KVTransferConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.request import RequestStatus
 
 import kvstore.lookup_buffer
 from connector.config import KVLayout
 from connector.metadata import RedisConnectorMetadata
 from connector.scheduler import handoff_salt
 from kvstore import LookupBuffer, StoreTimeoutError, chain_hashes
+from scripts.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
+from scripts.scheduler_harness import make_scheduler as _make_scheduler
 
-BS = 16
-LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+def make_scheduler(tiny_model: Path, role: Role, **extra: Any) -> Scheduler:
+    """The harness's scheduler, by default on the fake_redis fixture's placeholder URL, with
+    lookups answered within the step that starts them."""
+    return _make_scheduler(tiny_model, role, **{"url": "redis://fake:6379/0", **extra})
 
 
 @pytest.fixture
@@ -55,66 +42,6 @@ def fake_redis(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
     )
     client.server = server  # type: ignore[attr-defined]
     return client
-
-
-def make_scheduler(tiny_model: Path, role: str, **extra: Any) -> Scheduler:
-    model_config = ModelConfig(model=str(tiny_model), dtype="float32", seed=0, max_model_len=4096)
-    vllm_config = VllmConfig(
-        model_config=model_config,
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
-            max_num_batched_tokens=extra.pop("max_batched", 4096),
-            max_model_len=4096,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
-        ),
-        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="RedisConnector",
-            kv_connector_module_path="connector.redis_connector",
-            kv_role=role,
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"url": "redis://fake:6379/0", "lookup_wait_s": 1, **extra},
-        ),
-        device_config=DeviceConfig("cpu"),
-    )
-    vllm_config.cache_config.block_size = BS
-    kv_cache_config = KVCacheConfig(
-        num_blocks=1000,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                LAYERS,
-                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
-            )
-        ],
-    )
-    vllm_config.cache_config.num_gpu_blocks = 1000
-    return Scheduler(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BS,
-    )
-
-
-init_none_hash(sha256)
-
-
-def make_request(
-    rid: str, tokens: list[int], params: dict | None = None, cache_salt: str | None = None
-) -> Request:
-    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
-    sp.update_from_generation_config({}, 1)
-    return Request(
-        request_id=rid,
-        prompt_token_ids=tokens,
-        sampling_params=sp,
-        pooling_params=None,
-        cache_salt=cache_salt,
-        block_hasher=get_request_block_hasher(BS, sha256),  # vLLM's own local prefix cache
-    )
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -172,24 +99,6 @@ def hand_off(
         }
     }
     return params, chain
-
-
-def runner_output(
-    reqs: list[Request], recving: set[str] | None = None, invalid: set[int] | None = None
-) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        req_ids=[r.request_id for r in reqs],
-        req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
-        sampled_token_ids=[[5] for _ in reqs],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=None,
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=recving, invalid_block_ids=invalid or set()
-        )
-        if (recving or invalid)
-        else None,
-    )
 
 
 def meta_of(out: Any) -> RedisConnectorMetadata:
@@ -593,3 +502,23 @@ def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
     sched.add_request(req)
     out = sched.schedule()
     assert out.num_scheduled_tokens == {"r": 3 * BS + 1}  # computed, not loaded
+
+
+def test_a_preempted_request_gets_a_fresh_budget_scaled_with_its_prompt(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    cfg = {"deadline_s": 0.0, "deadline_per_1k_tokens_s": 10.0, "deadline_max_s": 60.0}
+    sched = make_scheduler(tiny_model, "kv_both", **cfg)
+    tokens = prompt(8 * BS + 1)
+    seed_blocks(sched, tokens, 8)
+    req = make_request("r", tokens)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output([], recving={"r"}))
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output([req]))
+    sched.running.remove(req)
+    sched._preempt_request(req, time.monotonic())
+    sched.schedule()
+    left = connector_of(sched)._reqs["r"].deadline - time.monotonic()
+    assert left > 0.9 * 10.0 * len(tokens) / 1000  # tokens, not blocks (that gave 0.08 s)

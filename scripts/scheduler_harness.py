@@ -1,0 +1,112 @@
+"""vLLM's real Scheduler with RedisConnector, and the request and model-runner objects it
+consumes, without a model or a worker: the connector's scheduler side, driven the way vLLM's own
+connector unit tests drive it. Used by the scheduler tests and scripts/admission_latency.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+BS = 16
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+init_none_hash(sha256)
+
+
+Role = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+
+def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
+    """vLLM's real Scheduler (no model runs) with RedisConnector; ``extra`` (``url`` among them)
+    goes to ``kv_connector_extra_config``. Lookups are waited for up to 1 s in the step that
+    starts them, unless ``lookup_wait_s`` says otherwise."""
+    model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=extra.pop("max_batched", 4096),
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="RedisConnector",
+            kv_connector_module_path="connector.redis_connector",
+            kv_role=role,
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"lookup_wait_s": 1, **extra},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.block_size = BS
+    kv_cache_config = KVCacheConfig(
+        num_blocks=1000,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                LAYERS,
+                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
+            )
+        ],
+    )
+    vllm_config.cache_config.num_gpu_blocks = 1000
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BS,
+    )
+
+
+def make_request(
+    rid: str, tokens: list[int], params: dict | None = None, cache_salt: str | None = None
+) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    sp.update_from_generation_config({}, 1)
+    return Request(
+        request_id=rid,
+        prompt_token_ids=tokens,
+        sampling_params=sp,
+        pooling_params=None,
+        cache_salt=cache_salt,
+        block_hasher=get_request_block_hasher(BS, sha256),  # vLLM's own local prefix cache
+    )
+
+
+def runner_output(
+    reqs: list[Request], recving: set[str] | None = None, invalid: set[int] | None = None
+) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        req_ids=[r.request_id for r in reqs],
+        req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
+        sampled_token_ids=[[5] for _ in reqs],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=recving, invalid_block_ids=invalid or set()
+        )
+        if (recving or invalid)
+        else None,
+    )
