@@ -408,6 +408,8 @@ class RedisConnectorWorker:
         def done(f: Future[Any]) -> None:
             with self._lock:
                 self._pending.discard(f)
+            if f.cancelled():  # cancelled at shutdown
+                return
             exc = f.exception()
             if exc is not None:  # the tasks catch what they can; anything else is said here
                 logger.error("RedisConnector background task (%s) failed: %r", what, exc)

@@ -376,3 +376,20 @@ def test_a_finished_requests_blocks_are_released_soon_even_if_redis_hangs() -> N
     worker.shutdown_pending(timeout_s=10)
     assert worker.get_finished()[0] == set()  # reported once
     assert worker.store.read_handoff("hp", hashes).committed == 2  # the record still comes
+
+
+def test_shutting_down_with_queued_work_logs_no_callback_errors(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cancelled futures raised CancelledError inside their done-callbacks at shutdown."""
+    client = fakeredis.FakeRedis()
+    worker, _ = make_worker(client)
+    release = threading.Event()
+    worker.store.select = lambda *a, **k: release.wait(10) or []  # type: ignore[method-assign,assignment]
+    hashes = chain_hashes(list(range(N)), N)
+    for i in range(4):  # two run (and wait), two stay queued and are cancelled
+        worker.start_load_kv(load(f"d{i}", [i], hashes))
+    with caplog.at_level(logging.ERROR):
+        worker.shutdown(timeout_s=0.1)
+        release.set()
+    assert not [r for r in caplog.records if "CancelledError" in r.getMessage() + str(r.exc_info)]
