@@ -376,11 +376,16 @@ class RedisConnectorScheduler:
         return self.config.consume and st.handoff is not None and st.handoff.scoped
 
     def _drop_handoff(self, st: _RequestState) -> None:
-        """Consume mode leaves nothing behind: delete a handoff's blocks it will not load."""
-        if self._owns_handoff(st) and not st.cleaned and st.load_hashes:
+        """Consume mode leaves nothing behind: delete a handoff's blocks it will not load (e.g.
+        vLLM's local prefix cache had them), and its record."""
+        if self._owns_handoff(st) and not st.cleaned and st.handoff is not None:
             st.cleaned = True
-            fut = self._background_io.submit(self.store.delete, st.load_hashes, self.fingerprints)
+            fut = self._background_io.submit(self._delete_handoff, st.handoff, st.load_hashes)
             fut.add_done_callback(self._log_background_failure)
+
+    def _delete_handoff(self, handoff: Handoff, hashes: list[str]) -> None:
+        self.store.delete(hashes, self.fingerprints)
+        self.store.delete_handoff(handoff.handoff_id, self.fingerprints)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for block_id in output.invalid_block_ids or ():

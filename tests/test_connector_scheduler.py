@@ -486,7 +486,8 @@ def test_consume_mode_deletes_a_handoff_it_gives_up_on(
     deadline = time.monotonic() + 5
     while store_for(sched).longest_prefix(chain) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert store_for(sched).longest_prefix(chain) == 0  # ... and leaves nothing behind
+    assert store_for(sched).longest_prefix(chain) == 0  # ... and leaves nothing behind:
+    assert fake_redis.exists(store_for(sched).keys.handoff("feed1234")) == 0  # nor its record
 
 
 def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
