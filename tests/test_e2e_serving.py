@@ -94,12 +94,16 @@ def chat(url: str, content: str, stream: bool) -> str:
 def test_completions_through_proxy_equal_a_single_server(serving: dict, stream: bool) -> None:
     for prompt in (LONG_DOC + " Q1?", LONG_DOC + " Q2, longer?", "short prompt"):
         text, lps, usage = complete(serving["proxy"], prompt, stream)
-        ref_text, ref_lps, _ = complete(serving["single"], prompt, stream)
-        assert text == ref_text
-        assert lps == pytest.approx(ref_lps, abs=1e-4)
+        ref_text, _, _ = complete(serving["single"], prompt, stream)
+        # the single server again: now from its own prefix cache, as the decode server computes
+        # from the KV it loaded. The same cached KV gives the very same floats; a cold run
+        # differs by up to ~4e-3 here (the server runs the model in bf16), connector or not.
+        warm_text, warm_lps, _ = complete(serving["single"], prompt, stream)
         if len(prompt) > 1000:
             # the decode server loaded the prompt from Redis instead of recomputing it
             assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
+        assert text == ref_text == warm_text
+        assert lps == pytest.approx(warm_lps, abs=1e-6)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
