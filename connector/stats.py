@@ -49,6 +49,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_loads_expired",
         "Load jobs cut off by the request's deadline (their blocks were recomputed)",
     ),
+    "loads_cancelled": (
+        "vllm:redis_kv_loads_cancelled",
+        "Load jobs cancelled because vLLM put the KV cache to sleep (their blocks were recomputed)",
+    ),
     "saves": ("vllm:redis_kv_saves", "Save jobs (one per request and step)"),
     "handoffs_published": (
         "vllm:redis_kv_handoffs_published",

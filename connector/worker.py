@@ -80,6 +80,8 @@ class RedisConnectorWorker:
         self.stats = StatsBuffer()
         self._lock = threading.Lock()
         self._kv: dict[str, torch.Tensor] = {}
+        self._kv_asleep: dict[str, torch.Tensor] = {}  # vLLM sleep mode: set aside, not used
+        self._asleep = False
         self._block_shape: tuple[int, ...] = ()
         self._dtype: torch.dtype | None = None
         self._device = torch.device("cpu")
@@ -105,7 +107,9 @@ class RedisConnectorWorker:
         missing = [n for n in self.layout.layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"RedisConnector: KV caches for layers {missing} were not registered")
-        self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
+        with self._lock:
+            self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
+            self._kv_asleep, self._asleep = {}, False
         first = next(iter(self._kv.values()))
         self._block_shape = tuple(first.shape[1:])
         self._dtype = first.dtype
@@ -148,13 +152,48 @@ class RedisConnectorWorker:
             self.store.key_pattern(),
         )
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM sleep mode (0.33+), before the KV cache's memory is released: no thread may
+        touch it afterwards. Loads in flight are reported now, their uncopied blocks failed
+        (those requests recompute; a block copy in progress finishes first, so this waits at
+        most one block). Saves need nothing: their blocks were copied to staging on the forward
+        path. Idempotent."""
+        with self._lock:
+            if self._asleep:
+                return
+            self._asleep = True  # no new load starts
+            jobs = list(self._jobs.values())
+        for job in jobs:  # once reported, a load's thread writes nothing more
+            self._report_load(job, cancelled=True)
+        with self._lock:
+            self._kv_asleep, self._kv = self._kv, {}
+        logger.info(
+            "RedisConnector worker: KV cache released for sleep; %d load(s) in flight "
+            "cancelled, their requests recompute",
+            len(jobs),
+        )
+
+    def restore_kv_caches(self) -> None:
+        """vLLM sleep mode, after wake-up: the KV cache is back at the same addresses (vLLM's
+        sleep allocator remaps them), so the tensors set aside are valid again. A
+        ``register_kv_caches`` with new tensors replaces them. Idempotent."""
+        with self._lock:
+            if self._asleep:
+                self._kv, self._kv_asleep = self._kv_asleep, {}
+                self._asleep = False
+
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: RedisConnectorMetadata) -> None:
         now = time.monotonic()
         for spec in meta.loads:
             job = _LoadJob(spec, deadline=now + spec.timeout_s, started=time.perf_counter())
             with self._lock:
-                self._jobs[spec.req_id] = job
+                asleep = self._asleep
+                if not asleep:
+                    self._jobs[spec.req_id] = job
+            if asleep:  # no KV cache to write into: the request recomputes
+                self._report_load(job, cancelled=True)
+                continue
             self._track(self._load_io.submit(self._load, job))
 
     def _load(self, job: _LoadJob) -> None:
@@ -201,7 +240,7 @@ class RedisConnectorWorker:
                 raise
             return self.store.select(job.spec.hashes, copy=False)
 
-    def _report_load(self, job: _LoadJob, expired: bool = False) -> None:
+    def _report_load(self, job: _LoadJob, expired: bool = False, cancelled: bool = False) -> None:
         """Report a load finished, exactly once; blocks not copied by now are failed."""
         with job.lock:
             if job.reported:
@@ -213,6 +252,7 @@ class RedisConnectorWorker:
         self.stats.add(
             loads=1,
             loads_expired=int(expired),
+            loads_cancelled=int(cancelled),
             blocks_loaded=loaded,
             tokens_loaded=loaded * self.layout.block_size,
             blocks_load_failed=len(failed),
@@ -233,7 +273,7 @@ class RedisConnectorWorker:
             self._finished_loads.add(spec.req_id)
 
     def _fits(self, value: Mapping[str, torch.Tensor]) -> bool:
-        ok = set(value) == set(self._kv) and all(
+        ok = set(value) == set(self.layout.layer_names) and all(
             tuple(t.shape) == self._block_shape and t.dtype == self._dtype for t in value.values()
         )
         if not ok:
@@ -291,7 +331,7 @@ class RedisConnectorWorker:
             track = self._saves.setdefault(spec.req_id, _SaveTrack())
         staged: list[tuple[int, StagedValue, torch.Tensor]] = []
         shed = 0
-        if self.store.available:
+        if self.store.available and not self._asleep:
             for i, (block_id, block_hash) in enumerate(
                 zip(spec.block_ids, spec.hashes, strict=True)
             ):
@@ -304,7 +344,7 @@ class RedisConnectorWorker:
                     tensors, fingerprint=self.store.fingerprint, block_hash=block_hash, out=buf
                 )
                 staged.append((spec.first_position + i, value, buf))
-        else:  # Redis is down or hung: do not even copy
+        else:  # Redis is down or hung (or the KV cache asleep): do not even copy
             shed = len(spec.block_ids)
         if shed:
             self.stats.add(blocks_shed=shed)

@@ -34,10 +34,10 @@ init_none_hash(sha256)
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
-def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
-    """vLLM's real Scheduler (no model runs) with RedisConnector; ``extra`` (``url`` among them)
-    goes to ``kv_connector_extra_config``. Lookups are waited for up to 1 s in the step that
-    starts them, unless ``lookup_wait_s`` says otherwise."""
+def make_configs(model: Path, role: Role, **extra: Any) -> tuple[VllmConfig, KVCacheConfig]:
+    """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model (1000
+    blocks); ``extra`` (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are
+    waited for up to 1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -70,6 +70,12 @@ def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
         ],
     )
     vllm_config.cache_config.num_gpu_blocks = 1000
+    return vllm_config, kv_cache_config
+
+
+def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
+    """vLLM's real Scheduler (no model runs) with RedisConnector (see ``make_configs``)."""
+    vllm_config, kv_cache_config = make_configs(model, role, **extra)
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,

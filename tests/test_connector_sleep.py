@@ -1,0 +1,114 @@
+"""vLLM sleep mode (0.33+): the GPU worker calls ``unregister_kv_caches`` before the KV cache's
+memory is released (sleep, discard) and ``restore_kv_caches`` after wake-up. Driven here through
+the real ``RedisConnector`` class in the worker role, the way vLLM's worker calls it; the KV
+cache is CPU tensors, the store a real redis-server."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from connector.metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.redis_connector import RedisConnector
+from kvstore import LookupBuffer, chain_hashes
+from scripts.scheduler_harness import BS, LAYERS, make_configs
+
+NUM_BLOCKS = 8
+
+
+def worker_connector(model: Path, url: str) -> tuple[RedisConnector, dict[str, torch.Tensor]]:
+    vllm_config, kv_cache_config = make_configs(model, "kv_both", url=url)
+    conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    caches = {name: torch.zeros(NUM_BLOCKS, 2, BS, 128) for name in LAYERS}
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+def run_step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:
+    """What vLLM's model runner does around a forward pass."""
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
+
+
+def finished_loads(conn: RedisConnector, timeout_s: float = 10) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    done: set[str] = set()
+    while time.monotonic() < deadline:
+        done |= conn.get_finished(set())[1] or set()
+        if done:
+            return done
+        time.sleep(0.01)
+    return done
+
+
+def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_up(
+    tiny_model: Path, redis_url: str
+) -> None:
+    conn, caches = worker_connector(tiny_model, redis_url)
+    worker = conn.worker
+    hashes = chain_hashes(list(range(2 * BS)), BS)
+    blocks = [{name: torch.full((2, BS, 128), float(i + 1)) for name in LAYERS} for i in range(2)]
+    LookupBuffer.from_url(
+        redis_url, namespace="vllm", fingerprint=worker.store.fingerprint
+    ).insert_many(list(zip(hashes, blocks, strict=True)))
+
+    release = threading.Event()
+    real_select = worker.store.select
+
+    def slow_select(*a: object, **k: object) -> object:
+        release.wait(10)  # the reply is on its way when vLLM goes to sleep
+        return real_select(*a, **k)  # type: ignore[arg-type]
+
+    worker.store.select = slow_select  # type: ignore[method-assign]
+    run_step(conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, timeout_s=30)]))
+
+    t0 = time.monotonic()
+    conn.unregister_kv_caches()  # vLLM: sleep(level=1)
+    conn.unregister_kv_caches()  # idempotent (discard after sleep)
+    assert time.monotonic() - t0 < 1  # it does not wait for Redis
+    assert finished_loads(conn) == {"r1"}  # reported now: the request recomputes
+    assert conn.get_block_ids_with_load_errors() == {3, 4}
+
+    release.set()  # the late reply must not land in released memory
+    worker.store.select = real_select  # type: ignore[method-assign]
+    # while asleep: a load is refused at once and a save copies nothing
+    run_step(
+        conn,
+        RedisConnectorMetadata(
+            loads=[LoadSpec("r2", [5], hashes[:1], timeout_s=30)],
+            saves=[SaveSpec("r3", [6], ["ab" * 16], 0, "h3")],
+        ),
+    )
+    assert finished_loads(conn) == {"r2"} and conn.get_block_ids_with_load_errors() == {5}
+    worker.shutdown_pending(timeout_s=10)
+    assert all(t.abs().sum() == 0 for t in caches.values())
+    assert not worker.store.contains(["ab" * 16])[0]
+    stats = worker.take_stats()
+    assert stats["loads_cancelled"] == 2 and stats["blocks_shed"] == 1
+
+    conn.restore_kv_caches()  # vLLM: wake_up()
+    conn.restore_kv_caches()
+    run_step(conn, RedisConnectorMetadata(loads=[LoadSpec("r4", [1, 2], hashes, timeout_s=30)]))
+    assert finished_loads(conn) == {"r4"} and conn.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        assert torch.equal(caches[name][1], blocks[0][name])
+        assert torch.equal(caches[name][2], blocks[1][name])
+    conn.shutdown()
+
+
+def test_sleep_mode_is_declared_supported_where_vllm_asks() -> None:
+    if not hasattr(RedisConnector, "supports_sleep_mode"):
+        pytest.skip("this vLLM (< 0.33) has no sleep-mode hooks for connectors")
+    from vllm.config import KVTransferConfig
+
+    assert RedisConnector.supports_sleep_mode(KVTransferConfig(kv_connector="RedisConnector"))
