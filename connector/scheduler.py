@@ -134,6 +134,12 @@ class RedisConnectorScheduler:
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
 
+    def loads_handoff(self, request: Request) -> bool:
+        """Whether this request's Redis hits come from a producer's handoff (else: the shared
+        pool)."""
+        st = self._reqs.get(request.request_id)
+        return st is not None and st.handoff is not None
+
     # ------------------------------------------------------------------ request state
     def _state(self, request: Request) -> _RequestState:
         st = self._reqs.get(request.request_id)

@@ -523,3 +523,25 @@ def test_a_preempted_request_gets_a_fresh_budget_scaled_with_its_prompt(
     sched.schedule()
     left = connector_of(sched)._reqs["r"].deadline - time.monotonic()
     assert left > 0.9 * 10.0 * len(tokens) / 1000  # tokens, not blocks (that gave 0.08 s)
+
+
+@pytest.mark.parametrize("source", ["handoff", "pool"])
+def test_redis_hits_are_reported_per_source_where_vllm_counts_them(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, source: str
+) -> None:
+    hit_source = pytest.importorskip("vllm.v1.metrics.cache_hit_source")  # vLLM 0.32+
+    tokens = prompt(4 * BS)
+    if source == "handoff":
+        sched = make_scheduler(tiny_model, "kv_consumer")
+        params, _ = hand_off(sched, tokens, 4, commit=4)
+        want = hit_source.CacheHitSource.P2P  # from a prefill instance
+    else:
+        sched = make_scheduler(tiny_model, "kv_both")
+        seed_blocks(sched, tokens, 4)
+        params, want = None, hit_source.CacheHitSource.EXTERNAL_UNSPECIFIED  # a remote store
+    sched.add_request(make_request("r", tokens, params))
+    out = sched.schedule()
+    assert len(meta_of(out).loads) == 1
+    stats = sched.make_stats()
+    assert stats is not None and stats.connector_prefix_cache_stats is not None
+    assert stats.connector_prefix_cache_stats.hits_by_source == {want: 3 * BS}
