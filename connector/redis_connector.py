@@ -12,6 +12,7 @@ This class only dispatches: the scheduler side lives in ``scheduler.py``, the wo
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -23,11 +24,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-
-try:  # vLLM 0.32+: per-source prefix-cache hit metrics
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # 0.30, 0.31
-    CacheHitSource = None  # type: ignore[assignment,misc]
 
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 
@@ -56,6 +52,18 @@ _VERSION_WARNING = check_vllm_version(
 )
 if _VERSION_WARNING:
     logger.warning(_VERSION_WARNING)
+
+
+def _optional(module: str, name: str) -> Any:
+    """``module.name`` where this vLLM release has it, else None."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+# vLLM 0.32+: per-source prefix-cache hit metrics
+CacheHitSource = _optional("vllm.v1.metrics.cache_hit_source", "CacheHitSource")
 
 
 def _tp_rank() -> int:

@@ -111,4 +111,5 @@ def test_sleep_mode_is_declared_supported_where_vllm_asks() -> None:
         pytest.skip("this vLLM (< 0.33) has no sleep-mode hooks for connectors")
     from vllm.config import KVTransferConfig
 
-    assert RedisConnector.supports_sleep_mode(KVTransferConfig(kv_connector="RedisConnector"))
+    config = KVTransferConfig(kv_connector="RedisConnector", kv_role="kv_both")
+    assert RedisConnector.supports_sleep_mode(config)
