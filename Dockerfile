@@ -1,7 +1,7 @@
 # The official vLLM image with this project installed (RedisConnector registers itself through
 # vLLM's plugin entry point, so kv_connector "RedisConnector" works by name).
 # CPU hosts: build with --build-arg VLLM_IMAGE=<vLLM CPU image> (docker-compose.cpu.yml does).
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.33.0
 FROM ${VLLM_IMAGE}
 COPY pyproject.toml README.md /opt/vllm-redis-kvstore/
 COPY kvstore /opt/vllm-redis-kvstore/kvstore
