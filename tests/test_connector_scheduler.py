@@ -26,6 +26,8 @@ from kvstore import LookupBuffer, StoreTimeoutError, chain_hashes
 from scripts.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
 from scripts.scheduler_harness import make_scheduler as _make_scheduler
 
+pytestmark = pytest.mark.vllm
+
 
 def make_scheduler(tiny_model: Path, role: Role, **extra: Any) -> Scheduler:
     """The harness's scheduler, by default on the fake_redis fixture's placeholder URL, with

@@ -21,6 +21,8 @@ from connector.redis_connector import RedisConnector
 from kvstore import LookupBuffer, chain_hashes
 from scripts.scheduler_harness import BS, LAYERS, make_configs
 
+pytestmark = pytest.mark.vllm
+
 NUM_BLOCKS = 8
 
 

@@ -19,6 +19,8 @@ from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, Sav
 from connector.worker import RedisConnectorWorker
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 
+pytestmark = pytest.mark.vllm
+
 LAYERS = ("layer.0", "layer.1")
 H, N, C, BLOCKS = 2, 16, 128, 32
 

@@ -19,6 +19,8 @@ import vllm
 
 from scripts import cross_version
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -25,7 +25,7 @@ from kvstore.server import RedisServer
 
 from .e2e_helpers import finish, start_engine, tokens
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
 BLOCK = 128  # vLLM's default block size on CPU
 SHARED = tokens(1000, 99)

@@ -15,7 +15,7 @@ import pytest
 
 from scripts.reliability import CONNECTOR, SCENARIOS, FaultResult, Harness, run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
 REQUESTS = 3
 # A request with Redis misbehaving may take its recompute plus, at worst, its whole Redis

@@ -21,7 +21,7 @@ from kvstore.keys import parse_key
 from kvstore.server import RedisServer, free_port
 from scripts import stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
 MODEL = "tiny-llama"
 LONG_DOC = "".join(chr(97 + (i * 7) % 26) for i in range(1100))  # 1 byte = 1 token here

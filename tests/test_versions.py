@@ -7,6 +7,8 @@ import pytest
 
 from connector.config import KVLayout, check_vllm_version, describe_overrides
 
+pytestmark = pytest.mark.vllm
+
 
 @pytest.mark.parametrize(
     "version", ["0.30.0", "0.31.0", "0.32.0", "0.32.1", "0.33.0", "0.33.1.dev7+gabc"]
