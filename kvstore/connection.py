@@ -11,9 +11,10 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import redis
+import redis.connection
 import redis.exceptions as rex
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -29,16 +30,10 @@ from .errors import (
     StoreUnavailableError,
 )
 
-_SCHEMES = {
-    "redis": ("tcp", False),
-    "valkey": ("tcp", False),
-    "rediss": ("tcp", True),
-    "valkeys": ("tcp", True),
-    "unix": ("unix", False),
-    "redis+unix": ("unix", False),
-    "valkey+unix": ("unix", False),
-}
+# our aliases -> the scheme redis-py parses
+_ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
+_URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_class"}
 
 
 @dataclass(frozen=True)
@@ -84,51 +79,44 @@ def redact_url(url: str) -> str:
 
 
 def parse_url(url: str) -> StoreAddress:
-    """Parse and validate a store URL; raises :class:`InvalidURLError` with a redacted URL."""
+    """Parse and validate a store URL with redis-py's parser (plus the valkey aliases, TLS query
+    options and stricter checks); raises :class:`InvalidURLError` with a redacted URL."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidURLError("the store URL is empty: set it, e.g. url=redis://127.0.0.1:6379/0")
     safe = redact_url(url)
+    scheme, sep, rest = url.strip().partition("://")
+    scheme = _ALIASES.get(scheme.lower(), scheme.lower())
+    if not sep or scheme not in ("redis", "rediss", "unix"):
+        raise _bad(safe, f"unsupported scheme {url.partition(':')[0]!r}")
     try:
-        parts = urlsplit(url.strip())
-        port = parts.port
-    except ValueError as exc:
+        kwargs = redis.connection.parse_url(f"{scheme}://{rest}")
+        path = urlsplit(f"{scheme}://{rest}").path
+    except ValueError as exc:  # its messages name ports and values, never the password
         raise _bad(safe, str(exc)) from None
-    scheme = parts.scheme.lower()
-    if scheme not in _SCHEMES:
-        raise _bad(safe, f"unsupported scheme {parts.scheme!r}")
-    transport, tls = _SCHEMES[scheme]
-    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-    unknown = set(query) - {"db", *_TLS_QUERY}
+    options = {k: str(v) for k, v in kwargs.items() if k not in _URL_PARTS}
+    unknown = set(options) - set(_TLS_QUERY)
     if unknown:
         raise _bad(safe, f"unknown query parameter(s) {sorted(unknown)}")
-    db_text = query.pop("db", None)
-    if transport == "tcp":
-        if not parts.hostname:
-            raise _bad(safe, "no host")
-        path_db = parts.path.strip("/")
-        if path_db:
-            db_text = path_db
-        path = ""
-    else:
-        if not parts.path:
-            raise _bad(safe, "no socket path")
-        path = parts.path
-    try:
-        db = int(db_text) if db_text not in (None, "") else 0
-    except ValueError:
-        raise _bad(safe, f"database must be an integer, got {db_text!r}") from None
+    transport = "unix" if scheme == "unix" else "tcp"
+    if transport == "tcp" and not kwargs.get("host"):
+        raise _bad(safe, "no host")
+    if transport == "tcp" and path.strip("/") and "db" not in kwargs:  # redis-py ignores it
+        raise _bad(safe, f"database must be an integer, got {path.strip('/')!r}")
+    if transport == "unix" and not kwargs.get("path"):
+        raise _bad(safe, "no socket path")
+    db = int(kwargs.get("db", 0))
     if db < 0:
         raise _bad(safe, "database must be >= 0")
     return StoreAddress(
         transport=transport,
-        tls=tls,
-        host=parts.hostname or "",
-        port=port or 6379,
-        path=path,
+        tls=scheme == "rediss",
+        host=kwargs.get("host", ""),
+        port=int(kwargs.get("port", 6379)),
+        path=kwargs.get("path", ""),
         db=db,
-        username=unquote(parts.username) if parts.username else None,
-        password=unquote(parts.password) if parts.password is not None else None,
-        options=query,
+        username=kwargs.get("username"),
+        password=kwargs.get("password"),
+        options=options,
         safe_url=safe,
     )
 

@@ -59,3 +59,11 @@ def test_tls_options_from_query() -> None:
     a = parse_url("rediss://h:6380/0?tls_ca_file=/ca.pem&tls_verify=false")
     kwargs = make_client(a).connection_pool.connection_kwargs
     assert kwargs["ssl_ca_certs"] == "/ca.pem" and kwargs["ssl_cert_reqs"] == "none"
+
+
+def test_credentials_are_percent_decoded_and_aliases_map_to_redis_py_schemes() -> None:
+    a = parse_url("valkeys://us%40er:p%40ss%3Aword@h:6390/5")
+    assert (a.username, a.password, a.tls, a.port, a.db) == ("us@er", "p@ss:word", True, 6390, 5)
+    assert "p%40ss" not in a.safe_url and "p@ss" not in a.safe_url
+    b = parse_url("valkey+unix:///tmp/v.sock?db=2")
+    assert (b.transport, b.path, b.db) == ("unix", "/tmp/v.sock", 2)
