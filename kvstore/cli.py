@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -66,7 +68,7 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
             sizes.append(int(size))
             if pttl >= 0:
                 ttls.append(pttl / 1000)
-            created = _created(head)
+            created = created_epoch(head)
             if created:
                 ages.append(now - created)
         rows.append(
@@ -92,18 +94,22 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
     return rows
 
 
-def _created(head: bytes) -> float | None:
-    """Creation time from the first KiB of a value's header (best effort, for ls)."""
-    marker = b'"kvstore.created":"'
-    i = head.find(marker)
-    if i < 0:
+_CREATED = re.compile(rb'"kvstore.created":"([^"]{1,40})"')
+
+
+def created_epoch(head: bytes) -> float | None:
+    """Creation time (seconds since the epoch) from the first KiB of a value's header, for ls;
+    the header stores UTC in ISO 8601."""
+    match = _CREATED.search(head)
+    if match is None:
         return None
-    text = head[i + len(marker) : i + len(marker) + 24].decode(errors="replace")
     try:
-        t = time.strptime(text[:19], "%Y-%m-%dT%H:%M:%S")
-        return time.mktime(t) - time.timezone + float("0" + text[19:23])
+        when = datetime.fromisoformat(match[1].decode().replace("Z", "+00:00"))
     except ValueError:
         return None
+    if when.tzinfo is None:  # written without a zone: it is UTC all the same
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
 
 
 def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:

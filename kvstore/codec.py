@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 import lz4.block
@@ -85,8 +85,8 @@ class ValueHeader:
 
 
 def _now_iso() -> str:
-    t = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t * 1000) % 1000:03d}Z"
+    now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+    return now.replace("+00:00", "Z")
 
 
 def _render_header(

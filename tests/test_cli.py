@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from datetime import datetime
 
 import fakeredis
 import pytest
@@ -10,6 +12,8 @@ import torch
 
 import kvstore.cli
 from kvstore import LookupBuffer, chain_hashes
+from kvstore.cli import created_epoch
+from kvstore.codec import encode_value
 
 HASHES = chain_hashes(list(range(64)), 16)
 
@@ -80,3 +84,26 @@ def test_unreachable_server_and_bad_url_exit_2_with_a_message(capsys) -> None:
     assert "cannot reach" in capsys.readouterr().err.replace("\n", " ")
     assert kvstore.cli.main(["--url", "http://x", "ls"]) == 2
     assert "invalid store URL" in capsys.readouterr().err.replace("\n", " ")
+
+
+@pytest.mark.parametrize("zone", ["UTC", "America/New_York", "Europe/Berlin", "Australia/Sydney"])
+@pytest.mark.parametrize("stamp", ["2026-01-15T12:00:00.250Z", "2026-07-15T12:00:00.250Z"])
+def test_ages_are_right_in_every_time_zone_on_both_sides_of_daylight_saving(
+    monkeypatch: pytest.MonkeyPatch, zone: str, stamp: str
+) -> None:
+    monkeypatch.setenv("TZ", zone)
+    time.tzset()
+    try:
+        head = b'{"__metadata__":{"kvstore.created":"' + stamp.encode() + b'","x":"y"}}'
+        want = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+        assert created_epoch(head) == want
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_the_codec_writes_utc_timestamps_that_ls_reads_back() -> None:
+    before = time.time()
+    value = encode_value({"k": torch.zeros(4)}, fingerprint="f" * 16, block_hash="0" * 32)
+    age = time.time() - (created_epoch(value[:1024]) or 0)
+    assert -1 < age < time.time() - before + 1
