@@ -34,9 +34,11 @@ from kvstore import KVStoreError, LookupBuffer, StoreTimeoutError, StoreUnavaila
 from kvstore.codec import StagedValue, finish_value, stage_value
 from kvstore.staging import StagingPool
 
-from .config import KVLayout, RedisConnectorConfig
+from .config import RedisConnectorConfig
+from .layout import KVLayout
+from .logs import FailureCounts
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import FailureCounts, StatsBuffer
+from .stats import StatsBuffer
 
 logger = logging.getLogger("connector.worker")
 
@@ -95,6 +97,7 @@ class RedisConnectorWorker:
         self._value_bytes = 0
         self._jobs: dict[str, _LoadJob] = {}
         self._saves: dict[str, _SaveTrack] = {}
+        self._commits_received: list[CommitSpec] = []
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
@@ -184,6 +187,11 @@ class RedisConnectorWorker:
 
     # ------------------------------------------------------------------ loads
     def start_load_kv(self, meta: RedisConnectorMetadata) -> None:
+        """Every step starts here, with or without a forward pass; ``wait_for_save`` runs only
+        after a forward pass on vLLM 0.30. So finished requests' commits are taken
+        here, and acted on after this step's saves are staged (or in ``get_finished``)."""
+        with self._lock:
+            self._commits_received.extend(meta.commits)
         now = time.monotonic()
         for spec in meta.loads:
             job = _LoadJob(spec, deadline=now + spec.timeout_s, started=time.perf_counter())
@@ -312,17 +320,25 @@ class RedisConnectorWorker:
     def wait_for_save(self, meta: RedisConnectorMetadata) -> None:
         """Copy this step's new full blocks into staging (bounded, no hashing, no compression,
         no Redis I/O) and hand them to the writer threads; the forward path never waits on
-        Redis. Then note which requests finished, to publish their commit records."""
+        Redis. Then act on the commits this step brought."""
         for spec in meta.saves:
             self._stage_and_submit(spec)
-        for commit in meta.commits:
-            with self._lock:
+        self._take_commits()
+
+    def _take_commits(self) -> None:
+        """Finished requests: publish each one's commit record once its writes are done. (A
+        finished request is never scheduled again, so its last saves were staged in an
+        earlier step's ``wait_for_save``.)"""
+        with self._lock:
+            commits, self._commits_received = self._commits_received, []
+            for commit in commits:
                 track = self._saves.setdefault(commit.req_id, _SaveTrack())
                 track.commit = commit
                 # Its blocks were copied out when they were staged: vLLM may reuse them now,
                 # whatever Redis does. (An engine that holds finished requests' blocks keeps
                 # stepping; holding them until a hung Redis answers burned a core for seconds.)
                 self._finished_saves.add(commit.req_id)
+        for commit in commits:
             self._maybe_publish(commit.req_id)
 
     def _stage_and_submit(self, spec: SaveSpec) -> None:
@@ -459,6 +475,7 @@ class RedisConnectorWorker:
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished saves, finished loads). Loads past their deadline are reported now, with
         every block not yet copied failed, even if their thread is still waiting on Redis."""
+        self._take_commits()  # a step without a forward pass has no wait_for_save (vLLM < 0.32)
         now = time.monotonic()
         with self._lock:
             expired = [job for job in self._jobs.values() if now >= job.deadline]

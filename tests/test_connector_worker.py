@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from connector.config import KVLayout, RedisConnectorConfig
+from connector.config import RedisConnectorConfig
+from connector.layout import KVLayout
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.worker import RedisConnectorWorker
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
@@ -80,6 +81,12 @@ def load(req: str, block_ids: list[int], hashes: list[str], **kw: object) -> Red
     return RedisConnectorMetadata(loads=[spec])
 
 
+def step(worker: RedisConnectorWorker, meta: RedisConnectorMetadata) -> None:
+    """What vLLM's model runner does in a step with a forward pass."""
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+
+
 def save(
     worker: RedisConnectorWorker,
     req: str,
@@ -89,9 +96,9 @@ def save(
 ) -> None:
     """Save a request's blocks (chain positions 0..) and, with ``commit``, finish it."""
     meta = RedisConnectorMetadata(saves=[SaveSpec(req, block_ids, hashes, 0, f"h{req}")])
-    if commit is not None:
-        meta.commits.append(CommitSpec(req, f"h{req}", commit, 0))
-    worker.wait_for_save(meta)
+    step(worker, meta)
+    if commit is not None:  # the next step: the request finished
+        step(worker, RedisConnectorMetadata(commits=[CommitSpec(req, f"h{req}", commit, 0)]))
     worker.shutdown_pending(timeout_s=10)
 
 
@@ -215,7 +222,7 @@ def test_redis_outage_is_logged_sparsely(caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_failure_counts_log_when_a_total_crosses_a_power_of_two() -> None:
-    from connector.stats import FailureCounts
+    from connector.logs import FailureCounts
 
     f = FailureCounts()
     logged = [f.add("shed", n) for n in (3, 1, 1, 1, 1, 4)]
@@ -303,9 +310,9 @@ def test_a_failed_write_ends_the_committed_chain_there() -> None:
             SaveSpec("p", [0, 1], hashes[:2], 0, "hp"),
             SaveSpec("p", [2, 3], hashes[2:], 2, "hp"),
         ],
-        commits=[CommitSpec("p", "hp", 4, 0)],
     )
-    worker.wait_for_save(meta)
+    step(worker, meta)
+    step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 4, 0)]))
     worker.shutdown_pending(timeout_s=10)
     assert worker.store.read_handoff("hp", hashes).committed == 2
     assert worker.get_finished()[0] == {"p"}
@@ -364,10 +371,8 @@ def test_a_finished_requests_blocks_are_released_soon_even_if_redis_hangs() -> N
 
     worker.store.insert_encoded = hung_write  # type: ignore[method-assign]
     hashes = chain_hashes(list(range(2 * N)), N)
-    meta = RedisConnectorMetadata(
-        saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")], commits=[CommitSpec("p", "hp", 2, 0)]
-    )
-    worker.wait_for_save(meta)
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")]))
+    step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 2, 0)]))
     t0 = time.monotonic()
     finished: set[str] = set()
     while "p" not in finished and time.monotonic() - t0 < 5:
@@ -395,3 +400,17 @@ def test_shutting_down_with_queued_work_logs_no_callback_errors(
         worker.shutdown(timeout_s=0.1)
         release.set()
     assert not [r for r in caplog.records if "CancelledError" in r.getMessage() + str(r.exc_info)]
+
+
+def test_a_commit_in_a_step_without_a_forward_pass_is_published() -> None:
+    """vLLM 0.30 calls only start_load_kv and get_finished in a step with nothing to compute --
+    the step that tells the worker a request finished."""
+    client = fakeredis.FakeRedis()
+    worker, kv = make_worker(client)
+    fill_random(kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")]))
+    worker.start_load_kv(RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 2, 0)]))
+    assert worker.get_finished()[0] == {"p"}
+    worker.shutdown_pending(timeout_s=10)
+    assert worker.store.read_handoff("hp", hashes).committed == 2
