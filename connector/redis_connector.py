@@ -27,10 +27,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 
-from .config import KVLayout, RedisConnectorConfig, check_vllm_version
+from .config import RedisConnectorConfig
+from .layout import KVLayout
+from .logs import adopt_vllm_logging
 from .metadata import RedisConnectorMetadata
 from .scheduler import RedisConnectorScheduler
 from .stats import RedisConnectorStats, RedisPromMetrics
+from .versions import check_vllm_version
 from .worker import RedisConnectorWorker
 
 if TYPE_CHECKING:
@@ -46,12 +49,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("connector")
 
-# Refuses an older vLLM at import; a newer one loads with one warning per process.
+# Refuses an older vLLM at import; a newer one loads with a warning when a connector starts.
 _VERSION_WARNING = check_vllm_version(
     vllm.__version__, override=os.environ.get("REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK") == "1"
 )
-if _VERSION_WARNING:
-    logger.warning(_VERSION_WARNING)
 
 
 def _optional(module: str, name: str) -> Any:
@@ -80,6 +81,9 @@ class RedisConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        adopt_vllm_logging()  # our lines in vLLM's log, in its format and at its level
+        if _VERSION_WARNING:
+            logger.warning(_VERSION_WARNING)
         ktc = self._kv_transfer_config
         self.rc = RedisConnectorConfig.from_extra(ktc.kv_connector_extra_config, str(ktc.kv_role))
         self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.rc.model_id)

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.keys import NAME_RE
 
-from .config import TRANSFER_PARAMS_KEY, KVLayout, RedisConnectorConfig
+from .config import TRANSFER_PARAMS_KEY, RedisConnectorConfig
+from .layout import KVLayout
+from .logs import FailureCounts
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import FailureCounts, StatsBuffer
+from .stats import StatsBuffer
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

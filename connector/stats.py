@@ -107,27 +107,6 @@ GAUGES: dict[str, tuple[str, str]] = {
 }
 
 
-class FailureCounts:
-    """Totals of failures by cause, and which of them to log: a line when a cause's total
-    reaches 1, 2, 4, 8, ... so an outage logs a handful of lines per cause instead of one per
-    request or block."""
-
-    def __init__(self) -> None:
-        self._totals: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def add(self, kind: str, n: int = 1) -> int | None:
-        """Count ``n`` more; returns the new total when it should be logged, else None."""
-        with self._lock:
-            old = self._totals.get(kind, 0)
-            new = self._totals[kind] = old + n
-        return new if new.bit_length() != old.bit_length() else None
-
-    def __getitem__(self, kind: str) -> int:
-        with self._lock:
-            return self._totals.get(kind, 0)
-
-
 class StatsBuffer:
     """Counters and latency observations since the last ``take()``, safe across threads."""
 

@@ -19,12 +19,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 import kvstore.lookup_buffer
-from connector.config import KVLayout
+from connector.layout import KVLayout
 from connector.metadata import RedisConnectorMetadata
 from connector.scheduler import handoff_salt
 from kvstore import LookupBuffer, StoreTimeoutError, chain_hashes
-from scripts.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
-from scripts.scheduler_harness import make_scheduler as _make_scheduler
+from testing.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
+from testing.scheduler_harness import make_scheduler as _make_scheduler
 
 pytestmark = pytest.mark.vllm
 
@@ -495,7 +495,7 @@ def test_consume_mode_deletes_a_handoff_it_gives_up_on(
 def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
     tiny_model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvstore.server import free_port
+    from testing.redis_server import free_port
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     with caplog.at_level(logging.ERROR, logger="connector"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from connector.config import KVLayout, check_vllm_version, describe_overrides
+from connector.layout import KVLayout, describe_overrides
+from connector.versions import check_vllm_version
 
 pytestmark = pytest.mark.vllm
 
