@@ -6,8 +6,6 @@ FROM ${VLLM_IMAGE}
 COPY pyproject.toml README.md /opt/vllm-redis-kvstore/
 COPY kvstore /opt/vllm-redis-kvstore/kvstore
 COPY connector /opt/vllm-redis-kvstore/connector
-COPY scripts /opt/vllm-redis-kvstore/scripts
-# --no-deps: the base image already has vLLM, torch and the proxy's FastAPI/httpx/uvicorn
-RUN python3 -m pip install --no-cache-dir --no-deps /opt/vllm-redis-kvstore \
- && python3 -m pip install --no-cache-dir "redis[hiredis]>=5" "lz4>=4" "xxhash>=3" "rich>=13"
+# Dependencies come from pyproject.toml; the image's vLLM and torch already satisfy theirs.
+RUN python3 -m pip install --no-cache-dir "/opt/vllm-redis-kvstore[cli,proxy,lz4]"
 ENTRYPOINT []

@@ -3,8 +3,9 @@
 It knows Redis, bytes and torch tensors, and nothing of vLLM (that is ``connector``).
 """
 
-from .codec import FORMAT_VERSION, ValueHeader, decode_value, encode_value, read_header
-from .connection import StoreAddress, parse_url, redact_url
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CorruptValueError,
     InvalidArgumentError,
@@ -20,8 +21,41 @@ from .errors import (
     StoreTopologyError,
     StoreUnavailableError,
 )
-from .hashing import chain_hashes, root_hash
-from .lookup_buffer import HandoffState, LookupBuffer, StoreStats, layout_fingerprint
+
+if TYPE_CHECKING:
+    from .codec import FORMAT_VERSION, ValueHeader, decode_value, encode_value, read_header
+    from .connection import StoreAddress, parse_url, redact_url
+    from .hashing import chain_hashes, root_hash
+    from .lookup_buffer import HandoffState, LookupBuffer, StoreStats, layout_fingerprint
+
+# Imported on first use (PEP 562), so `kvstore --help` and the CLI's Redis-only commands do not
+# pay for torch and redis-py at startup.
+_LAZY = {
+    "FORMAT_VERSION": "codec",
+    "ValueHeader": "codec",
+    "decode_value": "codec",
+    "encode_value": "codec",
+    "read_header": "codec",
+    "StoreAddress": "connection",
+    "parse_url": "connection",
+    "redact_url": "connection",
+    "chain_hashes": "hashing",
+    "root_hash": "hashing",
+    "HandoffState": "lookup_buffer",
+    "LookupBuffer": "lookup_buffer",
+    "StoreStats": "lookup_buffer",
+    "layout_fingerprint": "lookup_buffer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -21,16 +21,16 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
-from rich.console import Console
-from rich.table import Table
 
-from .codec import checksum_ok, read_header
 from .connection import make_client, parse_url, translated_errors
 from .errors import CorruptValueError, KVStoreError
 from .keys import DEFAULT_KEY_PREFIX, parse_key
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _SCAN_COUNT = 1000
 
@@ -113,6 +113,8 @@ def created_epoch(head: bytes) -> float | None:
 
 
 def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
+    from .codec import checksum_ok, read_header  # torch: only for this command
+
     value = client.get(key)
     if not isinstance(value, bytes):
         return {"key": key, "exists": False}
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p_fl.add_argument("--namespace", required=True)
     p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
+    from rich.console import Console  # after parsing: --help stays fast
+
     # emoji off: rich would render key parts such as ":b:" as emoji
     console = Console(emoji=False, highlight=False)
     err = Console(stderr=True, emoji=False, highlight=False)
@@ -253,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: Console) -> int:
+    from rich.table import Table
+
     if args.cmd == "ls":
         rows = list_prefixes(client, args.prefix, args.namespace)
         if args.json:

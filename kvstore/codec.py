@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import lz4.block
 import torch
 import xxhash
 
@@ -32,6 +31,20 @@ from .errors import CorruptValueError, InvalidArgumentError, InvalidValueError
 
 FORMAT_VERSION = "1"
 CODECS = ("none", "lz4")
+
+
+def lz4_block() -> Any:
+    """The ``lz4.block`` module (the optional ``[lz4]`` extra), or a typed error saying how to
+    install it."""
+    try:
+        import lz4.block
+    except ImportError:
+        raise InvalidArgumentError(
+            "compression 'lz4' needs the lz4 package: pip install 'vllm-redis-kvstore[lz4]'"
+        ) from None
+    return lz4.block
+
+
 # A header is a few hundred bytes per tensor; anything far larger is not ours.
 MAX_HEADER_BYTES = 1 << 20
 _META_PREFIX = "kvstore."
@@ -251,7 +264,7 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
         )
         whole[: len(header)] = header
         return whole
-    packed = lz4.block.compress(payload, store_size=False)
+    packed = lz4_block().compress(payload, store_size=False)
     checksum = xxhash.xxh3_64_hexdigest(packed)
     return memoryview(
         _render_header(staged.entries, _meta(staged, compression, checksum, len(packed))) + packed
@@ -394,10 +407,12 @@ def decode_value(
     payload = memoryview(value)[header.header_bytes :]
     if header.codec == "lz4":
         try:
-            raw: bytes | memoryview = lz4.block.decompress(
-                payload, uncompressed_size=header.raw_bytes
-            )
-        except lz4.block.LZ4BlockError as exc:
+            lz4 = lz4_block()
+        except InvalidArgumentError as exc:  # another instance compresses; this one cannot read
+            raise _corrupt("codec", str(exc)) from None
+        try:
+            raw: bytes | memoryview = lz4.decompress(payload, uncompressed_size=header.raw_bytes)
+        except lz4.LZ4BlockError as exc:
             raise _corrupt("checksum", f"lz4 payload does not decompress ({exc})") from None
         if len(raw) != header.raw_bytes:
             raise _corrupt("truncated", "lz4 payload decompressed to the wrong size")

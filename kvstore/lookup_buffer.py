@@ -38,7 +38,7 @@ import torch
 import xxhash
 
 from .breaker import CircuitBreaker
-from .codec import CODECS, FORMAT_VERSION, decode_value, encode_value
+from .codec import CODECS, FORMAT_VERSION, decode_value, encode_value, lz4_block
 from .connection import (
     StoreAddress,
     error_code,
@@ -204,6 +204,8 @@ class LookupBuffer:
     ) -> None:
         if compression not in CODECS:
             raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
+        if compression == "lz4":
+            lz4_block()  # not installed: say so now, not at the first write
         if ttl_s is not None and ttl_s < 0:
             raise InvalidArgumentError(f"ttl_s must be >= 0 or None, got {ttl_s}")
         if ttl_step_ms is not None and ttl_step_ms < 0:

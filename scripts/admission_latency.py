@@ -34,9 +34,9 @@ import torch
 
 from connector.scheduler import handoff_salt
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.server import RedisServer
 from scripts.make_tiny_model import make_model
-from scripts.scheduler_harness import BS, LAYERS, make_request, make_scheduler, runner_output
+from testing.redis_server import RedisServer
+from testing.scheduler_harness import BS, LAYERS, make_request, make_scheduler, runner_output
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_BLOCKS = 8

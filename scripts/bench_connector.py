@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvstore.server import RedisServer
-from scripts import stack
 from scripts.make_tiny_model import make_model
+from testing import stack
+from testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,7 @@ def run_engine(tmp: Path, name: str, model: Path, phases: list, args: list[str])
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
     out = tmp / f"{name}.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "engine_runner.py"), "--model", str(model),
+    cmd = [sys.executable, str(ROOT / "testing" / "engine_runner.py"), "--model", str(model),
            "--prompts", str(prompts), "--out", str(out), "--max-tokens", "1", *args]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0",
            "PYTHONPATH": str(ROOT)}  # fmt: skip

@@ -30,7 +30,7 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 
 def parse_size(text: str) -> int:

@@ -13,7 +13,7 @@ import sys
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 
 def tour(url: str) -> None:
@@ -42,7 +42,7 @@ def tour(url: str) -> None:
             f"\nkey of block 0: {key}\nlook inside with:\n  redis-cli -u {url} GETRANGE {key} 0 400"
         )
         print(f"  redis-cli -u {url} --scan --pattern '{buf.key_pattern()}'")
-        header = buf.client.getrange(key, 0, 400)
+        header = bytes(buf.client.getrange(key, 0, 400))  # type: ignore[arg-type]
         print("header:", header[8:].decode("utf-8", "replace")[:300], "...")
         print("counters:", buf.stats().as_dict())
 

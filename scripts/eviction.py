@@ -21,7 +21,7 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 # (policy, maxmemory-samples): Redis' defaults, then what the README recommends
 SETUPS = [

@@ -39,9 +39,9 @@ from typing import Any
 import httpx
 import redis
 
-from kvstore.server import RedisServer, free_port
-from scripts import stack
 from scripts.make_tiny_model import make_model
+from testing import stack
+from testing.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 1200  # 9 full blocks of 128 (vLLM's CPU block size)

@@ -27,9 +27,9 @@ from rich.table import Table
 
 from kvstore import KVStoreError
 from kvstore.keys import parse_key
-from kvstore.server import RedisServer
-from scripts import stack
 from scripts.make_tiny_model import make_model
+from testing import stack
+from testing.redis_server import RedisServer
 
 console = Console()
 DOC = (

@@ -2,8 +2,8 @@
 saved under another vLLM release: the worker side, driven the way vLLM's model runner drives it
 (no model runs). ``tests/test_cross_version.py`` runs it in each other version's virtualenv.
 
-    python -m scripts.cross_version save --url redis://127.0.0.1:6390/0 --model DIR
-    python -m scripts.cross_version load --url redis://127.0.0.1:6390/0 --model DIR
+    python -m testing.cross_version save --url redis://127.0.0.1:6390/0 --model DIR
+    python -m testing.cross_version load --url redis://127.0.0.1:6390/0 --model DIR
 
 Both print one JSON line: the vLLM version, the layout fingerprint, and (load) how many blocks
 arrived intact.
@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector
 from kvstore import chain_hashes
-from scripts.scheduler_harness import BS, LAYERS, make_configs
+from testing.scheduler_harness import BS, LAYERS, make_configs
 
 NUM_BLOCKS = 4  # blocks saved and loaded
 TOKENS = [(i * 7 + 3) % 250 for i in range(NUM_BLOCKS * BS)]

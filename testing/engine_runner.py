@@ -3,7 +3,7 @@
 Used by the end-to-end tests and by bench_connector.py, one process per engine like real
 instances:
 
-    python scripts/engine_runner.py --model DIR --out out.json --prompts prompts.json \
+    python testing/engine_runner.py --model DIR --out out.json --prompts prompts.json \
         [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json] \
         [--connector ExampleConnector --extra '{"shared_storage_path": "/tmp/kv"}']
 
@@ -37,6 +37,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
 
     kv = None
     if args.role:
@@ -77,16 +78,20 @@ def main() -> None:
                     max_tokens=args.max_tokens, temperature=0, logprobs=0, extra_args=extra
                 )
             )
-        prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in phase]
+        prompts = [TokensPrompt(prompt_token_ids=p["prompt_token_ids"]) for p in phase]
         t0 = time.perf_counter()
         results = llm.generate(prompts, sps, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         for p, res in zip(phase, results, strict=True):
             c = res.outputs[0]
+            assert c.logprobs is not None  # asked for (logprobs=0: the sampled token's)
             key = p["id"] if p["id"] not in out["prompts"] else p["id"] + "#2"
             out["prompts"][key] = {
                 "token_ids": list(c.token_ids),
-                "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)],
+                "logprobs": [
+                    lp[t].logprob  # type: ignore[index]
+                    for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+                ],
                 "num_cached_tokens": res.num_cached_tokens,
                 "num_prompt_tokens": len(p["prompt_token_ids"]),
                 "kv_transfer_params": res.kv_transfer_params,
@@ -97,12 +102,12 @@ def main() -> None:
     # stats-only outputs. One tiny request, a moment later, pulls them in. (A server's output
     # loop always pulls; it needs nothing like this.)
     time.sleep(0.5)
-    llm.generate([{"prompt_token_ids": [3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=[3])], SamplingParams(max_tokens=1), use_tqdm=False)
     metrics: dict = {}
     for m in llm.get_metrics():
         if "redis_kv" in m.name or "prefix_cache" in m.name:
             if hasattr(m, "sum"):  # a histogram
-                metrics[m.name] = {"count": m.count, "sum": m.sum}
+                metrics[m.name] = {"count": getattr(m, "count", None), "sum": m.sum}
             else:
                 metrics[m.name] = getattr(m, "value", None)
     out["metrics"] = metrics

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import redis
 
-from .errors import StoreUnavailableError
+from kvstore.errors import StoreUnavailableError
 
 
 def free_port() -> int:

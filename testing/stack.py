@@ -134,7 +134,7 @@ def vllm_server(
 
 
 def proxy(prefill: list[str], decode: list[str], port: int, log_dir: Path) -> Proc:
-    cmd = [sys.executable, "-m", "scripts.proxy", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "connector.proxy", "--host", "127.0.0.1", "--port", str(port)]
     for url in prefill:
         cmd += ["--prefill", url]
     for url in decode:

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from kvstore import LookupBuffer
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
 

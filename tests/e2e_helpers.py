@@ -8,10 +8,10 @@ import random
 import sys
 from pathlib import Path
 
-from scripts import stack
+from testing import stack
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNNER = ROOT / "scripts" / "engine_runner.py"
+RUNNER = ROOT / "testing" / "engine_runner.py"
 
 
 def engine_env(core: int) -> dict[str, str]:

@@ -12,7 +12,7 @@ import redis
 from connector.config import RedisConnectorConfig
 from kvstore import LookupBuffer, StorePermissionError
 from kvstore.lookup_buffer import acl_rule
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 from .conftest import ROOT
 
@@ -57,7 +57,7 @@ def test_the_readme_rule_is_what_the_code_needs_and_enough(
 def test_a_missing_command_stops_the_connector_at_startup(
     private_redis: RedisServer, tiny_model: Path
 ) -> None:
-    from scripts.scheduler_harness import make_scheduler
+    from testing.scheduler_harness import make_scheduler
 
     rule = documented_rule("`kv_consumer`, consume mode").replace(" +get ", " ")
     admin = redis.Redis.from_url(private_redis.url)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 
 import pytest
 import safetensors.torch
@@ -196,3 +197,22 @@ def test_shape_that_does_not_match_offsets_is_rejected() -> None:
     doc["x"]["shape"] = [1 << 30]
     raw = json.dumps(doc).encode()
     assert _reason(struct.pack("<Q", len(raw)) + raw + value[8 + n :]) == "not-kvstore"
+
+
+def test_without_the_lz4_extra_lz4_is_refused_up_front_and_lz4_values_are_counted_misses(
+    monkeypatch: pytest.MonkeyPatch, fake_client: object
+) -> None:
+    from kvstore import LookupBuffer, chain_hashes
+
+    reader = LookupBuffer(fake_client, namespace="n", layout={"m": 1})  # type: ignore[arg-type]
+    key = chain_hashes(list(range(16)), 16)[0]
+    value = encode_value(  # written by an instance that has lz4
+        {"x": torch.ones(64)}, fingerprint=reader.fingerprint, block_hash=key, compression="lz4"
+    )
+    fake_client.set(reader.redis_key(key), bytes(value))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lz4", None)  # this one lacks the [lz4] extra
+    monkeypatch.setitem(sys.modules, "lz4.block", None)
+    with pytest.raises(InvalidArgumentError, match=r"vllm-redis-kvstore\[lz4\]"):
+        LookupBuffer(fake_client, compression="lz4")  # type: ignore[arg-type]
+    assert reader.select([key]) == [None]  # a counted miss, not an exception
+    assert reader.stats().corrupt_by_reason == {"codec": 1}

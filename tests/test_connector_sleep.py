@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from connector.metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector
 from kvstore import LookupBuffer, chain_hashes
-from scripts.scheduler_harness import BS, LAYERS, make_configs
+from testing.scheduler_harness import BS, LAYERS, make_configs
 
 pytestmark = pytest.mark.vllm
 

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 import vllm
 
-from scripts import cross_version
+from testing import cross_version
 
 pytestmark = pytest.mark.vllm
 
@@ -42,7 +42,7 @@ def peer_pythons() -> list[tuple[str, Path]]:
 
 def run_peer(python: Path, action: str, url: str, model: Path) -> dict[str, object]:
     proc = subprocess.run(
-        [str(python), "-m", "scripts.cross_version", action, "--url", url, "--model", str(model)],
+        [str(python), "-m", "testing.cross_version", action, "--url", url, "--model", str(model)],
         cwd=ROOT,
         capture_output=True,
         text=True,

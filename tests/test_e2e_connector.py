@@ -21,7 +21,7 @@ import redis
 from connector.scheduler import handoff_salt
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.keys import parse_key
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 from .e2e_helpers import finish, start_engine, tokens
 

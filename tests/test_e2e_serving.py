@@ -6,6 +6,7 @@ output, and the connector's counters on the decode server's ``/metrics``."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,8 +19,8 @@ import pytest
 import redis
 
 from kvstore.keys import parse_key
-from kvstore.server import RedisServer, free_port
-from scripts import stack
+from testing import stack
+from testing.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -49,6 +50,7 @@ def serving(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
                 "decode": dec.url,
                 "single": single.url,
                 "proxy": prx.url,
+                "logs": logs,
             }
         finally:
             s.stop()
@@ -172,3 +174,36 @@ def test_connector_counters_reach_vllm_metrics(serving: dict) -> None:
     assert value(decode_metrics, "vllm:redis_kv_blocks_loaded") >= 8
     assert value(decode_metrics, "vllm:redis_kv_bytes_loaded") > 0
     assert value(prefill_metrics, "vllm:redis_kv_blocks_saved") >= 8
+
+
+def scrape_series(text: str) -> set[str]:
+    """Series names in a Prometheus text scrape (``name`` of ``name{labels} value``)."""
+    return {
+        line.split("{", 1)[0].split(" ", 1)[0]
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_served(serving: dict) -> None:
+    dashboard = json.loads(
+        (Path(__file__).parents[1] / "deploy/grafana-dashboard.json").read_text()
+    )
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    queried = {m for e in exprs for m in re.findall(r"vllm:[a-z_:]+", e)}
+    served = scrape_series(httpx.get(serving["decode"] + "/metrics").text)
+    served |= scrape_series(httpx.get(serving["prefill"] + "/metrics").text)
+    try:
+        import vllm.v1.metrics.cache_hit_source  # noqa: F401  (vLLM 0.32+)
+    except ImportError:
+        queried.discard("vllm:prompt_tokens_cached_by_source_total")
+    assert len(queried) > 20
+    assert queried <= served, sorted(queried - served)
+
+
+def test_connector_lines_are_in_the_vllm_servers_log(serving: dict) -> None:
+    log = (serving["logs"] / "decode.log").read_text(errors="replace")
+    stamp = r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+:\d+\]"
+    assert re.search(rf"INFO {stamp} RedisConnector worker \(tp rank 0\)", log)
+    assert re.search(rf"INFO {stamp} RedisConnector scheduler: role=kv_consumer", log)

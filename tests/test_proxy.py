@@ -16,8 +16,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from kvstore.server import free_port
-from scripts.proxy import ProxyConfig, build_app
+from connector.proxy import ProxyConfig, build_app
+from testing.redis_server import free_port
 
 
 def run_server(app: FastAPI) -> Iterator[str]:

@@ -17,7 +17,7 @@ from kvstore import (
     StoreUnavailableError,
     chain_hashes,
 )
-from kvstore.server import RedisServer, free_port
+from testing.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
 

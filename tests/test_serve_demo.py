@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 
-from kvstore.server import free_port
+from testing.redis_server import free_port
 
 from .conftest import ROOT
 

@@ -23,7 +23,7 @@ from kvstore import (
     chain_hashes,
 )
 from kvstore.lookup_buffer import ACCESS, acl_rule
-from kvstore.server import RedisServer
+from testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
