@@ -18,12 +18,11 @@ from pathlib import Path
 
 import torch
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector
 from kvstore import chain_hashes
-from testing.scheduler_harness import BS, LAYERS, make_configs
+from testing.scheduler_harness import BS, LAYERS, make_worker_connector, run_worker_step
 
 NUM_BLOCKS = 4  # blocks saved and loaded
 TOKENS = [(i * 7 + 3) % 250 for i in range(NUM_BLOCKS * BS)]
@@ -36,18 +35,7 @@ def block_value(position: int, layer: int) -> torch.Tensor:
 
 
 def worker(model: Path, url: str) -> tuple[RedisConnector, dict[str, torch.Tensor]]:
-    vllm_config, kv_cache_config = make_configs(model, "kv_both", url=url)
-    conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    caches = {name: torch.zeros(2 * NUM_BLOCKS, 2, BS, 128) for name in LAYERS}
-    conn.register_kv_caches(caches)
-    return conn, caches
-
-
-def step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:
-    conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)  # type: ignore[arg-type]
-    conn.wait_for_save()
-    conn.clear_connector_metadata()
+    return make_worker_connector(model, url, 2 * NUM_BLOCKS)
 
 
 def save(model: Path, url: str) -> dict[str, object]:
@@ -57,7 +45,7 @@ def save(model: Path, url: str) -> dict[str, object]:
         for layer, name in enumerate(LAYERS):
             caches[name][block_id].copy_(block_value(pos, layer))
     hashes = chain_hashes(TOKENS, BS)
-    step(
+    run_worker_step(
         conn,
         RedisConnectorMetadata(
             saves=[SaveSpec("x", block_ids, hashes, 0, "x")],
@@ -74,7 +62,9 @@ def load(model: Path, url: str) -> dict[str, object]:
     conn, caches = worker(model, url)
     block_ids = list(range(NUM_BLOCKS))
     hashes = chain_hashes(TOKENS, BS)
-    step(conn, RedisConnectorMetadata(loads=[LoadSpec("y", block_ids, hashes, timeout_s=30)]))
+    run_worker_step(
+        conn, RedisConnectorMetadata(loads=[LoadSpec("y", block_ids, hashes, timeout_s=30)])
+    )
     deadline = time.monotonic() + 30
     while "y" not in (conn.get_finished(set())[1] or set()) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -17,6 +17,7 @@ from vllm.config import (
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -24,6 +25,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
+
+from connector.metadata import RedisConnectorMetadata
+from connector.redis_connector import RedisConnector
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -71,6 +75,26 @@ def make_configs(model: Path, role: Role, **extra: Any) -> tuple[VllmConfig, KVC
     )
     vllm_config.cache_config.num_gpu_blocks = 1000
     return vllm_config, kv_cache_config
+
+
+def make_worker_connector(
+    model: Path, url: str, num_blocks: int, **extra: Any
+) -> tuple[RedisConnector, dict[str, torch.Tensor]]:
+    """RedisConnector in the worker role (kv_both) with a KV cache of ``num_blocks`` CPU blocks
+    per layer, registered the way vLLM's model runner registers it."""
+    vllm_config, kv_cache_config = make_configs(model, "kv_both", url=url, **extra)
+    conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    caches = {name: torch.zeros(num_blocks, 2, BS, 128) for name in LAYERS}
+    conn.register_kv_caches(caches)
+    return conn, caches
+
+
+def run_worker_step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:
+    """What vLLM's model runner does with the connector around a forward pass."""
+    conn.bind_connector_metadata(meta)
+    conn.start_load_kv(None)  # type: ignore[arg-type]
+    conn.wait_for_save()
+    conn.clear_connector_metadata()
 
 
 def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:

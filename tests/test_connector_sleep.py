@@ -14,32 +14,15 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from connector.metadata import LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector
 from kvstore import LookupBuffer, chain_hashes
-from testing.scheduler_harness import BS, LAYERS, make_configs
+from testing.scheduler_harness import BS, LAYERS, make_worker_connector, run_worker_step
 
 pytestmark = pytest.mark.vllm
 
 NUM_BLOCKS = 8
-
-
-def worker_connector(model: Path, url: str) -> tuple[RedisConnector, dict[str, torch.Tensor]]:
-    vllm_config, kv_cache_config = make_configs(model, "kv_both", url=url)
-    conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-    caches = {name: torch.zeros(NUM_BLOCKS, 2, BS, 128) for name in LAYERS}
-    conn.register_kv_caches(caches)
-    return conn, caches
-
-
-def run_step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:
-    """What vLLM's model runner does around a forward pass."""
-    conn.bind_connector_metadata(meta)
-    conn.start_load_kv(None)  # type: ignore[arg-type]
-    conn.wait_for_save()
-    conn.clear_connector_metadata()
 
 
 def finished_loads(conn: RedisConnector, timeout_s: float = 10) -> set[str]:
@@ -56,7 +39,7 @@ def finished_loads(conn: RedisConnector, timeout_s: float = 10) -> set[str]:
 def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_up(
     tiny_model: Path, redis_url: str
 ) -> None:
-    conn, caches = worker_connector(tiny_model, redis_url)
+    conn, caches = make_worker_connector(tiny_model, redis_url, NUM_BLOCKS)
     worker = conn.worker
     hashes = chain_hashes(list(range(2 * BS)), BS)
     blocks = [{name: torch.full((2, BS, 128), float(i + 1)) for name in LAYERS} for i in range(2)]
@@ -72,7 +55,9 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
         return real_select(*a, **k)  # type: ignore[arg-type]
 
     worker.store.select = slow_select  # type: ignore[method-assign]
-    run_step(conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, timeout_s=30)]))
+    run_worker_step(
+        conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, timeout_s=30)])
+    )
 
     t0 = time.monotonic()
     conn.unregister_kv_caches()  # vLLM: sleep(level=1)
@@ -84,7 +69,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     release.set()  # the late reply must not land in released memory
     worker.store.select = real_select  # type: ignore[method-assign]
     # while asleep: a load is refused at once and a save copies nothing
-    run_step(
+    run_worker_step(
         conn,
         RedisConnectorMetadata(
             loads=[LoadSpec("r2", [5], hashes[:1], timeout_s=30)],
@@ -100,7 +85,9 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
 
     conn.restore_kv_caches()  # vLLM: wake_up()
     conn.restore_kv_caches()
-    run_step(conn, RedisConnectorMetadata(loads=[LoadSpec("r4", [1, 2], hashes, timeout_s=30)]))
+    run_worker_step(
+        conn, RedisConnectorMetadata(loads=[LoadSpec("r4", [1, 2], hashes, timeout_s=30)])
+    )
     assert finished_loads(conn) == {"r4"} and conn.get_block_ids_with_load_errors() == set()
     for name in LAYERS:
         assert torch.equal(caches[name][1], blocks[0][name])
