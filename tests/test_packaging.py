@@ -66,3 +66,23 @@ def test_the_proxy_runs_as_a_module() -> None:
         [sys.executable, "-m", "connector.proxy", "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and "--prefill" in proc.stdout
+
+
+def test_the_readme_layout_table_matches_the_tree() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| folder | what lives there |") :]
+    table = table[: table.index("\n\n")]
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table.splitlines()[2:]}
+    folders = {
+        p.name + "/"
+        for p in ROOT.iterdir()
+        if p.is_dir()
+        and not p.name.startswith((".", "_"))
+        and p.name not in ("build", "models")
+        and not p.name.endswith(".egg-info")
+    }
+    assert set(rows) == folders
+    for folder in ("kvstore", "connector", "testing", "scripts"):
+        for module in (ROOT / folder).iterdir():
+            if module.suffix in (".py", ".sh") and not module.name.startswith("__"):
+                assert f"`{module.name}`" in rows[folder + "/"], f"{folder}/{module.name}"
