@@ -22,6 +22,7 @@ calls fail at once with :class:`StoreCircuitOpenError` until a background probe 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import threading
@@ -57,6 +58,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .keys import CLAIM_MARKER, DEFAULT_KEY_PREFIX, KeySpace
+from .wire import Oversize, ReplyReader
 
 logger = logging.getLogger("kvstore")
 
@@ -615,22 +617,7 @@ class LookupBuffer:
         out it takes what is there.
         """
         keys = self._keys(hashes)
-        if timeout_s < 0:
-            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout_s
-        delay = 0.0005
-        suffix = uuid.uuid4().hex
-        while True:
-            waiting = time.monotonic() < deadline
-            args = [self.max_value_bytes, "all" if waiting else "any", suffix, _CLAIM_TTL_MS]
-            claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
-            if claimed is not None:
-                break
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.02)
-        statuses = claimed[0::2]
-        claimed_at = [k for k, st in zip(keys, statuses, strict=True) if st == 1]
-        claim_keys = [k + CLAIM_MARKER + suffix for k in claimed_at]
+        statuses, lengths, claim_keys = self._claim_present(keys, timeout_s)
 
         def fetch() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -644,24 +631,146 @@ class LookupBuffer:
                 values = self._call("GET", fetch)
             except (StoreUnavailableError, StoreTimeoutError):
                 values = self._call("GET", fetch)  # the claims are still there: one retry
-        fetched = iter(values)
-        raw: list[Any] = []
-        for status, length in zip(statuses, claimed[1::2], strict=True):
-            if status == 1:
-                raw.append(next(fetched))
-            elif status == 2:
-                raw.append(int(length))
-            elif status == 3:
-                raw.append(-1)
-            else:
-                raw.append(None)
+        raw = _claimed_values(statuses, lengths, values)
         out = self._decode_all(hashes, keys, raw, copy)
+        self._drop_claims(claim_keys)
+        return out
+
+    def _claim_present(
+        self, keys: list[str], timeout_s: float
+    ) -> tuple[list[int], list[Any], list[str]]:
+        """Claim the present keys for this call (see ``drop_select``): per key a status (1
+        claimed, 2 oversize, 3 wrong type, 0 missing) and length, and the claimed keys' names."""
+        if timeout_s < 0:
+            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout_s
+        delay = 0.0005
+        suffix = uuid.uuid4().hex
+        while True:
+            waiting = time.monotonic() < deadline
+            args = [self.max_value_bytes, "all" if waiting else "any", suffix, _CLAIM_TTL_MS]
+            claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
+            if claimed is not None:
+                break
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.02)
+        statuses = [int(st) for st in claimed[0::2]]
+        claim_keys = [
+            k + CLAIM_MARKER + suffix for k, st in zip(keys, statuses, strict=True) if st == 1
+        ]
+        return statuses, list(claimed[1::2]), claim_keys
+
+    def _drop_claims(self, claim_keys: list[str]) -> None:
         if claim_keys:
             try:
                 self._call("UNLINK", lambda: self._control.unlink(*claim_keys))
             except KVStoreError as exc:  # the values were delivered; the claims expire anyway
                 logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
+
+    def select_into(
+        self,
+        hashes: Sequence[str],
+        buffers: Sequence[torch.Tensor],
+        *,
+        consume: bool = False,
+        timeout_s: float = 0.0,
+        connections: int = 1,
+    ) -> list[dict[str, torch.Tensor] | None]:
+        """Read blocks straight into ``buffers``: one CPU ``uint8`` tensor per key (pinned or
+        not). Each reply is received from the socket into its buffer (``recv_into``): no
+        intermediate ``bytes``, no second host copy. Returns, aligned with the keys, the
+        verified tensors as views into the buffers (lz4 values decompress into new memory), or
+        None for a miss or a bad value. A value larger than its buffer is a counted miss and is
+        never allocated. ``consume=True`` takes the blocks exactly once, as ``drop_select``
+        (a consumed value too large for its buffer is lost). ``connections`` spreads the batch
+        over that many pooled connections, so socket reads overlap.
+        """
+        if len(buffers) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} keys but {len(buffers)} buffers")
+        for b in buffers:
+            if b.dtype != torch.uint8 or b.device.type != "cpu" or not b.is_contiguous():
+                raise InvalidArgumentError("buffers must be contiguous CPU uint8 tensors")
+        if connections < 1:
+            raise InvalidArgumentError(f"connections must be >= 1, got {connections}")
+        keys = self._keys(hashes)
+        views = [memoryview(b.numpy()).cast("B") for b in buffers]  # type: ignore[arg-type]
+        if consume:
+            statuses, lengths, claim_keys = self._claim_present(keys, timeout_s)
+            targets = [i for i, st in enumerate(statuses) if st == 1]
+            commands: list[tuple[Any, ...]] = [("GET", k) for k in claim_keys]
+        else:
+            targets = list(range(len(keys)))
+            commands = [
+                ("GETRANGE", k, 0, min(len(views[i]), self.max_value_bytes))
+                for i, k in enumerate(keys)
+            ]
+        target_views = [views[i] for i in targets]
+        try:
+            received = self._call("GET", lambda: self._receive(commands, target_views, connections))
+        except (StoreUnavailableError, StoreTimeoutError):
+            if not consume:
+                raise
+            # the claims are still there: one retry
+            received = self._call("GET", lambda: self._receive(commands, target_views, connections))
+        values: list[Any] = []
+        for i, got in zip(targets, received, strict=True):
+            if isinstance(got, Oversize):
+                values.append(got.length)
+            elif isinstance(got, int) and got >= 0:
+                values.append(views[i][:got])
+            else:  # None (missing) or -1 (wrong type)
+                values.append(got)
+        if consume:
+            raw = _claimed_values(statuses, lengths, values)
+        else:
+            raw = [None if isinstance(v, memoryview) and len(v) == 0 else v for v in values]
+        out = self._decode_all(hashes, keys, raw, copy=False)
+        if consume:
+            self._drop_claims(claim_keys)
         return out
+
+    def _receive(
+        self, commands: list[tuple[Any, ...]], views: list[memoryview], connections: int
+    ) -> list[int | Oversize | None]:
+        """Send ``commands`` pipelined and receive each bulk reply into its view, the batch
+        split over up to ``connections`` connections (the first chunk on this thread)."""
+        n = max(1, min(connections, len(commands)))
+        bounds = [len(commands) * c // n for c in range(n + 1)]
+        chunks = [(commands[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
+        futures = [self._pool().submit(self._receive_on_one, *c) for c in chunks[1:]]
+        first = self._receive_on_one(*chunks[0]) if chunks else []
+        return first + [r for f in futures for r in f.result()]
+
+    def _receive_on_one(
+        self, commands: list[tuple[Any, ...]], views: list[memoryview]
+    ) -> list[int | Oversize | None]:
+        if not commands:
+            return []
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        in_sync = False
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+            sock = conn._sock  # connected by send_packed_command
+            assert sock is not None
+            reader = ReplyReader(sock)
+            out: list[int | Oversize | None] = []
+            refused: Exception | None = None
+            for view in views:
+                try:
+                    out.append(reader.read_bulk_into(view))
+                except redis.exceptions.ResponseError as exc:
+                    if error_code(exc) != "WRONGTYPE":
+                        refused = refused or exc  # read the rest, then say so
+                    out.append(-1)
+            in_sync = True
+            if refused is not None:
+                raise refused
+            return out
+        finally:
+            if not in_sync:  # its place in the reply stream is lost
+                conn.disconnect()
+            pool.release(conn)
 
     def longest_prefix(
         self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
@@ -839,6 +948,23 @@ class LookupBuffer:
                         key,
                     )
         return out
+
+
+def _claimed_values(statuses: list[int], lengths: list[Any], fetched: list[Any]) -> list[Any]:
+    """Per key, what ``_decode_all`` takes: a claimed key's fetched value, a length (oversize),
+    -1 (wrong type) or None (missing)."""
+    values = iter(fetched)
+    raw: list[Any] = []
+    for status, length in zip(statuses, lengths, strict=True):
+        if status == 1:
+            raw.append(next(values))
+        elif status == 2:
+            raw.append(int(length))
+        elif status == 3:
+            raw.append(-1)
+        else:
+            raw.append(None)
+    return raw
 
 
 def _leading_present(exists: Sequence[Any], per_block: int) -> int:

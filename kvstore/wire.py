@@ -1,0 +1,125 @@
+"""Receiving bulk-string replies straight into the caller's buffers.
+
+redis-py (with or without hiredis) turns every reply into a new ``bytes``: the socket's bytes
+are copied into the parser's buffer, then into the ``bytes`` object, and the caller copies them
+once more to where they belong. For multi-MiB values that is most of the cost of a read. This
+module reads the replies of pipelined ``GET`` / ``GETRANGE`` / ``GETDEL`` commands itself, with
+``recv_into`` into the destination: the bytes are copied once, by the kernel. redis-py keeps
+everything else -- connecting, TLS, AUTH/ACL, sending the commands, the pool.
+
+Only the reply types those commands produce are understood: a bulk string, a nil (RESP2 ``$-1``
+or RESP3 ``_``) and an error. Anything else raises ``InvalidResponse``; the caller then drops
+the connection, since its position in the stream is lost. Fuzzed against hiredis in
+``tests/test_wire.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import redis.exceptions as rex
+
+_SCRATCH_BYTES = 1 << 16
+_MAX_LINE = 1 << 12  # a reply's first line: "$<length>" or an error message
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """A bulk string longer than its destination; its bytes were read and dropped."""
+
+    length: int
+
+
+class ReplyReader:
+    """Reads replies from one connected socket, in order. Not thread-safe: one per connection
+    and thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(_SCRATCH_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0  # unread bytes are self._buf[self._start : self._end]
+        self._end = 0
+
+    def read_bulk_into(self, dest: memoryview) -> int | Oversize | None:
+        """Read one reply. A bulk string's bytes land in ``dest[:length]`` and its length is
+        returned; a nil returns None; one longer than ``dest`` is drained (never allocated) and
+        returns :class:`Oversize`. An error reply raises redis-py's ``ResponseError`` (the
+        stream stays usable)."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            try:
+                length = int(line[1:])
+            except ValueError:
+                raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
+            if length < 0:
+                return None
+            if length > len(dest):
+                self._skip(length + 2)
+                return Oversize(length)
+            self._take(dest[:length])
+            self._crlf()
+            return length
+        if kind == b"_" and len(line) == 1:
+            return None
+        if kind == b"-":
+            raise rex.ResponseError(line[1:].decode(errors="replace"))
+        raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+
+    # -------------------------------------------------------------- the socket
+    def _recv_into(self, view: memoryview) -> int:
+        try:
+            n = self._sock.recv_into(view)
+        except TimeoutError:  # socket.timeout
+            raise rex.TimeoutError("timed out reading a reply") from None
+        except OSError as exc:
+            raise rex.ConnectionError(f"error reading a reply: {exc}") from None
+        if n == 0:
+            raise rex.ConnectionError("the server closed the connection")
+        return n
+
+    def _fill(self) -> None:
+        """Receive more into the scratch buffer, moving unread bytes to its front first."""
+        unread = self._end - self._start
+        if self._start:
+            self._buf[:unread] = self._buf[self._start : self._end]
+            self._start, self._end = 0, unread
+        self._end += self._recv_into(self._view[self._end :])
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start : i])
+                self._start = i + 2
+                return line
+            if self._end - self._start > _MAX_LINE:
+                raise rex.InvalidResponse("a reply line is too long")
+            self._fill()
+
+    def _take(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly: what is buffered first, the rest straight from the socket."""
+        have = min(self._end - self._start, len(dest))
+        dest[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        pos = have
+        while pos < len(dest):
+            pos += self._recv_into(dest[pos:])
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self._start == self._end:
+                self._start = self._end = 0
+                self._fill()
+            step = min(n, self._end - self._start)
+            self._start += step
+            n -= step
+
+    def _crlf(self) -> None:
+        while self._end - self._start < 2:
+            self._fill()
+        if self._buf[self._start : self._start + 2] != b"\r\n":
+            raise rex.InvalidResponse("a bulk string is not followed by CRLF")
+        self._start += 2

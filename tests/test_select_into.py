@@ -1,0 +1,82 @@
+"""``LookupBuffer.select_into``: reads that land in the caller's buffers, against a real
+redis-server (the reader needs a real socket)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from kvstore import LookupBuffer, chain_hashes
+
+pytestmark = pytest.mark.redis
+
+
+def block(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "k": torch.randn(2, 16, 64, generator=gen).to(torch.bfloat16),
+        "v": torch.randn(2, 16, 64, generator=gen),
+    }
+
+
+@pytest.fixture
+def store(redis_url: str) -> LookupBuffer:
+    return LookupBuffer.from_url(redis_url, namespace="into", layout={"m": "select_into"})
+
+
+def buffers(n: int, size: int = 64 << 10) -> list[torch.Tensor]:
+    return [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_values_land_in_the_buffers_and_equal_select(store: LookupBuffer, connections: int) -> None:
+    hashes = chain_hashes(list(range(10 * 16)), 16)
+    store.insert_many([(h, block(i)) for i, h in enumerate(hashes)])
+    bufs = buffers(len(hashes))
+    got = store.select_into(hashes, bufs, connections=connections)
+    want = store.select(hashes)
+    for g, w, buf in zip(got, want, bufs, strict=True):
+        assert g is not None and w is not None
+        for name in w:
+            assert torch.equal(g[name], w[name])
+            start, end = buf.data_ptr(), buf.data_ptr() + buf.numel()
+            assert start <= g[name].data_ptr() < end  # a view into the caller's buffer
+
+
+def test_misses_wrong_types_oversize_and_corrupt_values_are_counted_misses(
+    store: LookupBuffer, redis_url: str
+) -> None:
+    hashes = chain_hashes(list(range(5 * 16)), 16)
+    store.insert_many([(h, block(i)) for i, h in enumerate(hashes[:4])])
+    client = redis.Redis.from_url(redis_url)
+    client.delete(store.redis_key(hashes[1]))
+    client.lpush(store.redis_key(hashes[1]), "not a block")  # wrong type
+    corrupt = store.redis_key(hashes[2])
+    client.setrange(corrupt, client.strlen(corrupt) - 3, b"\x00\x01\x02")
+    bufs = buffers(5)
+    bufs[3] = torch.zeros(1000, dtype=torch.uint8)  # smaller than the value
+    got = store.select_into(hashes, bufs)
+    assert got[0] is not None and got[1:] == [None, None, None, None]
+    reasons = store.stats().corrupt_by_reason
+    assert reasons == {"wrong-type": 1, "checksum": 1, "oversize": 1}
+    assert store.select_into(hashes[:1], bufs[:1])[0] is not None  # the connection is in sync
+
+
+def test_consume_takes_each_value_once(store: LookupBuffer, redis_url: str) -> None:
+    hashes = chain_hashes(list(range(3 * 16)), 16)
+    store.insert_many([(h, block(i)) for i, h in enumerate(hashes)])
+    got = store.select_into(hashes, buffers(3), consume=True, connections=2)
+    assert all(g is not None for g in got)
+    assert torch.equal(got[2]["v"], block(2)["v"])  # type: ignore[index]
+    assert store.select_into(hashes, buffers(3), consume=True) == [None, None, None]
+    assert redis.Redis.from_url(redis_url).keys("kv:into:*") == []
+
+
+def test_bad_buffers_are_refused(store: LookupBuffer) -> None:
+    from kvstore import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        store.select_into(["ab" * 16], [torch.zeros(8, dtype=torch.float32)])
+    with pytest.raises(InvalidArgumentError):
+        store.select_into(["ab" * 16], [])

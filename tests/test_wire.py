@@ -1,0 +1,103 @@
+"""The bulk-reply reader against hiredis (redis-py's parser) on random reply streams cut into
+random chunks, and on a real redis-server."""
+
+from __future__ import annotations
+
+import random
+
+import hiredis
+import pytest
+import redis
+from redis.exceptions import InvalidResponse, ResponseError
+
+from kvstore.wire import Oversize, ReplyReader
+
+
+class ChunkedSocket:
+    """A socket whose recv_into hands out a byte stream in the chunk sizes it was given."""
+
+    def __init__(self, data: bytes, rng: random.Random) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+        self.rng = rng
+
+    def recv_into(self, view: memoryview) -> int:
+        n = min(
+            len(view), len(self.data) - self.pos, self.rng.choice([1, 2, 7, 100, 4096, 1 << 20])
+        )
+        view[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def random_reply(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.1:
+        return b"$-1\r\n"
+    if kind < 0.15:
+        return b"_\r\n"
+    if kind < 0.2:
+        return b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+    size = rng.choice([0, 1, 2, 13, 4095, 65536, 65537, 200_000])
+    body = bytes(rng.getrandbits(8) for _ in range(min(size, 64))) * (size // 64 + 1)
+    body = body[:size].replace(b"x", b"\r\n"[: rng.randint(0, 2)] or b"x")[:size]
+    body = body.ljust(size, b"\n")
+    return b"$%d\r\n%s\r\n" % (len(body), body)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_reply_streams_parse_like_hiredis(seed: int) -> None:
+    rng = random.Random(seed)
+    replies = [random_reply(rng) for _ in range(rng.randint(1, 30))]
+    stream = b"".join(replies)
+    reference = hiredis.Reader()
+    reference.feed(stream)
+    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
+    for _ in replies:
+        want = reference.gets()
+        capacity = rng.choice([0, 10, 4096, 70_000, 300_000])
+        dest = memoryview(bytearray(capacity))
+        if isinstance(want, hiredis.ReplyError):
+            with pytest.raises(ResponseError, match="WRONGTYPE"):
+                reader.read_bulk_into(dest)
+            continue
+        got = reader.read_bulk_into(dest)
+        if want is None:
+            assert got is None
+        elif len(want) > capacity:
+            assert got == Oversize(len(want))
+        else:
+            assert got == len(want) and bytes(dest[: len(want)]) == want
+    assert reference.gets() is False  # both consumed the whole stream
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"+OK\r\n", b":12\r\n", b"$abc\r\n", b"$3\r\nabcXY", b"*2\r\n"]
+)
+def test_replies_other_than_bulk_strings_are_refused(garbage: bytes) -> None:
+    reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse):
+        reader.read_bulk_into(memoryview(bytearray(16)))
+
+
+@pytest.mark.redis
+def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    values = [bytes(random.Random(i).getrandbits(8) for _ in range(1000)) * i for i in range(6)]
+    for i, v in enumerate(values):
+        client.set(f"k{i}", v)
+    client.lpush("list", "x")
+    conn = client.connection_pool.get_connection()
+    try:
+        keys = [f"k{i}" for i in range(len(values))] + ["missing", "list"]
+        conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+        reader = ReplyReader(conn._sock)  # type: ignore[arg-type]
+        for v in values:
+            dest = bytearray(len(v) + 5)
+            assert reader.read_bulk_into(memoryview(dest)) == len(v) and dest[: len(v)] == v
+        assert reader.read_bulk_into(memoryview(bytearray(8))) is None
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            reader.read_bulk_into(memoryview(bytearray(8)))
+        assert conn.send_command("PING") is None and conn.read_response() == b"PONG"  # in sync
+    finally:
+        client.connection_pool.release(conn)
