@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Reads that land in a destination buffer, and writes, per value size, in one run against one
+redis-server: plain redis-py, kvstore, and LMCache 0.5.6's ``resp://`` C++ client when it is
+importable (``../shared/anchors/lmcache.md``: run this with ``/tmp/lmc/bin/python``).
+
+Paths (batches of ``--batch`` values, the median of ``--rounds`` interleaved rounds):
+- ``redis-py``: pipelined ``SET`` of bytes; pipelined ``GET``, then each reply copied into its
+  destination tensor (what a caller has to do with redis-py's ``bytes``);
+- ``kvstore``: ``insert_many`` (framing, checksum, pipelined ``SET``); ``select_into`` with 1,
+  2 and 4 connections (received straight into the destination, header and checksum verified);
+- ``bare recv_into``: pipelined ``GET`` received with kvstore's reply reader into the
+  destination, no verification -- the ceiling of this way of reading;
+- ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers.
+
+GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py and writes
+``--json`` and PNG plots (GB/s against value size, one line per path) to ``--plot-dir``.
+
+    python -m scripts.bench_paths [--sizes 256K,1M,2M,8M] [--batch 16] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+
+from kvstore import LookupBuffer, chain_hashes
+from kvstore.wire import ReplyReader
+from testing.redis_server import RedisServer
+
+Path_ = Callable[[], None]
+
+
+def parse_size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20}
+    text = text.strip().upper()
+    return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
+
+
+class LMCacheResp:
+    """LMCache 0.5.6's RESPConnector driven without an engine (see lmcache.md)."""
+
+    def __init__(self, host: str, port: int, size: int, batch: int) -> None:
+        from lmcache.utils import CacheEngineKey
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+        from lmcache.v1.storage_backend.connector.redis_connector import RESPConnector
+        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+        layers, heads, head_size = 4, 4, 128
+        tokens = max(1, size // (layers * 2 * heads * head_size * 2))
+        cfg = LMCacheEngineConfig.from_defaults(
+            chunk_size=tokens,
+            local_cpu=False,
+            max_local_cpu_size=max(1.0, 3 * batch * size / 2**30),
+            remote_url=f"redis://{host}:{port}",
+            remote_serde="naive",
+        )
+        md = LMCacheMetadata(
+            model_name="bench",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.bfloat16,
+            kv_shape=(layers, 2, tokens, heads, head_size),
+            chunk_size=tokens,
+        )
+        self.backend = LocalCPUBackend(cfg, md)
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.conn = RESPConnector(host, port, self.loop, self.backend, num_threads=2)
+        self.objs = [self.backend.allocate(md.get_shapes(), md.get_dtypes()) for _ in range(batch)]
+        for obj in self.objs:
+            obj.tensor.view(torch.uint8).view(-1).copy_(
+                torch.frombuffer(bytearray(os.urandom(obj.tensor.nbytes)), dtype=torch.uint8)
+            )
+        self.nbytes = self.objs[0].tensor.nbytes
+        self.keys = [CacheEngineKey("bench", 1, 0, i, torch.bfloat16) for i in range(batch)]
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def put(self) -> None:
+        self._run(self.conn.batched_put(self.keys, self.objs))
+
+    def get(self) -> None:
+        got = self._run(self.conn.batched_get(self.keys))
+        assert all(g is not None for g in got), "LMCache missed a value"
+        for g in got:
+            g.ref_count_down()
+
+
+def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[str, float]:
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    payloads = [os.urandom(size) for _ in range(batch)]
+    dests = [torch.empty(size + 4096, dtype=torch.uint8) for _ in range(batch)]
+    plain_keys = [f"plain:{i}" for i in range(batch)]
+    store = LookupBuffer.from_url(url, namespace="bench", layout={"bench": size})
+    hashes = chain_hashes(list(range(batch * 16)), 16)
+    tensors = [{"kv": torch.frombuffer(bytearray(p), dtype=torch.bfloat16)} for p in payloads]
+    value_bytes = batch * size
+
+    def plain_set() -> None:
+        pipe = client.pipeline(transaction=False)
+        for k, p in zip(plain_keys, payloads, strict=True):
+            pipe.set(k, p)
+        pipe.execute()
+
+    def plain_get_landed() -> None:
+        pipe = client.pipeline(transaction=False)
+        for k in plain_keys:
+            pipe.get(k)
+        for reply, dest in zip(pipe.execute(), dests, strict=True):
+            dest[:size].copy_(torch.frombuffer(reply, dtype=torch.uint8))
+
+    def bare_recv_into() -> None:
+        conn = client.connection_pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", k) for k in plain_keys]))
+            assert conn._sock is not None
+            reader = ReplyReader(conn._sock)
+            for dest in dests:
+                reader.read_bulk_into(memoryview(dest.numpy()))
+        finally:
+            client.connection_pool.release(conn)
+
+    def kv_insert() -> None:
+        store.insert_many(list(zip(hashes[:batch], tensors, strict=True)))
+
+    def kv_select_into(connections: int) -> Path_:
+        def run() -> None:
+            got = store.select_into(hashes[:batch], dests, connections=connections)
+            assert all(g is not None for g in got), "kvstore missed a value"
+
+        return run
+
+    writes: dict[str, Path_] = {"redis-py SET": plain_set, "kvstore insert_many": kv_insert}
+    reads: dict[str, Path_] = {
+        "redis-py GET + copy": plain_get_landed,
+        "bare recv_into (ceiling)": bare_recv_into,
+        "kvstore select_into x1": kv_select_into(1),
+        "kvstore select_into x2": kv_select_into(2),
+        "kvstore select_into x4": kv_select_into(4),
+    }
+    if lmc:
+        host, port = url.removeprefix("redis://").split("/")[0].split(":")
+        resp = LMCacheResp(host, int(port), size, batch)
+        assert abs(resp.nbytes - size) <= size // 64, (resp.nbytes, size)
+        writes["LMCache resp:// put"] = resp.put
+        reads["LMCache resp:// get"] = resp.get
+    for fn in writes.values():  # everything readable before the first timed read
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
+    for _ in range(rounds):
+        for name, fn in [*writes.items(), *reads.items()]:
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    store.close()
+    return {name: value_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+def plot(results: dict[int, dict[str, float]], names: list[str], title: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in names:
+        ax.plot([s >> 10 for s in sizes], [results[s][name] for s in sizes], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("value size (KiB)")
+    ax.set_ylabel("GB/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="256K,1M,2M,8M")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot-dir", type=Path)
+    args = ap.parse_args(argv)
+    try:
+        import lmcache.v1.storage_backend.connector.redis_connector  # noqa: F401
+
+        lmc = True
+    except ImportError:
+        lmc = False
+        print("LMCache is not importable here: its columns are left out (see lmcache.md)")
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    results: dict[int, dict[str, float]] = {}
+    with RedisServer() as server:
+        for size in sizes:
+            results[size] = bench_size(server.url, size, args.batch, args.rounds, lmc)
+    machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
+    names = list(next(iter(results.values())))
+    print(f"GB/s, median of {args.rounds} interleaved rounds, batches of {args.batch}; {machine}")
+    print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
+    print("| --- |" + " --- |" * len(sizes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(f"{results[s][name]:.2f}" for s in sizes) + " |")
+    base = {"read": "LMCache resp:// get", "write": "LMCache resp:// put"} if lmc else {}
+    best_read = {s: max(v for k, v in results[s].items() if "select_into" in k) for s in sizes}
+    for s in sizes:
+        line = f"{s >> 10} KiB: select_into (best) / redis-py GET+copy = "
+        line += f"{best_read[s] / results[s]['redis-py GET + copy']:.2f}x"
+        line += "; insert_many / redis-py SET = "
+        line += f"{results[s]['kvstore insert_many'] / results[s]['redis-py SET']:.2f}x"
+        if lmc:
+            line += f"; select_into / LMCache get = {best_read[s] / results[s][base['read']]:.2f}x"
+            line += "; insert_many / LMCache put = "
+            line += f"{results[s]['kvstore insert_many'] / results[s][base['write']]:.2f}x"
+        print(line)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine,
+                    "batch": args.batch,
+                    "rounds": args.rounds,
+                    "gbps": {str(s): r for s, r in results.items()},
+                },
+                indent=2,
+            )
+        )
+    if args.plot_dir:
+        args.plot_dir.mkdir(parents=True, exist_ok=True)
+        reads = [n for n in names if "GET" in n or "get" in n or "recv" in n or "select" in n]
+        writes = [n for n in names if n not in reads]
+        plot(results, reads, f"reads landed in a buffer; {machine}", args.plot_dir / "reads.png")
+        plot(results, writes, f"writes; {machine}", args.plot_dir / "writes.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
