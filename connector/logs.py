@@ -23,10 +23,11 @@ def adopt_vllm_logging() -> None:
     """Route our loggers' records through vLLM's handlers, at vLLM's level
     (VLLM_LOGGING_LEVEL; VLLM_LOGGING_CONFIG_PATH applies too). Call it once vLLM has configured
     logging in this process (the connector does, when it is created). Without vLLM's logging
-    (VLLM_CONFIGURE_LOGGING=0) or with a logger the user configured, nothing changes."""
+    (VLLM_CONFIGURE_LOGGING=0), with handlers on the root logger (the application's, or
+    pytest's) or with a logger the user configured, records propagate as usual."""
     vllm_logger = logging.getLogger("vllm")
-    if not vllm_logger.handlers:
-        return
+    if not vllm_logger.handlers or logging.getLogger().handlers:
+        return  # vLLM does not log here, or the application configured the root logger
     for name in OUR_LOGGERS:
         logger = logging.getLogger(name)
         ours = any(isinstance(h, _ToVllm) for h in logger.handlers)

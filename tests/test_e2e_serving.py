@@ -125,7 +125,13 @@ def test_consume_mode_leaves_no_blocks_after_proxy_requests(serving: dict) -> No
     r = redis.Redis.from_url(serving["redis"].url)
     left = [parse_key(k.decode()) for k in r.scan_iter(match="kv:*")]
     assert {k.kind for k in left if k is not None} <= {"handoff"}  # "taken" markers ...
-    assert all(0 < r.pttl(k) <= 60_000 for k in r.scan_iter(match="kv:*"))  # ... expiring
+    # ... all expiring: "taken" markers within a minute; a commit record the consumer never
+    # claimed (it gave up at its deadline before the producer published, which a loaded CI
+    # machine does produce) within the records' 10-minute bound
+    leftover = {k: (r.get(k), r.pttl(k)) for k in r.scan_iter(match="kv:*")}
+    for value, ttl in leftover.values():
+        limit = 60_000 if (value or b"").startswith(b"taken:") else 600_000
+        assert 0 < ttl <= limit, leftover
 
 
 def test_kvstore_cli_shows_real_connector_output(serving: dict) -> None:
