@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Union
 
 import torch
 import xxhash
@@ -30,6 +30,8 @@ import xxhash
 from .errors import CorruptValueError, InvalidArgumentError, InvalidValueError
 
 FORMAT_VERSION = "1"
+# what a value's pieces may be: anything with the buffer protocol (bytes, memoryview, numpy)
+Buffer = Union[bytes, bytearray, memoryview, Any]  # noqa: UP007 (a runtime alias)
 CODECS = ("none", "lz4")
 
 
@@ -269,6 +271,65 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
     return memoryview(
         _render_header(staged.entries, _meta(staged, compression, checksum, len(packed))) + packed
     )
+
+
+def plan_entries(
+    names: Sequence[str], dtype: torch.dtype, shape: Sequence[int]
+) -> tuple[list[TensorEntry], int]:
+    """The entries of a value made of one tensor per name, all of ``dtype`` and ``shape``, laid
+    out back to back in ``names`` order; and its payload size. For callers that stage payloads
+    themselves (the data mover) and frame them with :func:`frame_parts`."""
+    if dtype not in _DTYPE_TO_ST:
+        raise InvalidValueError(f"unsupported dtype {dtype}")
+    nbytes = dtype.itemsize
+    for s in shape:
+        nbytes *= int(s)
+    entries = [
+        TensorEntry(
+            name, _DTYPE_TO_ST[dtype], tuple(int(s) for s in shape), i * nbytes, (i + 1) * nbytes
+        )
+        for i, name in enumerate(names)
+    ]
+    return entries, nbytes * len(entries)
+
+
+def frame_parts(
+    entries: Sequence[TensorEntry],
+    pieces: Sequence[Buffer],
+    *,
+    fingerprint: str,
+    block_hash: str,
+    compression: str = "none",
+) -> list[Buffer]:
+    """A value as a list of buffers to send back to back: its header, then ``pieces`` (the
+    payload, in ``entries`` order, each piece where it already is). Uncompressed, nothing is
+    copied: the checksum streams over the pieces and they go to the socket as they are. With
+    lz4 the payload is compressed into one new buffer."""
+    if compression not in CODECS:
+        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
+    raw_bytes = sum(memoryview(p).nbytes for p in pieces)
+    expected = entries[-1].end if entries else 0
+    if raw_bytes != expected:
+        raise InvalidArgumentError(f"pieces hold {raw_bytes} bytes, the entries {expected}")
+    staged = StagedValue(
+        buffer=torch.empty(0, dtype=torch.uint8),
+        entries=list(entries),
+        raw_bytes=raw_bytes,
+        header_bytes=0,
+        fingerprint=fingerprint,
+        block_hash=block_hash,
+        metadata={},
+        created=_now_iso(),
+    )
+    if compression == "none":
+        digest = xxhash.xxh3_64()
+        for p in pieces:
+            digest.update(p)
+        meta = _meta(staged, "none", digest.hexdigest(), raw_bytes)
+        return [_render_header(staged.entries, meta), *pieces]
+    packed = lz4_block().compress(b"".join(pieces), store_size=False)
+    meta = _meta(staged, compression, xxhash.xxh3_64_hexdigest(packed), len(packed))
+    return [_render_header(staged.entries, meta), packed]
 
 
 def encode_value(

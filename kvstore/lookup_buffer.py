@@ -25,6 +25,7 @@ import functools
 import itertools
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -58,7 +59,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .keys import CLAIM_MARKER, DEFAULT_KEY_PREFIX, KeySpace
-from .wire import Oversize, ReplyReader
+from .wire import Oversize, ReplyReader, pack_set, send_buffers
 
 logger = logging.getLogger("kvstore")
 
@@ -545,6 +546,85 @@ class LookupBuffer:
             self._stats.inserts += len(encoded)
             self._stats.bytes_out += nbytes
 
+    def insert_parts(
+        self,
+        items: Sequence[tuple[str, Sequence[Any]]],
+        *,
+        positions: Sequence[int] | None = None,
+        connections: int = 1,
+    ) -> None:
+        """``SET`` values given as lists of buffers (see ``codec.frame_parts``): each value's
+        parts are sent from where they lie with ``sendmsg``, never joined, and the batch is
+        spread over ``connections`` pooled connections so writes overlap. ``positions`` as in
+        :meth:`insert_encoded`."""
+        encoded = [(self.keys.block(h).encode(), parts) for h, parts in items]
+        if not encoded:
+            return
+        where = list(positions) if positions is not None else list(range(len(encoded)))
+        if len(where) != len(encoded):
+            raise InvalidArgumentError("positions must have one entry per item")
+        if connections < 1:
+            raise InvalidArgumentError(f"connections must be >= 1, got {connections}")
+        commands = [
+            (key, parts, self._ttl_ms(pos))
+            for (key, parts), pos in zip(encoded, where, strict=True)
+        ]
+        nbytes = sum(memoryview(p).nbytes for _, parts in encoded for p in parts)
+        try:
+            self._call("SET", lambda: self._spread(self._send_on_one, commands, connections))
+        except Exception:
+            with self._lock:
+                self._stats.insert_errors += len(encoded)
+            raise
+        with self._lock:
+            self._stats.inserts += len(encoded)
+            self._stats.bytes_out += nbytes
+
+    def _send_on_one(self, commands: list[tuple[bytes, Sequence[Any], int | None]]) -> list[None]:
+        if not commands:
+            return []
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        in_sync = False
+        try:
+            conn.connect()
+            sock = _raw_socket(conn)
+            if sock is None:  # a client without a socket (fakeredis): plain SETs
+                in_sync = True
+                pipe = self._client.pipeline(transaction=False)
+                for key, parts, px in commands:
+                    pipe.set(key, b"".join(memoryview(p).cast("B") for p in parts), px=px)
+                pipe.execute()
+                return [None] * len(commands)
+            send_buffers(sock, [b for c in commands for b in pack_set(*c)])
+            reader = ReplyReader(sock)
+            refused: Exception | None = None
+            for _ in commands:
+                try:
+                    reader.read_status()
+                except redis.exceptions.ResponseError as exc:
+                    refused = refused or exc  # read the rest, then say so
+            in_sync = True
+            if refused is not None:
+                raise refused
+            return [None] * len(commands)
+        finally:
+            if not in_sync:  # its place in the reply stream is lost
+                conn.disconnect()
+            pool.release(conn)
+
+    def _spread(
+        self, run: Callable[[list[Any]], list[T]], work: list[Any], connections: int
+    ) -> list[T]:
+        """``run`` over ``work`` split in up to ``connections`` contiguous parts, one connection
+        each, in parallel (the first part on this thread); results in ``work``'s order."""
+        n = max(1, min(connections, len(work)))
+        bounds = [len(work) * c // n for c in range(n + 1)]
+        parts = [work[a:b] for a, b in itertools.pairwise(bounds)]
+        futures = [self._pool().submit(run, p) for p in parts[1:]]
+        first = run(parts[0]) if parts else []
+        return first + [r for f in futures for r in f.result()]
+
     def insert_async(
         self,
         block_hash: str,
@@ -734,31 +814,31 @@ class LookupBuffer:
     ) -> list[int | Oversize | None]:
         """Send ``commands`` pipelined and receive each bulk reply into its view, the batch
         split over up to ``connections`` connections (the first chunk on this thread)."""
-        n = max(1, min(connections, len(commands)))
-        bounds = [len(commands) * c // n for c in range(n + 1)]
-        chunks = [(commands[a:b], views[a:b]) for a, b in itertools.pairwise(bounds)]
-        futures = [self._pool().submit(self._receive_on_one, *c) for c in chunks[1:]]
-        first = self._receive_on_one(*chunks[0]) if chunks else []
-        return first + [r for f in futures for r in f.result()]
+        return self._spread(
+            self._receive_on_one, list(zip(commands, views, strict=True)), connections
+        )
 
     def _receive_on_one(
-        self, commands: list[tuple[Any, ...]], views: list[memoryview]
+        self, work: list[tuple[tuple[Any, ...], memoryview]]
     ) -> list[int | Oversize | None]:
-        if not commands:
+        if not work:
             return []
+        commands = [c for c, _ in work]
         pool = self._client.connection_pool
         conn = pool.get_connection()
         in_sync = False
         try:
             conn.send_packed_command(conn.pack_commands(commands))
-            sock = conn._sock  # connected by send_packed_command
-            assert sock is not None
-            reader = ReplyReader(sock)
+            sock = _raw_socket(conn)
             out: list[int | Oversize | None] = []
             refused: Exception | None = None
-            for view in views:
+            reader = ReplyReader(sock) if sock is not None else None
+            for _, view in work:
                 try:
-                    out.append(reader.read_bulk_into(view))
+                    if reader is not None:
+                        out.append(reader.read_bulk_into(view))
+                    else:  # a client without a socket (fakeredis): copy the parsed reply
+                        out.append(_copy_reply(conn.read_response(), view))
                 except redis.exceptions.ResponseError as exc:
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
@@ -910,7 +990,8 @@ class LookupBuffer:
                         raise CorruptValueError("wrong-type", "the key does not hold a string")
                     raise CorruptValueError(
                         "oversize",
-                        f"{value} bytes exceeds max_value_bytes={self.max_value_bytes}",
+                        f"{value} bytes exceeds max_value_bytes={self.max_value_bytes} "
+                        "or the buffer it was read into",
                     )
                 _, tensors = decode_value(
                     value,
@@ -948,6 +1029,24 @@ class LookupBuffer:
                         key,
                     )
         return out
+
+
+def _raw_socket(conn: Any) -> socket.socket | None:
+    """A connected redis-py connection's socket; None for clients that have none (fakeredis)."""
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def _copy_reply(reply: Any, view: memoryview) -> int | Oversize | None:
+    """What ``ReplyReader.read_bulk_into`` returns, for a reply redis-py already parsed."""
+    if reply is None:
+        return None
+    if isinstance(reply, Exception):
+        raise reply
+    if len(reply) > len(view):
+        return Oversize(len(reply))
+    view[: len(reply)] = reply
+    return len(reply)
 
 
 def _claimed_values(statuses: list[int], lengths: list[Any], fetched: list[Any]) -> list[Any]:

@@ -1,4 +1,5 @@
-"""A fixed pool of equal-size host buffers, pinned when CUDA is present.
+"""A fixed pool of equal-size buffers: host memory (pinned when CUDA is present), or device
+scratch memory.
 
 Staging memory is allocated once and reused: steady-state traffic allocates none, and the pool's
 size bounds the bytes in flight (a caller that finds it empty sheds work instead of growing).
@@ -12,18 +13,29 @@ import torch
 
 
 class StagingPool:
-    def __init__(self, buffer_bytes: int, count: int, *, pin_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        buffer_bytes: int,
+        count: int,
+        *,
+        pin_memory: bool | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         if buffer_bytes <= 0 or count <= 0:
             raise ValueError(
                 f"buffer_bytes and count must be positive, got {buffer_bytes}, {count}"
             )
-        if pin_memory is None:
+        device = torch.device(device)
+        if device.type != "cpu":
+            pin_memory = False  # device memory: nothing to pin
+        elif pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self.buffer_bytes = buffer_bytes
         self.count = count
         self.pinned = pin_memory
+        self.device = device
         self._free = [
-            torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+            torch.empty(buffer_bytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
             for _ in range(count)
         ]
         self._cond = threading.Condition()

@@ -1,4 +1,5 @@
-"""Receiving bulk-string replies straight into the caller's buffers.
+"""Receiving bulk-string replies straight into the caller's buffers, and sending values from
+where they lie.
 
 redis-py (with or without hiredis) turns every reply into a new ``bytes``: the socket's bytes
 are copied into the parser's buffer, then into the ``bytes`` object, and the caller copies them
@@ -6,6 +7,10 @@ once more to where they belong. For multi-MiB values that is most of the cost of
 module reads the replies of pipelined ``GET`` / ``GETRANGE`` / ``GETDEL`` commands itself, with
 ``recv_into`` into the destination: the bytes are copied once, by the kernel. redis-py keeps
 everything else -- connecting, TLS, AUTH/ACL, sending the commands, the pool.
+
+Writes go the other way: a ``SET`` is sent as a list of buffers -- the command's framing, then
+the value's pieces where they already are (pinned staging memory), with ``sendmsg`` -- so a
+value is never joined into one ``bytes`` first.
 
 Only the reply types those commands produce are understood: a bulk string, a nil (RESP2 ``$-1``
 or RESP3 ``_``) and an error. Anything else raises ``InvalidResponse``; the caller then drops
@@ -16,12 +21,23 @@ the connection, since its position in the stream is lost. Fuzzed against hiredis
 from __future__ import annotations
 
 import socket
+import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.exceptions as rex
 
+try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
+    from redis._parsers.base import BaseParser
+
+    _parse_error = BaseParser.parse_error
+except ImportError:  # pragma: no cover - an older redis-py: the generic class
+    _parse_error = rex.ResponseError
+
 _SCRATCH_BYTES = 1 << 16
 _MAX_LINE = 1 << 12  # a reply's first line: "$<length>" or an error message
+_MAX_IOV = 512  # buffers per sendmsg: well under every platform's IOV_MAX (1024 on Linux)
 
 
 @dataclass(frozen=True)
@@ -65,8 +81,18 @@ class ReplyReader:
         if kind == b"_" and len(line) == 1:
             return None
         if kind == b"-":
-            raise rex.ResponseError(line[1:].decode(errors="replace"))
+            raise _parse_error(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+
+    def read_status(self) -> bytes:
+        """Read one simple-string reply (``+OK``) and return its text; an error reply raises
+        redis-py's ``ResponseError`` (the stream stays usable)."""
+        line = self._line()
+        if line[:1] == b"+":
+            return line[1:]
+        if line[:1] == b"-":
+            raise _parse_error(line[1:].decode(errors="replace"))
+        raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
 
     # -------------------------------------------------------------- the socket
     def _recv_into(self, view: memoryview) -> int:
@@ -123,3 +149,47 @@ class ReplyReader:
         if self._buf[self._start : self._start + 2] != b"\r\n":
             raise rex.InvalidResponse("a bulk string is not followed by CRLF")
         self._start += 2
+
+
+def pack_set(key: bytes, parts: Sequence[Any], px_ms: int | None) -> list[Any]:
+    """``SET key <parts joined> [PX px_ms]`` in RESP, as buffers to send back to back; the
+    value's parts are referenced, not copied."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    tail = b"\r\n"
+    if px_ms is not None:
+        px = str(int(px_ms)).encode()
+        tail += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+        3 if px_ms is None else 5,
+        len(key),
+        key,
+        size,
+    )
+    return [head, *parts, tail]
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send ``buffers`` back to back: ``sendmsg`` in batches, resuming after partial sends. TLS
+    sockets have no ``sendmsg``; there each buffer goes through ``sendall`` (TLS copies it
+    into its records anyway)."""
+    try:
+        if isinstance(sock, ssl.SSLSocket):
+            for b in buffers:
+                sock.sendall(b)
+            return
+        views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _MAX_IOV]
+            sent = sock.sendmsg(batch)
+            for v in batch:  # drop what went out; a partial buffer stays, shortened
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    i += 1
+                else:
+                    views[i] = v[sent:]
+                    break
+    except TimeoutError:
+        raise rex.TimeoutError("timed out sending a command") from None
+    except OSError as exc:
+        raise rex.ConnectionError(f"error sending a command: {exc}") from None

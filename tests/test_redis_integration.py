@@ -159,6 +159,11 @@ def test_tls_with_ca_and_client_certificate(tls_files: dict[str, str]) -> None:
         buf = LookupBuffer.from_url(url, namespace="tls", tls_ca_file=tls_files["ca"])
         buf.insert(HASHES[0], block(0))
         assert buf.longest_prefix(HASHES) == 1
+        # zero-copy writes and in-place reads work over TLS too (no sendmsg there)
+        parts = [memoryview(b) for b in buf.encode(HASHES[1], block(1)).tobytes().partition(b"}")]
+        buf.insert_parts([(HASHES[1], parts)], connections=2)
+        got = buf.select_into(HASHES[:2], [torch.zeros(1 << 16, dtype=torch.uint8)] * 2)
+        assert got[1] is not None and torch.equal(got[1]["kv"], block(1)["kv"])
         buf.close()
         # without the CA the certificate cannot be verified: a clear, typed error
         with pytest.raises(StoreUnavailableError):

@@ -3,6 +3,8 @@ redis-server (the reader needs a real socket)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import redis
 import torch
@@ -80,3 +82,54 @@ def test_bad_buffers_are_refused(store: LookupBuffer) -> None:
         store.select_into(["ab" * 16], [torch.zeros(8, dtype=torch.float32)])
     with pytest.raises(InvalidArgumentError):
         store.select_into(["ab" * 16], [])
+
+
+def value_parts(store: LookupBuffer, h: str, seed: int, pieces: int = 7) -> list[memoryview]:
+    """A value cut into ``pieces`` buffers, as the data mover hands them over."""
+    whole = store.encode(h, block(seed)).tobytes()
+    cuts = sorted({0, len(whole), *(len(whole) * i // pieces for i in range(1, pieces))})
+    return [memoryview(whole)[a:b] for a, b in itertools.pairwise(cuts)]
+
+
+@pytest.mark.parametrize("connections", [1, 3])
+def test_values_sent_in_pieces_read_back_whole(store: LookupBuffer, connections: int) -> None:
+    hashes = chain_hashes(list(range(9 * 16)), 16)
+    store.insert_parts(
+        [(h, value_parts(store, h, i)) for i, h in enumerate(hashes)], connections=connections
+    )
+    for i, got in enumerate(store.select(hashes)):
+        assert got is not None and torch.equal(got["k"], block(i)["k"])
+    assert store.stats().inserts == 9
+
+
+def test_big_values_in_many_pieces_survive_partial_sends(store: LookupBuffer) -> None:
+    """Multi-MiB values, hundreds of pieces each: sendmsg sends part of a batch at a time."""
+    big = {"k": torch.randn(1 << 20)}  # 4 MiB
+    hashes = chain_hashes(list(range(3 * 16)), 16)
+    items = []
+    for h in hashes:
+        whole = store.encode(h, big).tobytes()
+        step = len(whole) // 700 + 1
+        items.append((h, [memoryview(whole)[a : a + step] for a in range(0, len(whole), step)]))
+    store.insert_parts(items, connections=2)
+    got = store.select_into(hashes, buffers(3, 5 << 20), connections=2)
+    assert all(g is not None and torch.equal(g["k"], big["k"]) for g in got)
+
+
+def test_a_refused_write_is_a_typed_error_and_the_connection_stays_usable(
+    store: LookupBuffer, redis_url: str
+) -> None:
+    from kvstore import StoreOutOfMemoryError
+
+    admin = redis.Redis.from_url(redis_url)
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    admin.config_set("maxmemory", "1mb")
+    admin.config_set("maxmemory-policy", "noeviction")
+    try:
+        big = {"k": torch.randn(1 << 19)}
+        with pytest.raises(StoreOutOfMemoryError):
+            store.insert_parts([(h, [store.encode(h, big)]) for h in hashes])
+    finally:
+        admin.config_set("maxmemory", "0")
+    store.insert_parts([(hashes[0], value_parts(store, hashes[0], 0))])
+    assert store.select(hashes[:1])[0] is not None

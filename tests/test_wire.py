@@ -10,7 +10,7 @@ import pytest
 import redis
 from redis.exceptions import InvalidResponse, ResponseError
 
-from kvstore.wire import Oversize, ReplyReader
+from kvstore.wire import Oversize, ReplyReader, pack_set, send_buffers
 
 
 class ChunkedSocket:
@@ -101,3 +101,53 @@ def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str) -> None
         assert conn.send_command("PING") is None and conn.read_response() == b"PONG"  # in sync
     finally:
         client.connection_pool.release(conn)
+
+
+class TrickleSocket:
+    """A socket whose sendmsg takes a random prefix of what it is offered (partial sends)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.sent = bytearray()
+        self.rng = rng
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        offered = b"".join(bytes(b) for b in buffers)
+        n = self.rng.randint(1, len(offered))
+        self.sent += offered[:n]
+        return n
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_set_commands_sent_in_pieces_equal_redis_pys_packing(seed: int) -> None:
+    """What ``pack_set`` + ``send_buffers`` put on the wire, through random partial sends, is
+    byte for byte what redis-py sends for the same SET."""
+    rng = random.Random(seed)
+    conn = redis.Connection()
+    sock = TrickleSocket(rng)
+    want = b""
+    buffers: list[object] = []
+    for _ in range(rng.randint(1, 8)):
+        key = b"kv:%d" % rng.getrandbits(32)
+        parts = [
+            bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 5, 300])))
+            for _ in range(rng.randint(1, 40))
+        ]
+        px = rng.choice([None, 1, 3_600_000])
+        args = ("SET", key, b"".join(parts)) + (() if px is None else ("PX", px))
+        want += b"".join(conn.pack_command(*args))
+        buffers += pack_set(key, [memoryview(p) for p in parts], px)
+    send_buffers(sock, buffers)  # type: ignore[arg-type]
+    assert bytes(sock.sent) == want
+
+
+def test_status_replies_and_errors() -> None:
+    stream = (
+        b"+OK\r\n-OOM command not allowed when used memory > 'maxmemory'.\r\n+OK\r\n$1\r\nx\r\n"
+    )
+    reader = ReplyReader(ChunkedSocket(stream, random.Random(0)))  # type: ignore[arg-type]
+    assert reader.read_status() == b"OK"
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # typed as redis-py types it
+        reader.read_status()
+    assert reader.read_status() == b"OK"  # the stream stays usable after an error reply
+    with pytest.raises(InvalidResponse):
+        reader.read_status()
