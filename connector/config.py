@@ -39,6 +39,8 @@ class RedisConnectorConfig:
     control_timeout_s: float = 0.5
     connect_timeout_s: float = 2.0
     io_threads: int = 4
+    # connections one batch of blocks is spread over, so socket reads and writes overlap
+    connections: int = 4
     lookup_threads: int = 4
     breaker_failures: int = 3
     breaker_probe_s: float = 0.5
@@ -126,7 +128,7 @@ class RedisConnectorConfig:
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
-        for key in ("lookup_threads", "io_threads", "breaker_failures"):
+        for key in ("lookup_threads", "io_threads", "connections", "breaker_failures"):
             if extra.get(key) == 0:
                 raise InvalidArgumentError(f"{key} must be >= 1")
         return cls(url=url, role=role, **extra)

@@ -1,19 +1,20 @@
-"""Worker side: move blocks between vLLM's paged KV cache and Redis, off the forward path.
+"""Worker side: vLLM's glue over the data mover (``datamover``), which does the copying.
 
-- Loads run on background threads: fetch (``select``), validate, and copy each block into its
-  allocated slot (CUDA: through pinned staging on a side stream, synchronised before the
-  request is reported loaded). vLLM keeps scheduling other requests meanwhile. Every load is
-  reported finished -- with its failed blocks -- whatever happens: an exception of any type, or
-  its deadline passing while a thread is still stuck in a socket read (the late thread then
-  writes nothing). In consume mode the handed-off chain is deleted after the copy, so a
-  dropped connection mid-fetch loses nothing.
-- Saves: after the forward pass, each new full block is copied once, straight from the KV cache
-  into a reusable staging buffer (uncompressed, so the pool bounds memory whatever the codec);
-  writer threads then hash, compress and ``SET`` it. When no staging buffer is free (Redis
-  slower than the model) or the store is unavailable, the block is shed and counted. When a
-  request has finished and its writes are acknowledged, its commit record says how many
-  leading blocks really made it. Its blocks go back to vLLM (finished sending) as soon as it
-  has finished, since everything was copied out when it was staged.
+- Loads run on background threads: the mover receives a request's blocks a chunk at a time
+  straight into staging (``select_into``) and scatters each chunk into the allocated blocks.
+  vLLM keeps scheduling other requests meanwhile. Every load is reported finished -- with its
+  failed blocks -- whatever happens: an exception of any type, or its deadline passing while a
+  thread is still stuck in a socket read (the late thread then writes nothing). In consume
+  mode the handed-off chain is deleted after the copy, so a dropped connection mid-fetch loses
+  nothing.
+- Saves: ``wait_for_save`` hands the step's new full blocks, every request's together, to the
+  mover, which starts copying them into staging (CUDA: gathered and copied device-to-host on
+  side streams; it never waits) and returns; writer threads wait for the copy, then frame and
+  ``SET`` them. When no staging is free (Redis slower than the model) or the store is
+  unavailable, blocks are shed and counted. When a request has finished and its writes are
+  acknowledged, its commit record says how many leading blocks really made it. Its blocks go
+  back to vLLM (finished sending) as soon as it has finished: the compute stream waits for the
+  gathers, so nothing reads them after the next forward pass starts.
 - Blocks are gathered and scattered along the block dimension of the *logical* per-layer view
   vLLM presents ([blocks, kv_heads, block_size, content]), so no backend's layout is assumed.
 """
@@ -30,9 +31,8 @@ from typing import Any
 
 import torch
 
+from datamover import BlockMover, LoadChunk, SaveChunk, SaveItem, StagingBusyError
 from kvstore import KVStoreError, LookupBuffer, StoreTimeoutError, StoreUnavailableError
-from kvstore.codec import StagedValue, finish_value, stage_value
-from kvstore.staging import StagingPool
 
 from .config import RedisConnectorConfig
 from .layout import KVLayout
@@ -92,9 +92,7 @@ class RedisConnectorWorker:
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
         self._cleanup_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-cleanup")
-        self._save_pool: StagingPool | None = None
-        self._load_pool: StagingPool | None = None  # CUDA only: pinned bounce buffers
-        self._value_bytes = 0
+        self._mover: BlockMover | None = None
         self._jobs: dict[str, _LoadJob] = {}
         self._saves: dict[str, _SaveTrack] = {}
         self._commits_received: list[CommitSpec] = []
@@ -102,7 +100,6 @@ class RedisConnectorWorker:
         self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
         self._pending: set[Future[Any]] = set()
-        self._stream: Any = None
         self._failures = FailureCounts()  # never reset (stats are): drives sparse logging
 
     # ------------------------------------------------------------------ setup
@@ -125,32 +122,26 @@ class RedisConnectorWorker:
                 f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
                 f"[blocks, {self.layout.num_kv_heads}, {self.layout.block_size}, content]"
             )
-        # One staged probe learns the exact (uncompressed) value size, then staging is allocated
-        # once: the pool bounds the bytes in flight whatever the codec.
-        probe = stage_value(
-            {name: t[0] for name, t in self._kv.items()},
-            fingerprint=self.store.fingerprint,
-            block_hash="0" * 32,
+        self._mover = BlockMover(
+            self._kv,
+            self.store,
+            max_inflight_bytes=self.config.max_inflight_bytes,
+            connections=self.config.connections,
         )
-        self._value_bytes = probe.nbytes + 64
-        count = max(2, self.config.max_inflight_bytes // self._value_bytes)
-        pin = self._device.type == "cuda"
-        self._save_pool = StagingPool(self._value_bytes, count, pin_memory=pin)
-        if pin:
-            block_bytes = first[0].numel() * first.element_size() * len(self._kv)
-            self._load_pool = StagingPool(block_bytes, 4, pin_memory=True)
-            self._stream = torch.cuda.Stream(device=self._device)
+        mover = self._mover
         logger.info(
             "RedisConnector worker (tp rank %d): %d layers, block %s %s on %s, value %d bytes, "
-            "%d staging buffers (%d MiB), store %s key pattern %s",
+            "chunks of %d blocks, %d MiB staging, %d connection(s) per batch, store %s key "
+            "pattern %s",
             self.tp_rank,
             len(self._kv),
             list(self._block_shape),
             self._dtype,
             self._device,
-            self._value_bytes,
-            count,
-            count * self._value_bytes >> 20,
+            mover.raw_bytes,
+            mover.chunk_blocks,
+            mover.staging_bytes >> 20,
+            mover.connections,
             self.store.safe_url,
             self.store.key_pattern(),
         )
@@ -209,22 +200,29 @@ class RedisConnectorWorker:
         try:
             if time.monotonic() >= job.deadline:
                 return  # waited in the queue past its deadline: reported below as failed
-            values = self._fetch(job)
-            for block_id, value in zip(spec.block_ids, values, strict=True):
-                if value is None or not self._fits(value):
-                    continue
-                with job.lock:
-                    if job.reported:  # the deadline passed: these blocks are no longer ours
-                        return
-                    self._copy_in(block_id, value)  # synchronous: done when it returns
-                    job.copied.add(block_id)
-                    job.nbytes += sum(t.numel() * t.element_size() for t in value.values())
+            try:
+                self._receive(job, list(spec.block_ids), list(spec.hashes))
+            except (StoreUnavailableError, StoreTimeoutError):
+                # once more for what is not copied yet, if the connection dropped and time is
+                # left (the values are only deleted after they were copied: still there)
+                if job.deadline - time.monotonic() < _RETRY_MIN_LEFT_S or not self.store.available:
+                    raise
+                left = [
+                    (b, h)
+                    for b, h in zip(spec.block_ids, spec.hashes, strict=True)
+                    if b not in job.copied
+                ]
+                self._receive(job, [b for b, _ in left], [h for _, h in left])
         except KVStoreError as exc:
             self._redis_error(
                 exc,
                 "request %(req)s: loading from Redis failed (%(total)d so far): %(exc)s; "
                 "recomputing",
                 req=spec.req_id,
+            )
+        except StagingBusyError as exc:
+            self._warn(
+                "staging", "request %(req)s: %(exc)s (%(total)d so far)", req=spec.req_id, exc=exc
             )
         except Exception:  # never leave the request waiting, whatever went wrong
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
@@ -238,15 +236,35 @@ class RedisConnectorWorker:
                 )
                 self._track(fut, "deleting a consumed handoff")
 
-    def _fetch(self, job: _LoadJob) -> list[dict[str, torch.Tensor] | None]:
-        """``select`` the blocks; once more if the connection dropped and time is left (the
-        values are only deleted after they were copied, so they are still there)."""
+    def _receive(self, job: _LoadJob, block_ids: list[int], hashes: list[str]) -> None:
+        """Receive and copy in chunk by chunk; stops as soon as the load was reported."""
+        assert self._mover is not None
+        chunks = self._mover.receive(
+            block_ids, hashes, timeout_s=max(0.0, job.deadline - time.monotonic())
+        )
         try:
-            return self.store.select(job.spec.hashes, copy=False)
-        except (StoreUnavailableError, StoreTimeoutError):
-            if job.deadline - time.monotonic() < _RETRY_MIN_LEFT_S or not self.store.available:
-                raise
-            return self.store.select(job.spec.hashes, copy=False)
+            for chunk in chunks:
+                if not self._copy_in(job, chunk):
+                    return
+        finally:
+            chunks.close()  # releases the staging buffer at once
+
+    def _copy_in(self, job: _LoadJob, chunk: LoadChunk) -> bool:
+        with job.lock:
+            if job.reported:  # the deadline passed: these blocks are no longer ours
+                return False
+            copied, nbytes = chunk.copy_in()  # synchronous: done when it returns
+            job.copied.update(copied)
+            job.nbytes += nbytes
+        if chunk.misfits:
+            self._warn(
+                "layout",
+                "a stored block does not match this instance's KV layout; ignoring it "
+                "(%(total)d so far). Is another model writing to namespace %(ns)r?",
+                n=chunk.misfits,
+                ns=self.config.namespace,
+            )
+        return True
 
     def _report_load(self, job: _LoadJob, expired: bool = False, cancelled: bool = False) -> None:
         """Report a load finished, exactly once; blocks not copied by now are failed."""
@@ -280,49 +298,13 @@ class RedisConnectorWorker:
             self._failed_block_ids.update(failed)
             self._finished_loads.add(spec.req_id)
 
-    def _fits(self, value: Mapping[str, torch.Tensor]) -> bool:
-        ok = set(value) == set(self.layout.layer_names) and all(
-            tuple(t.shape) == self._block_shape and t.dtype == self._dtype for t in value.values()
-        )
-        if not ok:
-            self._warn(
-                "layout",
-                "a stored block does not match this instance's KV layout; ignoring it "
-                "(%(total)d so far). Is another model writing to namespace %(ns)r?",
-                ns=self.config.namespace,
-            )
-        return ok
-
-    def _copy_in(self, block_id: int, value: Mapping[str, torch.Tensor]) -> None:
-        if self._stream is None or self._load_pool is None:
-            for name, dst in self._kv.items():
-                dst[block_id].copy_(value[name])
-            return
-        bounce = self._load_pool.acquire()
-        assert bounce is not None
-        try:
-            offset = 0
-            staged = []
-            for name, src in value.items():
-                n = src.numel() * src.element_size()
-                view = bounce[offset : offset + n].view(src.dtype).view(src.shape)
-                view.copy_(src)
-                staged.append((name, view))
-                offset += n
-            with torch.cuda.stream(self._stream):
-                for name, view in staged:
-                    self._kv[name][block_id].copy_(view, non_blocking=True)
-            self._stream.synchronize()  # the bounce buffer is reused right after
-        finally:
-            self._load_pool.release(bounce)
-
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: RedisConnectorMetadata) -> None:
-        """Copy this step's new full blocks into staging (bounded, no hashing, no compression,
-        no Redis I/O) and hand them to the writer threads; the forward path never waits on
-        Redis. Then act on the commits this step brought."""
-        for spec in meta.saves:
-            self._stage_and_submit(spec)
+        """Start copying this step's new full blocks into staging and hand them to the writer
+        threads; returns without waiting for the copy (CUDA) or for Redis. Then act on the
+        commits this step brought."""
+        if meta.saves:
+            self._stage_and_submit(meta.saves)
         self._take_commits()
 
     def _take_commits(self) -> None:
@@ -341,79 +323,75 @@ class RedisConnectorWorker:
         for commit in commits:
             self._maybe_publish(commit.req_id)
 
-    def _stage_and_submit(self, spec: SaveSpec) -> None:
-        assert self._save_pool is not None
-        with self._lock:
-            track = self._saves.setdefault(spec.req_id, _SaveTrack())
-        staged: list[tuple[int, StagedValue, torch.Tensor]] = []
-        shed = 0
-        if self.store.available and not self._asleep:
+    def _stage_and_submit(self, specs: list[SaveSpec]) -> None:
+        assert self._mover is not None
+        items = [
+            SaveItem(block_id, block_hash, spec.first_position + i, spec.req_id)
+            for spec in specs
             for i, (block_id, block_hash) in enumerate(
                 zip(spec.block_ids, spec.hashes, strict=True)
-            ):
-                buf = self._save_pool.try_acquire()
-                if buf is None:
-                    shed += 1
-                    continue
-                tensors = {name: kv[block_id] for name, kv in self._kv.items()}
-                value = stage_value(
-                    tensors, fingerprint=self.store.fingerprint, block_hash=block_hash, out=buf
-                )
-                staged.append((spec.first_position + i, value, buf))
+            )
+        ]
+        with self._lock:
+            for spec in specs:
+                self._saves.setdefault(spec.req_id, _SaveTrack())
+        if self.store.available and not self._asleep:
+            chunks, shed = self._mover.stage_saves(items)
         else:  # Redis is down or hung (or the KV cache asleep): do not even copy
-            shed = len(spec.block_ids)
+            chunks, shed = [], items
         if shed:
-            self.stats.add(blocks_shed=shed)
+            self.stats.add(blocks_shed=len(shed))
             self._warn(
                 "shed",
-                "request %(req)s: %(n)d block(s) not saved: staging full or Redis unavailable "
-                "(%(total)d shed so far; if Redis is up it is slower than the model: raise "
-                "max_inflight_bytes)",
-                n=shed,
-                req=spec.req_id,
+                "%(n)d block(s) of request(s) %(req)s not saved: staging full or Redis "
+                "unavailable (%(total)d shed so far; if Redis is up it is slower than the model: "
+                "raise max_inflight_bytes)",
+                n=len(shed),
+                req=", ".join(sorted({item.owner for item in shed})),
             )
-        if staged:
+        for chunk in chunks:
             with self._lock:
-                track.pending += 1
-            self._track(self._save_io.submit(self._write, spec.req_id, staged), "a save")
+                for owner in chunk.owners:
+                    self._saves[owner].pending += 1
+            self._track(self._save_io.submit(self._write, chunk), "a save")
 
-    def _write(self, req_id: str, staged: list[tuple[int, StagedValue, torch.Tensor]]) -> None:
+    def _write(self, chunk: SaveChunk) -> None:
+        assert self._mover is not None
         t0 = time.perf_counter()
         ok = False
         nbytes = 0
         try:
-            items = [(s.block_hash, finish_value(s, self.store.compression)) for _, s, _ in staged]
-            nbytes = sum(len(v) for _, v in items)
-            self.store.insert_encoded(items, positions=[pos for pos, _, _ in staged])
+            nbytes = self._mover.write(chunk)
             ok = True
         except KVStoreError as exc:
             self._redis_error(
                 exc,
-                "request %(req)s: saving %(blocks)d block(s) failed (%(total)d Redis errors so "
-                "far): %(exc)s",
-                req=req_id,
-                blocks=len(staged),
+                "request(s) %(req)s: saving %(blocks)d block(s) failed (%(total)d Redis errors "
+                "so far): %(exc)s",
+                req=", ".join(sorted(chunk.owners)),
+                blocks=len(chunk.items),
             )
         except Exception:
-            logger.exception("request %s: saving %d block(s) failed", req_id, len(staged))
+            logger.exception(
+                "request(s) %s: saving %d block(s) failed", sorted(chunk.owners), len(chunk.items)
+            )
         finally:
-            assert self._save_pool is not None
-            for _, _, buf in staged:
-                self._save_pool.release(buf)
             with self._lock:
-                track = self._saves.get(req_id)
-                if track is not None:
-                    track.pending -= 1
-                    if ok:
-                        track.ok.update(pos for pos, _, _ in staged)
+                for owner in chunk.owners:
+                    track = self._saves.get(owner)
+                    if track is not None:
+                        track.pending -= 1
+                        if ok:
+                            track.ok.update(i.position for i in chunk.items if i.owner == owner)
             self.stats.add(
                 saves=1,
-                blocks_saved=len(staged) if ok else 0,
+                blocks_saved=len(chunk.items) if ok else 0,
                 bytes_saved=nbytes if ok else 0,
-                blocks_save_failed=0 if ok else len(staged),
+                blocks_save_failed=0 if ok else len(chunk.items),
             )
             self.stats.observe("save_seconds", time.perf_counter() - t0)
-            self._maybe_publish(req_id)
+            for owner in chunk.owners:
+                self._maybe_publish(owner)
 
     def _maybe_publish(self, req_id: str) -> None:
         """Once a finished request has no write in flight, publish its commit record."""

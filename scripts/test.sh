@@ -9,10 +9,10 @@ bash scripts/setup.sh
 VENV="$(bash scripts/setup.sh --venv-path)"
 export PATH="$VENV/bin:$PATH"
 echo "== ruff"
-ruff check kvstore connector scripts testing tests
-ruff format --check kvstore connector scripts testing tests
+ruff check kvstore datamover connector scripts testing tests
+ruff format --check kvstore datamover connector scripts testing tests
 echo "== mypy"
-mypy kvstore connector testing scripts
+mypy kvstore datamover connector testing scripts
 echo "== pytest"
 set +e
 python -m pytest -ra "$@"

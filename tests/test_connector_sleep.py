@@ -48,13 +48,13 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     ).insert_many(list(zip(hashes, blocks, strict=True)))
 
     release = threading.Event()
-    real_select = worker.store.select
+    real_select = worker.store.select_into
 
     def slow_select(*a: object, **k: object) -> object:
         release.wait(10)  # the reply is on its way when vLLM goes to sleep
         return real_select(*a, **k)  # type: ignore[arg-type]
 
-    worker.store.select = slow_select  # type: ignore[method-assign]
+    worker.store.select_into = slow_select  # type: ignore[method-assign]
     run_worker_step(
         conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, timeout_s=30)])
     )
@@ -67,7 +67,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     assert conn.get_block_ids_with_load_errors() == {3, 4}
 
     release.set()  # the late reply must not land in released memory
-    worker.store.select = real_select  # type: ignore[method-assign]
+    worker.store.select_into = real_select  # type: ignore[method-assign]
     # while asleep: a load is refused at once and a save copies nothing
     run_worker_step(
         conn,

@@ -168,8 +168,8 @@ def test_saves_are_shed_and_counted_when_staging_is_full() -> None:
 def test_steady_state_reuses_staging_buffers() -> None:
     client = fakeredis.FakeRedis()
     worker, _kv = make_worker(client)
-    pool = worker._save_pool
-    assert pool is not None
+    assert worker._mover is not None
+    pool = worker._mover._save_pool
     before = {b.data_ptr() for b in pool._free}
     for step in range(5):
         hashes = chain_hashes(list(range(step, step + 2 * N)), N)
@@ -195,7 +195,7 @@ def test_cuda_pinned_staging_round_trip(dst_layout: str) -> None:
     client = fakeredis.FakeRedis()
     src, src_kv = make_worker(client, device="cuda")
     dst, dst_kv = make_worker(client, device="cuda", physical=dst_layout)
-    assert src._save_pool is not None and src._save_pool.pinned
+    assert src._mover is not None and src._mover._save_pool.pinned
     fill_random(src_kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(src, "p", [3, 4], hashes)
@@ -241,7 +241,7 @@ def test_any_exception_while_loading_still_finishes_the_request(error: Exception
     def broken(*a: object, **k: object) -> None:
         raise error
 
-    dst.store.select = broken  # type: ignore[method-assign]
+    dst.store.select_into = broken  # type: ignore[method-assign]
     hashes = chain_hashes(list(range(2 * N)), N)
     dst.start_load_kv(load("d", [3, 4], hashes))
     wait_loaded(dst, "d")
@@ -256,13 +256,13 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
     hashes = chain_hashes(list(range(2 * N)), N)
     save(src, "p", [0, 1], hashes)
     release = threading.Event()
-    real_select = dst.store.select
+    real_select = dst.store.select_into
 
     def hung_select(*a: object, **k: object) -> object:
         release.wait(10)  # Redis stops answering mid-load
         return real_select(*a, **k)  # type: ignore[arg-type]
 
-    dst.store.select = hung_select  # type: ignore[method-assign]
+    dst.store.select_into = hung_select  # type: ignore[method-assign]
     t0 = time.monotonic()
     dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.3))
     wait_loaded(dst, "d")
@@ -277,10 +277,9 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
 def test_lz4_staging_is_sized_from_the_uncompressed_value_and_round_trips() -> None:
     client = fakeredis.FakeRedis()
     worker, kv = make_worker(client, compression="lz4", max_inflight_bytes=1 << 20)
-    pool = worker._save_pool
-    assert pool is not None
+    assert worker._mover is not None
     # formerly sized from a compressed all-zero block: thousands of buffers, far over the bound
-    assert pool.count * pool.buffer_bytes <= 1 << 20
+    assert worker._mover.staging_bytes <= 1 << 20
     fill_random(kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(worker, "p", [0, 1], hashes)
@@ -295,7 +294,7 @@ def test_a_failed_write_ends_the_committed_chain_there() -> None:
     client = fakeredis.FakeRedis()
     worker, _ = make_worker(client)
     hashes = chain_hashes(list(range(4 * N)), N)
-    real = worker.store.insert_encoded
+    real = worker.store.insert_parts
     calls = []
 
     def second_write_fails(items, **kw):  # type: ignore[no-untyped-def]
@@ -304,14 +303,9 @@ def test_a_failed_write_ends_the_committed_chain_there() -> None:
             raise StoreUnavailableError("connection reset")
         return real(items, **kw)
 
-    worker.store.insert_encoded = second_write_fails  # type: ignore[method-assign]
-    meta = RedisConnectorMetadata(
-        saves=[
-            SaveSpec("p", [0, 1], hashes[:2], 0, "hp"),
-            SaveSpec("p", [2, 3], hashes[2:], 2, "hp"),
-        ],
-    )
-    step(worker, meta)
+    worker.store.insert_parts = second_write_fails  # type: ignore[method-assign]
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes[:2], 0, "hp")]))
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [2, 3], hashes[2:], 2, "hp")]))
     step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 4, 0)]))
     worker.shutdown_pending(timeout_s=10)
     assert worker.store.read_handoff("hp", hashes).committed == 2
@@ -325,7 +319,7 @@ def test_consume_loads_delete_the_chain_only_after_copying_and_survive_a_dropped
     fill_random(src_kv)
     hashes = chain_hashes(list(range(3 * N)), N)
     save(src, "p", [0, 1, 2], hashes)
-    real_select = dst.store.select
+    real_select = dst.store.select_into
     drops = []
 
     def select_losing_first_reply(*a: object, **k: object) -> object:
@@ -335,7 +329,7 @@ def test_consume_loads_delete_the_chain_only_after_copying_and_survive_a_dropped
             raise StoreUnavailableError("connection reset by peer")
         return got
 
-    dst.store.select = select_losing_first_reply  # type: ignore[method-assign]
+    dst.store.select_into = select_losing_first_reply  # type: ignore[method-assign]
     dst.start_load_kv(load("d", [4, 5], hashes[:2], drop_hashes=hashes))
     wait_loaded(dst, "d")
     dst.shutdown_pending(timeout_s=10)
@@ -356,20 +350,21 @@ def test_a_foreign_layout_is_warned_about_per_cause_not_per_block(
         dst.start_load_kv(load("d", list(range(8)), hashes))
         wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == set(range(8))
-    assert len([r for r in caplog.records if "KV layout" in r.msg]) == 4  # 1st, 2nd, 4th, 8th
+    warned = [r.getMessage() for r in caplog.records if "KV layout" in r.msg]
+    assert 1 <= len(warned) <= 4 and "(8 so far)" in warned[-1]  # at most at 1st, 2nd, 4th, 8th
 
 
 def test_a_finished_requests_blocks_are_released_soon_even_if_redis_hangs() -> None:
     client = fakeredis.FakeRedis()
     worker, _ = make_worker(client)
     release = threading.Event()
-    real = worker.store.insert_encoded
+    real = worker.store.insert_parts
 
     def hung_write(*a, **k):  # type: ignore[no-untyped-def]
         release.wait(10)
         return real(*a, **k)
 
-    worker.store.insert_encoded = hung_write  # type: ignore[method-assign]
+    worker.store.insert_parts = hung_write  # type: ignore[method-assign]
     hashes = chain_hashes(list(range(2 * N)), N)
     step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")]))
     step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 2, 0)]))
@@ -392,7 +387,7 @@ def test_shutting_down_with_queued_work_logs_no_callback_errors(
     client = fakeredis.FakeRedis()
     worker, _ = make_worker(client)
     release = threading.Event()
-    worker.store.select = lambda *a, **k: release.wait(10) or []  # type: ignore[method-assign,assignment]
+    worker.store.select_into = lambda *a, **k: release.wait(10) or []  # type: ignore[method-assign,assignment]
     hashes = chain_hashes(list(range(N)), N)
     for i in range(4):  # two run (and wait), two stay queued and are cancelled
         worker.start_load_kv(load(f"d{i}", [i], hashes))

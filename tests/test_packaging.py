@@ -26,10 +26,10 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     return zipfile.ZipFile(path)
 
 
-def test_the_wheel_ships_only_kvstore_and_connector(wheel: zipfile.ZipFile) -> None:
+def test_the_wheel_ships_only_the_shipped_packages(wheel: zipfile.ZipFile) -> None:
     tops = {name.split("/", 1)[0] for name in wheel.namelist()}
     dist_info = {t for t in tops if t.endswith(".dist-info")}
-    assert tops - dist_info == {"kvstore", "connector"}
+    assert tops - dist_info == {"kvstore", "datamover", "connector"}
     names = set(wheel.namelist())
     assert {"connector/proxy.py", "connector/redis_connector.py", "kvstore/cli.py"} <= names
     assert not any("redis_server" in n or "engine_runner" in n for n in names)

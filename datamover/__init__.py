@@ -1,0 +1,16 @@
+"""The data mover: blocks between a paged KV cache and the store, through staging memory.
+
+It imports torch and kvstore only -- never vLLM -- so it runs and is tested on a machine that
+has PyTorch (and CUDA) but no vLLM. The connector's worker is thin glue over it.
+
+- ``paged``: the KV cache as per-layer tensors ``[num_blocks, *block_shape]``; gathers and
+  scatters many blocks with one op per layer.
+- ``mover``: staging pools bounded by ``max_inflight_bytes``, saves staged off the forward path
+  (CUDA: gathered and copied device-to-host on side streams) and loads received in place and
+  scattered in batches.
+"""
+
+from .mover import BlockMover, LoadChunk, SaveChunk, SaveItem, StagingBusyError
+from .paged import PagedKV
+
+__all__ = ["BlockMover", "LoadChunk", "PagedKV", "SaveChunk", "SaveItem", "StagingBusyError"]

@@ -1,0 +1,325 @@
+"""BlockMover: a paged KV cache <-> staging memory <-> the store, in chunks, bounded.
+
+Saves (``stage_saves`` on the forward path, ``write`` on a writer thread):
+- A step's new blocks -- every request's together -- are cut into chunks of ``chunk_blocks``.
+  Each chunk takes a staging buffer or is shed (counted by the caller): saves never wait.
+- CUDA: each chunk is gathered on a *gather stream* (which first waits for the forward pass)
+  into device scratch, one ``index_select`` per layer, then copied device-to-host on a *copy
+  stream* into pinned staging; an event marks the copy done. The compute stream waits (on the
+  GPU, not the host) for the gathers only, so the next forward pass may reuse the blocks at
+  once -- a preempted request's blocks included -- while the copies to the host overlap it.
+  ``stage_saves`` only enqueues work: it never waits for a copy or for Redis.
+- CPU: the gather writes straight into staging (there is nothing to overlap with).
+- The writer waits for the chunk's event, frames each block (header + the layer pieces where
+  they lie; the checksum streams over them) and ``SET``s the chunk over several connections
+  with ``sendmsg``: the bytes are not copied again on the host.
+
+Loads (``receive`` then ``LoadChunk.copy_in``, on a loader thread):
+- Blocks are fetched a chunk at a time with ``select_into``: each value is received from the
+  socket into its row of a (pinned) staging buffer, verified in place.
+- The chunk is scattered into the cache with one ``index_copy_`` per layer: on CUDA after one
+  host-to-device copy of the whole chunk on a side stream, and one synchronisation per chunk.
+- A long prompt streams through the fixed pool: staging never grows with the prompt.
+
+Memory: saves and loads each get half of ``max_inflight_bytes`` of host staging (at least two
+chunks of one block each way); CUDA adds ``device_chunks`` chunks of device scratch per side.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvstore import LookupBuffer
+from kvstore.codec import frame_parts, plan_entries
+from kvstore.staging import StagingPool
+
+from .paged import PagedKV
+
+# Header room per value beyond the probe's: the caller's metadata, longer numbers.
+_HEADER_SLACK = 512
+DEFAULT_CHUNK_BYTES = 32 << 20
+
+
+class StagingBusyError(Exception):
+    """No load staging buffer came free before the load's deadline."""
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    block_id: int
+    block_hash: str
+    position: int  # the block's index in its chain (sets its TTL)
+    owner: str  # e.g. the request id: whose outcome this block counts towards
+
+
+@dataclass
+class SaveChunk:
+    items: list[SaveItem]
+    host: torch.Tensor  # staging: [layers, n, layer_bytes] uint8, filled once ``ready`` fires
+    ready: Any = None  # torch.cuda.Event (None on CPU: filled already)
+
+    @property
+    def owners(self) -> set[str]:
+        return {item.owner for item in self.items}
+
+
+@dataclass
+class LoadChunk:
+    """One chunk's values, received into ``rows`` of a staging buffer (views, or None)."""
+
+    mover: BlockMover
+    block_ids: list[int]
+    values: list[dict[str, torch.Tensor] | None]
+    rows: torch.Tensor  # [n, slot_bytes] uint8
+    misfits: int = field(default=0)
+
+    def copy_in(self) -> tuple[list[int], int]:
+        """Write the chunk's valid blocks into the cache; returns (block ids written, bytes).
+        Synchronous: done when it returns. Values that do not fit this cache's layout are
+        skipped and counted in ``misfits``."""
+        return self.mover._copy_in(self)
+
+
+class BlockMover:
+    def __init__(
+        self,
+        caches: Mapping[str, torch.Tensor],
+        store: LookupBuffer,
+        *,
+        max_inflight_bytes: int,
+        connections: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        device_chunks: int = 2,
+    ) -> None:
+        self.kv = PagedKV(caches)
+        self.store = store
+        self.connections = max(1, connections)
+        self.entries, self.raw_bytes = plan_entries(
+            self.kv.names, self.kv.dtype, self.kv.block_shape
+        )
+        probe = frame_parts(
+            self.entries,
+            [bytes(self.raw_bytes)],
+            fingerprint=store.fingerprint,
+            block_hash="0" * 32,
+        )
+        header_bytes = memoryview(probe[0]).nbytes
+        # a row holds one received value; 8-aligned so every row's payload can be viewed as
+        # the cache's dtype (safetensors aligns the payload to 8 within the value)
+        # room for lz4's worst case too: another instance may compress, and KV data often
+        # does not compress
+        lz4_bound = self.raw_bytes + self.raw_bytes // 255 + 16
+        self.slot_bytes = -(-(header_bytes + _HEADER_SLACK + lz4_bound) // 8) * 8
+        budget = max(1, max_inflight_bytes // 2)
+        self.chunk_blocks = max(1, min(chunk_bytes, budget // 2) // self.slot_bytes)
+        save_chunk = self.chunk_blocks * self.raw_bytes
+        load_chunk = self.chunk_blocks * self.slot_bytes
+        pin = self.kv.on_cuda
+        self._save_pool = StagingPool(save_chunk, max(2, budget // save_chunk), pin_memory=pin)
+        self._load_pool = StagingPool(load_chunk, max(2, budget // load_chunk), pin_memory=pin)
+        self._lock = threading.Lock()
+        if self.kv.on_cuda:
+            dev = self.kv.device
+            self._gather_stream = torch.cuda.Stream(device=dev)
+            self._copy_stream = torch.cuda.Stream(device=dev)
+            self._load_stream = torch.cuda.Stream(device=dev)
+            # (scratch, event after which it may be overwritten), used in turn
+            self._save_scratch: list[tuple[torch.Tensor, Any]] = [
+                (torch.empty(save_chunk, dtype=torch.uint8, device=dev), None)
+                for _ in range(max(1, device_chunks))
+            ]
+            self._next_scratch = 0
+            self._load_scratch = StagingPool(load_chunk, max(1, device_chunks), device=dev)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host staging allocated, loads and saves together."""
+        return (
+            self._save_pool.buffer_bytes * self._save_pool.count
+            + self._load_pool.buffer_bytes * self._load_pool.count
+        )
+
+    # ------------------------------------------------------------------ saves
+    def stage_saves(self, items: Sequence[SaveItem]) -> tuple[list[SaveChunk], list[SaveItem]]:
+        """Start copying ``items``' blocks out of the cache; returns the chunks to ``write``
+        and the items shed for want of staging (the tail: later positions go first). Never
+        waits for a copy or for Redis."""
+        chunks: list[SaveChunk] = []
+        n = self.chunk_blocks
+        for start in range(0, len(items), n):
+            host = self._save_pool.try_acquire()
+            if host is None:
+                return chunks, list(items[start:])
+            chunks.append(self._gather(list(items[start : start + n]), host))
+        if chunks and self.kv.on_cuda:
+            # the next forward pass may overwrite these blocks only after they were gathered
+            torch.cuda.current_stream(self.kv.device).wait_stream(self._gather_stream)
+        return chunks, []
+
+    def _gather(self, items: list[SaveItem], host: torch.Tensor) -> SaveChunk:
+        n = len(items)
+        shape = (len(self.kv.names), n, *self.kv.block_shape)
+        # pinned on CUDA, so its copy to the device never makes the host wait for the stream
+        ids = torch.tensor(
+            [it.block_id for it in items], dtype=torch.long, pin_memory=self.kv.on_cuda
+        )
+        staged = host[: n * self.raw_bytes].view(self.kv.dtype).view(shape)
+        if not self.kv.on_cuda:
+            self.kv.gather(ids, staged)
+            return SaveChunk(items, host)
+        scratch, free = self._save_scratch[self._next_scratch]
+        gather, copy = self._gather_stream, self._copy_stream
+        gather.wait_stream(torch.cuda.current_stream(self.kv.device))  # the forward pass
+        with torch.cuda.stream(gather):
+            if free is not None:  # its previous chunk's copy to the host is done
+                gather.wait_event(free)
+            on_device = scratch[: n * self.raw_bytes].view(self.kv.dtype).view(shape)
+            self.kv.gather(ids.to(self.kv.device, non_blocking=True), on_device)
+            gathered = gather.record_event()
+        copy.wait_event(gathered)
+        with torch.cuda.stream(copy):
+            staged.copy_(on_device, non_blocking=True)
+            done = copy.record_event()
+        self._save_scratch[self._next_scratch] = (scratch, done)
+        self._next_scratch = (self._next_scratch + 1) % len(self._save_scratch)
+        return SaveChunk(items, host, done)
+
+    def write(self, chunk: SaveChunk) -> int:
+        """On a writer thread: wait for the chunk's copy, frame and ``SET`` its blocks; returns
+        the bytes written. Raises the store's typed errors. The staging buffer is released
+        whatever happens."""
+        try:
+            if chunk.ready is not None:
+                chunk.ready.synchronize()
+            n = len(chunk.items)
+            layers = len(self.kv.names)
+            pieces = chunk.host[: n * self.raw_bytes].numpy().reshape(layers, n, -1)
+            values = [
+                (
+                    item.block_hash,
+                    frame_parts(
+                        self.entries,
+                        [pieces[layer, i] for layer in range(layers)],
+                        fingerprint=self.store.fingerprint,
+                        block_hash=item.block_hash,
+                        compression=self.store.compression,
+                    ),
+                )
+                for i, item in enumerate(chunk.items)
+            ]
+            self.store.insert_parts(
+                values,
+                positions=[item.position for item in chunk.items],
+                connections=self.connections,
+            )
+            return sum(memoryview(p).nbytes for _, parts in values for p in parts)
+        finally:
+            self._save_pool.release(chunk.host)
+
+    # ------------------------------------------------------------------ loads
+    def receive(
+        self, block_ids: Sequence[int], hashes: Sequence[str], *, timeout_s: float | None = None
+    ) -> Generator[LoadChunk, None, None]:
+        """Fetch blocks a chunk at a time into staging; each chunk's buffer is released when
+        the caller asks for the next (or closes the generator). Raises
+        :class:`StagingBusyError` when no buffer comes free within ``timeout_s``, and the
+        store's typed errors."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        n = self.chunk_blocks
+        for start in range(0, len(hashes), n):
+            buf = self._load_pool.acquire(timeout_s)
+            if buf is None:
+                raise StagingBusyError(
+                    f"no load staging buffer came free in {timeout_s:.2f}s; raise "
+                    "max_inflight_bytes if loads often wait"
+                )
+            try:
+                ids = list(block_ids[start : start + n])
+                rows = buf[: len(ids) * self.slot_bytes].view(len(ids), self.slot_bytes)
+                values = self.store.select_into(
+                    hashes[start : start + n], list(rows), connections=self.connections
+                )
+                yield LoadChunk(self, ids, values, rows)
+            finally:
+                self._load_pool.release(buf)
+
+    def _fits(self, value: Mapping[str, torch.Tensor]) -> bool:
+        return tuple(value) == self.kv.names and all(
+            tuple(t.shape) == self.kv.block_shape and t.dtype == self.kv.dtype
+            for t in value.values()
+        )
+
+    def _payload_offset(self, row: torch.Tensor, value: Mapping[str, torch.Tensor]) -> int | None:
+        """Where the value's layers start in ``row`` when they lie there back to back (the
+        value was received in place, uncompressed); else None."""
+        base = row.data_ptr()
+        first = next(iter(value.values())).data_ptr() - base
+        for layer, t in enumerate(value.values()):
+            at = first + layer * self.kv.layer_bytes
+            if t.data_ptr() - base != at or not t.is_contiguous():
+                return None
+        return first if first >= 0 and first + self.raw_bytes <= row.numel() else None
+
+    def _copy_in(self, chunk: LoadChunk) -> tuple[list[int], int]:
+        rows: list[int] = []
+        for i, value in enumerate(chunk.values):
+            if value is None:
+                continue
+            if self._fits(value):
+                rows.append(i)
+            else:
+                chunk.misfits += 1
+        if not rows:
+            return [], 0
+        offsets = {self._payload_offset(chunk.rows[i], chunk.values[i]) for i in rows}  # type: ignore[arg-type]
+        ids = torch.tensor(
+            [chunk.block_ids[i] for i in rows], dtype=torch.long, pin_memory=self.kv.on_cuda
+        )
+        if len(offsets) == 1 and None not in offsets:
+            self._scatter_rows(chunk.rows, rows, offsets.pop(), ids)  # type: ignore[arg-type]
+        else:  # compressed, or headers of different lengths: stack the blocks first
+            stacked = torch.stack(
+                [torch.stack(list(chunk.values[i].values())) for i in rows]  # type: ignore[union-attr]
+            )
+            self._scatter(ids, stacked)
+        return [chunk.block_ids[i] for i in rows], len(rows) * self.raw_bytes
+
+    def _scatter_rows(
+        self, rows: torch.Tensor, keep: list[int], offset: int, ids: torch.Tensor
+    ) -> None:
+        """Scatter rows ``keep`` of a staging buffer whose payloads all start at ``offset``."""
+        n = rows.shape[0]
+        shape = (n, len(self.kv.names), *self.kv.block_shape)
+        if not self.kv.on_cuda:
+            src = rows[:, offset : offset + self.raw_bytes].view(self.kv.dtype).view(shape)
+            self.kv.scatter(ids, src if len(keep) == n else src[torch.tensor(keep)])
+            return
+        scratch = self._load_scratch.acquire()
+        assert scratch is not None  # acquire() without a timeout waits
+        try:
+            with torch.cuda.stream(self._load_stream):
+                flat = scratch[: rows.numel()]
+                flat.copy_(rows.reshape(-1), non_blocking=True)  # one copy per chunk
+                on_device = flat.view(n, self.slot_bytes)[:, offset : offset + self.raw_bytes]
+                src = on_device.view(self.kv.dtype).view(shape)
+                if len(keep) != n:
+                    src = src[torch.tensor(keep, device=self.kv.device)]
+                self.kv.scatter(ids.to(self.kv.device, non_blocking=True), src)
+            self._load_stream.synchronize()  # one synchronisation per chunk
+        finally:
+            self._load_scratch.release(scratch)
+
+    def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        if not self.kv.on_cuda:
+            self.kv.scatter(ids, src)
+            return
+        with torch.cuda.stream(self._load_stream):
+            on_device = src.to(self.kv.device, non_blocking=True)
+            self.kv.scatter(ids.to(self.kv.device, non_blocking=True), on_device)
+        self._load_stream.synchronize()

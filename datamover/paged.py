@@ -1,0 +1,55 @@
+"""A paged KV cache as the data mover sees it: one tensor per layer, ``[num_blocks,
+*block_shape]``, any strides (the logical view an engine presents over its physical layout).
+Blocks move in batches with one op per layer, never one per block."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+class PagedKV:
+    def __init__(self, caches: Mapping[str, torch.Tensor]) -> None:
+        if not caches:
+            raise ValueError("no KV cache tensors given")
+        self.caches = dict(caches)
+        self.names = tuple(self.caches)
+        first = next(iter(self.caches.values()))
+        self.num_blocks = int(first.shape[0])
+        self.block_shape = tuple(int(s) for s in first.shape[1:])
+        self.dtype = first.dtype
+        self.device = first.device
+        for name, t in self.caches.items():
+            if (
+                tuple(t.shape[1:]) != self.block_shape
+                or t.dtype != self.dtype
+                or t.device != self.device
+            ):
+                shape = ", ".join(map(str, self.block_shape))
+                raise ValueError(
+                    f"layer {name} is {t.dtype} {list(t.shape)} on {t.device}; every layer "
+                    f"must be {self.dtype} [blocks, {shape}] on {self.device}"
+                )
+        numel = 1
+        for s in self.block_shape:
+            numel *= s
+        self.layer_bytes = numel * self.dtype.itemsize  # one block of one layer
+        self.block_bytes = self.layer_bytes * len(self.names)  # one block, every layer
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` of every layer into ``out``, a contiguous
+        ``[layers, n, *block_shape]`` tensor on the cache's device (or, for a CPU cache, in
+        host staging): one ``index_select`` per layer, on the current stream."""
+        for layer, cache in enumerate(self.caches.values()):
+            torch.index_select(cache, 0, block_ids, out=out[layer])
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` (``[n, layers, *block_shape]``, any strides, on the cache's device)
+        into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream."""
+        for layer, cache in enumerate(self.caches.values()):
+            cache.index_copy_(0, block_ids, src[:, layer])

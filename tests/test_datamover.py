@@ -1,0 +1,256 @@
+"""The data mover: paged KV cache <-> staging <-> store, with torch and kvstore only (no vLLM).
+
+Every test runs on the CPU; the ``cuda`` variants run the same checks on a GPU, where saves go
+through device scratch and side streams (``pytest -m cuda``: the GPU suite, which needs only
+PyTorch with CUDA, redis-py and a ``redis-server``)."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+import redis
+import torch
+
+from datamover import BlockMover, PagedKV, SaveItem, StagingBusyError
+from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def caches(
+    device: str,
+    *,
+    layers: int = 4,
+    blocks: int = 64,
+    heads: int = 8,
+    block_size: int = 16,
+    content: int = 256,
+    token_major: bool = False,
+    seed: int | None = 0,
+) -> dict[str, torch.Tensor]:
+    """Per-layer logical views [blocks, heads, block_size, content] (Llama-3-8B geometry per
+    layer by default: 8 KV heads, head size 128, K and V); ``token_major`` stores each block
+    as [block_size, heads, content] underneath, like a different attention backend."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    out = {}
+    for i in range(layers):
+        shape = (
+            (blocks, block_size, heads, content)
+            if token_major
+            else (blocks, heads, block_size, content)
+        )
+        t = torch.zeros(shape, dtype=torch.bfloat16)
+        if seed is not None:
+            t.copy_(torch.randn(shape, generator=gen))
+        t = t.to(device)
+        out[f"model.layers.{i}.self_attn"] = t.permute(0, 2, 1, 3) if token_major else t
+    return out
+
+
+def store_on(client: redis.Redis, compression: str = "none") -> LookupBuffer:
+    return LookupBuffer(
+        client, namespace="mover", layout={"m": "datamover"}, compression=compression
+    )
+
+
+def save_all(mover: BlockMover, block_ids: list[int], hashes: list[str]) -> None:
+    items = [SaveItem(b, h, i, "r") for i, (b, h) in enumerate(zip(block_ids, hashes, strict=True))]
+    chunks, shed = mover.stage_saves(items)
+    assert shed == []
+    for chunk in chunks:
+        mover.write(chunk)
+
+
+def load_all(mover: BlockMover, block_ids: list[int], hashes: list[str]) -> list[int]:
+    copied: list[int] = []
+    for chunk in mover.receive(block_ids, hashes, timeout_s=5):
+        ids, _ = chunk.copy_in()
+        copied += ids
+    return copied
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("token_major", [False, True])
+def test_save_then_load_into_another_cache_is_bit_exact(
+    redis_url: str, device: str, token_major: bool
+) -> None:
+    layers = 32 if device == "cuda" else 4
+    src = caches(device, layers=layers)
+    dst = caches(device, layers=layers, seed=None, token_major=token_major)
+    client = redis.Redis.from_url(redis_url)
+    # small chunks, so one call spans several chunks and several connections
+    kw = {"max_inflight_bytes": 64 << 20, "chunk_bytes": 4 << 20, "connections": 3}
+    saver = BlockMover(src, store_on(client), **kw)
+    loader = BlockMover(dst, store_on(client), **kw)
+    assert saver.chunk_blocks < 20
+    hashes = chain_hashes(list(range(20 * 16)), 16)
+    src_ids = [3 * i + 1 for i in range(20)]
+    dst_ids = list(range(40, 60))
+    save_all(saver, src_ids, hashes)
+    assert sorted(load_all(loader, dst_ids, hashes)) == dst_ids
+    for name in src:
+        assert torch.equal(dst[name][dst_ids].cpu(), src[name][src_ids].cpu())
+        untouched = [i for i in range(64) if i not in dst_ids]
+        assert not dst[name][untouched].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stored_values_are_ordinary_kvstore_values(device: str) -> None:
+    """What the mover writes, ``LookupBuffer.select`` reads back: same bytes, same format."""
+    src = caches(device)
+    store = store_on(fakeredis.FakeRedis())
+    mover = BlockMover(src, store, max_inflight_bytes=16 << 20)
+    hashes = chain_hashes(list(range(3 * 16)), 16)
+    save_all(mover, [7, 8, 9], hashes)
+    for block_id, value in zip([7, 8, 9], store.select(hashes), strict=True):
+        assert value is not None
+        for name, t in src.items():
+            assert torch.equal(value[name], t[block_id].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lz4_values_round_trip(device: str) -> None:
+    pytest.importorskip("lz4")
+    client = fakeredis.FakeRedis()
+    src, dst = caches(device), caches(device, seed=None)
+    hashes = chain_hashes(list(range(4 * 16)), 16)
+    save_all(
+        BlockMover(src, store_on(client, "lz4"), max_inflight_bytes=16 << 20), [0, 1, 2, 3], hashes
+    )
+    loader = BlockMover(dst, store_on(client, "lz4"), max_inflight_bytes=16 << 20)
+    assert load_all(loader, [4, 5, 6, 7], hashes) == [4, 5, 6, 7]
+    for name in src:
+        assert torch.equal(dst[name][4:8], src[name][0:4])
+
+
+def test_a_long_prompt_streams_through_bounded_staging() -> None:
+    """Ten times more blocks than staging holds load in full; staging never grows."""
+    client = fakeredis.FakeRedis()
+    src, dst = caches("cpu", blocks=128), caches("cpu", blocks=128, seed=None)
+    budget = 4 << 20
+    saver = BlockMover(src, store_on(client), max_inflight_bytes=64 << 20)
+    loader = BlockMover(dst, store_on(client), max_inflight_bytes=budget)
+    assert loader.staging_bytes <= budget
+    n = 120
+    assert n * loader.raw_bytes > 10 * budget // 2
+    hashes = chain_hashes(list(range(n * 16)), 16)
+    save_all(saver, list(range(n)), hashes)
+    assert load_all(loader, list(range(n)), hashes) == list(range(n))
+    for name in src:
+        assert torch.equal(dst[name][:n], src[name][:n])
+    assert loader.staging_bytes <= budget
+
+
+def test_saves_beyond_staging_are_shed_tail_first_and_staging_is_reused() -> None:
+    store = store_on(fakeredis.FakeRedis())
+    mover = BlockMover(caches("cpu"), store, max_inflight_bytes=1)  # the minimum
+    assert mover.chunk_blocks == 1
+    hashes = chain_hashes(list(range(5 * 16)), 16)
+    items = [SaveItem(i, h, i, "r") for i, h in enumerate(hashes)]
+    chunks, shed = mover.stage_saves(items)
+    assert [c.items[0].position for c in chunks] == [0, 1]
+    assert [s.position for s in shed] == [2, 3, 4]
+    buffers = {c.host.data_ptr() for c in chunks}
+    for chunk in chunks:
+        mover.write(chunk)
+    again, shed = mover.stage_saves(items[2:4])
+    assert shed == [] and {c.host.data_ptr() for c in again} == buffers
+    for chunk in again:
+        mover.write(chunk)
+    assert store.longest_prefix(hashes) == 4
+
+
+def test_a_failed_write_still_releases_its_staging() -> None:
+    client = fakeredis.FakeRedis()
+    mover = BlockMover(caches("cpu"), store_on(client), max_inflight_bytes=1)
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    items = [SaveItem(i, h, i, "r") for i, h in enumerate(hashes)]
+    chunks, _ = mover.stage_saves(items)
+
+    def refused() -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    client.connection_pool.get_connection = refused  # type: ignore[method-assign]
+    for chunk in chunks:
+        with pytest.raises(StoreUnavailableError):
+            mover.write(chunk)
+    del client.connection_pool.get_connection
+    chunks, shed = mover.stage_saves(items)
+    assert len(chunks) == 2 and shed == []
+
+
+def test_blocks_of_another_layout_are_counted_not_copied() -> None:
+    client = fakeredis.FakeRedis()
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    other = caches("cpu", heads=4)  # same namespace and fingerprint, other geometry
+    save_all(BlockMover(other, store_on(client), max_inflight_bytes=16 << 20), [0, 1], hashes)
+    dst = caches("cpu", seed=None)
+    loader = BlockMover(dst, store_on(client), max_inflight_bytes=16 << 20)
+    chunks = list(loader.receive([5, 6], hashes, timeout_s=1))
+    misfits = 0
+    for chunk in loader.receive([5, 6], hashes, timeout_s=1):
+        assert chunk.copy_in() == ([], 0)
+        misfits += chunk.misfits
+    assert misfits == 2 and len(chunks) >= 1
+    assert not any(t.any() for t in dst.values())
+
+
+def test_missing_blocks_are_skipped_and_the_rest_land() -> None:
+    client = fakeredis.FakeRedis()
+    src, dst = caches("cpu"), caches("cpu", seed=None)
+    hashes = chain_hashes(list(range(4 * 16)), 16)
+    saver = BlockMover(src, store_on(client), max_inflight_bytes=16 << 20)
+    save_all(saver, [0, 1, 2, 3], hashes)
+    store_on(client).delete([hashes[1]])
+    loader = BlockMover(dst, store_on(client), max_inflight_bytes=16 << 20)
+    assert load_all(loader, [10, 11, 12, 13], hashes) == [10, 12, 13]
+    assert not any(t[11].any() for t in dst.values())
+    for name in src:
+        assert torch.equal(dst[name][12], src[name][2])
+
+
+def test_loads_wait_for_staging_only_until_their_timeout() -> None:
+    client = fakeredis.FakeRedis()
+    hashes = chain_hashes(list(range(3 * 16)), 16)
+    save_all(
+        BlockMover(caches("cpu"), store_on(client), max_inflight_bytes=16 << 20), [0, 1, 2], hashes
+    )
+    loader = BlockMover(caches("cpu", seed=None), store_on(client), max_inflight_bytes=1)
+    held = [loader.receive([i], [hashes[i]], timeout_s=1) for i in range(2)]
+    for gen in held:
+        next(gen)  # each holds one of the two staging buffers
+    with pytest.raises(StagingBusyError, match="max_inflight_bytes"):
+        next(loader.receive([2], [hashes[2]], timeout_s=0.05))
+    held[0].close()  # released: the next load proceeds
+    assert load_all(loader, [2], [hashes[2]]) == [2]
+
+
+def test_paged_kv_refuses_mixed_layers() -> None:
+    kv = caches("cpu")
+    kv["odd"] = torch.zeros(64, 8, 16, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="every layer must be"):
+        PagedKV(kv)
+
+
+@pytest.mark.cuda
+def test_saves_return_before_the_copy_while_the_gpu_is_busy() -> None:
+    """``stage_saves`` enqueues; it does not wait for the forward pass nor for the copy."""
+    src = caches("cuda", layers=32)
+    mover = BlockMover(src, store_on(fakeredis.FakeRedis()), max_inflight_bytes=256 << 20)
+    hashes = chain_hashes(list(range(16 * 16)), 16)
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # a stand-in forward pass, hundreds of milliseconds of GPU work
+        a = a @ a
+        a /= a.norm()
+    chunks, shed = mover.stage_saves([SaveItem(i, h, i, "r") for i, h in enumerate(hashes)])
+    assert shed == [] and chunks
+    assert not chunks[-1].ready.query()  # the copy has not happened yet: we did not wait
+    for chunk in chunks:
+        mover.write(chunk)  # waits for it on this (writer) thread
+    got = mover.store.select(hashes)
+    for i, value in enumerate(got):
+        assert value is not None
+        for name, t in src.items():
+            assert torch.equal(value[name], t[i].cpu())
