@@ -25,8 +25,10 @@ from .errors import (
 if TYPE_CHECKING:
     from .codec import FORMAT_VERSION, ValueHeader, decode_value, encode_value, read_header
     from .connection import StoreAddress, parse_url, redact_url
+    from .counters import StoreStats
+    from .handoff import HandoffState
     from .hashing import chain_hashes, root_hash
-    from .lookup_buffer import HandoffState, LookupBuffer, StoreStats, layout_fingerprint
+    from .lookup_buffer import LookupBuffer, layout_fingerprint
 
 # Imported on first use (PEP 562), so `kvstore --help` and the CLI's Redis-only commands do not
 # pay for torch and redis-py at startup.
@@ -41,9 +43,9 @@ _LAZY = {
     "redact_url": "connection",
     "chain_hashes": "hashing",
     "root_hash": "hashing",
-    "HandoffState": "lookup_buffer",
+    "HandoffState": "handoff",
     "LookupBuffer": "lookup_buffer",
-    "StoreStats": "lookup_buffer",
+    "StoreStats": "counters",
     "layout_fingerprint": "lookup_buffer",
 }
 

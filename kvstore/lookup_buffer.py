@@ -25,14 +25,13 @@ import functools
 import itertools
 import json
 import logging
-import socket
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import redis
@@ -49,6 +48,7 @@ from .connection import (
     permission_error,
     translated_errors,
 )
+from .counters import StoreStats
 from .errors import (
     CorruptValueError,
     InvalidArgumentError,
@@ -58,8 +58,18 @@ from .errors import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from .handoff import (
+    HANDOFF_PENDING,
+    HANDOFF_TAKEN,
+    HANDOFF_TTL_MS,
+    TAKEN_TTL_MS,
+    HandoffState,
+    Records,
+    leading_present,
+)
 from .keys import CLAIM_MARKER, DEFAULT_KEY_PREFIX, KeySpace
-from .wire import Oversize, ReplyReader, pack_set, send_buffers
+from .lua import CLAIM_LUA, CLAIM_TTL_MS, claimed_values
+from .wire import Oversize, ReplyReader, copy_reply, pack_set, raw_socket, send_buffers
 
 logger = logging.getLogger("kvstore")
 
@@ -67,53 +77,6 @@ T = TypeVar("T")
 
 DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
 
-# Claims blocks for one caller, atomically: each present key is given the claim TTL (ARGV[4] ms)
-# and then RENAMEd to a key private to this call (ARGV[3] is a fresh suffix); RENAME keeps the
-# TTL, so a claim the caller never reads expires. The TTL is set first: if RENAME is refused
-# (ACL) nothing is left behind without one. Values never pass through Lua: returning a
-# multi-MiB string from a script costs ~4x a plain GET. ARGV[1]: max bytes, ARGV[2]: "all"
-# (claim nothing unless every key is present; reply nil) or "any". Reply: a [status, length]
-# pair per key; status 1 claimed, 0 missing, 2 over the size limit (left in place), 3 not a
-# string. A key this call's suffix already claimed counts as claimed: the call may be sent
-# again after a dropped connection and must not lose what it took the first time.
-_CLAIM_LUA = """
-local maxlen = tonumber(ARGV[1])
-local out = {}
-local mine = {}
-local missing = false
-for i, k in ipairs(KEYS) do
-  local n = redis.pcall('STRLEN', k .. ':claim:' .. ARGV[3])
-  mine[i] = type(n) == 'number' and n > 0
-  if not mine[i] then n = redis.pcall('STRLEN', k) end
-  if type(n) == 'table' and n.err then
-    if not string.find(tostring(n.err), 'WRONGTYPE', 1, true) then return n end
-    out[2 * i - 1] = 3; out[2 * i] = 0
-  elseif n == 0 then
-    out[2 * i - 1] = 0; out[2 * i] = 0; missing = true
-  elseif n > maxlen then
-    out[2 * i - 1] = 2; out[2 * i] = n
-  else
-    out[2 * i - 1] = 1; out[2 * i] = n
-  end
-end
-if missing and ARGV[2] == 'all' then return false end
-for i, k in ipairs(KEYS) do
-  if out[2 * i - 1] == 1 and not mine[i] then
-    redis.call('PEXPIRE', k, ARGV[4])
-    redis.call('RENAME', k, k .. ':claim:' .. ARGV[3])
-  end
-end
-return out
-"""
-_CLAIM_TTL_MS = 60_000
-HANDOFF_TAKEN = b"taken"
-HANDOFF_PENDING = b"pending"
-# A claimed handoff's record lives on this long as "taken", so a retried request learns at
-# once that it is gone, then expires (the blocks are deleted by the consumer).
-_TAKEN_TTL_MS = 60_000
-# A commit record matters for the seconds between a prefill and its decode; it never outlives
-# this (nor the blocks' TTL), so instances that nobody consumes from leave little behind.
-_HANDOFF_TTL_MS = 600_000
 # The permission probe's key: it lives for the few milliseconds check_access takes; a role
 # that may not delete leaves it to expire.
 _PROBE_TTL_MS = 1_000
@@ -146,42 +109,6 @@ def layout_fingerprint(layout: Mapping[str, Any] | None = None) -> str:
     geometry, tensor-parallel rank and size, ... plus the value format version."""
     doc = {"format": FORMAT_VERSION, **dict(layout or {})}
     return xxhash.xxh3_64_hexdigest(json.dumps(doc, sort_keys=True, default=str).encode())
-
-
-@dataclass
-class StoreStats:
-    """Counters since the buffer was created (a snapshot; see ``LookupBuffer.stats``)."""
-
-    inserts: int = 0
-    insert_errors: int = 0
-    hits: int = 0
-    misses: int = 0
-    bytes_out: int = 0  # written to Redis
-    bytes_in: int = 0  # read from Redis (valid values only)
-    corrupt: int = 0
-    corrupt_by_reason: dict[str, int] = field(default_factory=dict)
-    breaker_opens: int = 0  # times the circuit breaker opened (Redis refusing, hung, gone)
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class HandoffState:
-    """What a consumer learns of a handoff in one round trip.
-
-    ``committed``: leading blocks the producer wrote and acknowledged (the minimum over the
-    fingerprints asked about), or None while any producer rank has not committed yet.
-    ``taken``: another consumer already claimed this handoff. ``pending``: a producer rank has
-    started writing and not finished (its record says so); with neither a count nor a
-    pending record, the record never came or was evicted. ``present``: leading blocks of the
-    chain present now under every fingerprint.
-    """
-
-    committed: int | None
-    taken: bool
-    present: int
-    pending: bool = False
 
 
 class LookupBuffer:
@@ -233,7 +160,7 @@ class LookupBuffer:
         # pool, with a shorter socket timeout when made by from_url: they never queue behind
         # multi-MiB transfers on a slow server
         self._control = control_client or client
-        self._claim = client.register_script(_CLAIM_LUA)
+        self._claim = client.register_script(CLAIM_LUA)
         self.breaker = CircuitBreaker(
             self._control.ping,
             name=f"Redis at {safe_url}",
@@ -588,7 +515,7 @@ class LookupBuffer:
         in_sync = False
         try:
             conn.connect()
-            sock = _raw_socket(conn)
+            sock = raw_socket(conn)
             if sock is None:  # a client without a socket (fakeredis): plain SETs
                 in_sync = True
                 pipe = self._client.pipeline(transaction=False)
@@ -711,7 +638,7 @@ class LookupBuffer:
                 values = self._call("GET", fetch)
             except (StoreUnavailableError, StoreTimeoutError):
                 values = self._call("GET", fetch)  # the claims are still there: one retry
-        raw = _claimed_values(statuses, lengths, values)
+        raw = claimed_values(statuses, lengths, values)
         out = self._decode_all(hashes, keys, raw, copy)
         self._drop_claims(claim_keys)
         return out
@@ -728,7 +655,7 @@ class LookupBuffer:
         suffix = uuid.uuid4().hex
         while True:
             waiting = time.monotonic() < deadline
-            args = [self.max_value_bytes, "all" if waiting else "any", suffix, _CLAIM_TTL_MS]
+            args = [self.max_value_bytes, "all" if waiting else "any", suffix, CLAIM_TTL_MS]
             claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
             if claimed is not None:
                 break
@@ -801,7 +728,7 @@ class LookupBuffer:
             else:  # None (missing) or -1 (wrong type)
                 values.append(got)
         if consume:
-            raw = _claimed_values(statuses, lengths, values)
+            raw = claimed_values(statuses, lengths, values)
         else:
             raw = [None if isinstance(v, memoryview) and len(v) == 0 else v for v in values]
         out = self._decode_all(hashes, keys, raw, copy=False)
@@ -829,7 +756,7 @@ class LookupBuffer:
         in_sync = False
         try:
             conn.send_packed_command(conn.pack_commands(commands))
-            sock = _raw_socket(conn)
+            sock = raw_socket(conn)
             out: list[int | Oversize | None] = []
             refused: Exception | None = None
             reader = ReplyReader(sock) if sock is not None else None
@@ -838,7 +765,7 @@ class LookupBuffer:
                     if reader is not None:
                         out.append(reader.read_bulk_into(view))
                     else:  # a client without a socket (fakeredis): copy the parsed reply
-                        out.append(_copy_reply(conn.read_response(), view))
+                        out.append(copy_reply(conn.read_response(), view))
                 except redis.exceptions.ResponseError as exc:
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
@@ -871,7 +798,7 @@ class LookupBuffer:
                 pipe.exists(k)
             return list(pipe.execute())
 
-        return _leading_present(self._call("EXISTS", exists), len(fps))
+        return leading_present(self._call("EXISTS", exists), len(fps))
 
     def contains(self, hashes: Sequence[str]) -> list[bool]:
         keys = self._keys(hashes)
@@ -896,7 +823,7 @@ class LookupBuffer:
         """Mark a handoff as being written (``SET ... NX``: never over a final count), so a
         consumer knows to wait for its commit record."""
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
-        ttl = min(self.ttl_ms or _HANDOFF_TTL_MS, _HANDOFF_TTL_MS)
+        ttl = min(self.ttl_ms or HANDOFF_TTL_MS, HANDOFF_TTL_MS)
 
         def mark() -> None:
             pipe = self._control.pipeline(transaction=False)
@@ -912,7 +839,7 @@ class LookupBuffer:
         if num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be >= 0, got {num_blocks}")
         key = self.keys.handoff(handoff_id)
-        ttl = min(self.ttl_ms or _HANDOFF_TTL_MS, _HANDOFF_TTL_MS)
+        ttl = min(self.ttl_ms or HANDOFF_TTL_MS, HANDOFF_TTL_MS)
         self._call("SET", lambda: self._control.set(key, str(num_blocks), px=ttl))
 
     def read_handoff(
@@ -932,11 +859,11 @@ class LookupBuffer:
             return list(pipe.execute())
 
         replies = self._call("GET", read)
-        records = _Records(replies[: len(fps)])
+        records = Records(replies[: len(fps)])
         return HandoffState(
             records.committed,
             records.taken,
-            _leading_present(replies[len(fps) :], len(fps)),
+            leading_present(replies[len(fps) :], len(fps)),
             records.pending,
         )
 
@@ -953,11 +880,11 @@ class LookupBuffer:
             pipe = self._control.pipeline(transaction=False)
             for fp in fps:
                 pipe.set(
-                    self.keys.handoff(handoff_id, fp), mark, xx=True, px=_TAKEN_TTL_MS, get=True
+                    self.keys.handoff(handoff_id, fp), mark, xx=True, px=TAKEN_TTL_MS, get=True
                 )
             return list(pipe.execute())
 
-        records = _Records(self._call("SET", claim), own=mark)
+        records = Records(self._call("SET", claim), own=mark)
         return records.committed is not None and not records.taken
 
     def delete_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
@@ -1029,73 +956,3 @@ class LookupBuffer:
                         key,
                     )
         return out
-
-
-def _raw_socket(conn: Any) -> socket.socket | None:
-    """A connected redis-py connection's socket; None for clients that have none (fakeredis)."""
-    sock = getattr(conn, "_sock", None)
-    return sock if isinstance(sock, socket.socket) else None
-
-
-def _copy_reply(reply: Any, view: memoryview) -> int | Oversize | None:
-    """What ``ReplyReader.read_bulk_into`` returns, for a reply redis-py already parsed."""
-    if reply is None:
-        return None
-    if isinstance(reply, Exception):
-        raise reply
-    if len(reply) > len(view):
-        return Oversize(len(reply))
-    view[: len(reply)] = reply
-    return len(reply)
-
-
-def _claimed_values(statuses: list[int], lengths: list[Any], fetched: list[Any]) -> list[Any]:
-    """Per key, what ``_decode_all`` takes: a claimed key's fetched value, a length (oversize),
-    -1 (wrong type) or None (missing)."""
-    values = iter(fetched)
-    raw: list[Any] = []
-    for status, length in zip(statuses, lengths, strict=True):
-        if status == 1:
-            raw.append(next(values))
-        elif status == 2:
-            raw.append(int(length))
-        elif status == 3:
-            raw.append(-1)
-        else:
-            raw.append(None)
-    return raw
-
-
-def _leading_present(exists: Sequence[Any], per_block: int) -> int:
-    """Leading blocks whose ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
-    n = 0
-    for i in range(0, len(exists), per_block):
-        if not all(exists[i : i + per_block]):
-            break
-        n += 1
-    return n
-
-
-class _Records:
-    """Every producer rank's handoff record, read together: a count (committed), "pending",
-    "taken:<owner>" or nothing. A claim this owner already made counts as its count."""
-
-    def __init__(self, replies: Sequence[Any], own: bytes | None = None) -> None:
-        counts: list[int] = []
-        self.taken = self.pending = False
-        for r in replies:
-            if r is None:
-                continue
-            if r == HANDOFF_PENDING:
-                self.pending = True
-            elif own is not None and r == own:
-                counts.append(0)  # ours already (a claim sent twice): the count was read
-            elif isinstance(r, bytes) and r.startswith(HANDOFF_TAKEN):
-                self.taken = True
-            else:
-                try:
-                    counts.append(int(r))
-                except (TypeError, ValueError):
-                    self.taken = True  # not a record we can read: never wait on it
-        complete = len(counts) == len(replies) and not self.taken
-        self.committed: int | None = min(counts) if complete else None

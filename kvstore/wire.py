@@ -193,3 +193,21 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
         raise rex.TimeoutError("timed out sending a command") from None
     except OSError as exc:
         raise rex.ConnectionError(f"error sending a command: {exc}") from None
+
+
+def raw_socket(conn: Any) -> socket.socket | None:
+    """A connected redis-py connection's socket; None for clients that have none (fakeredis)."""
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def copy_reply(reply: Any, view: memoryview) -> int | Oversize | None:
+    """What ``ReplyReader.read_bulk_into`` returns, for a reply redis-py already parsed."""
+    if reply is None:
+        return None
+    if isinstance(reply, Exception):
+        raise reply
+    if len(reply) > len(view):
+        return Oversize(len(reply))
+    view[: len(reply)] = reply
+    return len(reply)

@@ -1,0 +1,70 @@
+"""Handoff records: a producer's commit record per chain (how many leading blocks it really
+wrote), the states a consumer can find it in, and how to read several ranks' records at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+HANDOFF_TAKEN = b"taken"
+HANDOFF_PENDING = b"pending"
+# A claimed handoff's record lives on this long as "taken", so a retried request learns at
+# once that it is gone, then expires (the blocks are deleted by the consumer).
+TAKEN_TTL_MS = 60_000
+# A commit record matters for the seconds between a prefill and its decode; it never outlives
+# this (nor the blocks' TTL), so instances that nobody consumes from leave little behind.
+HANDOFF_TTL_MS = 600_000
+
+
+@dataclass(frozen=True)
+class HandoffState:
+    """What a consumer learns of a handoff in one round trip.
+
+    ``committed``: leading blocks the producer wrote and acknowledged (the minimum over the
+    fingerprints asked about), or None while any producer rank has not committed yet.
+    ``taken``: another consumer already claimed this handoff. ``pending``: a producer rank has
+    started writing and not finished (its record says so); with neither a count nor a
+    pending record, the record never came or was evicted. ``present``: leading blocks of the
+    chain present now under every fingerprint.
+    """
+
+    committed: int | None
+    taken: bool
+    present: int
+    pending: bool = False
+
+
+def leading_present(exists: Sequence[Any], per_block: int) -> int:
+    """Leading blocks whose ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
+    n = 0
+    for i in range(0, len(exists), per_block):
+        if not all(exists[i : i + per_block]):
+            break
+        n += 1
+    return n
+
+
+class Records:
+    """Every producer rank's handoff record, read together: a count (committed), "pending",
+    "taken:<owner>" or nothing. A claim this owner already made counts as its count."""
+
+    def __init__(self, replies: Sequence[Any], own: bytes | None = None) -> None:
+        counts: list[int] = []
+        self.taken = self.pending = False
+        for r in replies:
+            if r is None:
+                continue
+            if r == HANDOFF_PENDING:
+                self.pending = True
+            elif own is not None and r == own:
+                counts.append(0)  # ours already (a claim sent twice): the count was read
+            elif isinstance(r, bytes) and r.startswith(HANDOFF_TAKEN):
+                self.taken = True
+            else:
+                try:
+                    counts.append(int(r))
+                except (TypeError, ValueError):
+                    self.taken = True  # not a record we can read: never wait on it
+        complete = len(counts) == len(replies) and not self.taken
+        self.committed: int | None = min(counts) if complete else None
