@@ -50,6 +50,26 @@ class PagedKV:
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         """Write ``src`` (``[n, layers, *block_shape]``, any strides, on the cache's device)
-        into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream."""
+        into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream. On the
+        CPU, where ``index_copy_`` runs at a sixth of ``copy_``'s speed (measured: 0.5 against
+        3-4.6 GB/s), runs of consecutive block ids are copied as slices instead."""
+        if self.on_cuda:
+            for layer, cache in enumerate(self.caches.values()):
+                cache.index_copy_(0, block_ids, src[:, layer])
+            return
+        runs = consecutive_runs(block_ids.tolist())
         for layer, cache in enumerate(self.caches.values()):
-            cache.index_copy_(0, block_ids, src[:, layer])
+            for dst, at, n in runs:
+                cache[dst : dst + n].copy_(src[at : at + n, layer])
+
+
+def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """``ids`` as (first id, index in ``ids``, length) runs of consecutive values."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if runs and runs[-1][0] + runs[-1][2] == b:
+            first, at, n = runs[-1]
+            runs[-1] = (first, at, n + 1)
+        else:
+            runs.append((b, i, 1))
+    return runs

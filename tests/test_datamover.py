@@ -254,3 +254,13 @@ def test_saves_return_before_the_copy_while_the_gpu_is_busy() -> None:
         assert value is not None
         for name, t in src.items():
             assert torch.equal(value[name], t[i].cpu())
+
+
+@pytest.mark.parametrize("ids", [[5, 6, 7, 1, 2, 9], [3], [0, 2, 4], [10, 11, 12, 13], [4, 3, 2]])
+def test_scatter_writes_each_block_where_index_copy_would(ids: list[int]) -> None:
+    kv = PagedKV(caches("cpu", blocks=16, seed=None))
+    src = torch.randn(len(ids), 4, 8, 16, 256).to(torch.bfloat16)
+    kv.scatter(torch.tensor(ids), src)
+    for layer, cache in enumerate(kv.caches.values()):
+        want = torch.zeros_like(cache).index_copy_(0, torch.tensor(ids), src[:, layer])
+        assert torch.equal(cache, want)
