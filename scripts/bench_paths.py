@@ -6,8 +6,10 @@ importable (``../shared/anchors/lmcache.md``: run this with ``/tmp/lmc/bin/pytho
 Paths (batches of ``--batch`` values, the median of ``--rounds`` interleaved rounds):
 - ``redis-py``: pipelined ``SET`` of bytes; pipelined ``GET``, then each reply copied into its
   destination tensor (what a caller has to do with redis-py's ``bytes``);
-- ``kvstore``: ``insert_many`` (framing, checksum, pipelined ``SET``); ``select_into`` with 1,
-  2 and 4 connections (received straight into the destination, header and checksum verified);
+- ``kvstore``: ``insert_many`` (framing, checksum, pipelined ``SET``); ``insert_parts`` with 1,
+  2 and 4 connections (what the data mover does: header and checksum around the staged bytes,
+  sent from where they lie with ``sendmsg``); ``select_into`` with 1, 2 and 4 connections
+  (received straight into the destination, header and checksum verified);
 - ``bare recv_into``: pipelined ``GET`` received with kvstore's reply reader into the
   destination, no verification -- the ceiling of this way of reading;
 - ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers.
@@ -36,6 +38,7 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
+from kvstore.codec import frame_parts, plan_entries
 from kvstore.wire import ReplyReader
 from testing.redis_server import RedisServer
 
@@ -140,6 +143,22 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
     def kv_insert() -> None:
         store.insert_many(list(zip(hashes[:batch], tensors, strict=True)))
 
+    entries, _ = plan_entries(["kv"], torch.bfloat16, [size // 2])
+    pieces = [memoryview(t["kv"].view(torch.uint8).numpy()) for t in tensors]  # type: ignore[arg-type]
+
+    def kv_insert_parts(connections: int) -> Path_:
+        """What the data mover does: frame (checksum) each value around its staged bytes and
+        send it from there, over ``connections`` connections."""
+
+        def run() -> None:
+            items = [
+                (h, frame_parts(entries, [p], fingerprint=store.fingerprint, block_hash=h))
+                for h, p in zip(hashes[:batch], pieces, strict=True)
+            ]
+            store.insert_parts(items, connections=connections)
+
+        return run
+
     def kv_select_into(connections: int) -> Path_:
         def run() -> None:
             got = store.select_into(hashes[:batch], dests, connections=connections)
@@ -147,7 +166,13 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
 
         return run
 
-    writes: dict[str, Path_] = {"redis-py SET": plain_set, "kvstore insert_many": kv_insert}
+    writes: dict[str, Path_] = {
+        "redis-py SET": plain_set,
+        "kvstore insert_many": kv_insert,
+        "kvstore insert_parts x1": kv_insert_parts(1),
+        "kvstore insert_parts x2": kv_insert_parts(2),
+        "kvstore insert_parts x4": kv_insert_parts(4),
+    }
     reads: dict[str, Path_] = {
         "redis-py GET + copy": plain_get_landed,
         "bare recv_into (ceiling)": bare_recv_into,
@@ -222,15 +247,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(f"{results[s][name]:.2f}" for s in sizes) + " |")
     base = {"read": "LMCache resp:// get", "write": "LMCache resp:// put"} if lmc else {}
     best_read = {s: max(v for k, v in results[s].items() if "select_into" in k) for s in sizes}
+    best_write = {s: max(v for k, v in results[s].items() if "insert_parts" in k) for s in sizes}
     for s in sizes:
         line = f"{s >> 10} KiB: select_into (best) / redis-py GET+copy = "
         line += f"{best_read[s] / results[s]['redis-py GET + copy']:.2f}x"
-        line += "; insert_many / redis-py SET = "
-        line += f"{results[s]['kvstore insert_many'] / results[s]['redis-py SET']:.2f}x"
+        line += "; insert_parts (best) / redis-py SET = "
+        line += f"{best_write[s] / results[s]['redis-py SET']:.2f}x"
         if lmc:
             line += f"; select_into / LMCache get = {best_read[s] / results[s][base['read']]:.2f}x"
-            line += "; insert_many / LMCache put = "
-            line += f"{results[s]['kvstore insert_many'] / results[s][base['write']]:.2f}x"
+            put = results[s][base["write"]]
+            line += f"; insert_parts / LMCache put = {best_write[s] / put:.2f}x"
         print(line)
     if args.json:
         args.json.write_text(

@@ -1,0 +1,169 @@
+"""The data mover on a GPU: save and load GB/s, the forward-path cost of saving, and host-to-
+device from pinned staging against the machine's own pinned bandwidth.
+
+Needs only PyTorch (with CUDA for the GPU figures), redis-py and a ``redis-server`` binary -- no
+vLLM. Synthetic paged KV caches of Llama-3-8B geometry (32 layers, 8 KV heads, head size 128,
+16-token blocks, bf16: 2 MiB per block). ``--device cpu`` runs the same measurements on the
+CPU (a smoke test; the stream figures then mean nothing).
+
+    python -m scripts.bench_gpu --out gpu.json     # on a GPU machine, from the repo root
+    python -m scripts.bench_gpu --device cpu --layers 4 --blocks 32   # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+
+from datamover import BlockMover, SaveItem
+from kvstore import LookupBuffer, chain_hashes
+from testing.redis_server import RedisServer
+
+
+def make_caches(device: str, layers: int, blocks: int, fill: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for i in range(layers):
+        t = torch.empty(blocks, 8, 16, 256, dtype=torch.bfloat16, device=device)
+        if fill:
+            t.normal_()
+        else:
+            t.zero_()
+        out[f"model.layers.{i}.self_attn"] = t
+    return out
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def pinned_h2d_gbps(nbytes: int, rounds: int = 10) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def busy_forward(device: str) -> Any:
+    """Queue ~100+ ms of GPU work on the current stream, as a forward pass would."""
+    if device != "cuda":
+        return None
+    a = torch.randn(8192, 8192, device=device)
+    for _ in range(12):
+        a = a @ a
+        a /= a.norm()
+    return a
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--blocks", type=int, default=256, help="blocks per transfer (256 = 4k tokens)")
+    ap.add_argument("--connections", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-inflight-mib", type=int, default=2048)
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = ap.parse_args()
+    dev = args.device
+    total_blocks = args.blocks * 2 + 8
+    src = make_caches(dev, args.layers, total_blocks, fill=True)
+    dst = make_caches(dev, args.layers, total_blocks, fill=False)
+    results: dict[str, Any] = {
+        "machine": {
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+            "torch": torch.__version__,
+        },
+        "geometry": {"layers": args.layers, "kv_heads": 8, "head_size": 128, "block_size": 16},
+    }
+    with RedisServer(extra_args=["--maxmemory", "0", "--save", ""]) as server:
+        client = redis.Redis.from_url(server.url)
+        store = LookupBuffer(client, namespace="gpu", layout={"bench": "gpu"})
+        kw = {"max_inflight_bytes": args.max_inflight_mib << 20, "connections": args.connections}
+        saver, loader = BlockMover(src, store, **kw), BlockMover(dst, store, **kw)
+        block_bytes = saver.raw_bytes
+        results["block_bytes"] = block_bytes
+        results["chunk_blocks"] = saver.chunk_blocks
+
+        # -- save GB/s (stage + write, until Redis acknowledged) and load GB/s, bit-exact
+        save_s, load_s, copy_in_s = [], [], []
+        for r in range(args.rounds):
+            client.flushall()
+            hashes = chain_hashes([r, *range(args.blocks * 16 - 1)], 16)
+            ids = list(range(args.blocks))
+            items = [
+                SaveItem(b, h, i, "bench") for i, (b, h) in enumerate(zip(ids, hashes, strict=True))
+            ]
+            sync(dev)
+            t0 = time.perf_counter()
+            chunks, shed = saver.stage_saves(items)
+            assert not shed, "raise --max-inflight-mib: saves were shed"
+            for c in chunks:
+                saver.write(c)
+            save_s.append(time.perf_counter() - t0)
+            dst_ids = [args.blocks + 8 + i for i in ids]
+            t0 = time.perf_counter()
+            spent_copying = 0.0
+            for chunk in loader.receive(dst_ids, hashes, timeout_s=60):
+                c0 = time.perf_counter()
+                got, _ = chunk.copy_in()
+                spent_copying += time.perf_counter() - c0
+                assert len(got) == len(chunk.block_ids)
+            load_s.append(time.perf_counter() - t0)
+            copy_in_s.append(spent_copying)
+        for name in src:
+            assert torch.equal(dst[name][args.blocks + 8 :], src[name][: args.blocks])
+        nbytes = args.blocks * block_bytes
+        results["round_trip_bit_exact"] = True
+        results["save_GBps"] = nbytes / statistics.median(save_s) / 1e9
+        results["load_GBps"] = nbytes / statistics.median(load_s) / 1e9
+        results["staging_to_cache_GBps"] = nbytes / statistics.median(copy_in_s) / 1e9
+        if dev == "cuda":
+            results["pinned_h2d_GBps"] = pinned_h2d_gbps(saver.chunk_blocks * saver.slot_bytes)
+            results["staging_to_cache_vs_pinned_h2d"] = (
+                results["staging_to_cache_GBps"] / results["pinned_h2d_GBps"]
+            )
+
+        # -- the forward path: stage_saves while the GPU is busy with a stand-in forward pass
+        per_step: dict[str, float] = {}
+        for n in (1, 16, 64, args.blocks):
+            times = []
+            for r in range(args.rounds):
+                hashes = chain_hashes([1000 + r, *range(n * 16 - 1)], 16)
+                items = [SaveItem(i, h, i, "bench") for i, h in enumerate(hashes)]
+                sync(dev)
+                busy_forward(dev)
+                t0 = time.perf_counter()
+                chunks, shed = saver.stage_saves(items)
+                times.append(time.perf_counter() - t0)
+                for c in chunks:
+                    saver.write(c)
+            per_step[str(n)] = statistics.median(times) * 1e3
+        results["stage_saves_ms_by_blocks"] = per_step
+        client.close()
+    print(json.dumps(results, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU suite on a machine with PyTorch + CUDA but no vLLM and no internet (the device).
+#   here:   bash scripts/gpu_suite.sh --prepare      wheels + redis-server .debs into .gpu/
+#   there:  bash scripts/gpu_suite.sh [OUT_DIR]      carry .gpu; runs `pytest -m cuda` and
+#                                                    scripts/bench_gpu.py, figures to OUT_DIR
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+if [ "${1:-}" = "--prepare" ]; then
+  mkdir -p .gpu/wheels .gpu/debs
+  # what the suite needs beyond the device image (which has torch, pytest, xxhash, numpy,
+  # sortedcontainers): the Redis client, its parser, and fakeredis for the unit tests
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .gpu/wheels \
+    redis==8.1.0 hiredis==3.5.0 fakeredis==2.40.0 lz4==4.4.5
+  (cd .gpu/debs && apt-get download -q redis-server redis-tools libjemalloc2 liblzf1)
+  du -sh .gpu
+  exit 0
+fi
+OUT_DIR="${1:-${OUT:-/tmp/gpu-suite}}"
+mkdir -p "$OUT_DIR"
+if ! command -v redis-server >/dev/null; then
+  for f in .gpu/debs/*.deb; do dpkg -x "$f" /tmp/redis-root; done
+  export PATH="/tmp/redis-root/usr/bin:$PATH"
+  export LD_LIBRARY_PATH="/tmp/redis-root/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+fi
+if [ -d .gpu/wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .gpu/wheels/*.whl
+  export PYTHONPATH="/tmp/site:$ROOT"
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+set +e
+python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_datamover.py 2>&1 | tee "$OUT_DIR/pytest.log"
+rc=${PIPESTATUS[0]}
+python3 -m scripts.bench_gpu --out "$OUT_DIR/gpu.json" 2>&1 | tee "$OUT_DIR/bench.log"
+brc=${PIPESTATUS[0]}
+echo "pytest exit $rc, bench exit $brc"
+[ "$rc" = 0 ] && [ "$brc" = 0 ]
