@@ -11,7 +11,8 @@ Paths (batches of ``--batch`` values, the median of ``--rounds`` interleaved rou
   sent from where they lie with ``sendmsg``); ``select_into`` with 1, 2 and 4 connections
   (received straight into the destination, header and checksum verified);
 - ``bare recv_into``: pipelined ``GET`` received with kvstore's reply reader into the
-  destination, no verification -- the ceiling of this way of reading;
+  destination, no verification -- the ceiling of this way of reading; ``bare sendmsg``: the
+  payloads' ``SET`` sent with ``sendmsg``, nothing framed or hashed -- the ceiling of writing;
 - ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers.
 
 GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py and writes
@@ -39,7 +40,7 @@ import torch
 
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts, plan_entries
-from kvstore.wire import ReplyReader
+from kvstore.wire import ReplyReader, pack_set, send_buffers
 from testing.redis_server import RedisServer
 
 Path_ = Callable[[], None]
@@ -140,6 +141,27 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
         finally:
             client.connection_pool.release(conn)
 
+    def bare_sendmsg() -> None:
+        """SETs of the raw payloads sent with sendmsg and acknowledged, nothing framed or
+        hashed: the ceiling of this way of writing."""
+        conn = client.connection_pool.get_connection()
+        try:
+            conn.connect()
+            assert conn._sock is not None
+            send_buffers(
+                conn._sock,
+                [
+                    b
+                    for k, p in zip(plain_keys, payloads, strict=True)
+                    for b in pack_set(k.encode(), [p], None)
+                ],
+            )
+            reader = ReplyReader(conn._sock)
+            for _ in plain_keys:
+                reader.read_status()
+        finally:
+            client.connection_pool.release(conn)
+
     def kv_insert() -> None:
         store.insert_many(list(zip(hashes[:batch], tensors, strict=True)))
 
@@ -168,6 +190,7 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
 
     writes: dict[str, Path_] = {
         "redis-py SET": plain_set,
+        "bare sendmsg (ceiling)": bare_sendmsg,
         "kvstore insert_many": kv_insert,
         "kvstore insert_parts x1": kv_insert_parts(1),
         "kvstore insert_parts x2": kv_insert_parts(2),
