@@ -446,32 +446,7 @@ class LookupBuffer:
         ``positions``: each block's index in its chain (default: the order of ``items``); later
         blocks get slightly shorter TTLs (see the module docstring).
         """
-        encoded = [(self.keys.block(h), v) for h, v in items]
-        if not encoded:
-            return
-        where = list(positions) if positions is not None else list(range(len(encoded)))
-        if len(where) != len(encoded):
-            raise InvalidArgumentError("positions must have one entry per item")
-        nbytes = sum(len(v) for _, v in encoded)
-
-        def write() -> None:
-            if len(encoded) == 1:
-                self._client.set(encoded[0][0], encoded[0][1], px=self._ttl_ms(where[0]))
-                return
-            pipe = self._client.pipeline(transaction=False)
-            for (key, value), pos in zip(encoded, where, strict=True):
-                pipe.set(key, value, px=self._ttl_ms(pos))
-            pipe.execute()
-
-        try:
-            self._call("SET", write)
-        except Exception:
-            with self._lock:
-                self._stats.insert_errors += len(encoded)
-            raise
-        with self._lock:
-            self._stats.inserts += len(encoded)
-            self._stats.bytes_out += nbytes
+        self.insert_parts([(h, [v]) for h, v in items], positions=positions)
 
     def insert_parts(
         self,
