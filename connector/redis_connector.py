@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvstore import KVStoreError, LookupBuffer, StorePermissionError
+from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
 
 from .config import RedisConnectorConfig
 from .layout import KVLayout
@@ -120,7 +120,10 @@ class RedisConnector(KVConnectorBase_V1):
                 store.check_access(self.rc.operations(side))
             else:
                 store.ping()
-        except StorePermissionError:
+            # a URL of the wrong kind (a Cluster node or a Sentinel behind redis://) never
+            # heals either: fail now, naming the right URL form
+            store.check_topology()
+        except (StorePermissionError, StoreTopologyError):
             store.close()
             raise
         except KVStoreError as exc:

@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     args = ap.parse_args(argv)
     from rich.console import Console  # after parsing: --help stays fast
+    from rich.markup import escape  # messages and keys may hold "[...]": never markup
 
     # emoji off: rich would render key parts such as ":b:" as emoji
     console = Console(emoji=False, highlight=False)
@@ -252,11 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         with translated_errors(address.safe_url):
             return _run(args, client, console, err)
     except KVStoreError as exc:
-        err.print(f"[red]error:[/red] {exc}")
+        err.print(f"[red]error:[/red] {escape(str(exc))}")
         return 2
 
 
 def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: Console) -> int:
+    from rich.markup import escape
     from rich.table import Table
 
     if args.cmd == "ls":
@@ -284,14 +286,14 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
         if args.json:
             print(json.dumps(info, indent=2))
         elif not info["exists"]:
-            console.print(f"{args.key}: no such key")
+            console.print(f"{escape(args.key)}: no such key")
         else:
             verdict = "[green]valid[/green]" if info.get("valid") else "[red]INVALID[/red]"
-            console.print(f"[bold]{args.key}[/bold]  {verdict}  {_human(info['bytes'])}")
+            console.print(f"[bold]{escape(args.key)}[/bold]  {verdict}  {_human(info['bytes'])}")
             for k in ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
                       "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
                 if k in info:
-                    console.print(f"  {k}: {info[k]}")
+                    console.print(f"  {k}: {escape(str(info[k]))}")
             if info.get("tensors"):
                 table = Table("tensor", "dtype", "shape", "bytes")
                 for t in info["tensors"]:

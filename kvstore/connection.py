@@ -3,6 +3,12 @@
 Accepted: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS), ``unix:///path?db=N``
 and the aliases ``valkey://`` / ``valkeys://``. TLS options come as keyword arguments or as
 query parameters (``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_verify``).
+
+Topologies, spelled as LMCache spells them so users can move over:
+``redis-sentinel://[user:password@]host1:port1[,host2:port2...]/<service>[/db]`` (the
+credentials are the master's; the sentinels are asked without them) and
+``redis-cluster://[user:password@]host1:port1[,host2:port2...]`` (seed nodes); ``rediss-*`` for
+TLS and ``valkey-*`` / ``valkeys-*`` as aliases.
 """
 
 from __future__ import annotations
@@ -34,6 +40,13 @@ from .errors import (
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
 _URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_class"}
+# <scheme> -> (topology, tls)
+_TOPOLOGIES = {
+    f"{name}{s}-{topology}": (topology, bool(s))
+    for name in ("redis", "valkey")
+    for s in ("", "s")
+    for topology in ("cluster", "sentinel")
+}
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,9 @@ class StoreAddress:
     password: str | None
     options: dict[str, str]
     safe_url: str
+    topology: str = "standalone"  # "standalone", "sentinel" or "cluster"
+    nodes: tuple[tuple[str, int], ...] = ()  # sentinels, or a cluster's seed nodes
+    service: str = ""  # the Sentinel service (master) name
 
     def __repr__(self) -> str:  # never show the password, even in tracebacks' locals
         return f"StoreAddress({self.safe_url!r})"
@@ -58,7 +74,9 @@ class StoreAddress:
 def _bad(url_for_msg: str, why: str) -> InvalidURLError:
     return InvalidURLError(
         f"invalid store URL {url_for_msg!r}: {why}. Expected redis://[user:password@]host:port/db, "
-        "rediss://... (TLS), unix:///path/to.sock?db=N, or the valkey:// / valkeys:// aliases"
+        "rediss://... (TLS), unix:///path/to.sock?db=N, the valkey:// / valkeys:// aliases, "
+        "redis-sentinel://host:port[,host:port...]/<service>[/db] or "
+        "redis-cluster://host:port[,host:port...]"
     )
 
 
@@ -68,14 +86,13 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable URL>"
-    if parts.password is None:
+    creds, at, hosts = parts.netloc.rpartition("@")
+    user, colon, _ = creds.partition(":")
+    if not at or not colon:
         return url
-    user = quote(unquote(parts.username or ""), safe="")
-    netloc = f"{user}:***@{parts.hostname or ''}"
-    with contextlib.suppress(ValueError):
-        if parts.port is not None:
-            netloc += f":{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
+    # the host part is kept as written: several host:port pairs for Sentinel and Cluster
+    user = quote(unquote(user), safe="")
+    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
 
 
 def parse_url(url: str) -> StoreAddress:
@@ -85,6 +102,8 @@ def parse_url(url: str) -> StoreAddress:
         raise InvalidURLError("the store URL is empty: set it, e.g. url=redis://127.0.0.1:6379/0")
     safe = redact_url(url)
     scheme, sep, rest = url.strip().partition("://")
+    if sep and scheme.lower() in _TOPOLOGIES:
+        return _parse_topology_url(scheme.lower(), rest, safe)
     scheme = _ALIASES.get(scheme.lower(), scheme.lower())
     if not sep or scheme not in ("redis", "rediss", "unix"):
         raise _bad(safe, f"unsupported scheme {url.partition(':')[0]!r}")
@@ -121,6 +140,60 @@ def parse_url(url: str) -> StoreAddress:
     )
 
 
+def _parse_topology_url(scheme: str, rest: str, safe: str) -> StoreAddress:
+    """``redis-sentinel://`` / ``redis-cluster://`` (and their TLS and valkey spellings)."""
+    topology, tls = _TOPOLOGIES[scheme]
+    netloc, _, tail = rest.partition("/")
+    tail, _, query = tail.partition("?")
+    creds, at, hosts = netloc.rpartition("@")
+    if not at:
+        creds, hosts = "", netloc
+    user, _, password = creds.partition(":") if creds else ("", "", "")
+    nodes = []
+    for item in hosts.split(","):
+        host, colon, port = item.strip().rpartition(":")
+        if not colon:
+            host, port = item.strip(), "26379" if topology == "sentinel" else "6379"
+        host = host.strip("[]")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise _bad(safe, f"bad host:port {item.strip()!r}")
+        nodes.append((host, int(port)))
+    options = {}
+    for pair in filter(None, query.split("&")):
+        key, _, value = pair.partition("=")
+        if key not in _TLS_QUERY:
+            raise _bad(safe, f"unknown query parameter(s) {[key]}")
+        options[key] = unquote(value)
+    parts = [unquote(p) for p in tail.split("/") if p]
+    service, db = "", 0
+    if topology == "sentinel":
+        if not parts:
+            raise _bad(safe, "no Sentinel service name: redis-sentinel://host:port/<service>")
+        service = parts[0]
+        parts = parts[1:]
+    if parts:
+        if len(parts) > 1 or not parts[0].isdigit():
+            raise _bad(safe, f"database must be an integer, got {'/'.join(parts)!r}")
+        db = int(parts[0])
+    if topology == "cluster" and db:
+        raise _bad(safe, "a Redis/Valkey Cluster has only database 0")
+    return StoreAddress(
+        transport="tcp",
+        tls=tls,
+        host=nodes[0][0],
+        port=nodes[0][1],
+        path="",
+        db=db,
+        username=unquote(user) or None,
+        password=unquote(password) if password else None,
+        options=options,
+        safe_url=safe,
+        topology=topology,
+        nodes=tuple(nodes),
+        service=service,
+    )
+
+
 def make_client(
     address: StoreAddress,
     *,
@@ -149,6 +222,12 @@ def make_client(
         "max_connections": max_connections,
         "health_check_interval": 30,
     }
+    if address.topology == "cluster":
+        raise StoreTopologyError(
+            f"{address.safe_url}: Redis/Valkey Cluster is not supported yet (the URL is "
+            "understood; the cluster client is being built). Use a standalone or "
+            "redis-sentinel:// URL for now"
+        )
     if address.transport == "unix":
         kwargs["connection_class"] = redis.UnixDomainSocketConnection
         kwargs["path"] = address.path
@@ -167,7 +246,33 @@ def make_client(
         kwargs["ssl_keyfile"] = tls_key_file or opts.get("tls_key_file")
         kwargs["ssl_cert_reqs"] = "required" if verify else "none"
         kwargs["ssl_check_hostname"] = bool(verify)
+    if address.topology == "sentinel":
+        return _sentinel_client(address, kwargs)
     pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:
+    """A client of the service's current master, found through the sentinels on connect and
+    again whenever a connection fails (a failover): redis-py's ``SentinelConnectionPool``."""
+    from redis.sentinel import Sentinel, SentinelConnectionPool
+
+    del kwargs["host"], kwargs["port"]
+    ssl = kwargs.pop("connection_class", None) is redis.SSLConnection
+    sentinel_kwargs = {
+        "socket_timeout": kwargs["socket_timeout"],
+        "socket_connect_timeout": kwargs["socket_connect_timeout"],
+    }
+    if ssl:
+        sentinel_kwargs["ssl"] = True
+        kwargs["ssl"] = True
+        for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+            sentinel_kwargs[key] = kwargs[key]
+    max_connections = kwargs.pop("max_connections")
+    sentinel = Sentinel(list(address.nodes), sentinel_kwargs=sentinel_kwargs, **kwargs)
+    pool = SentinelConnectionPool(
+        address.service, sentinel, max_connections=max_connections, **kwargs
+    )
     return redis.Redis(connection_pool=pool)
 
 

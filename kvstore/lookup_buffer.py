@@ -55,7 +55,9 @@ from .errors import (
     KVStoreError,
     StoreCircuitOpenError,
     StoreCommandError,
+    StorePermissionError,
     StoreTimeoutError,
+    StoreTopologyError,
     StoreUnavailableError,
 )
 from .handoff import (
@@ -172,6 +174,7 @@ class LookupBuffer:
         self._lock = threading.Lock()
         self._stats = StoreStats()
         self._logged_bad: OrderedDict[str, None] = OrderedDict()
+        self.address: StoreAddress | None = None  # set by from_url
         self._local = threading.local()
 
     # ------------------------------------------------------------------ construction
@@ -241,8 +244,10 @@ class LookupBuffer:
             breaker_failures=breaker_failures,
             breaker_probe_s=breaker_probe_s,
         )
+        buf.address = address
         if check:
             buf.ping()
+            buf.check_topology()
         return buf
 
     def __repr__(self) -> str:
@@ -296,6 +301,31 @@ class LookupBuffer:
 
     def ping(self) -> None:
         self._call("PING", self._control.ping)
+
+    def check_topology(self) -> None:
+        """Fail now, naming the right URL form, when the URL's kind does not match the server:
+        a plain URL that reaches a Cluster node (most keys would be refused with MOVED) or a
+        Sentinel (which holds no data). Skipped when the ACL user may not run ``INFO``."""
+        address = self.address
+        if address is None or address.topology != "standalone":
+            return
+        try:
+            info = self._call("INFO", lambda: self._control.info("server"))
+        except StorePermissionError:
+            logger.debug("kvstore: INFO is not allowed; the URL's topology is not checked")
+            return
+        mode = str(info.get("redis_mode", "standalone"))
+        where = f"{address.host}:{address.port}"
+        if mode == "cluster":
+            raise StoreTopologyError(
+                f"{self.safe_url} is a node of a Redis/Valkey Cluster: use a cluster URL, "
+                f"redis-cluster://{where} (rediss-cluster:// with TLS)"
+            )
+        if mode == "sentinel":
+            raise StoreTopologyError(
+                f"{self.safe_url} is a Sentinel, which holds no data: use "
+                f"redis-sentinel://{where}/<service> (the master's name in sentinel.conf)"
+            )
 
     def check_access(self, operations: Iterable[str]) -> None:
         """Run each operation's commands once against a short-lived probe key, so a missing ACL

@@ -138,3 +138,66 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+class SentinelServer:
+    """A Redis Sentinel on 127.0.0.1:<port> watching one master (quorum 1, fast failover)."""
+
+    def __init__(self, service: str, master_port: int, *, down_after_ms: int = 1000) -> None:
+        self.port = free_port()
+        self.service = service
+        self.dir = Path(tempfile.mkdtemp(prefix=f"kvstore-sentinel-{self.port}-"))
+        self.conf = self.dir / "sentinel.conf"
+        self.conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.dir}\n"
+            f"logfile {self.dir / 'sentinel.log'}\n"
+            f"sentinel monitor {service} 127.0.0.1 {master_port} 1\n"
+            f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
+            f"sentinel failover-timeout {service} 10000\n"
+            f"sentinel parallel-syncs {service} 1\n"
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, scheme: str = "redis-sentinel") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}/{self.service}"
+
+    def start(self, timeout_s: float = 10.0) -> SentinelServer:
+        self.proc = subprocess.Popen(
+            [find_server_binary(), str(self.conf), "--sentinel"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis(port=self.port, socket_timeout=1).ping()
+                return self
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                time.sleep(0.05)
+        self.cleanup()
+        raise StoreUnavailableError(f"redis-sentinel did not answer on port {self.port} in time")
+
+    def master_port(self) -> int:
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        addr = client.sentinel_get_master_addr_by_name(self.service)
+        if not isinstance(addr, tuple):
+            raise StoreUnavailableError(f"the sentinel knows no master {self.service!r}")
+        return int(addr[1])
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SentinelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,153 @@
+"""Topology URLs (Sentinel, Cluster), a URL of the wrong kind caught at startup, and the store
+behind Redis Sentinel -- including a failover -- against real servers."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import torch
+
+from kvstore import (
+    InvalidURLError,
+    LookupBuffer,
+    StoreTopologyError,
+    chain_hashes,
+    parse_url,
+)
+from testing.redis_server import RedisServer, SentinelServer
+
+HASHES = chain_hashes(list(range(16 * 8)), 16)
+
+
+def block(i: int) -> dict[str, torch.Tensor]:
+    return {"kv": torch.full((2, 16, 64), float(i), dtype=torch.bfloat16)}
+
+
+@pytest.mark.parametrize(
+    ("url", "topology", "tls", "nodes", "service", "db"),
+    [
+        ("redis-sentinel://a:26379,b:26380/mymaster/2", "sentinel", False,
+         (("a", 26379), ("b", 26380)), "mymaster", 2),
+        ("rediss-sentinel://h/svc", "sentinel", True, (("h", 26379),), "svc", 0),
+        ("valkey-sentinel://h:1/svc", "sentinel", False, (("h", 1),), "svc", 0),
+        ("valkeys-sentinel://h:1/svc", "sentinel", True, (("h", 1),), "svc", 0),
+        ("redis-cluster://h1:7000,h2:7001", "cluster", False, (("h1", 7000), ("h2", 7001)), "", 0),
+        ("rediss-cluster://h1:7000/0", "cluster", True, (("h1", 7000),), "", 0),
+        ("valkey-cluster://h1:7000", "cluster", False, (("h1", 7000),), "", 0),
+        ("valkeys-cluster://h1:7000", "cluster", True, (("h1", 7000),), "", 0),
+    ],
+)  # fmt: skip
+def test_topology_urls(
+    url: str, topology: str, tls: bool, nodes: tuple[tuple[str, int], ...], service: str, db: int
+) -> None:
+    a = parse_url(url)
+    assert (a.topology, a.tls, a.nodes, a.service, a.db) == (topology, tls, nodes, service, db)
+
+
+def test_topology_url_credentials_are_parsed_and_never_shown() -> None:
+    a = parse_url("redis-sentinel://us%40er:p%40ss:w@h1:1,h2:2/svc")
+    assert (a.username, a.password) == ("us@er", "p@ss:w")
+    assert "p%40ss" not in a.safe_url and "***" in a.safe_url
+    assert "h1:1,h2:2" in a.safe_url and "p%40ss" not in repr(a)
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("redis-sentinel://h:1", "no Sentinel service name"),
+        ("redis-cluster://h:1/3", "only database 0"),
+        ("redis-cluster://h:1,:2", "bad host:port"),
+        ("redis-sentinel://h:99999/s", "bad host:port"),
+        ("redis-sentinel://h:1/s?nope=1", "unknown query parameter"),
+        ("redis-sentinel://h:1/s/x", "database must be an integer"),
+    ],
+)
+def test_bad_topology_urls_say_what_is_wrong(url: str, says: str) -> None:
+    with pytest.raises(InvalidURLError, match=says):
+        parse_url(url)
+
+
+def test_a_cluster_url_is_refused_plainly_until_the_cluster_client_exists() -> None:
+    with pytest.raises(StoreTopologyError, match="not supported yet"):
+        LookupBuffer.from_url("redis-cluster://127.0.0.1:7000", check=False)
+
+
+@pytest.mark.redis
+def test_a_plain_url_to_a_cluster_node_fails_at_startup_naming_the_cluster_form() -> None:
+    with RedisServer(extra_args=["--cluster-enabled", "yes"]) as node:
+        want = re.escape(f"redis-cluster://127.0.0.1:{node.port}")
+        with pytest.raises(StoreTopologyError, match=want):
+            LookupBuffer.from_url(node.url)
+
+
+@pytest.fixture
+def sentinel_setup() -> Iterator[tuple[RedisServer, RedisServer, SentinelServer]]:
+    master = RedisServer().start()
+    replica = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(master.port)]).start()
+    sentinel = SentinelServer("kvmaster", master.port).start()
+    try:
+        yield master, replica, sentinel
+    finally:
+        sentinel.cleanup()
+        replica.cleanup()
+        master.cleanup()
+
+
+@pytest.mark.redis
+def test_a_plain_url_to_a_sentinel_fails_at_startup_naming_the_sentinel_form(
+    sentinel_setup: tuple[RedisServer, RedisServer, SentinelServer],
+) -> None:
+    _, _, sentinel = sentinel_setup
+    with pytest.raises(StoreTopologyError, match=re.escape("redis-sentinel://127.0.0.1:")):
+        LookupBuffer.from_url(f"redis://127.0.0.1:{sentinel.port}/0")
+
+
+def wait_replicated(replica: RedisServer, keys: int, timeout_s: float = 10) -> None:
+    client = redis.Redis(port=replica.port)
+    deadline = time.monotonic() + timeout_s
+    while client.dbsize() < keys:
+        assert time.monotonic() < deadline, "the replica did not catch up"
+        time.sleep(0.05)
+
+
+@pytest.mark.redis
+def test_every_operation_through_sentinel_and_recovery_after_a_failover(
+    sentinel_setup: tuple[RedisServer, RedisServer, SentinelServer],
+) -> None:
+    master, replica, sentinel = sentinel_setup
+    store = LookupBuffer.from_url(sentinel.url(), namespace="sent", socket_timeout_s=2)
+    store.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:4])])
+    assert store.longest_prefix(HASHES) == 4
+    bufs = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(4)]
+    got = store.select_into(HASHES[:4], bufs, connections=2)
+    assert all(g is not None for g in got)
+    assert torch.equal(got[3]["kv"], block(3)["kv"])  # type: ignore[index]
+    taken = store.drop_select(HASHES[3:4])
+    assert taken[0] is not None and store.longest_prefix(HASHES) == 3
+    wait_replicated(replica, 3)
+
+    # the master dies; the sentinel promotes the replica (down-after 1 s)
+    master.kill()
+    deadline = time.monotonic() + 30
+    while sentinel.master_port() != replica.port:
+        assert time.monotonic() < deadline, "the sentinel did not fail over"
+        time.sleep(0.1)
+    # operations recover by themselves, with the same bytes
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            if store.longest_prefix(HASHES) == 3:
+                break
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "operations did not recover after the failover"
+        time.sleep(0.1)
+    got = store.select(HASHES[:3])
+    assert all(torch.equal(g["kv"], block(i)["kv"]) for i, g in enumerate(got))  # type: ignore[index]
+    store.insert(HASHES[5], block(5))  # the new master takes writes
+    assert redis.Redis(port=replica.port).exists(store.redis_key(HASHES[5]))
+    store.close()
