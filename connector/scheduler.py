@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("connector.scheduler")
+# how often a dropped handoff checks whether its producer has finished writing
+_DROP_POLL_S = 0.05
 
 # How often a request waiting for a producer's commit record re-checks Redis.
 _POLL_INTERVAL_S = 0.01
@@ -133,6 +135,8 @@ class RedisConnectorScheduler:
         )
         # deletes and handoff records never hold up lookups
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
+        # handoffs dropped unloaded wait here for their producer to finish writing
+        self._drop_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-drop")
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
 
@@ -388,10 +392,22 @@ class RedisConnectorScheduler:
         vLLM's local prefix cache had them), and its record."""
         if self._owns_handoff(st) and not st.cleaned and st.handoff is not None:
             st.cleaned = True
-            fut = self._background_io.submit(self._delete_handoff, st.handoff, st.load_hashes)
+            fut = self._drop_io.submit(self._delete_handoff, st.handoff, st.load_hashes)
             fut.add_done_callback(self._log_background_failure)
 
     def _delete_handoff(self, handoff: Handoff, hashes: list[str]) -> None:
+        """Delete a handoff's chain and record. Its producer may still be writing it (the
+        prefill's response comes back before its writes are acknowledged, and vLLM's local
+        prefix cache can make the consumer skip the load at once): deleting then left the
+        late blocks behind for their whole TTL. So this waits, off every request's path, until
+        no producer rank's record says "pending" -- at most ``deadline_max_s``, for a producer
+        that died writing."""
+        give_up = time.monotonic() + self.config.deadline_max_s
+        while time.monotonic() < give_up:
+            state = self.store.read_handoff(handoff.handoff_id, hashes[:1], self.fingerprints)
+            if not state.pending:
+                break
+            time.sleep(_DROP_POLL_S)
         self.store.delete(hashes, self.fingerprints)
         self.store.delete_handoff(handoff.handoff_id, self.fingerprints)
 
@@ -537,4 +553,5 @@ class RedisConnectorScheduler:
     def shutdown(self) -> None:
         self._lookup_io.shutdown(wait=False, cancel_futures=True)
         self._background_io.shutdown(wait=False, cancel_futures=True)
+        self._drop_io.shutdown(wait=False, cancel_futures=True)
         self.store.close()

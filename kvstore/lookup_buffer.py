@@ -55,7 +55,6 @@ from .errors import (
     KVStoreError,
     StoreCircuitOpenError,
     StoreCommandError,
-    StorePermissionError,
     StoreTimeoutError,
     StoreTopologyError,
     StoreUnavailableError,
@@ -305,14 +304,15 @@ class LookupBuffer:
     def check_topology(self) -> None:
         """Fail now, naming the right URL form, when the URL's kind does not match the server:
         a plain URL that reaches a Cluster node (most keys would be refused with MOVED) or a
-        Sentinel (which holds no data). Skipped when the ACL user may not run ``INFO``."""
+        Sentinel (which holds no data). Skipped when the ACL user may not run ``INFO`` or the
+        server has no such command."""
         address = self.address
         if address is None or address.topology != "standalone":
             return
         try:
             info = self._call("INFO", lambda: self._control.info("server"))
-        except StorePermissionError:
-            logger.debug("kvstore: INFO is not allowed; the URL's topology is not checked")
+        except StoreCommandError as exc:  # NOPERM, or a server without INFO
+            logger.debug("kvstore: the URL's topology is not checked (INFO: %s)", exc)
             return
         mode = str(info.get("redis_mode", "standalone"))
         where = f"{address.host}:{address.port}"

@@ -37,6 +37,17 @@ def find_server_binary() -> str:
     )
 
 
+def terminate(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL after 10 s; nothing if it is not running."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class RedisServer:
     """A redis-server child process listening on 127.0.0.1:<port> and a unix socket."""
 
@@ -109,13 +120,7 @@ class RedisServer:
         raise StoreUnavailableError(f"redis-server did not answer on port {self.port} in time")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.proc = None
 
     def kill(self) -> None:
@@ -186,13 +191,7 @@ class SentinelServer:
         return int(addr[1])
 
     def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.proc = None
         shutil.rmtree(self.dir, ignore_errors=True)
 

@@ -476,7 +476,10 @@ def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
 def test_consume_mode_deletes_a_handoff_it_gives_up_on(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0)
+    # deadline_max_s also bounds how long a dropped handoff waits for a producer that died
+    sched = make_scheduler(
+        tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0, deadline_max_s=1
+    )
     tokens = prompt(4 * BS + 1)
     params, chain = hand_off(sched, tokens, 4, pending=True)  # the producer died writing
     sched.add_request(make_request("r", tokens, params, cache_salt="x"))
@@ -490,6 +493,28 @@ def test_consume_mode_deletes_a_handoff_it_gives_up_on(
         time.sleep(0.01)
     assert store_for(sched).longest_prefix(chain) == 0  # ... and leaves nothing behind:
     assert fake_redis.exists(store_for(sched).keys.handoff("feed1234")) == 0  # nor its record
+
+
+def test_a_dropped_handoff_is_deleted_after_its_producer_finishes_writing(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """The consumer gives up on a handoff whose producer is still writing (the prefill's
+    response comes before its writes are acknowledged); blocks written after that used to
+    stay for their whole TTL."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0)
+    tokens = prompt(6 * BS + 1)
+    params, chain = hand_off(sched, tokens, 2, announced=6, pending=True)
+    sched.add_request(make_request("r", tokens, params))
+    schedule_until_admitted(sched, "r")  # the deadline passes: it recomputes, drops the handoff
+    time.sleep(0.3)
+    store = store_for(sched)
+    store.insert_many([(h, block()) for h in chain[2:6]])  # the producer's late writes land ...
+    store.publish_handoff("feed1234", 6)  # ... and it commits
+    deadline = time.monotonic() + 5
+    while store.contains(chain).count(True) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.contains(chain) == [False] * 6  # nothing left behind
+    assert fake_redis.exists(store.keys.handoff("feed1234")) == 0
 
 
 def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
