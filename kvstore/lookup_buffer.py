@@ -55,6 +55,7 @@ from .errors import (
     KVStoreError,
     StoreCircuitOpenError,
     StoreCommandError,
+    StorePermissionError,
     StoreTimeoutError,
     StoreTopologyError,
     StoreUnavailableError,
@@ -311,7 +312,7 @@ class LookupBuffer:
             return
         try:
             info = self._call("INFO", lambda: self._control.info("server"))
-        except StoreCommandError as exc:  # NOPERM, or a server without INFO
+        except (StorePermissionError, StoreCommandError) as exc:  # NOPERM, or no INFO at all
             logger.debug("kvstore: the URL's topology is not checked (INFO: %s)", exc)
             return
         mode = str(info.get("redis_mode", "standalone"))

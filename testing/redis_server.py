@@ -26,6 +26,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A free port for a Cluster node: its bus port (port + 10000) must exist and be free too."""
+    while True:
+        port = free_port()
+        if port > 55535:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
 def find_server_binary() -> str:
     for name in ("redis-server", "valkey-server"):
         path = shutil.which(name)

@@ -18,7 +18,7 @@ from kvstore import (
     chain_hashes,
     parse_url,
 )
-from testing.redis_server import RedisServer, SentinelServer
+from testing.redis_server import RedisServer, SentinelServer, free_cluster_port
 
 HASHES = chain_hashes(list(range(16 * 8)), 16)
 
@@ -78,7 +78,7 @@ def test_a_cluster_url_is_refused_plainly_until_the_cluster_client_exists() -> N
 
 @pytest.mark.redis
 def test_a_plain_url_to_a_cluster_node_fails_at_startup_naming_the_cluster_form() -> None:
-    with RedisServer(extra_args=["--cluster-enabled", "yes"]) as node:
+    with RedisServer(free_cluster_port(), extra_args=["--cluster-enabled", "yes"]) as node:
         want = re.escape(f"redis-cluster://127.0.0.1:{node.port}")
         with pytest.raises(StoreTopologyError, match=want):
             LookupBuffer.from_url(node.url)
