@@ -21,6 +21,7 @@ calls fail at once with :class:`StoreCircuitOpenError` until a background probe 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -29,7 +30,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -516,14 +517,11 @@ class LookupBuffer:
     def _send_on_one(self, commands: list[tuple[bytes, Sequence[Any], int | None]]) -> list[None]:
         if not commands:
             return []
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        in_sync = False
-        try:
+        refused: Exception | None = None
+        with self._pooled_connection() as conn:
             conn.connect()
             sock = raw_socket(conn)
             if sock is None:  # a client without a socket (fakeredis): plain SETs
-                in_sync = True
                 pipe = self._client.pipeline(transaction=False)
                 for key, parts, px in commands:
                     pipe.set(key, b"".join(memoryview(p).cast("B") for p in parts), px=px)
@@ -531,19 +529,28 @@ class LookupBuffer:
                 return [None] * len(commands)
             send_buffers(sock, [b for c in commands for b in pack_set(*c)])
             reader = ReplyReader(sock)
-            refused: Exception | None = None
             for _ in commands:
                 try:
                     reader.read_status()
                 except redis.exceptions.ResponseError as exc:
                     refused = refused or exc  # read the rest, then say so
-            in_sync = True
-            if refused is not None:
-                raise refused
-            return [None] * len(commands)
+        if refused is not None:
+            raise refused
+        return [None] * len(commands)
+
+    @contextlib.contextmanager
+    def _pooled_connection(self) -> Iterator[Any]:
+        """A connection of the transfer pool, for reading replies ourselves. If the body raises
+        before every reply was read, the connection's place in the reply stream is lost: it is
+        dropped, not returned to the pool as it is."""
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            yield conn
+        except BaseException:
+            conn.disconnect()
+            raise
         finally:
-            if not in_sync:  # its place in the reply stream is lost
-                conn.disconnect()
             pool.release(conn)
 
     def _spread(
@@ -756,15 +763,11 @@ class LookupBuffer:
     ) -> list[int | Oversize | None]:
         if not work:
             return []
-        commands = [c for c, _ in work]
-        pool = self._client.connection_pool
-        conn = pool.get_connection()
-        in_sync = False
-        try:
-            conn.send_packed_command(conn.pack_commands(commands))
+        out: list[int | Oversize | None] = []
+        refused: Exception | None = None
+        with self._pooled_connection() as conn:
+            conn.send_packed_command(conn.pack_commands([c for c, _ in work]))
             sock = raw_socket(conn)
-            out: list[int | Oversize | None] = []
-            refused: Exception | None = None
             reader = ReplyReader(sock) if sock is not None else None
             for _, view in work:
                 try:
@@ -776,14 +779,9 @@ class LookupBuffer:
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
                     out.append(-1)
-            in_sync = True
-            if refused is not None:
-                raise refused
-            return out
-        finally:
-            if not in_sync:  # its place in the reply stream is lost
-                conn.disconnect()
-            pool.release(conn)
+        if refused is not None:
+            raise refused
+        return out
 
     def longest_prefix(
         self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
