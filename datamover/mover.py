@@ -27,7 +27,6 @@ chunks of one block each way); CUDA adds ``device_chunks`` chunks of device scra
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +121,6 @@ class BlockMover:
         pin = self.kv.on_cuda
         self._save_pool = StagingPool(save_chunk, max(2, budget // save_chunk), pin_memory=pin)
         self._load_pool = StagingPool(load_chunk, max(2, budget // load_chunk), pin_memory=pin)
-        self._lock = threading.Lock()
         if self.kv.on_cuda:
             dev = self.kv.device
             self._gather_stream = torch.cuda.Stream(device=dev)

@@ -266,11 +266,15 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
         )
         whole[: len(header)] = header
         return whole
+    header, packed = _compressed(staged, compression, payload)
+    return memoryview(header + packed)
+
+
+def _compressed(staged: StagedValue, compression: str, payload: Buffer) -> tuple[bytes, bytes]:
+    """A compressed value: its header and its compressed payload."""
     packed = lz4_block().compress(payload, store_size=False)
     checksum = xxhash.xxh3_64_hexdigest(packed)
-    return memoryview(
-        _render_header(staged.entries, _meta(staged, compression, checksum, len(packed))) + packed
-    )
+    return _render_header(staged.entries, _meta(staged, compression, checksum, len(packed))), packed
 
 
 def plan_entries(
@@ -327,9 +331,7 @@ def frame_parts(
             digest.update(p)
         meta = _meta(staged, "none", digest.hexdigest(), raw_bytes)
         return [_render_header(staged.entries, meta), *pieces]
-    packed = lz4_block().compress(b"".join(pieces), store_size=False)
-    meta = _meta(staged, compression, xxhash.xxh3_64_hexdigest(packed), len(packed))
-    return [_render_header(staged.entries, meta), packed]
+    return list(_compressed(staged, compression, b"".join(pieces)))
 
 
 def encode_value(
