@@ -335,10 +335,13 @@ class RedisConnectorWorker:
         with self._lock:
             for spec in specs:
                 self._saves.setdefault(spec.req_id, _SaveTrack())
+        chunks: list[SaveChunk] = []
+        shed = items  # Redis is down or hung (or the KV cache asleep): do not even copy
         if self.store.available and not self._asleep:
-            chunks, shed = self._mover.stage_saves(items)
-        else:  # Redis is down or hung (or the KV cache asleep): do not even copy
-            chunks, shed = [], items
+            try:
+                chunks, shed = self._mover.stage_saves(items)
+            except Exception:  # the step goes on; these blocks are not saved (and counted)
+                logger.exception("copying %d block(s) out for saving failed", len(items))
         if shed:
             self.stats.add(blocks_shed=len(shed))
             self._warn(

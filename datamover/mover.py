@@ -146,14 +146,23 @@ class BlockMover:
     def stage_saves(self, items: Sequence[SaveItem]) -> tuple[list[SaveChunk], list[SaveItem]]:
         """Start copying ``items``' blocks out of the cache; returns the chunks to ``write``
         and the items shed for want of staging (the tail: later positions go first). Never
-        waits for a copy or for Redis."""
+        waits for a copy or for Redis. If a gather fails, every staging buffer this call took
+        is released (after the copies already queued into them) and the error is raised."""
         chunks: list[SaveChunk] = []
         n = self.chunk_blocks
         for start in range(0, len(items), n):
             host = self._save_pool.try_acquire()
             if host is None:
                 return chunks, list(items[start:])
-            chunks.append(self._gather(list(items[start : start + n]), host))
+            try:
+                chunks.append(self._gather(list(items[start : start + n]), host))
+            except BaseException:
+                self._save_pool.release(host)
+                for chunk in chunks:
+                    if chunk.ready is not None:
+                        chunk.ready.synchronize()
+                    self._save_pool.release(chunk.host)
+                raise
         if chunks and self.kv.on_cuda:
             # the next forward pass may overwrite these blocks only after they were gathered
             torch.cuda.current_stream(self.kv.device).wait_stream(self._gather_stream)

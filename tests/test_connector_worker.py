@@ -409,3 +409,24 @@ def test_a_commit_in_a_step_without_a_forward_pass_is_published() -> None:
     assert worker.get_finished()[0] == {"p"}
     worker.shutdown_pending(timeout_s=10)
     assert worker.store.read_handoff("hp", hashes).committed == 2
+
+
+def test_a_failed_copy_out_sheds_the_blocks_and_the_commit_still_comes() -> None:
+    """An exception while copying blocks out (a CUDA error, pinned memory exhausted) used to
+    escape ``wait_for_save`` into vLLM's step."""
+    client = fakeredis.FakeRedis()
+    worker, _ = make_worker(client)
+    assert worker._mover is not None
+
+    def broken(*a: object, **k: object) -> None:
+        raise RuntimeError("injected: copy failed")
+
+    worker._mover.kv.gather = broken  # type: ignore[method-assign]
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(worker, "p", [0, 1], hashes, commit=2)  # must not raise
+    stats = worker.take_stats()
+    assert stats["blocks_shed"] == 2 and stats.get("blocks_saved", 0) == 0
+    assert worker.store.contains(hashes) == [False, False]
+    # the consumer learns at once that nothing was written: it recomputes, never waits
+    assert worker.store.read_handoff("hp", hashes).committed == 0
+    assert worker.get_finished()[0] == {"p"}

@@ -264,3 +264,27 @@ def test_scatter_writes_each_block_where_index_copy_would(ids: list[int]) -> Non
     for layer, cache in enumerate(kv.caches.values()):
         want = torch.zeros_like(cache).index_copy_(0, torch.tensor(ids), src[:, layer])
         assert torch.equal(cache, want)
+
+
+def test_a_failed_gather_releases_every_buffer_it_took_and_raises() -> None:
+    store = store_on(fakeredis.FakeRedis())
+    mover = BlockMover(caches("cpu"), store, max_inflight_bytes=1)  # two one-block chunks
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    items = [SaveItem(i, h, i, "r") for i, h in enumerate(hashes)]
+    real, calls = mover.kv.gather, []
+
+    def second_gather_fails(ids: torch.Tensor, out: torch.Tensor) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: copy failed")
+        real(ids, out)
+
+    mover.kv.gather = second_gather_fails  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        mover.stage_saves(items)
+    mover.kv.gather = real  # type: ignore[method-assign]
+    chunks, shed = mover.stage_saves(items)  # both buffers are free again
+    assert len(chunks) == 2 and shed == []
+    for chunk in chunks:
+        mover.write(chunk)
+    assert store.longest_prefix(hashes) == 2
