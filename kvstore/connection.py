@@ -222,12 +222,6 @@ def make_client(
         "max_connections": max_connections,
         "health_check_interval": 30,
     }
-    if address.topology == "cluster":
-        raise StoreTopologyError(
-            f"{address.safe_url}: Redis/Valkey Cluster is not supported yet (the URL is "
-            "understood; the cluster client is being built). Use a standalone or "
-            "redis-sentinel:// URL for now"
-        )
     if address.transport == "unix":
         kwargs["connection_class"] = redis.UnixDomainSocketConnection
         kwargs["path"] = address.path
@@ -248,8 +242,49 @@ def make_client(
         kwargs["ssl_check_hostname"] = bool(verify)
     if address.topology == "sentinel":
         return _sentinel_client(address, kwargs)
+    if address.topology == "cluster":
+        return _cluster_client(address, kwargs)
     pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
     return redis.Redis(connection_pool=pool)
+
+
+def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:
+    """redis-py's ``RedisCluster`` over the seed nodes: it learns the slot map now (so a
+    cluster URL that reaches a standalone server fails here, saying so), follows ``MOVED`` /
+    ``ASK``, and relearns the map when a node fails."""
+    from redis.cluster import ClusterNode, RedisCluster
+
+    del kwargs["host"], kwargs["port"], kwargs["db"], kwargs["retry"]
+    if address.db:
+        raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
+    # per node a plain pool of max_connections (redis-py builds node pools itself); more
+    # than that at once is a typed error, never a wait
+    kwargs.pop("health_check_interval")
+    try:
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+            # a command's attempts when a node fails or a slot moves: one more after the map is
+            # relearned, no sleeping; the connector's deadline bounds the rest
+            retry=Retry(NoBackoff(), 1),
+            **kwargs,
+        )
+    except rex.RedisClusterException as exc:
+        if "cluster mode is not enabled" in str(exc).lower():
+            first = "{}:{}".format(*address.nodes[0])
+            raise StoreTopologyError(
+                f"{address.safe_url} reaches a standalone server, not a Cluster node: use "
+                f"{'rediss' if address.tls else 'redis'}://{first} (or redis-sentinel:// when "
+                "Sentinels watch it)"
+            ) from None
+        raise StoreUnavailableError(
+            f"cannot learn the slot map of the Cluster at {address.safe_url} ({_strip(exc)}): "
+            "check that the seed nodes run, are reachable and that every slot is served"
+        ) from None
+    except rex.RedisError as exc:
+        with translated_errors(address.safe_url, "CLUSTER SLOTS"):
+            raise exc
+        raise  # unreachable: translated_errors always raises
+    return client  # type: ignore[return-value]
 
 
 def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:

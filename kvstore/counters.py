@@ -19,6 +19,7 @@ class StoreStats:
     corrupt: int = 0
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)
     breaker_opens: int = 0  # times the circuit breaker opened (Redis refusing, hung, gone)
+    redirects: int = 0  # Cluster only: values sent again after MOVED / ASK (a slot moved)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

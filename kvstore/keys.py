@@ -1,12 +1,15 @@
 """The Redis key format, defined once: built by the lookup buffer, parsed by the CLI.
 
     <prefix>:<namespace>:<fingerprint>:<block hash>              one block's value
-    <prefix>:<namespace>:<fingerprint>:<block hash>:claim:<id>   a block claimed by drop_select
+    <prefix>:<namespace>:<fingerprint>:<block hash>:claim:<id>:{<block key>}
+                                                                 a block claimed by drop_select
     <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
     <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
 
-The handoff id sits in braces (a Redis Cluster hash tag), so every tensor-parallel rank's commit
-record of one handoff lives in one slot.
+Braces are Redis Cluster hash tags. A handoff id sits in them, so every tensor-parallel rank's
+commit record of one handoff lives in one slot. A claim ends with its block's whole key in them,
+so it lives in its block's slot: the claim script renames a block within one slot. Block keys
+have no tag: a prompt's blocks spread over every shard.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 CLAIM_MARKER = ":claim:"
 _HANDOFF = "handoff"
 _PROBE = "probe"
+
+
+def claim_key(block_key: str, claim_id: str) -> str:
+    """The private key ``drop_select`` renames a block to (``lua.CLAIM_LUA`` builds the same)."""
+    return f"{block_key}{CLAIM_MARKER}{claim_id}:{{{block_key}}}"
 
 
 def check_name(what: str, name: object) -> str:
@@ -71,14 +79,18 @@ class ParsedKey:
 
 def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
     """What a key is, or None for a key that is not kvstore's."""
+    if CLAIM_MARKER in key:  # <block key>:claim:<id>:{<block key>}
+        block_key, _, claim = key.partition(CLAIM_MARKER)
+        block = parse_key(block_key, prefix)
+        if block is None or block.kind != "block" or not claim.endswith(f":{{{block_key}}}"):
+            return None
+        return ParsedKey("claim", block.namespace, block.fingerprint, block.name)
     parts = key.split(":")
     if len(parts) < 4 or parts[0] != prefix:
         return None
     ns, fp, rest = parts[1], parts[2], parts[3:]
     if len(rest) == 1:
         return ParsedKey("block", ns, fp, rest[0])
-    if len(rest) == 3 and rest[1] == CLAIM_MARKER.strip(":"):
-        return ParsedKey("claim", ns, fp, rest[0])
     if len(rest) == 2 and rest[0] == _HANDOFF:
         return ParsedKey("handoff", ns, fp, rest[1].strip("{}"))
     if len(rest) == 2 and rest[0] == _PROBE:

@@ -70,8 +70,9 @@ from .handoff import (
     Records,
     leading_present,
 )
-from .keys import CLAIM_MARKER, DEFAULT_KEY_PREFIX, KeySpace
+from .keys import DEFAULT_KEY_PREFIX, KeySpace, claim_key
 from .lua import CLAIM_LUA, CLAIM_TTL_MS, claimed_values
+from .shards import REDIRECTED, Shards, is_redirect
 from .wire import Oversize, ReplyReader, copy_reply, pack_set, raw_socket, send_buffers
 
 logger = logging.getLogger("kvstore")
@@ -164,14 +165,18 @@ class LookupBuffer:
         # multi-MiB transfers on a slow server
         self._control = control_client or client
         self._claim = client.register_script(CLAIM_LUA)
+        self._shards = Shards(client)
         self.breaker = CircuitBreaker(
-            self._control.ping,
+            self._probe,
             name=f"Redis at {safe_url}",
             failure_threshold=breaker_failures,
             probe_interval_s=breaker_probe_s,
         )
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
+        # runs the parts of one call spread over connections and shards; separate from
+        # _executor, whose tasks (insert_async) spread too and must not wait on their own pool
+        self._fanout_executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._stats = StoreStats()
         self._logged_bad: OrderedDict[str, None] = OrderedDict()
@@ -265,9 +270,10 @@ class LookupBuffer:
 
     def close(self) -> None:
         self.breaker.stop()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        for pool in (self._executor, self._fanout_executor):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        self._executor = self._fanout_executor = None
         self._client.close()
         if self._control is not self._client:
             self._control.close()
@@ -276,6 +282,11 @@ class LookupBuffer:
     def client(self) -> redis.Redis:
         """The underlying redis-py client (for tools; prefer the methods above)."""
         return self._client
+
+    @property
+    def cluster(self) -> bool:
+        """True when the store is a Redis/Valkey Cluster (keys spread over its masters)."""
+        return self._shards.cluster
 
     @property
     def available(self) -> bool:
@@ -300,8 +311,17 @@ class LookupBuffer:
         self.breaker.record_success()
         return result
 
+    def _probe(self) -> object:
+        """The breaker's probe: every master of a Cluster must answer (one that is down and not
+        yet replaced makes a third of the keys fail), else the one server."""
+        if self._shards.cluster:
+            from redis.cluster import RedisCluster
+
+            return self._control.ping(target_nodes=RedisCluster.PRIMARIES)
+        return self._control.ping()
+
     def ping(self) -> None:
-        self._call("PING", self._control.ping)
+        self._call("PING", self._probe)
 
     def check_topology(self) -> None:
         """Fail now, naming the right URL form, when the URL's kind does not match the server:
@@ -357,7 +377,7 @@ class LookupBuffer:
             "drop_select": lambda: self._claim(
                 keys=[probe], args=[self.max_value_bytes, "any", suffix, _PROBE_TTL_MS], client=c
             ),
-            "delete": lambda: ctl.unlink(probe, probe + CLAIM_MARKER + suffix),
+            "delete": lambda: ctl.unlink(probe, claim_key(probe, suffix)),
         }
         order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
         order += ["drop_select", "delete"]
@@ -504,8 +524,17 @@ class LookupBuffer:
             for (key, parts), pos in zip(encoded, where, strict=True)
         ]
         nbytes = sum(memoryview(p).nbytes for _, parts in encoded for p in parts)
+
+        def send() -> None:
+            sent = self._spread(self._send_on_one, commands, connections, key=lambda c: c[0])
+            for (key, parts, px), outcome in zip(commands, sent, strict=True):
+                if outcome is REDIRECTED:  # the slot moved: redis-py finds its new master
+                    self._count_redirect()
+                    value = b"".join(memoryview(p).cast("B") for p in parts)
+                    self._client.set(key, value, px=px)
+
         try:
-            self._call("SET", lambda: self._spread(self._send_on_one, commands, connections))
+            self._call("SET", send)
         except Exception:
             with self._lock:
                 self._stats.insert_errors += len(encoded)
@@ -514,15 +543,17 @@ class LookupBuffer:
             self._stats.inserts += len(encoded)
             self._stats.bytes_out += nbytes
 
-    def _send_on_one(self, commands: list[tuple[bytes, Sequence[Any], int | None]]) -> list[None]:
-        if not commands:
-            return []
+    def _send_on_one(
+        self, server: redis.Redis, commands: list[tuple[bytes, Sequence[Any], int | None]]
+    ) -> list[object]:
+        """SETs on one connection to ``server``; per command None, or REDIRECTED."""
         refused: Exception | None = None
-        with self._pooled_connection() as conn:
+        out: list[object] = []
+        with self._pooled_connection(server) as conn:
             conn.connect()
             sock = raw_socket(conn)
             if sock is None:  # a client without a socket (fakeredis): plain SETs
-                pipe = self._client.pipeline(transaction=False)
+                pipe = server.pipeline(transaction=False)
                 for key, parts, px in commands:
                     pipe.set(key, b"".join(memoryview(p).cast("B") for p in parts), px=px)
                 pipe.execute()
@@ -532,18 +563,23 @@ class LookupBuffer:
             for _ in commands:
                 try:
                     reader.read_status()
+                    out.append(None)
                 except redis.exceptions.ResponseError as exc:
+                    if is_redirect(exc):
+                        out.append(REDIRECTED)
+                        continue
                     refused = refused or exc  # read the rest, then say so
+                    out.append(None)
         if refused is not None:
             raise refused
-        return [None] * len(commands)
+        return out
 
     @contextlib.contextmanager
-    def _pooled_connection(self) -> Iterator[Any]:
-        """A connection of the transfer pool, for reading replies ourselves. If the body raises
-        before every reply was read, the connection's place in the reply stream is lost: it is
-        dropped, not returned to the pool as it is."""
-        pool = self._client.connection_pool
+    def _pooled_connection(self, server: redis.Redis) -> Iterator[Any]:
+        """A connection of ``server``'s transfer pool, for reading replies ourselves. If the
+        body raises before every reply was read, the connection's place in the reply stream is
+        lost: it is dropped, not returned to the pool as it is."""
+        pool = server.connection_pool
         conn = pool.get_connection()
         try:
             yield conn
@@ -554,16 +590,44 @@ class LookupBuffer:
             pool.release(conn)
 
     def _spread(
-        self, run: Callable[[list[Any]], list[T]], work: list[Any], connections: int
+        self,
+        run: Callable[[redis.Redis, list[Any]], list[T]],
+        work: list[Any],
+        connections: int,
+        *,
+        key: Callable[[Any], str | bytes],
     ) -> list[T]:
-        """``run`` over ``work`` split in up to ``connections`` contiguous parts, one connection
-        each, in parallel (the first part on this thread); results in ``work``'s order."""
-        n = max(1, min(connections, len(work)))
-        bounds = [len(work) * c // n for c in range(n + 1)]
-        parts = [work[a:b] for a, b in itertools.pairwise(bounds)]
-        futures = [self._pool().submit(run, p) for p in parts[1:]]
-        first = run(parts[0]) if parts else []
-        return first + [r for f in futures for r in f.result()]
+        """``run(server, part)`` over ``work`` grouped by the server holding each item's
+        ``key`` (one group unless this is a Cluster), each group split in up to
+        ``connections`` contiguous parts, all in parallel (the first on this thread); results
+        in ``work``'s order. Every part finishes before the first error is raised. A failure
+        on a Cluster makes the slot map be fetched again: a replica may have taken over."""
+        units: list[tuple[redis.Redis, list[int]]] = []
+        for server, indexes in self._shards.split([key(w) for w in work]):
+            n = max(1, min(connections, len(indexes)))
+            bounds = [len(indexes) * c // n for c in range(n + 1)]
+            units += [(server, indexes[a:b]) for a, b in itertools.pairwise(bounds)]
+        if not units:
+            return []
+
+        def run_unit(unit: tuple[redis.Redis, list[int]]) -> list[T]:
+            return run(unit[0], [work[i] for i in unit[1]])
+
+        futures = [self._fanout().submit(run_unit, u) for u in units[1:]]
+        results: list[Any] = [None] * len(work)
+        error: BaseException | None = None
+        for unit, outcome in zip(units, [None, *futures], strict=True):
+            try:
+                got = run_unit(unit) if outcome is None else outcome.result()
+            except BaseException as exc:  # re-raised below, once every part has finished
+                error = error or exc
+                continue
+            for i, r in zip(unit[1], got, strict=True):
+                results[i] = r
+        if error is not None:
+            self._shards.relearn()
+            raise error
+        return results
 
     def insert_async(
         self,
@@ -584,11 +648,23 @@ class LookupBuffer:
     ) -> Future[None]:
         return self._pool().submit(self.insert_many, items, metadata)
 
+    def _count_redirect(self) -> None:
+        with self._lock:
+            self._stats.redirects += 1
+
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvstore")
             return self._executor
+
+    def _fanout(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._fanout_executor is None:
+                self._fanout_executor = ThreadPoolExecutor(
+                    max(8, 2 * self._io_threads), thread_name_prefix="kvstore-fanout"
+                )
+            return self._fanout_executor
 
     # ------------------------------------------------------------------ lookups
     def select(
@@ -666,6 +742,8 @@ class LookupBuffer:
         deadline = time.monotonic() + timeout_s
         delay = 0.0005
         suffix = uuid.uuid4().hex
+        if self._shards.cluster:
+            return self._claim_sharded(keys, deadline, suffix)
         while True:
             waiting = time.monotonic() < deadline
             args = [self.max_value_bytes, "all" if waiting else "any", suffix, CLAIM_TTL_MS]
@@ -675,10 +753,54 @@ class LookupBuffer:
             time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 0.02)
         statuses = [int(st) for st in claimed[0::2]]
-        claim_keys = [
-            k + CLAIM_MARKER + suffix for k, st in zip(keys, statuses, strict=True) if st == 1
-        ]
+        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
         return statuses, list(claimed[1::2]), claim_keys
+
+    def _claim_sharded(
+        self, keys: list[str], deadline: float, suffix: str
+    ) -> tuple[list[int], list[Any], list[str]]:
+        """``_claim_present`` on a Cluster: one script call per slot (a script may touch one
+        slot only), pipelined per master, the masters in parallel. Each key is still claimed
+        exactly once, but a batch is no longer claimed all-or-nothing: waiting for every key
+        polls ``EXISTS`` and then claims what is there."""
+        delay = 0.0005
+        while time.monotonic() < deadline and not all(self._exists(keys)):
+            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.02)
+        args: list[int | str] = [self.max_value_bytes, "any", suffix, CLAIM_TTL_MS]
+        by_slot: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_slot.setdefault(self._shards.slot(k), []).append(i)
+        groups = list(by_slot.values())
+
+        def claim_on_one(server: redis.Redis, part: list[list[int]]) -> list[Any]:
+            pipe = server.pipeline(transaction=False)
+            for group in part:
+                self._claim(keys=[keys[i] for i in group], args=args, client=pipe)
+            return list(pipe.execute(raise_on_error=False))
+
+        def claim_all() -> list[Any]:
+            replies = self._spread(claim_on_one, groups, 1, key=lambda g: keys[g[0]])
+            for n, reply in enumerate(replies):
+                if isinstance(reply, Exception) and is_redirect(reply):
+                    self._count_redirect()
+                    # the slot moved: again through redis-py (this call's earlier claims are
+                    # recognised by the suffix, so nothing is claimed twice)
+                    group_keys = [keys[i] for i in groups[n]]
+                    reply = self._claim(keys=group_keys, args=args, client=self._client)
+                if isinstance(reply, Exception):
+                    raise reply
+                replies[n] = reply
+            return replies
+
+        replies = self._call("EVALSHA", claim_all)
+        statuses = [0] * len(keys)
+        lengths: list[Any] = [0] * len(keys)
+        for group, reply in zip(groups, replies, strict=True):
+            for j, i in enumerate(group):
+                statuses[i], lengths[i] = int(reply[2 * j]), reply[2 * j + 1]
+        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
+        return statuses, lengths, claim_keys
 
     def _drop_claims(self, claim_keys: list[str]) -> None:
         if claim_keys:
@@ -752,20 +874,24 @@ class LookupBuffer:
     def _receive(
         self, commands: list[tuple[Any, ...]], views: list[memoryview], connections: int
     ) -> list[int | Oversize | None]:
-        """Send ``commands`` pipelined and receive each bulk reply into its view, the batch
-        split over up to ``connections`` connections (the first chunk on this thread)."""
-        return self._spread(
-            self._receive_on_one, list(zip(commands, views, strict=True)), connections
-        )
+        """Send ``commands`` (each ``(name, key, ...)``) pipelined and receive each bulk reply
+        into its view, the batch split over the servers holding the keys and over up to
+        ``connections`` connections per server."""
+        work = list(zip(commands, views, strict=True))
+        got = self._spread(self._receive_on_one, work, connections, key=lambda w: w[0][1])
+        for i, reply in enumerate(got):
+            if reply is REDIRECTED:  # the slot moved: redis-py finds its new master
+                self._count_redirect()
+                command, view = work[i]
+                got[i] = copy_reply(self._client.execute_command(*command), view)
+        return got  # type: ignore[return-value]
 
     def _receive_on_one(
-        self, work: list[tuple[tuple[Any, ...], memoryview]]
-    ) -> list[int | Oversize | None]:
-        if not work:
-            return []
-        out: list[int | Oversize | None] = []
+        self, server: redis.Redis, work: list[tuple[tuple[Any, ...], memoryview]]
+    ) -> list[int | Oversize | object | None]:
+        out: list[int | Oversize | object | None] = []
         refused: Exception | None = None
-        with self._pooled_connection() as conn:
+        with self._pooled_connection(server) as conn:
             conn.send_packed_command(conn.pack_commands([c for c, _ in work]))
             sock = raw_socket(conn)
             reader = ReplyReader(sock) if sock is not None else None
@@ -776,6 +902,9 @@ class LookupBuffer:
                     else:  # a client without a socket (fakeredis): copy the parsed reply
                         out.append(copy_reply(conn.read_response(), view))
                 except redis.exceptions.ResponseError as exc:
+                    if is_redirect(exc):
+                        out.append(REDIRECTED)
+                        continue
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
                     out.append(-1)
@@ -795,25 +924,22 @@ class LookupBuffer:
             return 0
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
         keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
-
-        def exists() -> list[Any]:
-            pipe = self._control.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(k)
-            return list(pipe.execute())
-
-        return leading_present(self._call("EXISTS", exists), len(fps))
+        return leading_present(self._exists(keys), len(fps))
 
     def contains(self, hashes: Sequence[str]) -> list[bool]:
-        keys = self._keys(hashes)
+        return [bool(x) for x in self._exists(self._keys(hashes))]
 
-        def exists() -> list[Any]:
+    def _exists(self, keys: Sequence[str]) -> list[int]:
+        """``EXISTS`` per key, pipelined: one round trip (on a Cluster, one per master, sent to
+        all masters before any reply is read)."""
+
+        def exists() -> list[int]:
             pipe = self._control.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(k)
-            return list(pipe.execute())
+            return [int(x) for x in pipe.execute()]
 
-        return [bool(x) for x in self._call("EXISTS", exists)]
+        return self._call("EXISTS", exists)
 
     def delete(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
         """Delete blocks (under each of ``fingerprints``, default this buffer's); returns how many

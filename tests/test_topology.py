@@ -15,6 +15,7 @@ from kvstore import (
     InvalidURLError,
     LookupBuffer,
     StoreTopologyError,
+    StoreUnavailableError,
     chain_hashes,
     parse_url,
 )
@@ -71,9 +72,17 @@ def test_bad_topology_urls_say_what_is_wrong(url: str, says: str) -> None:
         parse_url(url)
 
 
-def test_a_cluster_url_is_refused_plainly_until_the_cluster_client_exists() -> None:
-    with pytest.raises(StoreTopologyError, match="not supported yet"):
-        LookupBuffer.from_url("redis-cluster://127.0.0.1:7000", check=False)
+@pytest.mark.redis
+def test_a_cluster_url_to_a_standalone_server_fails_at_startup_naming_the_plain_form() -> None:
+    with RedisServer() as server:
+        want = re.escape(f"use redis://127.0.0.1:{server.port}")
+        with pytest.raises(StoreTopologyError, match=want):
+            LookupBuffer.from_url(f"redis-cluster://127.0.0.1:{server.port}")
+
+
+def test_a_cluster_url_with_no_reachable_seed_is_unavailable() -> None:
+    with pytest.raises(StoreUnavailableError, match="slot map"):
+        LookupBuffer.from_url(f"redis-cluster://127.0.0.1:{free_cluster_port()}")
 
 
 @pytest.mark.redis
