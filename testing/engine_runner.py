@@ -33,6 +33,13 @@ def main() -> None:
     ap.add_argument("--connector", default="RedisConnector")
     ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument(
+        "--gate",
+        action="append",
+        default=[],
+        help="PHASE:PATH (repeatable): before that phase (0-based), create PATH.ready and wait "
+        "for PATH to exist, so a test can inject a fault between phases",
+    )
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -69,7 +76,15 @@ def main() -> None:
         with open(args.params) as f:
             params = json.load(f)
     out: dict = {"prompts": {}}
-    for phase in phases:
+    gates = {int(g.split(":", 1)[0]): g.split(":", 1)[1] for g in args.gate}
+    for n, phase in enumerate(phases):
+        if n in gates:
+            open(gates[n] + ".ready", "w").close()
+            waited = time.monotonic()
+            while not os.path.exists(gates[n]):
+                if time.monotonic() - waited > 300:
+                    raise SystemExit(f"gate {gates[n]} never opened")
+                time.sleep(0.05)
         sps = []
         for p in phase:
             extra = {"kv_transfer_params": params[p["id"]]} if p["id"] in params else None

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 from testing import stack
@@ -44,6 +45,7 @@ def start_engine(
     extra: dict | None = None,
     params: dict | None = None,
     by_module_path: bool = False,
+    gates: dict[int, Path] | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -58,7 +60,22 @@ def start_engine(
         cmd += ["--params", str(p)]
     if by_module_path:
         cmd.append("--by-module-path")
+    for phase, path in (gates or {}).items():
+        cmd += ["--gate", f"{phase}:{path}"]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out
+
+
+def wait_at_gate(gate: Path, timeout_s: float = 600) -> None:
+    """Wait until an engine stopped at ``gate`` (see ``start_engine(gates=...)``)."""
+    deadline = time.monotonic() + timeout_s
+    while not Path(str(gate) + ".ready").exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine never reached {gate}")
+        time.sleep(0.1)
+
+
+def release(gate: Path) -> None:
+    gate.touch()
 
 
 def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
