@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from .connection import make_client, parse_url, translated_errors
 from .errors import CorruptValueError, KVStoreError
@@ -153,10 +154,25 @@ def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
     return out
 
 
+def _summed(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """One INFO section for a whole Cluster: numbers summed over its masters, the rest as the
+    first master says (versions, policies); ``*_human`` sizes are dropped, not recomputed."""
+    out = dict(infos[0]) if infos else {}
+    for key, value in out.items():
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            out[key] = sum(i.get(key, 0) for i in infos)
+    out = {k: v for k, v in out.items() if not k.endswith("_human")}
+    out["masters"] = len(infos)
+    return out
+
+
 def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
     def info(section: str) -> dict[str, Any]:
         # managed services often deny INFO through ACLs; report the keys anyway
         try:
+            if isinstance(client, RedisCluster):  # the whole cluster: counters summed per master
+                per_node = client.info(section, target_nodes=RedisCluster.PRIMARIES)
+                return _summed(list(per_node.values()))
             return dict(client.info(section))
         except redis.exceptions.ResponseError:
             return {}
@@ -176,6 +192,7 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
             if "redis_version" in info_server
             else "unknown (INFO not permitted)"
         ),
+        "masters": info_server.get("masters", 1),  # a Cluster's figures are summed over these
         "kv_keys": keys,
         "blocks": blocks,  # the rest: handoff records, in-flight claims, permission probes
         "keys_by_namespace": dict(namespaces),

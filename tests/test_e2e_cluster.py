@@ -16,7 +16,7 @@ from testing.redis_server import ClusterServers
 
 from .e2e_helpers import finish, release, start_engine, tokens, wait_at_gate
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
 BLOCK = 128
 PLAIN = {f"p{i}": tokens(700, 100 + i) for i in range(4)}
