@@ -5,6 +5,7 @@ the proxy's prefill/decode targets, and only the proxy is published."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
+FILES = ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.cluster.yml"]
+CLUSTER_NODES = [f"store-{n}" for n in range(1, 7)]
 
 
 def resolved(name: str) -> dict:
@@ -36,14 +38,27 @@ def kv_config(service: dict) -> dict:
 def test_compose_file_is_valid_and_wired(name: str) -> None:
     cfg = resolved(name)
     services = cfg["services"]
-    assert set(services) == {"redis", "vllm-prefill", "vllm-decode", "proxy"}
+    cluster = name == "docker-compose.cluster.yml"
+    stores = [*CLUSTER_NODES, "store-cluster-init"] if cluster else ["redis"]
+    assert set(services) == {*stores, "vllm-prefill", "vllm-decode", "proxy"}
+    url = (
+        "redis-cluster://store-1:6379,store-2:6379,store-3:6379"
+        if cluster
+        else "redis://redis:6379/0"
+    )
+    # the vLLM servers start once the store is ready: healthy, or the cluster created
+    ready = (
+        {"store-cluster-init": "service_completed_successfully"}
+        if cluster
+        else {"redis": "service_healthy"}
+    )
     roles = {}
     for svc in ("vllm-prefill", "vllm-decode"):
         kv = kv_config(services[svc])
         assert kv["kv_connector"] == "RedisConnector"
         assert kv["kv_load_failure_policy"] == "recompute"
-        assert kv["kv_connector_extra_config"]["url"] == "redis://redis:6379/0"
-        assert services[svc]["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert kv["kv_connector_extra_config"]["url"] == url
+        assert {d: c["condition"] for d, c in services[svc]["depends_on"].items()} == ready
         assert "healthcheck" in services[svc]
         assert "--port=8000" in services[svc]["command"]
         roles[svc] = kv["kv_role"]
@@ -58,19 +73,49 @@ def test_compose_file_is_valid_and_wired(name: str) -> None:
     }
     published = {s: v.get("ports") for s, v in services.items() if v.get("ports")}
     assert list(published) == ["proxy"]
-    redis_cmd = services["redis"]["command"]
-    for flag in ("--save", "--maxmemory ", "--maxmemory-policy volatile-ttl", "--io-threads"):
-        assert flag in redis_cmd
+    for store in [s for s in stores if s != "store-cluster-init"]:
+        cmd = services[store]["command"]
+        for flag in ("--save", "--maxmemory ", "--maxmemory-policy volatile-ttl", "--io-threads"):
+            assert flag in cmd
+        assert ("--cluster-enabled yes" in cmd) is cluster
+        assert services[store]["image"] == "redis:7.2"  # from .env: STORE_IMAGE
+    if cluster:
+        init = services["store-cluster-init"]
+        assert init["restart"] == "no" and "--cluster-replicas 1" in init["command"][0]
+        assert {d: c["condition"] for d, c in init["depends_on"].items()} == {
+            n: "service_healthy" for n in CLUSTER_NODES
+        }
     gpu = [
         d["device_ids"]
         for s in ("vllm-prefill", "vllm-decode")
         for d in services[s].get("deploy", {}).get("resources", {}).get("reservations", {})
         .get("devices", [])
     ]  # fmt: skip
-    if name == "docker-compose.yml":
+    if name != "docker-compose.cpu.yml":
         assert gpu == [["0"], ["1"]]  # each on its own GPU (from .env)
     else:
         assert gpu == []
+
+
+def test_the_store_image_is_selectable_in_every_variant(tmp_path: Path) -> None:
+    """Valkey instead of Redis: image, server and CLI come from STORE_* in every file."""
+    env = {"STORE_IMAGE": "valkey/valkey:8.1", "STORE_SERVER": "valkey-server"}
+    env["STORE_CLI"] = "valkey-cli"
+    for name in FILES:
+        out = subprocess.run(
+            ["docker-compose", "-f", name, "config"], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, **env},
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        services = yaml.safe_load(out.stdout)["services"]
+        stores = [s for s in services if s == "redis" or s.startswith("store-")]
+        for store in stores:
+            assert services[store]["image"] == "valkey/valkey:8.1"
+            if store != "store-cluster-init":
+                assert services[store]["command"].startswith("valkey-server ")
+                assert services[store]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
+            else:
+                assert "cli=valkey-cli" in services[store]["command"][0]
 
 
 def test_env_file_documents_every_variable_the_compose_files_use() -> None:
