@@ -288,6 +288,10 @@ class ClusterServers:
         try:
             for node in self.nodes:
                 node.start()
+            if self.replicas == 0:  # redis-cli wants 3+ masters; 1 or 2 are assigned by hand
+                self._assign_slots_by_hand()
+                self.wait_healthy(timeout_s)
+                return self
             subprocess.run(
                 [self.cli_binary(), "--cluster", "create"]
                 + [f"127.0.0.1:{n.port}" for n in self.nodes]
@@ -301,6 +305,14 @@ class ClusterServers:
             self.cleanup()
             raise
         return self
+
+    def _assign_slots_by_hand(self) -> None:
+        n = len(self.nodes)
+        for i, node in enumerate(self.nodes):
+            first, last = 16384 * i // n, 16384 * (i + 1) // n - 1
+            self.client(node).execute_command("CLUSTER ADDSLOTS", *range(first, last + 1))
+            if i:
+                self.client(node).execute_command("CLUSTER MEET", "127.0.0.1", self.nodes[0].port)
 
     def client(self, node: RedisServer) -> redis.Redis:
         return redis.Redis(unix_socket_path=node.unix_socket, socket_timeout=2)
