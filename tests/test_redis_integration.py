@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 
 import pytest
-import redis
 import torch
 
 from kvstore import (
@@ -72,35 +70,6 @@ def test_blocking_drop_select_gets_a_value_inserted_later(redis_url: str) -> Non
         got = buf.drop_select(HASHES[:2], timeout_s=5)
         assert got[0] is not None and got[1] is not None
         assert torch.equal(got[1]["kv"], block(1)["kv"])
-
-
-def _racer(url: str, keys: list[str], out: mp.Queue) -> None:
-    buf = LookupBuffer.from_url(url, namespace="race")
-    got = []
-    for start in range(0, len(keys), 3):
-        for value in buf.drop_select(keys[start : start + 5], timeout_s=0.0):
-            if value is not None:
-                got.append(int(value["kv"][0, 0, 0].item()))
-    out.put(got)
-
-
-def test_drop_select_delivers_each_value_exactly_once_across_processes(redis_url: str) -> None:
-    n = 60
-    with LookupBuffer.from_url(redis_url, namespace="race") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
-    ctx = mp.get_context("spawn")
-    out: mp.Queue = ctx.Queue()
-    # every process walks all keys in overlapping windows, some in reverse order
-    orders = [HASHES[:n], HASHES[:n][::-1], HASHES[:n], HASHES[:n][::-1]]
-    procs = [ctx.Process(target=_racer, args=(redis_url, keys, out)) for keys in orders]
-    for p in procs:
-        p.start()
-    results = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    delivered = [v for r in results for v in r]
-    assert sorted(delivered) == list(range(n)), "a value was lost or delivered twice"
-    assert redis.Redis.from_url(redis_url).keys("kv:race:*") == []
 
 
 def test_scripts_reload_after_server_restart(private_redis: RedisServer) -> None:
