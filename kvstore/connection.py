@@ -255,6 +255,8 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
     from redis.cluster import ClusterNode, RedisCluster
 
     del kwargs["host"], kwargs["port"], kwargs["db"], kwargs["retry"]
+    if kwargs.pop("connection_class", None) is redis.SSLConnection:
+        kwargs["ssl"] = True  # RedisCluster builds its node clients from ssl_* arguments
     if address.db:
         raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
     # per node a plain pool of max_connections (redis-py builds node pools itself); more

@@ -252,6 +252,7 @@ class ClusterServers:
         binary: str | None = None,
         node_timeout_ms: int = 1000,
         extra_args: list[str] | None = None,
+        tls: dict[str, str] | None = None,
     ) -> None:
         self.binary = binary or find_server_binary()
         self.masters = masters
@@ -265,10 +266,19 @@ class ClusterServers:
         ]
         for node in self.nodes:  # each node's cluster state file lives in its own directory
             node.extra_args += ["--cluster-config-file", str(node.dir / "nodes.conf")]
+        # tls: {"ca", "cert", "key"} files; then clients, replication and the bus use TLS only
+        self.tls = tls
+        for node in self.nodes if tls else []:
+            node.extra_args += [
+                "--tls-port", str(node.port), "--port", "0", "--tls-cluster", "yes",
+                "--tls-replication", "yes", "--tls-cert-file", tls["cert"],  # type: ignore[index]
+                "--tls-key-file", tls["key"], "--tls-ca-cert-file", tls["ca"],  # type: ignore[index]
+                "--tls-auth-clients", "no",
+            ]  # fmt: skip
 
     @property
     def url(self) -> str:
-        return self.url_for("redis-cluster")
+        return self.url_for("rediss-cluster" if self.tls else "redis-cluster")
 
     def url_for(self, scheme: str) -> str:
         seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self.masters])
@@ -295,7 +305,8 @@ class ClusterServers:
             subprocess.run(
                 [self.cli_binary(), "--cluster", "create"]
                 + [f"127.0.0.1:{n.port}" for n in self.nodes]
-                + ["--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                + ["--cluster-replicas", str(self.replicas), "--cluster-yes"]
+                + (["--tls", "--cacert", self.tls["ca"]] if self.tls else []),
                 check=True,
                 capture_output=True,
                 timeout=timeout_s,

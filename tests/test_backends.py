@@ -300,6 +300,19 @@ def test_a_stale_slot_map_is_corrected_by_moved_replies(store: Backend) -> None:
     assert store.keys("kv:moved:*") == []
 
 
+def test_a_cluster_over_tls(tls_files: dict[str, str]) -> None:
+    with ClusterServers(tls=tls_files) as cluster:
+        assert cluster.url.startswith("rediss-cluster://")
+        with LookupBuffer.from_url(
+            cluster.url, namespace="tls", tls_ca_file=tls_files["ca"]
+        ) as buf:
+            buf.insert_parts([(HASHES[i], parts(buf, i)) for i in range(12)], connections=2)
+            bufs = [torch.empty(8192, dtype=torch.uint8) for _ in range(12)]
+            assert all(same(g, i) for i, g in enumerate(buf.select_into(HASHES[:12], bufs)))
+            assert all(same(g, i) for i, g in enumerate(buf.drop_select(HASHES[:12])))
+            assert buf.longest_prefix(HASHES[:12]) == 0
+
+
 def test_claim_keys_live_in_their_blocks_slot(store: Backend) -> None:
     cluster = cluster_only(store)
     with LookupBuffer.from_url(store.url, namespace="slot") as buf:
