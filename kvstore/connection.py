@@ -143,8 +143,8 @@ def parse_url(url: str) -> StoreAddress:
 def _parse_topology_url(scheme: str, rest: str, safe: str) -> StoreAddress:
     """``redis-sentinel://`` / ``redis-cluster://`` (and their TLS and valkey spellings)."""
     topology, tls = _TOPOLOGIES[scheme]
+    rest, _, query = rest.partition("?")  # also with no path: rediss-cluster://h:1?tls_...
     netloc, _, tail = rest.partition("/")
-    tail, _, query = tail.partition("?")
     creds, at, hosts = netloc.rpartition("@")
     if not at:
         creds, hosts = "", netloc

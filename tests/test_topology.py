@@ -49,6 +49,20 @@ def test_topology_urls(
     assert (a.topology, a.tls, a.nodes, a.service, a.db) == (topology, tls, nodes, service, db)
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "rediss-cluster://h1:7000,h2:7001?tls_verify=false&tls_ca_file=/ca.pem",
+        "rediss-cluster://h1:7000,h2:7001/?tls_verify=false&tls_ca_file=/ca.pem",
+        "rediss-sentinel://h1:7000,h2:7001/svc?tls_verify=false&tls_ca_file=/ca.pem",
+    ],
+)
+def test_topology_urls_take_tls_options_as_query_parameters(url: str) -> None:
+    a = parse_url(url)
+    assert a.options == {"tls_verify": "false", "tls_ca_file": "/ca.pem"}
+    assert a.nodes == (("h1", 7000), ("h2", 7001))
+
+
 def test_topology_url_credentials_are_parsed_and_never_shown() -> None:
     a = parse_url("redis-sentinel://us%40er:p%40ss:w@h1:1,h2:2/svc")
     assert (a.username, a.password) == ("us@er", "p@ss:w")
