@@ -14,6 +14,9 @@ Redis semantics, one line each:
   (``publish_handoff``); a consumer reads it (``read_handoff``) and takes it once
   (``claim_handoff``).
 
+On a Redis/Valkey Cluster (``redis-cluster://``) a batch fans out to the masters holding its
+keys, in parallel; round trips above are then one per master. Claims are made per slot.
+
 A value that fails validation is never returned: it is a counted miss, logged once per key.
 Every Redis call goes through one circuit breaker: when the server is refusing, hung or gone,
 calls fail at once with :class:`StoreCircuitOpenError` until a background probe sees it answer.
