@@ -259,18 +259,19 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
         kwargs["ssl"] = True  # RedisCluster builds its node clients from ssl_* arguments
     if address.db:
         raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
-    # per node a plain pool of max_connections (redis-py builds node pools itself); more
-    # than that at once is a typed error, never a wait
     kwargs.pop("health_check_interval")
     try:
-        client = RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
-            # a command's attempts when a node fails or a slot moves: one more after the map is
-            # relearned, no sleeping; the connector's deadline bounds the rest
-            retry=Retry(NoBackoff(), 1),
-            **kwargs,
-        )
-    except rex.RedisClusterException as exc:
+        with translated_errors(address.safe_url, "CLUSTER SLOTS"):
+            # per node a plain pool of max_connections (redis-py builds node pools itself):
+            # more than that at once is a typed error, never a wait
+            client = RedisCluster(
+                startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+                # a command's attempts when a node fails or a slot moves: one more after the
+                # map is relearned, no sleeping; the connector's deadline bounds the rest
+                retry=Retry(NoBackoff(), 1),
+                **kwargs,
+            )
+    except rex.RedisClusterException as exc:  # not a RedisError: translated_errors lets it by
         if "cluster mode is not enabled" in str(exc).lower():
             first = "{}:{}".format(*address.nodes[0])
             raise StoreTopologyError(
@@ -282,10 +283,6 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
             f"cannot learn the slot map of the Cluster at {address.safe_url} ({_strip(exc)}): "
             "check that the seed nodes run, are reachable and that every slot is served"
         ) from None
-    except rex.RedisError as exc:
-        with translated_errors(address.safe_url, "CLUSTER SLOTS"):
-            raise exc
-        raise  # unreachable: translated_errors always raises
     return client  # type: ignore[return-value]
 
 

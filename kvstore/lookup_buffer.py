@@ -104,6 +104,17 @@ ACCESS: dict[str, tuple[str, ...]] = {
 }
 
 
+# A waiting drop_select polls after 0.5 ms, doubling up to 20 ms.
+_FIRST_POLL_S = 0.0005
+_MAX_POLL_S = 0.02
+
+
+def _pause(delay: float, deadline: float) -> float:
+    """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
+    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+    return min(delay * 2, _MAX_POLL_S)
+
+
 def acl_rule(operations: Iterable[str], key_pattern: str = "kv:*") -> str:
     """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)."""
     commands = dict.fromkeys(c for op in operations for c in ACCESS[op])
@@ -743,33 +754,36 @@ class LookupBuffer:
         if timeout_s < 0:
             raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
         deadline = time.monotonic() + timeout_s
-        delay = 0.0005
         suffix = uuid.uuid4().hex
-        if self._shards.cluster:
-            return self._claim_sharded(keys, deadline, suffix)
+        claim = self._claim_sharded if self._shards.cluster else self._claim_on_one_server
+        statuses, lengths = claim(keys, deadline, suffix)
+        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
+        return statuses, lengths, claim_keys
+
+    def _claim_on_one_server(
+        self, keys: list[str], deadline: float, suffix: str
+    ) -> tuple[list[int], list[Any]]:
+        """``_claim_present`` on one server: one script call for the batch; while waiting, it
+        claims nothing unless every key is present."""
+        delay = _FIRST_POLL_S
         while True:
             waiting = time.monotonic() < deadline
             args = [self.max_value_bytes, "all" if waiting else "any", suffix, CLAIM_TTL_MS]
             claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
             if claimed is not None:
-                break
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.02)
-        statuses = [int(st) for st in claimed[0::2]]
-        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
-        return statuses, list(claimed[1::2]), claim_keys
+                return [int(st) for st in claimed[0::2]], list(claimed[1::2])
+            delay = _pause(delay, deadline)
 
     def _claim_sharded(
         self, keys: list[str], deadline: float, suffix: str
-    ) -> tuple[list[int], list[Any], list[str]]:
+    ) -> tuple[list[int], list[Any]]:
         """``_claim_present`` on a Cluster: one script call per slot (a script may touch one
         slot only), pipelined per master, the masters in parallel. Each key is still claimed
         exactly once, but a batch is no longer claimed all-or-nothing: waiting for every key
         polls ``EXISTS`` and then claims what is there."""
-        delay = 0.0005
+        delay = _FIRST_POLL_S
         while time.monotonic() < deadline and not all(self._exists(keys)):
-            time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.02)
+            delay = _pause(delay, deadline)
         args: list[int | str] = [self.max_value_bytes, "any", suffix, CLAIM_TTL_MS]
         by_slot: dict[int, list[int]] = {}
         for i, k in enumerate(keys):
@@ -802,8 +816,7 @@ class LookupBuffer:
         for group, reply in zip(groups, replies, strict=True):
             for j, i in enumerate(group):
                 statuses[i], lengths[i] = int(reply[2 * j]), reply[2 * j + 1]
-        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
-        return statuses, lengths, claim_keys
+        return statuses, lengths
 
     def _drop_claims(self, claim_keys: list[str]) -> None:
         if claim_keys:

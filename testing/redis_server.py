@@ -330,27 +330,24 @@ class ClusterServers:
 
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Until every live node says ``cluster_state:ok`` and ``masters`` masters serve all
-        16384 slots, each with its replicas attached."""
+        16384 slots; with every node alive, each master also has a replica attached (after a
+        node was killed, its master has none to wait for)."""
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
             try:
                 live = [n for n in self.nodes if n.proc is not None]
                 states = [self.client(n).cluster("info") for n in live]
+                masters = self.master_nodes()
                 ok = all(s.get("cluster_state") == "ok" for s in states)
                 ok = ok and all(int(s["cluster_slots_ok"]) == 16384 for s in states)
-                ok = ok and len(self.master_nodes()) == self.masters
-                if (
-                    ok
-                    and self.replicas
-                    and all(
+                ok = ok and len(masters) == self.masters
+                if ok and self.replicas and len(live) == len(self.nodes):
+                    ok = all(
                         int(self.client(m).info("replication")["connected_slaves"]) >= 1
-                        for m in self.master_nodes()
-                        if len(live) == len(self.nodes)
+                        for m in masters
                     )
-                ):
-                    return
-                if ok and not self.replicas:
+                if ok:
                     return
                 last = str(states[0])
             except (redis.exceptions.RedisError, OSError, KeyError) as exc:
