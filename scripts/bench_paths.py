@@ -106,6 +106,24 @@ class LMCacheResp:
             g.ref_count_down()
 
 
+def pipelined_set(client: redis.Redis, keys: list[str], values: list[bytes]) -> None:
+    """The plain redis-py baseline for writes: one pipeline of ``SET``s of ready-made bytes."""
+    pipe = client.pipeline(transaction=False)
+    for k, v in zip(keys, values, strict=True):
+        pipe.set(k, v)
+    pipe.execute()
+
+
+def pipelined_get_into(client: redis.Redis, keys: list[str], dests: list[torch.Tensor]) -> None:
+    """The plain redis-py baseline for reads: one pipeline of ``GET``s, each reply copied into
+    its buffer (where kvstore's ``select_into`` lands values)."""
+    pipe = client.pipeline(transaction=False)
+    for k in keys:
+        pipe.get(k)
+    for reply, dest in zip(pipe.execute(), dests, strict=True):
+        dest[: len(reply)].copy_(torch.frombuffer(reply, dtype=torch.uint8))
+
+
 def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[str, float]:
     client = redis.Redis.from_url(url)
     client.flushdb()
@@ -118,17 +136,10 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
     value_bytes = batch * size
 
     def plain_set() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k, p in zip(plain_keys, payloads, strict=True):
-            pipe.set(k, p)
-        pipe.execute()
+        pipelined_set(client, plain_keys, payloads)
 
     def plain_get_landed() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k in plain_keys:
-            pipe.get(k)
-        for reply, dest in zip(pipe.execute(), dests, strict=True):
-            dest[:size].copy_(torch.frombuffer(reply, dtype=torch.uint8))
+        pipelined_get_into(client, plain_keys, dests)
 
     def bare_recv_into() -> None:
         conn = client.connection_pool.get_connection()

@@ -32,7 +32,7 @@ from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts, plan_entries
 from testing.redis_server import ClusterServers, RedisServer
 
-from .bench_paths import parse_size
+from .bench_paths import parse_size, pipelined_get_into, pipelined_set
 
 
 def bench(url: str, size: int, blocks: int, rounds: int, connections: int) -> dict[str, float]:
@@ -58,17 +58,10 @@ def bench(url: str, size: int, blocks: int, rounds: int, connections: int) -> di
         assert all(g is not None for g in got), "kvstore missed a block"
 
     def plain_save() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k, v in zip(plain_keys, plain_values, strict=True):
-            pipe.set(k, v)
-        pipe.execute()
+        pipelined_set(client, plain_keys, plain_values)
 
     def plain_load() -> None:
-        pipe = client.pipeline(transaction=False)
-        for k in plain_keys:
-            pipe.get(k)
-        for dest, value in zip(dests, pipe.execute(), strict=True):
-            dest[: len(value)].numpy()[:] = memoryview(value)
+        pipelined_get_into(client, plain_keys, dests)
 
     paths: dict[str, Callable[[], None]] = {
         "redis-py save": plain_save,

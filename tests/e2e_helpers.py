@@ -33,6 +33,11 @@ def tokens(n: int, seed: int) -> list[int]:
     return [r.randrange(3, 259) for _ in range(n)]
 
 
+def one_per_phase(prompts: dict[str, list[int]], ids: list[str]) -> list[list[dict]]:
+    """Phases of one prompt each: batch composition is then the same in every engine."""
+    return [[{"id": i, "prompt_token_ids": prompts[i]}] for i in ids]
+
+
 def start_engine(
     tmp: Path,
     name: str,

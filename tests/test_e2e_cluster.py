@@ -14,7 +14,7 @@ import pytest
 
 from testing.redis_server import ClusterServers
 
-from .e2e_helpers import finish, release, start_engine, tokens, wait_at_gate
+from .e2e_helpers import finish, one_per_phase, release, start_engine, tokens, wait_at_gate
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
@@ -26,19 +26,16 @@ DEADLINE_S = 3.0
 KILL_BEFORE, RECOVERED_BEFORE = 1, 7  # FAULT phases: kill before 1, promotion done before 7
 
 
-def phases(ids: list[str]) -> list[list[dict]]:
-    return [[{"id": i, "prompt_token_ids": PROMPTS[i]}] for i in ids]
-
-
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("e2e-cluster")
     with ClusterServers() as cluster:
         url = cluster.url
         ids = list(PROMPTS)
-        base = start_engine(tmp, "base", tiny_model, phases(ids), core=0)
+        phases = one_per_phase(PROMPTS, ids)
+        base = start_engine(tmp, "base", tiny_model, phases, core=0)
         prod = start_engine(
-            tmp, "prod", tiny_model, phases(ids), core=1, role="kv_producer", url=url,
+            tmp, "prod", tiny_model, phases, core=1, role="kv_producer", url=url,
             extra={"namespace": "pd"},
         )  # fmt: skip
         res: dict[str, Any] = {"base": finish(base), "prod": finish(prod)}
@@ -50,12 +47,14 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         params = {k: v["kv_transfer_params"] for k, v in res["prod"]["prompts"].items()}
         extra = {"namespace": "pd", "deadline_s": DEADLINE_S, "breaker_probe_s": 0.2}
         cons = start_engine(
-            tmp, "cons", tiny_model, phases(list(PLAIN)), core=0, role="kv_consumer", url=url,
+            tmp, "cons", tiny_model, one_per_phase(PROMPTS, list(PLAIN)),
+            core=0, role="kv_consumer", url=url,
             extra=extra, params=params,
         )  # fmt: skip
         kill, recovered = tmp / "kill", tmp / "recovered"
         fault = start_engine(
-            tmp, "fault", tiny_model, phases(list(FAULT)), core=1, role="kv_consumer", url=url,
+            tmp, "fault", tiny_model, one_per_phase(PROMPTS, list(FAULT)),
+            core=1, role="kv_consumer", url=url,
             extra=extra, params=params, gates={KILL_BEFORE: kill, RECOVERED_BEFORE: recovered},
         )  # fmt: skip
         res["cons"] = finish(cons)

@@ -23,7 +23,7 @@ from kvstore import LookupBuffer, chain_hashes
 from kvstore.keys import parse_key
 from testing.redis_server import RedisServer
 
-from .e2e_helpers import finish, start_engine, tokens
+from .e2e_helpers import finish, one_per_phase, start_engine, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -43,21 +43,17 @@ CLEAN = ["short", "few", "long", "exact", "shareA", "shareB"]
 LONG = ["long", "shareA", "corrupt", "deleted"]
 
 
-def one_per_phase(ids: list[str]) -> list[list[dict]]:
-    # one prompt at a time: batch composition is then the same in every engine
-    return [[{"id": i, "prompt_token_ids": PROMPTS[i]}] for i in ids]
-
-
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("e2e")
     with RedisServer() as server:
         url = server.url
         ids = list(PROMPTS)
-        base = start_engine(tmp, "base", tiny_model, one_per_phase(ids) * 2, core=0)
+        phases = one_per_phase(PROMPTS, ids)
+        base = start_engine(tmp, "base", tiny_model, phases * 2, core=0)
         # selected by name: the package's vLLM plugin entry point registers it
         prod = start_engine(
-            tmp, "prod", tiny_model, one_per_phase(ids), core=1, role="kv_producer", url=url,
+            tmp, "prod", tiny_model, phases, core=1, role="kv_producer", url=url,
             extra={"namespace": "pd"},
         )  # fmt: skip
         res: dict[str, Any] = {"base": finish(base), "prod": finish(prod)}
@@ -76,12 +72,13 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
 
         # selected by module path; share-mode instance 1 runs meanwhile on the other core
         cons = start_engine(
-            tmp, "cons", tiny_model, one_per_phase(ids), core=0, role="kv_consumer", url=url,
+            tmp, "cons", tiny_model, phases, core=0, role="kv_consumer", url=url,
             extra={"namespace": "pd", "deadline_s": 3}, params=params, by_module_path=True,
         )  # fmt: skip
         share_ids = ["few", "long", "shareA", "shareB"]
+        share_phases = one_per_phase(PROMPTS, share_ids)
         both1 = start_engine(
-            tmp, "both1", tiny_model, one_per_phase(share_ids), core=1, role="kv_both", url=url,
+            tmp, "both1", tiny_model, share_phases, core=1, role="kv_both", url=url,
             extra={"namespace": "pool"},
         )  # fmt: skip
         res["cons"] = finish(cons)
@@ -90,7 +87,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         res["pd_ttls_after_decode"] = [client.pttl(k) for k in res["pd_keys_after_decode"]]
         res["pool_keys_after_1"] = block_keys(client, "pool")
         both2 = start_engine(
-            tmp, "both2", tiny_model, one_per_phase(share_ids), core=0, role="kv_both", url=url,
+            tmp, "both2", tiny_model, share_phases, core=0, role="kv_both", url=url,
             extra={"namespace": "pool"},
         )  # fmt: skip
         res["both2"] = finish(both2)
