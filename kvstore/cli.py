@@ -45,7 +45,7 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
     """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range."""
     pattern = f"{prefix}:{namespace or '*'}:*"
     groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-    others: dict[str, int] = defaultdict(int)  # claims, handoff records, probes
+    others: dict[str, int] = defaultdict(int)  # claims, handoff and document records, probes
     for key in _scan(client, pattern):
         parsed = parse_key(key, prefix)
         if parsed is None:
@@ -89,6 +89,7 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
         "claim": "(in-flight drop_select claims)",
         "handoff": "(handoff commit records)",
         "probe": "(permission probes)",
+        "document": "(warmed-document records)",
     }
     for kind, count in sorted(others.items()):
         rows.append({"namespace": labels[kind], "blocks": count})

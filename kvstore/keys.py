@@ -5,6 +5,7 @@
                                                                  a block claimed by drop_select
     <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
     <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
+    <prefix>:<namespace>:<fingerprint>:doc:<document id>         a warmed document's record
 
 Braces are Redis Cluster hash tags. A handoff id sits in them, so every tensor-parallel rank's
 commit record of one handoff lives in one slot. A claim ends with its block's whole key in them,
@@ -24,6 +25,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 CLAIM_MARKER = ":claim:"
 _HANDOFF = "handoff"
 _PROBE = "probe"
+_DOCUMENT = "doc"
 
 
 def claim_key(block_key: str, claim_id: str) -> str:
@@ -64,6 +66,9 @@ class KeySpace:
     def probe(self, token: str) -> str:
         return f"{self._base(None)}:{_PROBE}:{token}"
 
+    def document(self, document_id: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{_DOCUMENT}:{check_name('document id', document_id)}"
+
     def pattern(self, fingerprint: str | None = None) -> str:
         """The SCAN / redis-cli pattern of every key of this space."""
         return f"{self._base(fingerprint)}:*"
@@ -71,10 +76,10 @@ class KeySpace:
 
 @dataclass(frozen=True)
 class ParsedKey:
-    kind: str  # "block", "claim", "handoff", "probe"
+    kind: str  # "block", "claim", "handoff", "probe", "document"
     namespace: str
     fingerprint: str
-    name: str  # the block hash, or the handoff / probe id
+    name: str  # the block hash, or the handoff / probe / document id
 
 
 def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
@@ -95,4 +100,6 @@ def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
         return ParsedKey("handoff", ns, fp, rest[1].strip("{}"))
     if len(rest) == 2 and rest[0] == _PROBE:
         return ParsedKey("probe", ns, fp, rest[1])
+    if len(rest) == 2 and rest[0] == _DOCUMENT:
+        return ParsedKey("document", ns, fp, rest[1])
     return None

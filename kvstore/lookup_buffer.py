@@ -35,7 +35,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
 import redis
@@ -101,6 +101,8 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "handoff_read": ("GET",),
     "handoff_claim": ("SET",),
     "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "PEXPIRE", "RENAME", "GET", "UNLINK"),
+    "block_info": ("STRLEN", "PTTL"),
+    "renew": ("PEXPIRE", "PERSIST"),
 }
 
 
@@ -113,6 +115,15 @@ def _pause(delay: float, deadline: float) -> float:
     """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
     time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
     return min(delay * 2, _MAX_POLL_S)
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A stored block as ``block_info`` sees it (summed / the minimum over fingerprints)."""
+
+    present: bool
+    size: int  # bytes stored
+    ttl_s: float | None  # seconds left; None: no expiry (or not present)
 
 
 def acl_rule(operations: Iterable[str], key_pattern: str = "kv:*") -> str:
@@ -393,9 +404,27 @@ class LookupBuffer:
             ),
             "delete": lambda: ctl.unlink(probe, claim_key(probe, suffix)),
         }
+        # operations of several commands outside a script: each command probed on its own, so
+        # the error names the one refused
+        commands: dict[str, list[tuple[str, Callable[[], object]]]] = {
+            "block_info": [
+                ("STRLEN", lambda: ctl.strlen(probe)),
+                ("PTTL", lambda: ctl.pttl(probe)),
+            ],
+            "renew": [
+                ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),
+                ("PERSIST", lambda: ctl.persist(probe)),
+                ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),  # never left forever
+            ],
+        }
         order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
-        order += ["drop_select", "delete"]
+        order += ["block_info", "renew", "drop_select", "delete"]
+        assert set(order) == set(ACCESS), "every operation has a probe"
         for op in (o for o in order if o in ops):
+            if op in commands:
+                for command, step in commands[op]:
+                    self._call(command, step)
+                continue
             command = " ".join(ACCESS[op]) if op == "drop_select" else ACCESS[op][0]
             try:
                 self._call(command, steps[op])
@@ -942,8 +971,69 @@ class LookupBuffer:
         keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
         return leading_present(self._exists(keys), len(fps))
 
+    def longest_prefixes(
+        self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
+    ) -> list[int]:
+        """``longest_prefix`` of many chains (e.g. every document of a corpus) in one round trip."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        keys = [self.keys.block(h, fp) for chain in chains for h in chain for fp in fps]
+        exists = self._exists(keys) if keys else []
+        out, at = [], 0
+        for chain in chains:
+            span = len(chain) * len(fps)
+            out.append(leading_present(exists[at : at + span], len(fps)))
+            at += span
+        return out
+
     def contains(self, hashes: Sequence[str]) -> list[bool]:
         return [bool(x) for x in self._exists(self._keys(hashes))]
+
+    def block_info(
+        self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
+    ) -> list[BlockInfo]:
+        """Per block, in one round trip (``STRLEN`` and ``PTTL`` per key): whether it is present
+        under every fingerprint, its stored bytes summed over them, and the shortest TTL left."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+        keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
+
+        def read() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
+            for k in keys:
+                pipe.strlen(k)
+                pipe.pttl(k)
+            return list(pipe.execute())
+
+        replies = self._call("STRLEN", read) if keys else []
+        out = []
+        for i in range(len(hashes)):
+            span = replies[2 * i * len(fps) : 2 * (i + 1) * len(fps)]
+            sizes, pttls = [int(x) for x in span[0::2]], [int(x) for x in span[1::2]]
+            present = all(p != -2 for p in pttls)  # -2: no such key (an empty value is -1/>=0)
+            ttls = [p / 1000 for p in pttls if p >= 0]
+            out.append(BlockInfo(present, sum(sizes), min(ttls) if ttls else None))
+        return out
+
+    def renew(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
+        """Give a chain's blocks this buffer's TTL again, counted from now, each a little shorter
+        than its parent's as ``insert`` sets them (``PERSIST`` when the buffer has no TTL).
+        Moves no data; returns how many keys' TTL changed (a missing key's never does)."""
+        fps = list(fingerprints) if fingerprints else [self.fingerprint]
+
+        def send() -> list[Any]:
+            pipe = self._control.pipeline(transaction=False)
+            for pos, h in enumerate(hashes):
+                ttl = self._ttl_ms(pos)
+                for fp in fps:
+                    key = self.keys.block(h, fp)
+                    if ttl is None:
+                        pipe.persist(key)
+                    else:
+                        pipe.pexpire(key, ttl)
+            return list(pipe.execute())
+
+        if not hashes:
+            return 0
+        return sum(int(bool(r)) for r in self._call("PEXPIRE", send))
 
     def _exists(self, keys: Sequence[str]) -> list[int]:
         """``EXISTS`` per key, pipelined: one round trip (on a Cluster, one per master, sent to
