@@ -13,6 +13,7 @@ This class only dispatches: the scheduler side lives in ``scheduler.py``, the wo
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any
@@ -65,6 +66,28 @@ def _optional(module: str, name: str) -> Any:
 
 # vLLM 0.32+: per-source prefix-cache hit metrics
 CacheHitSource = _optional("vllm.v1.metrics.cache_hit_source", "CacheHitSource")
+
+
+# A path the scheduler side writes its keys' layout to at startup (JSON: namespace, block size,
+# the fingerprint of every TP rank, model): how ``connector.warm`` learns which keys its engine
+# writes, and a way to see which fingerprint a server uses.
+LAYOUT_FILE_ENV = "REDIS_KV_CONNECTOR_LAYOUT_FILE"
+
+
+def write_layout_file(path: str | None, config: RedisConnectorConfig, layout: KVLayout) -> None:
+    if not path:
+        return
+    doc = {
+        "namespace": config.namespace,
+        "block_size": layout.block_size,
+        "fingerprints": layout.all_fingerprints(),
+        "model_id": layout.model_id,
+        "dtype": layout.dtype,
+        "kv_cache_dtype": layout.kv_cache_dtype,
+        "tp_size": layout.tp_size,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f)
 
 
 def _tp_rank() -> int:
@@ -137,6 +160,7 @@ class RedisConnector(KVConnectorBase_V1):
         self.connector_worker: RedisConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = RedisConnectorScheduler(self.rc, self.layout, store)
+            write_layout_file(os.environ.get(LAYOUT_FILE_ENV), self.rc, self.layout)
         else:
             self.connector_worker = RedisConnectorWorker(self.rc, self.layout, store, tp_rank)
         logger.info(
