@@ -32,6 +32,7 @@ def test_the_wheel_ships_only_the_shipped_packages(wheel: zipfile.ZipFile) -> No
     assert tops - dist_info == {"kvstore", "datamover", "connector"}
     names = set(wheel.namelist())
     assert {"connector/proxy.py", "connector/redis_connector.py", "kvstore/cli.py"} <= names
+    assert {"connector/warm/__main__.py", "connector/warm/cli.py"} <= names
     assert not any("redis_server" in n or "engine_runner" in n for n in names)
 
 
@@ -39,6 +40,7 @@ def test_entry_points_and_dependencies(wheel: zipfile.ZipFile) -> None:
     (info,) = {n.split("/", 1)[0] for n in wheel.namelist() if ".dist-info/" in n}
     entry_points = wheel.read(f"{info}/entry_points.txt").decode()
     assert "vllm-redis-proxy = connector.proxy:main" in entry_points
+    assert "vllm-redis-warm = connector.warm.cli:main" in entry_points
     assert "kvstore = kvstore.cli:main" in entry_points
     assert "redis_kv_connector = connector.plugin:register" in entry_points
     meta = Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
