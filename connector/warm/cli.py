@@ -297,6 +297,16 @@ def _run(
                 rate=f"{progress.tasks[0].completed / elapsed:,.0f} tok/s",
             )
 
+        def confirm(waiting: list[Row]) -> None:
+            """Settle the rows whose writes are confirmed; count the finished ones."""
+            nonlocal done_docs, done_bytes
+            for row in _confirmed(store, eng.layout, waiting):
+                if row.status != "todo":  # (else: to be prefilled again)
+                    done_docs += 1
+                    done_bytes += row.bytes
+                    progress.advance(task, row.tokens)
+            update()
+
         update()
         for attempt in range(RETRIES + 1):
             batch = [r for r in todo if r.status == "todo"]
@@ -319,19 +329,9 @@ def _run(
                             continue
                         row.handoff = (f.params or {}).get("handoff")
                         waiting.append(row)
-                    for row in _confirmed(store, eng.layout, waiting):
-                        if row.status != "todo":
-                            done_docs += 1
-                            done_bytes += row.bytes
-                            progress.advance(task, row.tokens)
-                    update()
+                    confirm(waiting)
                 while waiting:
-                    for row in _confirmed(store, eng.layout, waiting):
-                        if row.status != "todo":
-                            done_docs += 1
-                            done_bytes += row.bytes
-                            progress.advance(task, row.tokens)
-                    update()
+                    confirm(waiting)
                     time.sleep(0.02)
             except KVStoreError as exc:
                 for r in batch:
