@@ -221,13 +221,14 @@ def flush_namespace(client: redis.Redis, prefix: str, namespace: str) -> int:
     return deleted
 
 
-def _human(n: int | None) -> str:
+def human_size(n: float | None) -> str:
+    """Bytes for people: 512 B, 1.5 MiB; '-' for unknown."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
+        n /= 1024
     return f"{n:.1f} TiB"
 
 
@@ -292,7 +293,7 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 r["namespace"],
                 r.get("fingerprint", ""),
                 str(r["blocks"]),
-                _human(r.get("bytes")),
+                human_size(r.get("bytes")),
                 _range(r.get("ttl_min_s"), r.get("ttl_max_s")),
                 _range(r.get("age_min_s"), r.get("age_max_s")),
                 r.get("pattern", ""),
@@ -307,7 +308,9 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             console.print(f"{escape(args.key)}: no such key")
         else:
             verdict = "[green]valid[/green]" if info.get("valid") else "[red]INVALID[/red]"
-            console.print(f"[bold]{escape(args.key)}[/bold]  {verdict}  {_human(info['bytes'])}")
+            console.print(
+                f"[bold]{escape(args.key)}[/bold]  {verdict}  {human_size(info['bytes'])}"
+            )
             for k in ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
                       "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
                 if k in info:
@@ -315,7 +318,7 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             if info.get("tensors"):
                 table = Table("tensor", "dtype", "shape", "bytes")
                 for t in info["tensors"]:
-                    table.add_row(t["name"], t["dtype"], str(t["shape"]), _human(t["bytes"]))
+                    table.add_row(t["name"], t["dtype"], str(t["shape"]), human_size(t["bytes"]))
                 console.print(table)
         return 0 if info.get("valid") else 1
     if args.cmd == "stats":

@@ -965,11 +965,7 @@ class LookupBuffer:
         With ``fingerprints`` (e.g. one per tensor-parallel rank) a block counts only when it is
         present under every fingerprint. An empty ``hashes`` gives 0.
         """
-        if not hashes:
-            return 0
-        fps = list(fingerprints) if fingerprints else [self.fingerprint]
-        keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
-        return leading_present(self._exists(keys), len(fps))
+        return self.longest_prefixes([hashes], fingerprints)[0]
 
     def longest_prefixes(
         self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None

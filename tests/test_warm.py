@@ -234,6 +234,20 @@ def test_check_reports_each_warmed_document_and_what_is_missing(
 
 
 @pytest.mark.redis
+def test_check_prints_a_table_people_can_read(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    buf = LookupBuffer.from_url(redis_url, namespace="w", fingerprint="f", ttl_s=600)
+    buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0])])
+    save_record(buf, _record("manual.txt", CHAINS[0], ["f"]))
+    buf.close()
+    assert cli.main(["--url", redis_url, "--namespace", "w", "--check"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if "manual.txt" in ln)
+    assert "100%" in line and "complete" in line and "KiB" in line and "4" in line
+
+
+@pytest.mark.redis
 def test_check_with_nothing_warmed_fails_and_says_so(
     redis_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -424,3 +438,20 @@ def test_the_readmes_acl_rule_for_the_warm_command_covers_what_it_checks() -> No
     line = next(ln for ln in readme.splitlines() if ln.startswith("| `connector.warm` |"))
     needed = acl_rule(cli.OPERATIONS).split(" ~")[0].split()
     assert needed and all(f"{perm} " in line for perm in needed), (needed, line)
+
+
+def test_the_warm_report_table_shows_each_document_and_the_total(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rich.console import Console
+
+    rows = [
+        cli.Row("a.txt", "stored", tokens=1222, blocks=9, stored=9, bytes=1_153_434, seconds=1.1),
+        cli.Row("b.txt", "short", tokens=4, message="shorter than one block"),
+    ]
+    cli._print(Console(width=120), rows, False, "vllm", ["f"], "m", "warm")
+    lines = capsys.readouterr().out.splitlines()
+    a = next(ln for ln in lines if "a.txt" in ln)
+    assert "1,222" in a and "1.1 MiB" in a and "stored" in a
+    assert "short: shorter than one block" in next(ln for ln in lines if "b.txt" in ln)
+    assert "1,226" in next(ln for ln in lines if "total" in ln)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
+from kvstore.cli import human_size
 from kvstore.documents import DocumentRecord, load_records, presence, save_record
 
 from .inputs import Document, PromptStyle, read_documents, render
@@ -293,7 +294,7 @@ def _run(
             progress.update(
                 task,
                 docs=f"{done_docs}/{len(todo)} docs",
-                bytes=_size(done_bytes),
+                bytes=human_size(done_bytes),
                 rate=f"{progress.tasks[0].completed / elapsed:,.0f} tok/s",
             )
 
@@ -369,14 +370,14 @@ def _confirmed(store: LookupBuffer, layout: StoreLayout, waiting: list[Row]) -> 
 
 def _settle(store: LookupBuffer, layout: StoreLayout, row: Row, committed: int) -> None:
     row.seconds = time.perf_counter() - row.started
+    if committed < row.blocks and row.attempts <= RETRIES:
+        row.message = f"{row.blocks - committed} blocks not written; prefilling again"
+        return  # stays "todo"; counted when it settles
     new = row.chain[row.present : committed]
     row.stored = len(new)
     if new:
         row.bytes = sum(i.size for i in store.block_info(new, layout.fingerprints))
     if committed < row.blocks:
-        if row.attempts <= RETRIES:
-            row.message = f"{row.blocks - committed} blocks not written; prefilling again"
-            return  # stays "todo"
         row.message = (
             f"{row.blocks - committed} of {row.blocks} blocks could not be written (Redis full, "
             "or saves shed: see the warnings above, raise max_inflight_bytes or lower --in-flight)"
@@ -404,6 +405,7 @@ def check(args: argparse.Namespace, out: Console) -> int:
         records, unreadable = load_records(store, args.model)
         rows = []
         wanted = read_documents(args.documents, args.text_field, args.id_field)
+        wanted_by_name = {d.name: d for d in wanted}
         by_name: dict[str, list[DocumentRecord]] = {}
         for rec in records:
             by_name.setdefault(rec.name, []).append(rec)
@@ -424,7 +426,7 @@ def check(args: argparse.Namespace, out: Console) -> int:
                     ttl_s=round(now.ttl_s, 1) if now.ttl_s is not None else None,
                     message=f"usable prefix {now.usable}/{now.blocks} blocks",
                 )
-                given = next((d for d in wanted if d.name == name), None)
+                given = wanted_by_name.get(name)
                 if (
                     given is not None
                     and given.text is not None
@@ -445,14 +447,6 @@ def check(args: argparse.Namespace, out: Console) -> int:
 
 
 # ---------------------------------------------------------------------------------------- output
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return f"{n:,.1f} TiB"
-
-
 def _print(
     out: Console,
     rows: list[Row],
@@ -504,7 +498,7 @@ def _print(
             "stored": f"{r.stored:,}",
             "present": f"{r.present:,}",
             "share": f"{100 * r.present / r.blocks:.0f}%" if r.blocks else "0%",
-            "bytes": _size(r.bytes),
+            "bytes": human_size(r.bytes),
             "seconds": f"{r.seconds:.2f}",
             "TTL left": "none" if r.ttl_s is None else f"{r.ttl_s:,.0f} s",
         }
@@ -518,7 +512,7 @@ def _print(
             f"{totals['blocks']:,}",
             f"{totals['stored']:,}",
             f"{totals['present']:,}",
-            _size(totals["bytes"]),
+            human_size(totals["bytes"]),
             "",
             "",
         )
