@@ -79,11 +79,17 @@ def test_save_then_load_into_another_cache_is_bit_exact(
     src = caches(device, layers=layers)
     dst = caches(device, layers=layers, seed=None, token_major=token_major)
     client = redis.Redis.from_url(redis_url)
-    # small chunks, so one call spans several chunks and several connections
-    kw = {"max_inflight_bytes": 64 << 20, "chunk_bytes": 4 << 20, "connections": 3}
+    # small chunks, so one call spans several chunks and several connections; staging for
+    # all 20 blocks (a block is 2 MiB at the GPU's 32 layers, 256 KiB at the CPU's 4)
+    mib = 1 << 20
+    kw = {
+        "max_inflight_bytes": (256 if device == "cuda" else 64) * mib,
+        "chunk_bytes": (8 if device == "cuda" else 4) * mib,
+        "connections": 3,
+    }
     saver = BlockMover(src, store_on(client), **kw)
     loader = BlockMover(dst, store_on(client), **kw)
-    assert saver.chunk_blocks < 20
+    assert 1 < saver.chunk_blocks < 20
     hashes = chain_hashes(list(range(20 * 16)), 16)
     src_ids = [3 * i + 1 for i in range(20)]
     dst_ids = list(range(40, 60))
