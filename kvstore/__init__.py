@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .codec import FORMAT_VERSION, ValueHeader, decode_value, encode_value, read_header
     from .connection import StoreAddress, parse_url, redact_url
     from .counters import StoreStats
-    from .handoff import HandoffState
+    from .handoff import Claim, HandoffState
     from .hashing import chain_hashes, root_hash
     from .lookup_buffer import LookupBuffer, layout_fingerprint
 
@@ -43,6 +43,7 @@ _LAZY = {
     "redact_url": "connection",
     "chain_hashes": "hashing",
     "root_hash": "hashing",
+    "Claim": "handoff",
     "HandoffState": "handoff",
     "LookupBuffer": "lookup_buffer",
     "StoreStats": "counters",
@@ -61,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "FORMAT_VERSION",
+    "Claim",
     "CorruptValueError",
     "HandoffState",
     "InvalidArgumentError",

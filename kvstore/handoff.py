@@ -3,6 +3,7 @@ wrote), the states a consumer can find it in, and how to read several ranks' rec
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,3 +69,19 @@ class Records:
                     self.taken = True  # not a record we can read: never wait on it
         complete = len(counts) == len(replies) and not self.taken
         self.committed: int | None = min(counts) if complete else None
+
+
+class Claim(enum.Enum):
+    """What a consumer's claim of a handoff found (``LookupBuffer.claim_handoff``)."""
+
+    WON = "won"  # every rank's record held a count (or this owner's claim): the chain is ours
+    TAKEN = "taken"  # another owner claimed it first: not ours to load or delete
+    UNCOMMITTED = "uncommitted"  # a record is missing (evicted, never written) or pending
+
+
+def claim_outcome(replies: Sequence[Any], own: bytes) -> Claim:
+    """The outcome of ``SET record <own> XX GET`` sent for every rank's record."""
+    records = Records(replies, own=own)
+    if records.taken:
+        return Claim.TAKEN
+    return Claim.WON if records.committed is not None else Claim.UNCOMMITTED

@@ -18,6 +18,7 @@ from .errors import InvalidArgumentError
 
 # Bumping this string invalidates every stored chain (a new hash family).
 _CHAIN_DOMAIN = b"kvstore.chain.v1\x00"
+_EXTRAS_TAG = b"\x00extras\x00"
 
 
 def _token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -54,18 +55,31 @@ def chain_hashes(
     salt: str = "",
     *,
     parent: str | None = None,
+    block_extras: Sequence[bytes] | None = None,
 ) -> list[str]:
     """One 32-char hex hash per *full* block of ``token_ids``; a trailing partial block is ignored.
 
     Block i's hash covers every token of blocks 0..i and the salt. ``parent`` (the hex hash of the
     block before ``token_ids[0]``) lets a caller extend a chain without rehashing its prefix.
+    ``block_extras[i]``, when given and not empty, enters block i's hash too: what else its KV
+    depends on (a digest of the prompt embeddings at its positions, say). A chain without extras
+    hashes as it always did.
     """
     if not isinstance(block_size, int) or block_size <= 0:
         raise InvalidArgumentError(f"block_size must be a positive int, got {block_size!r}")
     tokens = _as_int_list(token_ids)
+    n_blocks = len(tokens) // block_size
+    if block_extras is not None and len(block_extras) < n_blocks:
+        raise InvalidArgumentError(
+            f"block_extras has {len(block_extras)} entries for {n_blocks} full blocks"
+        )
     prev = bytes.fromhex(parent) if parent is not None else root_hash(salt)
     out: list[str] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = xxhash.xxh3_128_digest(prev + _token_bytes(tokens[start : start + block_size]))
+    for i in range(n_blocks):
+        data = prev + _token_bytes(tokens[i * block_size : (i + 1) * block_size])
+        if block_extras is not None and block_extras[i]:
+            # the token bytes have a fixed length, so the extras cannot alias other tokens
+            data += _EXTRAS_TAG + bytes(block_extras[i])
+        prev = xxhash.xxh3_128_digest(data)
         out.append(prev.hex())
     return out

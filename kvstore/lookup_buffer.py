@@ -69,8 +69,10 @@ from .handoff import (
     HANDOFF_TAKEN,
     HANDOFF_TTL_MS,
     TAKEN_TTL_MS,
+    Claim,
     HandoffState,
     Records,
+    claim_outcome,
     leading_present,
 )
 from .keys import DEFAULT_KEY_PREFIX, KeySpace, claim_key
@@ -1079,32 +1081,45 @@ class LookupBuffer:
     ) -> HandoffState:
         """One round trip: every rank's commit record, and how many leading blocks of ``hashes``
         are present under every fingerprint."""
+        return self.read_handoffs([(handoff_id, hashes)], fingerprints)[0]
+
+    def read_handoffs(
+        self,
+        handoffs: Sequence[tuple[str, Sequence[str]]],
+        fingerprints: Sequence[str] | None = None,
+    ) -> list[HandoffState]:
+        """``read_handoff`` of many (handoff id, chain) pairs in one round trip."""
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
-        block_keys = [self.keys.block(h, fp) for h in hashes for fp in fps]
 
         def read() -> list[Any]:
             pipe = self._control.pipeline(transaction=False)
-            for fp in fps:
-                pipe.get(self.keys.handoff(handoff_id, fp))
-            for k in block_keys:
-                pipe.exists(k)
+            for handoff_id, hashes in handoffs:
+                for fp in fps:
+                    pipe.get(self.keys.handoff(handoff_id, fp))
+                for h in hashes:
+                    for fp in fps:
+                        pipe.exists(self.keys.block(h, fp))
             return list(pipe.execute())
 
-        replies = self._call("GET", read)
-        records = Records(replies[: len(fps)])
-        return HandoffState(
-            records.committed,
-            records.taken,
-            leading_present(replies[len(fps) :], len(fps)),
-            records.pending,
-        )
+        replies = self._call("GET", read) if handoffs else []
+        out, at = [], 0
+        for _, hashes in handoffs:
+            records = Records(replies[at : at + len(fps)])
+            at += len(fps)
+            span = len(hashes) * len(fps)
+            present = leading_present(replies[at : at + span], len(fps))
+            at += span
+            out.append(HandoffState(records.committed, records.taken, present, records.pending))
+        return out
 
     def claim_handoff(
         self, handoff_id: str, fingerprints: Sequence[str] | None = None, *, owner: str = ""
-    ) -> bool:
-        """Take a committed handoff for ``owner`` (``SET ... XX PX GET``): True for exactly one
-        owner, also when its claim is sent again; False when another owner took it first or it
-        is not committed. The record then says "taken" for a minute and expires."""
+    ) -> Claim:
+        """Take a committed handoff for ``owner`` (``SET ... XX PX GET`` on every rank's
+        record): ``Claim.WON`` for exactly one owner, also when its claim is sent again;
+        ``Claim.TAKEN`` when another owner took it first; ``Claim.UNCOMMITTED`` when a record is
+        missing or still pending (nothing to take exclusively). A taken record says so for a
+        minute, then expires."""
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
         mark = HANDOFF_TAKEN + b":" + owner.encode()
 
@@ -1116,8 +1131,7 @@ class LookupBuffer:
                 )
             return list(pipe.execute())
 
-        records = Records(self._call("SET", claim), own=mark)
-        return records.committed is not None and not records.taken
+        return claim_outcome(self._call("SET", claim), own=mark)
 
     def delete_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
         fps = list(fingerprints) if fingerprints else [self.fingerprint]

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from kvstore import LookupBuffer, chain_hashes
+from kvstore import Claim, LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts, plan_entries
 from kvstore.keys import parse_key
 from testing.redis_server import ClusterServers, RedisServer, server_binary
@@ -210,7 +210,7 @@ def test_handoff_records_and_one_owner(store: Backend) -> None:
         state = buf.read_handoff("req-1", HASHES[:4], FPS)
         assert (state.committed, state.present) == (4, 4)
         owners = [buf.claim_handoff("req-1", FPS, owner=o) for o in ("a", "a", "b")]
-        assert owners == [True, True, False]  # "a" twice: its claim was sent again
+        assert owners == [Claim.WON, Claim.WON, Claim.TAKEN]  # "a" twice: sent again
         assert buf.delete_handoff("req-1", FPS) == 2
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvstore import (
+    Claim,
     InvalidArgumentError,
     InvalidValueError,
     LookupBuffer,
@@ -257,7 +258,7 @@ def test_handoff_is_committed_then_taken_by_exactly_one_consumer(fake_client) ->
     producer.publish_handoff("req1", 3)
     assert consumer.read_handoff("req1", HASHES[:4]).committed == 3
     claims = [consumer.claim_handoff("req1", owner=who) for who in ("a", "a", "b")]
-    assert claims == [True, True, False]  # one owner; its claim may be sent again
+    assert claims == [Claim.WON, Claim.WON, Claim.TAKEN]  # one owner; it may ask again
     after = consumer.read_handoff("req1", HASHES[:4])
     assert after.taken and after.committed is None
     assert 0 < fake_client.pttl(consumer.keys.handoff("req1")) <= 60_000  # and soon expires
@@ -268,7 +269,8 @@ def test_handoff_over_ranks_waits_for_every_rank_and_takes_the_minimum(fake_clie
     fps = [r.fingerprint for r in ranks]
     ranks[0].publish_handoff("req", 5)
     assert ranks[0].read_handoff("req", HASHES[:1], fps).committed is None  # rank 1 still writing
-    assert not ranks[0].claim_handoff("req", ["f1"])  # nothing to claim yet, nothing created
+    # nothing to claim yet, and nothing created
+    assert ranks[0].claim_handoff("req", ["f1"]) == Claim.UNCOMMITTED
     assert fake_client.exists(ranks[1].keys.handoff("req")) == 0
     assert ranks[0].read_handoff("req", HASHES[:1], fps).pending is False
     ranks[1].open_handoff("req")

@@ -12,6 +12,7 @@ import redis
 import torch
 
 from kvstore import (
+    Claim,
     LookupBuffer,
     StoreCircuitOpenError,
     StoreCommandError,
@@ -59,7 +60,7 @@ def test_the_documented_rule_is_enough_for_every_operation(private_redis: RedisS
         buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
         buf.publish_handoff("h1", 3)
         assert buf.read_handoff("h1", HASHES[:4]).committed == 3
-        assert buf.claim_handoff("h1")
+        assert buf.claim_handoff("h1") == Claim.WON
         assert buf.longest_prefix(HASHES) == 3 and buf.select(HASHES[:1])[0] is not None
         assert buf.drop_select(HASHES[:2])[1] is not None
         assert buf.delete(HASHES[2:3]) == 1
