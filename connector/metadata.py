@@ -10,14 +10,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 @dataclass
 class LoadSpec:
     """Load ``hashes[i]`` into ``block_ids[i]`` within ``timeout_s`` (the rest of the request's
-    deadline, counted from when the worker receives it); then delete ``drop_hashes`` (consume
-    mode: the whole handed-off chain, loaded or not)."""
+    deadline, counted from when the worker receives it). Consume mode: first claim handoff
+    ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is loaded or
+    deleted -- then, loaded or not, delete ``drop_hashes`` (the whole handed-off chain)."""
 
     req_id: str
     block_ids: list[int]
     hashes: list[str]
     timeout_s: float
     drop_hashes: list[str] = field(default_factory=list)
+    claim: str | None = None
+    owner: str = ""
 
 
 @dataclass
@@ -36,12 +39,16 @@ class SaveSpec:
 class CommitSpec:
     """The request finished: once its saves are acknowledged, publish how many leading blocks
     of the chain are in Redis. Blocks below ``present_blocks`` were there already (share mode)
-    and were not saved again."""
+    and were not saved again. ``holds_blocks``: vLLM keeps the request's blocks until the
+    worker reports it finished sending (once it has taken this commit, every save of the
+    request was staged); only for a request whose saves were planned and that is not
+    loading."""
 
     req_id: str
     handoff: str
     num_blocks: int
     present_blocks: int
+    holds_blocks: bool = True
 
 
 @dataclass

@@ -255,6 +255,9 @@ class RedisConnector(KVConnectorBase_V1):
             self.connector_scheduler.shutdown()
 
     # ------------------------------------------------------------------ scheduler side
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

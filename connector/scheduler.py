@@ -1,32 +1,76 @@
-"""Scheduler side: which prompt blocks are in Redis, which to load, which to save.
+"""Scheduler side: which prompt blocks are in Redis, which to load, which to save -- one
+request's life as a state machine.
 
 Every request gets one deadline for everything Redis-related (lookup, waiting for the producer,
 load), scaled with its prompt length; when it passes -- or the store's circuit breaker is open
--- the request recomputes. Redis round trips never run on the scheduler's thread: lookups go to
-a small pool of their own, deletes to another, and the scheduler only looks at finished Futures.
+-- the request recomputes. Time spent waiting for vLLM to find room in the KV cache does not
+count against it. Redis round trips never run on the scheduler's thread: lookups go to a few
+threads of their own that send every lookup queued at once in one round trip (``lookups.py``;
+started when vLLM adds the request, so most are back before it is scheduled), deletes to
+another, and the scheduler only looks at finished Futures. One scheduler step waits at most
+``lookup_wait_s`` for lookups in all, however many requests it looks at.
 
 Handoffs (disaggregated prefill): a producer salts each request's chain with a fresh handoff id
 in consume mode, so two requests never share keys; when the request finishes its worker
 publishes a commit record saying how many leading blocks it really wrote (shed and failed
-saves excluded). The consumer waits for that record -- milliseconds, not a timeout -- claims the
-handoff once, loads what is there and recomputes the rest at once.
+saves excluded). The consumer waits for that record -- milliseconds, not a timeout -- and
+loads what is there; the worker claims the handoff (exactly once, for this request) before it
+reads, so a claim is only ever made for blocks vLLM has allocated. A handoff the request will
+not load (a local hit, a deadline, an abort) is claimed and deleted off the request's path.
+
+States of a request (``Phase``), and the one thing each vLLM callback does in each:
+
+LOOKING_UP: a lookup is out, or the producer's commit record is awaited.
+  get_num_new_matched_tokens: poll the lookup within this step's shared wait; None while it is
+      out, else the answer -> ANSWERED.
+  request_finished (aborted): drop the handoff; (False, None).
+ANSWERED: vLLM was told n tokens (n may be 0) and has not allocated blocks yet.
+  get_num_new_matched_tokens (vLLM could not allocate and asks again): the same answer; fewer
+      tokens if its local hits grew; a new lookup (-> LOOKING_UP) if they shrank.
+  update_state_after_alloc: n > 0 -> LOADING, the load (and its claim) planned; 0 -> RUNNING,
+      drop the handoff.
+  request_finished (aborted): drop the handoff; (False, None).
+LOADING: the worker claims the handoff (consume mode) and writes the allocated blocks.
+  update_connector_output, finished_recving: -> RUNNING.
+  request_finished (aborted): (False, params): vLLM itself holds the blocks until the load
+      reports finished receiving; nothing reports finished sending for it.
+RUNNING: computing, after its load or with nothing to load.
+  get_num_new_matched_tokens: (0, False): one load per admission; a failed load is recomputed,
+      not retried.
+  build_connector_meta: plan the saves of the prompt blocks this step completes.
+  update_connector_output, invalid blocks: save the recomputed blocks again (share mode).
+  request_finished: (True, params) if saves were planned -- the worker reports finished
+      sending once it has taken the commit, every save staged -- else (False, params).
+Any state, after a preemption: -> LOOKING_UP with a fresh deadline (a handoff loaded or dropped
+is not waited for again). A callback not listed for a state is not made in it, or changes
+nothing.
+
+"Drop the handoff" (consume mode): once its producer is done writing, claim it, and delete its
+chain and record unless another request's claim is there (``drops.py``). "Finished sending"
+is only ever reported for a request vLLM holds for us, so no report can free blocks a load is
+still writing, or name a request vLLM has let go.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import math
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvstore import KVStoreError, LookupBuffer, chain_hashes
+from kvstore import KVStoreError, LookupBuffer
 from kvstore.keys import NAME_RE
 
+from .chains import RequestChains
 from .config import TRANSFER_PARAMS_KEY, RedisConnectorConfig
+from .drops import HandoffDrops
 from .layout import KVLayout
 from .logs import FailureCounts
+from .lookups import Lookup, LookupBatcher, LookupResult
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from .stats import StatsBuffer
 
@@ -37,32 +81,20 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("connector.scheduler")
-# how often a dropped handoff checks whether its producer has finished writing
-_DROP_POLL_S = 0.05
-
 # How often a request waiting for a producer's commit record re-checks Redis.
 _POLL_INTERVAL_S = 0.01
 
 
-def request_salt(request: Request) -> str:
-    """Everything besides the tokens that changes the KV of a prompt: LoRA adapter, cache_salt,
-    multimodal inputs. It seeds the chain, so such prompts never share blocks by accident."""
-    parts = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
-    if getattr(request, "cache_salt", None):
-        parts.append(f"salt={request.cache_salt}")
-    for feature in getattr(request, "mm_features", None) or []:
-        parts.append(
-            f"mm={getattr(feature, 'identifier', '')}@{getattr(feature, 'mm_position', '')}"
-        )
-    return "|".join(parts)
+def opened(fut: Future[None] | None) -> bool:
+    """Whether a background "pending" record write has landed."""
+    return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
 
 
-def handoff_salt(salt: str, handoff_id: str) -> str:
-    """The chain salt of a consume-mode handoff: private to one request."""
-    return f"{salt}|handoff={handoff_id}"
+class Phase(enum.Enum):
+    LOOKING_UP = "looking up"
+    ANSWERED = "answered"
+    LOADING = "loading"
+    RUNNING = "running"
 
 
 @dataclass
@@ -72,16 +104,12 @@ class Handoff:
     handoff_id: str
     num_blocks: int
     scoped: bool  # the chain is salted with the handoff id (consume mode): ours alone
-    state: str = "waiting"  # waiting -> claimed | taken | abandoned
+    # the producer saw its "pending" record in Redis before it answered; if not, a missing
+    # record may still come (its producer lags), and is waited for as "pending" is
+    opened: bool = True
+    # waiting -> loading (the worker claims it) | dropped (we claim and delete it) | taken
+    state: str = "waiting"
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)  # who claims it
-
-
-@dataclass
-class LookupResult:
-    present: int  # leading blocks present (absolute index)
-    committed: int | None = None  # handoff: blocks the producer committed, None if not yet
-    taken: bool = False  # handoff: another consumer claimed it
-    pending: bool = False  # handoff: the producer is writing it (its record says so)
 
 
 @dataclass
@@ -91,20 +119,20 @@ class _RequestState:
     save_hashes: list[str]  # the chain saves write (ours)
     save_handoff: str  # the id our commit record is published under
     deadline: float
-    first_seen: float
     handoff: Handoff | None = None  # an incoming handoff to wait for
-    lookup: Future[LookupResult] | None = None
-    lookup_span: tuple[int, int] = (0, 0)
-    lookup_started: float = 0.0
+    phase: Phase = Phase.LOOKING_UP
+    first_seen: float = field(default_factory=time.monotonic)
+    lookup: Lookup | None = None
+    lookup_start: int = 0  # the first block the lookup in flight asks about
     next_poll: float = 0.0  # no new lookup before this time
-    present_blocks: int = 0  # last lookup's answer
+    present_blocks: int = 0  # the answer: leading blocks present (absolute)
+    answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
+    answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)
-    load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_blocks: int = 0  # leading blocks of save_hashes saved or known to be in Redis
     save_start: int | None = None  # saved_blocks when the first save was planned
-    cleaned: bool = False  # a scoped handoff that will not be loaded was deleted
-    gave_up: bool = False  # stopped waiting on Redis: recomputes
+    opening: Future[None] | None = None  # the "pending" record being written
     preemptions: int = 0
 
     @property
@@ -130,13 +158,15 @@ class RedisConnectorScheduler:
         self._loading: dict[str, str] = {}
         # block id -> (request, chain position) of blocks being loaded, to repair failed loads
         self._load_blocks: dict[int, tuple[str, int]] = {}
-        self._lookup_io = ThreadPoolExecutor(
-            config.lookup_threads, thread_name_prefix="redis-kv-lookup"
-        )
+        # this step's lookups wait together until this moment (None: no wait yet this step)
+        self._step_wait_until: float | None = None
+        self._lookups = LookupBatcher(store, self.fingerprints, config.lookup_threads, self.stats)
         # deletes and handoff records never hold up lookups
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
         # handoffs dropped unloaded wait here for their producer to finish writing
-        self._drop_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-drop")
+        self._drops = HandoffDrops(
+            store, self.fingerprints, config.deadline_max_s, self._report_background_failure
+        )
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
 
@@ -151,34 +181,32 @@ class RedisConnectorScheduler:
         st = self._reqs.get(request.request_id)
         if st is not None:
             if request.num_preemptions != st.preemptions:
-                # preempted after its load: it starts over with a fresh budget (a consumed
-                # handoff is never waited for again)
+                # preempted: it starts over with a fresh budget (a handoff it loaded or dropped
+                # is never waited for again)
                 st.preemptions = request.num_preemptions
                 st.deadline = time.monotonic() + self.config.request_deadline_s(st.num_tokens)
-                st.gave_up = st.load_planned = False
+                st.phase, st.lookup, st.next_poll = Phase.LOOKING_UP, None, 0.0
+                st.load_range = (0, 0)
             return st
-        salt = request_salt(request)
-        tokens = request.prompt_token_ids or []
+        chains = RequestChains(request, self.block_size)
         save_handoff = uuid.uuid4().hex
         # the content chain: what share mode saves and loads, and what incoming params are
         # checked against (a consume-mode producer needs none of it)
         shared: list[str] = []
         if self.config.loads or not self.config.consume:
-            shared = chain_hashes(tokens, self.block_size, salt)
+            shared = chains.shared()
         save_hashes = shared
         if self.config.saves and self.config.consume:  # a chain private to this request
-            save_hashes = chain_hashes(tokens, self.block_size, handoff_salt(salt, save_handoff))
+            save_hashes = chains.handoff(save_handoff)
         handoff, load_hashes = None, shared
         if self.config.loads:
-            handoff, load_hashes = self._incoming_handoff(request, shared, salt)
-        now = time.monotonic()
+            handoff, load_hashes = self._incoming_handoff(request, shared, chains)
         st = _RequestState(
-            num_tokens=len(tokens),
+            num_tokens=len(chains.tokens),
             load_hashes=load_hashes,
             save_hashes=save_hashes,
             save_handoff=save_handoff,
-            deadline=now + self.config.request_deadline_s(len(tokens)),
-            first_seen=now,
+            deadline=time.monotonic() + self.config.request_deadline_s(len(chains.tokens)),
             handoff=handoff,
             preemptions=request.num_preemptions,
         )
@@ -186,7 +214,7 @@ class RedisConnectorScheduler:
         return st
 
     def _incoming_handoff(
-        self, request: Request, shared: list[str], salt: str
+        self, request: Request, shared: list[str], chains: RequestChains
     ) -> tuple[Handoff | None, list[str]]:
         """The producer's handoff from the request's ``kv_transfer_params`` and the chain it
         wrote, if the params are ours and match this instance and prompt; anything else is
@@ -210,12 +238,9 @@ class RedisConnectorScheduler:
             elif not isinstance(n, int) or not 0 < n <= len(shared):
                 problem = f"num_blocks {n!r} does not fit a prompt of {len(shared)} blocks"
             else:
-                chain = shared
-                if scoped:
-                    tokens = (request.prompt_token_ids or [])[: n * self.block_size]
-                    chain = chain_hashes(tokens, self.block_size, handoff_salt(salt, handoff_id))
+                chain = chains.handoff(handoff_id, n) if scoped else shared
                 if ours.get("last_hash") == chain[n - 1]:
-                    return Handoff(handoff_id, n, scoped), chain
+                    return Handoff(handoff_id, n, scoped, ours.get("opened") is not False), chain
                 problem = "last_hash does not match this prompt (another model or prompt?)"
         self.stats.add(transfer_params_ignored=1)
         total = self.failures.add(f"params:{problem.split()[0]}")
@@ -230,122 +255,153 @@ class RedisConnectorScheduler:
             )
         return None, shared
 
-    def _give_up(self, st: _RequestState, rid: str, why: str) -> tuple[int, bool]:
-        """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded)."""
-        st.gave_up = True
-        self.stats.add(requests_given_up=1)
-        if st.handoff is not None and st.handoff.state == "waiting":
-            st.handoff.state = "abandoned"
-        total = self.failures.add(f"give-up:{why}")
-        if total:
-            logger.warning(
-                "request %s: not loading from Redis (%s); recomputing (%d so far)", rid, why, total
-            )
-        return 0, False
+    def _max_blocks(self, st: _RequestState, request: Request) -> int:
+        # Never load the last prompt token: vLLM must compute at least one to sample from.
+        return min(len(st.load_hashes), (request.num_prompt_tokens - 1) // self.block_size)
 
     # ------------------------------------------------------------------ lookups
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added a request: start its lookup now, so the answer is usually back before
+        the request's first scheduling step asks for it."""
+        st = self._state(request)
+        end = self._max_blocks(st, request)
+        if self.config.loads and end > 0 and self._lookupable(st) and self.store.available:
+            self._start_lookup(st, 0, end)
+
     def _lookupable(self, st: _RequestState) -> bool:
-        if st.gave_up:
-            return False
         if st.handoff is not None:
             return st.handoff.state == "waiting"
         return not self.config.consume  # consume mode loads only what was handed off to it
 
-    def _lookup(self, hashes: list[str], start: int, handoff: Handoff | None) -> LookupResult:
-        """One lookup, on a lookup thread."""
-        t0 = time.perf_counter()
-        try:
-            if handoff is None:
-                return LookupResult(start + self.store.longest_prefix(hashes, self.fingerprints))
-            state = self.store.read_handoff(handoff.handoff_id, hashes, self.fingerprints)
-            committed, taken = state.committed, state.taken
-            if committed is not None and self.config.consume and handoff.scoped:
-                # take it for this request, exactly once (a retried request finds it taken)
-                taken = not self.store.claim_handoff(
-                    handoff.handoff_id, self.fingerprints, owner=handoff.owner
-                )
-            return LookupResult(start + state.present, committed, taken, state.pending)
-        finally:
-            self.stats.observe("lookup_seconds", time.perf_counter() - t0)
+    def _start_lookup(self, st: _RequestState, start: int, end: int) -> None:
+        st.lookup_start = start
+        handoff_id = st.handoff.handoff_id if st.handoff is not None else None
+        st.lookup = self._lookups.submit(st.load_hashes[start:end], start, handoff_id)
+        self.stats.add(lookups=1)
+
+    def _wait_in_step(self, fut: Future[LookupResult]) -> None:
+        """Wait for a lookup, within the one ``lookup_wait_s`` this step shares among all its
+        requests: a fast answer is used in this step, a slow one by a later call, so many
+        new requests never add up to a long step."""
+        now = time.monotonic()
+        if self._step_wait_until is None:
+            self._step_wait_until = now + self.config.lookup_wait_s
+        left = self._step_wait_until - now
+        if left > 0:
+            wait([fut], timeout=left)
 
     def _poll_lookup(self, st: _RequestState, start: int, end: int) -> LookupResult | None:
-        """The answer of this request's lookup, started now if needed; None while in flight."""
-        if st.lookup is None or st.lookup_span != (start, end):
-            st.lookup_span = (start, end)
-            st.lookup_started = time.monotonic()
-            st.lookup = self._lookup_io.submit(
-                self._lookup, st.load_hashes[start:end], start, st.handoff
-            )
-            self.stats.add(lookups=1)
-            # a fast answer is used in this step; a slow one is picked up by a later call,
-            # so many waiting requests never add up to a long scheduler step
-            wait([st.lookup], timeout=self.config.lookup_wait_s)
-        fut = st.lookup
+        """The answer of a lookup covering ``start``, started now if needed; None while out.
+        A failed lookup answers ``present=-1``."""
+        if st.lookup is not None and st.lookup_start > start:
+            st.lookup = None  # it asks about fewer blocks than vLLM now needs: ask again
+        if st.lookup is None:
+            self._start_lookup(st, start, end)
+        lookup = st.lookup
+        assert lookup is not None
+        fut = lookup.future
+        if not fut.done():
+            self._wait_in_step(fut)
         if not fut.done():  # tell a slow answer from an error by done(), never by exception type
-            if time.monotonic() - st.lookup_started > self.config.control_timeout_s + 0.25:
-                # hung beyond its socket timeout: count it, so a hung server opens the breaker
+            trip = lookup.trip
+            hung = lookup.out_for(time.monotonic()) > self.config.control_timeout_s + 0.25
+            if hung and trip is not None and not trip.reported_hung:
+                # Redis has had it beyond its socket timeout (time queued behind other lookups
+                # does not count): one failure per round trip, so a hung server opens the
+                # breaker and a slow one does not
+                trip.reported_hung = True
                 self.store.breaker.record_failure("a lookup did not come back in time")
             return None
         st.lookup = None
         try:
-            return fut.result()
+            result = fut.result()
         except KVStoreError as exc:
             self.stats.add(redis_errors=1)
             total = self.failures.add(f"lookup:{type(exc).__name__}")
             if total:
                 logger.warning("Redis lookup failed (%d so far); recomputing: %s", total, exc)
+            return LookupResult(present=-1)
         except Exception as exc:  # whatever it was, the request must not wait for it
             self.stats.add(redis_errors=1)
             logger.exception("Redis lookup raised %r; recomputing", exc)
-        return LookupResult(present=-1)
+            return LookupResult(present=-1)
+        if result.present < start and st.lookup_start < start:
+            # it stopped before vLLM's local hit: the blocks after it are still unknown
+            self._start_lookup(st, start, end)
+            return None
+        return result
 
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        st = self._state(request)
-        if not self.config.loads:
-            return 0, False
-        rid = request.request_id
-        # Never claim the last prompt token: vLLM must compute at least one to sample from.
-        max_blocks = min(len(st.load_hashes), (request.num_prompt_tokens - 1) // self.block_size)
-        start = num_computed_tokens // self.block_size
-        if max_blocks <= start or not self._lookupable(st):
-            return 0, False
+    def _give_up(self, st: _RequestState, rid: str, why: str) -> int:
+        """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded)."""
+        self.stats.add(requests_given_up=1)
+        total = self.failures.add(f"give-up:{why}")
+        if total:
+            logger.warning(
+                "request %s: not loading from Redis (%s); recomputing (%d so far)", rid, why, total
+            )
+        return 0
+
+    def _present_blocks(self, st: _RequestState, rid: str, start: int, end: int) -> int | None:
+        """LOOKING_UP: the leading blocks vLLM may load (absolute), or None while unknown."""
         now = time.monotonic()
         if now >= st.deadline:
             return self._give_up(st, rid, "deadline passed")
         if not self.store.available:
             return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
         if not self.config.consume and any(
-            self._loading.get(h, rid) != rid for h in st.load_hashes[start:max_blocks]
+            self._loading.get(h, rid) != rid for h in st.load_hashes[start:end]
         ):
-            return None, False  # another request is loading these blocks; wait for it
+            return None  # another request is loading these blocks; wait for it
         if st.lookup is None and now < st.next_poll:
-            return None, False  # polled Redis a moment ago; do not hammer it while waiting
-        result = self._poll_lookup(st, start, max_blocks)
+            return None  # polled Redis a moment ago; do not hammer it while waiting
+        result = self._poll_lookup(st, start, end)
         if result is None:
-            return None, False
-        if result.present < 0:  # the lookup failed
+            return None
+        if result.present < 0:
             return self._give_up(st, rid, "lookup failed")
-        n = result.present
-        if st.handoff is not None:
-            if result.taken:
-                st.handoff.state = "taken"
-                return self._give_up(st, rid, "handoff already taken by another request")
-            waited = now - st.first_seen
-            if result.committed is None and (
-                result.pending or waited < self.config.handoff_grace_s
-            ):
-                # the producer is still writing (or its first write is just landing)
-                st.next_poll = now + _POLL_INTERVAL_S
+        if st.handoff is None:
+            return result.present
+        if result.taken:
+            st.handoff.state = "taken"
+            return self._give_up(st, rid, "handoff already taken by another request")
+        waited = now - st.first_seen
+        if result.committed is None and (
+            result.pending or not st.handoff.opened or waited < self.config.handoff_grace_s
+        ):
+            # the producer is still writing (or its first write, or its record, is just landing)
+            st.next_poll = now + _POLL_INTERVAL_S
+            return None
+        self.stats.observe("handoff_wait_seconds", waited)
+        if result.committed is not None:
+            return min(result.present, result.committed)  # the rest was shed, failed or is gone
+        return result.present  # no record at all (evicted, never written): load what is there
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        start = num_computed_tokens // self.block_size
+        if st.phase is Phase.ANSWERED:
+            if start >= st.answer_start:  # asked again (vLLM could not allocate): same answer
+                return self._answer(st, start)
+            st.phase = Phase.LOOKING_UP  # its local hits shrank: blocks before are unknown
+        if st.phase is not Phase.LOOKING_UP:
+            return 0, False  # one load per admission: a failed load is recomputed, not retried
+        end = self._max_blocks(st, request)
+        present = 0
+        if self.config.loads and end > start and self._lookupable(st):
+            found = self._present_blocks(st, request.request_id, start, end)
+            if found is None:
                 return None, False
-            st.handoff.state = "claimed"
-            self.stats.observe("handoff_wait_seconds", waited)
-            if result.committed is not None:
-                n = min(n, result.committed)  # anything else was shed, failed or is gone
-            # else: no record at all (evicted, or the producer never wrote): load what is there
-        st.present_blocks = n
+            present = found
+        st.phase, st.answer_start, st.answered_at = Phase.ANSWERED, start, time.monotonic()
+        st.present_blocks = min(present, end)
+        return self._answer(st, start)
+
+    def _answer(self, st: _RequestState, start: int) -> tuple[int, bool]:
+        n = st.present_blocks
         if n <= start:
+            st.load_range = (start, start)
             return 0, False
         st.load_range = (start, n)
         return (n - start) * self.block_size, True
@@ -355,61 +411,63 @@ class RedisConnectorScheduler:
     ) -> None:
         st = self._state(request)
         st.block_ids = list(blocks.get_block_ids()[0])
+        if st.phase in (Phase.LOADING, Phase.RUNNING):
+            return  # admitted again after its load: nothing changes
+        if st.phase is Phase.LOOKING_UP:  # admitted without an answer from us: nothing to load
+            st.lookup, st.present_blocks, st.load_range = None, 0, (0, 0)
         if st.same_chain:
             st.saved_blocks = max(st.saved_blocks, st.present_blocks)  # in Redis already
-        if num_external_tokens > 0:
-            start, _ = st.load_range
-            end = start + num_external_tokens // self.block_size
-            st.load_range = (start, end)
-            st.load_planned = True
-            if not self.config.consume:
-                for h in st.load_hashes[start:end]:
-                    self._loading[h] = request.request_id
-            for pos in range(start, end):
-                self._load_blocks[st.block_ids[pos]] = (request.request_id, pos)
-            drop = st.load_hashes if self._owns_handoff(st) else []
-            st.cleaned = bool(drop)
-            self._pending_loads.append(
-                LoadSpec(
-                    req_id=request.request_id,
-                    block_ids=st.block_ids[start:end],
-                    hashes=st.load_hashes[start:end],
-                    timeout_s=max(0.0, st.deadline - time.monotonic()),
-                    drop_hashes=list(drop),
-                )
-            )
-            if st.same_chain:
-                st.saved_blocks = max(st.saved_blocks, end)  # already in Redis
-        elif not st.load_planned:
+        start, answered_end = st.load_range
+        # vLLM may allocate fewer tokens than answered (its token budget): load whole blocks
+        end = min(answered_end, start + math.ceil(num_external_tokens / self.block_size))
+        if end <= start:
+            st.phase = Phase.RUNNING
             self._drop_handoff(st)  # handed off to us but not loaded (e.g. a local hit)
+            return
+        now = time.monotonic()
+        st.deadline += now - st.answered_at  # waiting for room in the KV cache is not Redis
+        st.phase, st.load_range = Phase.LOADING, (start, end)
+        rid = request.request_id
+        if not self.config.consume:
+            for h in st.load_hashes[start:end]:
+                self._loading[h] = rid
+        for pos in range(start, end):
+            self._load_blocks[st.block_ids[pos]] = (rid, pos)
+        claim = None
+        if self._owns_handoff(st):
+            assert st.handoff is not None
+            st.handoff.state, claim = "loading", st.handoff.handoff_id
+        self._pending_loads.append(
+            LoadSpec(
+                req_id=rid,
+                block_ids=st.block_ids[start:end],
+                hashes=st.load_hashes[start:end],
+                timeout_s=max(0.0, st.deadline - now),
+                drop_hashes=list(st.load_hashes) if claim else [],
+                claim=claim,
+                owner=st.handoff.owner if st.handoff is not None else "",
+            )
+        )
+        if st.same_chain:
+            st.saved_blocks = max(st.saved_blocks, end)  # already in Redis
 
     def _owns_handoff(self, st: _RequestState) -> bool:
         """A consume-mode handoff chain is this request's alone: it deletes it when done."""
         return self.config.consume and st.handoff is not None and st.handoff.scoped
 
     def _drop_handoff(self, st: _RequestState) -> None:
-        """Consume mode leaves nothing behind: delete a handoff's blocks it will not load (e.g.
-        vLLM's local prefix cache had them), and its record."""
-        if self._owns_handoff(st) and not st.cleaned and st.handoff is not None:
-            st.cleaned = True
-            fut = self._drop_io.submit(self._delete_handoff, st.handoff, st.load_hashes)
-            fut.add_done_callback(self._log_background_failure)
-
-    def _delete_handoff(self, handoff: Handoff, hashes: list[str]) -> None:
-        """Delete a handoff's chain and record. Its producer may still be writing it (the
-        prefill's response comes back before its writes are acknowledged, and vLLM's local
-        prefix cache can make the consumer skip the load at once): deleting then left the
-        late blocks behind for their whole TTL. So this waits, off every request's path, until
-        no producer rank's record says "pending" -- at most ``deadline_max_s``, for a producer
-        that died writing."""
-        give_up = time.monotonic() + self.config.deadline_max_s
-        while time.monotonic() < give_up:
-            state = self.store.read_handoff(handoff.handoff_id, hashes[:1], self.fingerprints)
-            if not state.pending:
-                break
-            time.sleep(_DROP_POLL_S)
-        self.store.delete(hashes, self.fingerprints)
-        self.store.delete_handoff(handoff.handoff_id, self.fingerprints)
+        """Consume mode leaves nothing behind: claim a handoff this request will not load (e.g.
+        vLLM's local prefix cache had its blocks) and delete its blocks and record."""
+        handoff = st.handoff
+        if handoff is None or not self._owns_handoff(st) or handoff.state not in ("waiting",):
+            return
+        handoff.state = "dropped"
+        self._drops.drop(
+            handoff.handoff_id,
+            handoff.owner,
+            list(st.load_hashes),
+            expect_record=not handoff.opened,
+        )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for block_id in output.invalid_block_ids or ():
@@ -420,12 +478,13 @@ class RedisConnectorScheduler:
                 st.saved_blocks = min(st.saved_blocks, owner[1])
                 st.present_blocks = min(st.present_blocks, owner[1])
         for req_id in output.finished_recving or ():
-            self._release(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None and st.phase is Phase.LOADING:
+                st.phase = Phase.RUNNING
+                self._release(req_id, st)
 
-    def _release(self, req_id: str) -> None:
-        st = self._reqs.get(req_id)
-        if st is None:
-            return
+    def _release(self, req_id: str, st: _RequestState) -> None:
+        """Forget the blocks this request was loading (share mode: others stop waiting)."""
         start, end = st.load_range
         for h in st.load_hashes[start:end]:
             if self._loading.get(h) == req_id:
@@ -433,12 +492,11 @@ class RedisConnectorScheduler:
         for block_id in st.block_ids[start:end]:
             if self._load_blocks.get(block_id, ("",))[0] == req_id:
                 del self._load_blocks[block_id]
-        if st.handoff is not None:
-            st.handoff.state = "claimed"  # done: a preempted request never waits again
         st.load_range = (0, 0)
 
     # ------------------------------------------------------------------ saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
+        self._step_wait_until = None  # the step is over: the next one may wait again
         meta = RedisConnectorMetadata(loads=self._pending_loads, commits=self._pending_commits)
         self._pending_loads, self._pending_commits = [], []
         if not self.config.saves:
@@ -462,16 +520,18 @@ class RedisConnectorScheduler:
             progress.append((req_id, cached.num_computed_tokens[i]))
         for req_id, computed in progress:
             st = self._reqs[req_id]
+            if st.phase is not Phase.RUNNING:
+                continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             full = min(done // self.block_size, len(st.save_hashes), len(st.block_ids))
             if full > st.saved_blocks:
                 if st.save_start is None:
                     st.save_start = st.saved_blocks
                     # a consumer that finds this before the commit record knows to wait
-                    fut = self._background_io.submit(
+                    st.opening = self._background_io.submit(
                         self.store.open_handoff, st.save_handoff, self.fingerprints
                     )
-                    fut.add_done_callback(self._log_background_failure)
+                    st.opening.add_done_callback(self._log_background_failure)
                 meta.saves.append(
                     SaveSpec(
                         req_id=req_id,
@@ -487,27 +547,29 @@ class RedisConnectorScheduler:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """A producer returns the handoff a consumer waits for; its worker publishes the commit
-        record once the saves are acknowledged. True: the worker reports when the blocks may be
-        freed (finished sending) -- at once today, since saves copy them out when staging."""
-        self._release(request.request_id)
+        """Finished or aborted, in any state. A producer returns the handoff a consumer waits
+        for; its worker publishes the commit record once the saves are acknowledged. True only
+        for a request whose saves were planned and that is not loading: the worker then reports
+        it finished sending once every save is staged. An aborted load returns False: vLLM
+        itself holds the blocks until the load's finished_recving."""
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        if st.handoff is not None and st.handoff.state == "waiting":
-            st.handoff.state = "abandoned"  # e.g. aborted while waiting for the producer
-        if not st.load_planned:
-            self._drop_handoff(st)
+        loading = st.phase is Phase.LOADING
+        self._release(request.request_id, st)
+        if not loading:
+            self._drop_handoff(st)  # not loaded, and never will be: claim and delete it
         if not self.config.saves or st.saved_blocks == 0:
             return False, None
         n = st.saved_blocks
-        saved_any = st.save_start is not None
+        holds = st.save_start is not None and not loading
         self._pending_commits.append(
             CommitSpec(
                 req_id=request.request_id,
                 handoff=st.save_handoff,
                 num_blocks=n,
-                present_blocks=st.save_start if saved_any else n,  # type: ignore[arg-type]
+                present_blocks=n if st.save_start is None else st.save_start,
+                holds_blocks=holds,
             )
         )
         params = {
@@ -518,16 +580,22 @@ class RedisConnectorScheduler:
                 "last_hash": st.save_hashes[n - 1],
                 "namespace": self.config.namespace,
                 "block_size": self.block_size,
+                # whether the "pending" record was in Redis before this answer: if not, the
+                # consumer waits for a record that is not there yet instead of taking it for
+                # evicted (a one-step prefill answers before its background write lands)
+                "opened": opened(st.opening),
             }
         }
-        return True, params
+        return holds, params
 
     def _log_background_failure(self, fut: Future[Any]) -> None:
         if fut.cancelled():  # cancelled at shutdown
             return
         exc = fut.exception()
-        if exc is None:
-            return
+        if exc is not None:
+            self._report_background_failure(exc)
+
+    def _report_background_failure(self, exc: BaseException) -> None:
         self.stats.add(redis_errors=1)
         total = self.failures.add(f"background:{type(exc).__name__}")
         if total:
@@ -551,7 +619,7 @@ class RedisConnectorScheduler:
         return data
 
     def shutdown(self) -> None:
-        self._lookup_io.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown()
         self._background_io.shutdown(wait=False, cancel_futures=True)
-        self._drop_io.shutdown(wait=False, cancel_futures=True)
+        self._drops.shutdown()
         self.store.close()

@@ -22,15 +22,18 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 
 # stats key -> (Prometheus name, help text)
 COUNTERS: dict[str, tuple[str, str]] = {
-    "blocks_loaded": ("vllm:redis_kv_blocks_loaded", "KV blocks loaded from Redis"),
+    "blocks_loaded": (
+        "vllm:redis_kv_blocks_loaded",
+        "KV blocks loaded from Redis and used (a load's blocks before its first failed one)",
+    ),
     "tokens_loaded": (
         "vllm:redis_kv_tokens_loaded",
         "Prompt tokens whose KV was loaded from Redis (external hits actually delivered)",
     ),
     "blocks_load_failed": (
         "vllm:redis_kv_blocks_load_failed",
-        "KV blocks announced as hits that could not be loaded (missing, corrupt, Redis error, "
-        "deadline) and were recomputed",
+        "KV blocks announced as hits that were recomputed: those that could not be loaded "
+        "(missing, corrupt, Redis error, deadline) and every block after them",
     ),
     "tokens_load_failed": (
         "vllm:redis_kv_tokens_load_failed",
@@ -57,6 +60,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "handoffs_published": (
         "vllm:redis_kv_handoffs_published",
         "Producer commit records written (how many blocks a request really saved)",
+    ),
+    "handoffs_lost": (
+        "vllm:redis_kv_handoffs_lost",
+        "Loads of a handoff that another request had claimed first (a retried request); recomputed",
     ),
     "lookups": ("vllm:redis_kv_lookups", "Lookups of a prompt's blocks in Redis"),
     "requests_given_up": (

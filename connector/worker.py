@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from datamover import BlockMover, LoadChunk, SaveChunk, SaveItem, StagingBusyError
-from kvstore import KVStoreError, LookupBuffer, StoreTimeoutError, StoreUnavailableError
+from kvstore import (
+    Claim,
+    KVStoreError,
+    LookupBuffer,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 
 from .config import RedisConnectorConfig
 from .layout import KVLayout
@@ -190,16 +196,33 @@ class RedisConnectorWorker:
                 asleep = self._asleep
                 if not asleep:
                     self._jobs[spec.req_id] = job
-            if asleep:  # no KV cache to write into: the request recomputes
+            if asleep:  # no KV cache to write into: the request recomputes ...
                 self._report_load(job, cancelled=True)
-                continue
+                if not spec.claim:
+                    continue
+            # ... and a handoff is still claimed and deleted (a reported load copies nothing)
             self._track(self._load_io.submit(self._load, job))
 
     def _load(self, job: _LoadJob) -> None:
         spec = job.spec
+        ours = spec.claim is None  # a handoff's chain is ours to delete once our claim stands
         try:
-            if time.monotonic() >= job.deadline:
-                return  # waited in the queue past its deadline: reported below as failed
+            if spec.claim is not None:  # claimed even past the deadline: it is ours to delete
+                claim = self.store.claim_handoff(
+                    spec.claim, self.layout.all_fingerprints(), owner=spec.owner
+                )
+                if claim is Claim.TAKEN:  # another request took it first: not ours to touch
+                    self.stats.add(handoffs_lost=1)
+                    self._warn(
+                        "claim",
+                        "request %(req)s: its handoff was taken by another request (a retried "
+                        "request?); recomputing (%(total)d so far)",
+                        req=spec.req_id,
+                    )
+                    return
+                ours = True
+            if time.monotonic() >= job.deadline or job.reported:
+                return  # past its deadline, or cancelled (sleep): reported, nothing to copy
             try:
                 self._receive(job, list(spec.block_ids), list(spec.hashes))
             except (StoreUnavailableError, StoreTimeoutError):
@@ -228,12 +251,12 @@ class RedisConnectorWorker:
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
         finally:
             self._report_load(job)
-            if spec.drop_hashes:
+            if spec.drop_hashes and ours:
                 # consume mode: the chain was this request's alone and nothing will read it
                 # again; it is deleted only now, after the values were received and copied
-                fut = self._cleanup_io.submit(
-                    self.store.delete, spec.drop_hashes, self.layout.all_fingerprints()
-                )
+                # (a claim that failed with an error leaves it to its TTL: it may be another's).
+                # Each TP rank deletes its own blocks: another rank may still be reading its.
+                fut = self._cleanup_io.submit(self.store.delete, spec.drop_hashes)
                 self._track(fut, "deleting a consumed handoff")
 
     def _receive(self, job: _LoadJob, block_ids: list[int], hashes: list[str]) -> None:
@@ -274,15 +297,18 @@ class RedisConnectorWorker:
             job.reported = True
         spec = job.spec
         failed = [b for b in spec.block_ids if b not in job.copied]
-        loaded = len(spec.block_ids) - len(failed)
+        # vLLM recomputes from the first failed block on: only the blocks before it count
+        loaded = next(
+            (i for i, b in enumerate(spec.block_ids) if b not in job.copied), len(spec.block_ids)
+        )
         self.stats.add(
             loads=1,
             loads_expired=int(expired),
             loads_cancelled=int(cancelled),
             blocks_loaded=loaded,
             tokens_loaded=loaded * self.layout.block_size,
-            blocks_load_failed=len(failed),
-            tokens_load_failed=len(failed) * self.layout.block_size,
+            blocks_load_failed=len(spec.block_ids) - loaded,
+            tokens_load_failed=(len(spec.block_ids) - loaded) * self.layout.block_size,
             bytes_loaded=job.nbytes,
         )
         self.stats.observe("load_seconds", time.perf_counter() - job.started)
@@ -316,10 +342,14 @@ class RedisConnectorWorker:
             for commit in commits:
                 track = self._saves.setdefault(commit.req_id, _SaveTrack())
                 track.commit = commit
-                # Its blocks were copied out when they were staged: vLLM may reuse them now,
-                # whatever Redis does. (An engine that holds finished requests' blocks keeps
-                # stepping; holding them until a hung Redis answers burned a core for seconds.)
-                self._finished_saves.add(commit.req_id)
+                if commit.holds_blocks:
+                    # Every save of the request was staged before this commit arrived (metadata
+                    # comes in order), so its blocks were copied out: vLLM may reuse them now,
+                    # whatever Redis does. (An engine that holds finished requests' blocks
+                    # keeps stepping; holding them until a hung Redis answers burned a core
+                    # for seconds.) A request vLLM did not hold for us is never reported: it
+                    # may be gone already.
+                    self._finished_saves.add(commit.req_id)
         for commit in commits:
             self._maybe_publish(commit.req_id)
 

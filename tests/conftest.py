@@ -25,6 +25,21 @@ def fake_client() -> Iterator[fakeredis.FakeRedis]:
 
 
 @pytest.fixture
+def fake_redis(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
+    """Every store the code under test opens, whatever its URL, is one fakeredis server
+    (``.server``: set ``connected = False`` to take it away)."""
+    import kvstore.lookup_buffer
+
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    monkeypatch.setattr(
+        kvstore.lookup_buffer, "make_client", lambda *a, **k: fakeredis.FakeRedis(server=server)
+    )
+    client.server = server  # type: ignore[attr-defined]
+    return client
+
+
+@pytest.fixture
 def fake_buffer(fake_client: fakeredis.FakeRedis) -> LookupBuffer:
     return LookupBuffer(fake_client, namespace="test", layout={"model": "unit"})
 

@@ -18,11 +18,10 @@ pytest.importorskip("vllm")
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-import kvstore.lookup_buffer
+from connector.chains import handoff_salt
 from connector.layout import KVLayout
 from connector.metadata import RedisConnectorMetadata
-from connector.scheduler import handoff_salt
-from kvstore import LookupBuffer, StoreTimeoutError, chain_hashes
+from kvstore import Claim, LookupBuffer, StoreTimeoutError, chain_hashes
 from testing.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
 from testing.scheduler_harness import make_scheduler as _make_scheduler
 
@@ -33,17 +32,6 @@ def make_scheduler(tiny_model: Path, role: Role, **extra: Any) -> Scheduler:
     """The harness's scheduler, by default on the fake_redis fixture's placeholder URL, with
     lookups answered within the step that starts them."""
     return _make_scheduler(tiny_model, role, **{"url": "redis://fake:6379/0", **extra})
-
-
-@pytest.fixture
-def fake_redis(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
-    server = fakeredis.FakeServer()
-    client = fakeredis.FakeRedis(server=server)
-    monkeypatch.setattr(
-        kvstore.lookup_buffer, "make_client", lambda *a, **k: fakeredis.FakeRedis(server=server)
-    )
-    client.server = server  # type: ignore[attr-defined]
-    return client
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -78,6 +66,7 @@ def hand_off(
     commit: int | None = None,
     pending: bool = False,
     handoff: str = "feed1234",
+    opened: bool = True,
 ) -> tuple[dict, list[str]]:
     """What a consume-mode producer leaves: ``written`` blocks of a chain private to this
     handoff, its record (a ``commit`` of that many blocks, or ``pending``: still writing, or
@@ -98,6 +87,7 @@ def hand_off(
             "last_hash": chain[n - 1],
             "namespace": "vllm",
             "block_size": BS,
+            "opened": opened,
         }
     }
     return params, chain
@@ -224,6 +214,28 @@ def test_a_missing_record_is_waited_for_briefly_then_what_is_there_loads(
     assert [s.hashes for s in meta_of(out).loads] == [chain[:3]]
 
 
+def test_a_record_the_producer_could_not_confirm_is_waited_for_not_taken_as_evicted(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A one-step prefill answers before its background "pending" write lands: its params say
+    so, and the consumer waits for the record (up to its deadline) instead of loading what is
+    there after the grace period and leaving the producer's late blocks behind."""
+    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.05)
+    tokens = prompt(5 * BS + 3)
+    params, chain = hand_off(sched, tokens, 0, announced=5, opened=False)  # nothing there yet
+    sched.add_request(make_request("r", tokens, params))
+    for _ in range(20):  # well past the grace period: still waiting
+        out = sched.schedule()
+        assert meta_of(out).loads == [] and out.num_scheduled_tokens == {}
+        sched.update_from_output(out, runner_output([]))
+        time.sleep(0.01)
+    store = store_for(sched)
+    store.insert_many([(h, block()) for h in chain[:5]])  # the producer's writes land ...
+    store.publish_handoff("feed1234", 5)  # ... and its commit
+    out = schedule_until_admitted(sched, "r")
+    assert [s.hashes for s in meta_of(out).loads] == [chain[:5]]
+
+
 def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
@@ -256,7 +268,7 @@ def test_a_failing_lookup_recomputes_instead_of_hanging(
     def failing(*a: object, **k: object) -> None:
         raise error
 
-    connector_of(sched).store.read_handoff = failing
+    connector_of(sched).store.read_handoffs = failing
     sched.add_request(make_request("r", tokens, params))
     out = schedule_until_admitted(sched, "r", steps=5)
     assert out.num_scheduled_tokens == {"r": 4 * BS + 1}
@@ -299,19 +311,20 @@ def test_two_consumers_with_a_shared_prefix_never_take_each_others_blocks(
 
 
 def test_a_handoff_is_taken_once(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
-    """The same params twice (a retried request): the second recomputes at once instead of
-    waiting for blocks the first one takes."""
+    """The same params twice (a retried request): once the first request's worker has claimed
+    the handoff, the second recomputes at once instead of waiting for blocks the first takes."""
     sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     sched.add_request(make_request("first", tokens, params))
-    assert len(meta_of(sched.schedule()).loads) == 1
+    (load,) = meta_of(sched.schedule()).loads
+    assert load.claim == "feed1234"  # the worker claims it before reading
+    assert store_for(sched).claim_handoff("feed1234", owner=load.owner) == Claim.WON
     other = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     other.add_request(make_request("again", tokens, params))
-    t0 = time.monotonic()
     out = other.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"again": 4 * BS + 1}
-    assert time.monotonic() - t0 < 1
+    assert connector_of(other).stats.take()["requests_given_up"] == 1
 
 
 @pytest.mark.parametrize(
@@ -427,6 +440,9 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
     (handoff,) = handoffs
     chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
     assert saved == chain and positions == [0, 2]  # every block once, in order, by chunk
+    st = connector_of(sched)._reqs["p"]
+    assert st.opening is not None
+    st.opening.result(10)  # the "pending" record is in Redis: the params say so
     delay_free, params = sched.connector.request_finished(req, [])  # type: ignore[union-attr]
     assert delay_free  # blocks stay until the worker's commit record is written
     assert params == {
@@ -437,6 +453,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
             "last_hash": chain[4],
             "namespace": "vllm",
             "block_size": BS,
+            "opened": True,
         }
     }
     commits = meta_of(sched.schedule()).commits

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import redis
 
-from connector.scheduler import handoff_salt
+from connector.chains import handoff_salt
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.keys import parse_key
 from testing.redis_server import RedisServer
