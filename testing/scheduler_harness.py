@@ -38,15 +38,24 @@ init_none_hash(sha256)
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 
-def make_configs(model: Path, role: Role, **extra: Any) -> tuple[VllmConfig, KVCacheConfig]:
-    """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model (1000
-    blocks); ``extra`` (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are
-    waited for up to 1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
+def make_configs(
+    model: Path,
+    role: Role,
+    *,
+    num_blocks: int = 1000,
+    max_num_seqs: int = 16,
+    failure_policy: Literal["recompute", "fail"] = "recompute",
+    **extra: Any,
+) -> tuple[VllmConfig, KVCacheConfig]:
+    """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
+    (``num_blocks`` blocks); ``extra`` (``url`` among them) goes to
+    ``kv_connector_extra_config``. Lookups are waited for up to 1 s in the step that starts
+    them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=extra.pop("max_batched", 4096),
             max_model_len=4096,
             enable_chunked_prefill=True,
@@ -57,14 +66,14 @@ def make_configs(model: Path, role: Role, **extra: Any) -> tuple[VllmConfig, KVC
             kv_connector="RedisConnector",
             kv_connector_module_path="connector.redis_connector",
             kv_role=role,
-            kv_load_failure_policy="recompute",
+            kv_load_failure_policy=failure_policy,
             kv_connector_extra_config={"lookup_wait_s": 1, **extra},
         ),
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.block_size = BS
     kv_cache_config = KVCacheConfig(
-        num_blocks=1000,
+        num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
             KVCacheGroupSpec(
@@ -73,16 +82,18 @@ def make_configs(model: Path, role: Role, **extra: Any) -> tuple[VllmConfig, KVC
             )
         ],
     )
-    vllm_config.cache_config.num_gpu_blocks = 1000
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
     return vllm_config, kv_cache_config
 
 
 def make_worker_connector(
-    model: Path, url: str, num_blocks: int, **extra: Any
+    model: Path, url: str, num_blocks: int, role: Role = "kv_both", **extra: Any
 ) -> tuple[RedisConnector, dict[str, torch.Tensor]]:
-    """RedisConnector in the worker role (kv_both) with a KV cache of ``num_blocks`` CPU blocks
-    per layer, registered the way vLLM's model runner registers it."""
-    vllm_config, kv_cache_config = make_configs(model, "kv_both", url=url, **extra)
+    """RedisConnector in the worker role with a KV cache of ``num_blocks`` CPU blocks per
+    layer, registered the way vLLM's model runner registers it."""
+    vllm_config, kv_cache_config = make_configs(
+        model, role, url=url, num_blocks=num_blocks, **extra
+    )
     conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     caches = {name: torch.zeros(num_blocks, 2, BS, 128) for name in LAYERS}
     conn.register_kv_caches(caches)
@@ -110,9 +121,22 @@ def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
 
 
 def make_request(
-    rid: str, tokens: list[int], params: dict | None = None, cache_salt: str | None = None
+    rid: str,
+    tokens: list[int] | None,
+    params: dict | None = None,
+    cache_salt: str | None = None,
+    *,
+    max_tokens: int = 4,
+    lora: tuple[str, int, str] | None = None,
+    prompt_embeds: torch.Tensor | None = None,
+    prompt_is_token_ids: list[bool] | None = None,
 ) -> Request:
-    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    """A request as vLLM's engine core builds it; ``lora`` is (name, int id, path)."""
+    from vllm.lora.request import LoRARequest
+
+    sp = SamplingParams(
+        max_tokens=max_tokens, extra_args={"kv_transfer_params": params} if params else None
+    )
     sp.update_from_generation_config({}, 1)
     return Request(
         request_id=rid,
@@ -120,6 +144,9 @@ def make_request(
         sampling_params=sp,
         pooling_params=None,
         cache_salt=cache_salt,
+        lora_request=LoRARequest(lora[0], lora[1], lora[2]) if lora else None,
+        prompt_embeds=prompt_embeds,
+        prompt_is_token_ids=prompt_is_token_ids,
         block_hasher=get_request_block_hasher(BS, sha256),  # vLLM's own local prefix cache
     )
 

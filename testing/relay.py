@@ -1,0 +1,125 @@
+"""A TCP relay that delays every reply: a Redis server far away (another zone, a busy network),
+for the tests and scripts that need one. Requests go through at once; each chunk the server
+sends back is held ``delay_s`` from when it arrived, order kept.
+
+    with DelayRelay("127.0.0.1", redis_port, delay_s=0.02) as relay:
+        url = relay.url  # redis://127.0.0.1:<relay port>/0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+import socket
+import threading
+import time
+from typing import Any
+
+from .redis_server import free_port
+
+
+class DelayRelay:
+    def __init__(self, host: str, port: int, delay_s: float, listen_port: int | None = None):
+        self.target = (host, port)
+        self.delay_s = delay_s
+        self.port = listen_port or free_port()
+        self._listener: socket.socket | None = None
+        self._closed = threading.Event()
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> DelayRelay:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(256)
+        self._listener = s
+        threading.Thread(target=self._accept, name="relay-accept", daemon=True).start()
+        return self
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            for sock in (client, server):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(None)
+            with self._lock:
+                self._socks += [client, server]
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._delayed_pipe, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 20):
+                dst.sendall(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _delayed_pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        """Replies: each chunk leaves ``delay_s`` after it arrived (a sender thread holds it)."""
+        queue: list[tuple[float, int, bytes]] = []
+        order = itertools.count()
+        ready = threading.Condition()
+        done = threading.Event()
+
+        def send() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    with ready:
+                        while not queue and not done.is_set():
+                            ready.wait()
+                        if not queue:
+                            return
+                        due, _, data = queue[0]
+                        wait = due - time.monotonic()
+                        if wait > 0:
+                            ready.wait(wait)
+                            continue
+                        heapq.heappop(queue)
+                    dst.sendall(data)
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_RDWR)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 20):
+                with ready:
+                    heapq.heappush(queue, (time.monotonic() + self.delay_s, next(order), data))
+                    ready.notify()
+        done.set()
+        with ready:
+            ready.notify()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def __enter__(self) -> DelayRelay:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,367 @@
+"""One vLLM engine in a process, without a model: vLLM's real Scheduler with the real
+RedisConnector on both sides (scheduler and worker), stepped the way vLLM's engine core and
+model runner step them (0.32's order: bind metadata, forward, start loads, stage saves, report
+finished transfers and failed blocks, clear).
+
+The stand-in model's forward pass writes every block it computes a value determined by what
+the block's KV depends on -- the tokens (or prompt embeddings) up to the block's end, the LoRA
+adapter and, deliberately, the cache salt -- so a block that holds anything else was loaded
+from the wrong key or overwritten. The simulator checks, as it runs:
+
+- every block the connector writes (its loads' scatters) is owned at that moment by the
+  request loading it, and by no other, in vLLM's own block tables (``write_violations``);
+- every block a request is scheduled on holds that request's value (``value_violations``);
+- no load is still held past its deadline (``deadline_violations``).
+
+Used by tests/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from connector.metadata import RedisConnectorMetadata
+from connector.redis_connector import RedisConnector
+from connector.worker import RedisConnectorWorker
+
+from .scheduler_harness import (
+    BS,
+    Role,
+    make_request,
+    make_scheduler,
+    make_worker_connector,
+)
+
+SAMPLED_TOKEN = 7
+_BLOCK_NUMEL = 2 * BS * 128  # one layer's block: [kv_heads=2, BS, 2 * head_size]
+
+
+def position_ids(request: Request) -> list[bytes]:
+    """What each position of the request's KV depends on: its token id, or for a position
+    given as an embedding, a digest of that embedding row."""
+    tokens = list(request.all_token_ids)
+    out = [t.to_bytes(8, "little", signed=True) for t in tokens]
+    embeds = request.prompt_embeds
+    if embeds is not None:
+        mask = request.prompt_is_token_ids
+        for i in range(min(len(embeds), request.num_prompt_tokens)):
+            if mask is None or not mask[i]:
+                row = embeds[i].contiguous().view(torch.uint8).numpy().tobytes()
+                out[i] = b"e" + xxhash.xxh3_64_digest(row)
+    return out
+
+
+def block_identities(request: Request, n_blocks: int) -> list[int]:
+    """A 20-bit identity per full block: the chain of everything its KV depends on."""
+    lora = request.lora_request
+    seed = f"{request.cache_salt or ''}|{lora.lora_name if lora else ''}".encode()
+    positions = position_ids(request)
+    out, prev = [], xxhash.xxh3_64_digest(seed)
+    for p in range(n_blocks):
+        prev = xxhash.xxh3_64_digest(prev + b"".join(positions[p * BS : (p + 1) * BS]))
+        out.append(int.from_bytes(prev, "little") % (1 << 20))
+    return out
+
+
+def block_value(identity: int, layer: int) -> torch.Tensor:
+    """The stand-in model's KV for one block of one layer: integers, exact in float32."""
+    base = torch.arange(_BLOCK_NUMEL, dtype=torch.float32) + float(identity + 7 * layer)
+    return base.view(2, BS, 128)
+
+
+@dataclass
+class StepResult:
+    output: SchedulerOutput
+    params: dict[str, dict | None] = field(default_factory=dict)  # finished -> transfer params
+    finished: set[str] = field(default_factory=set)
+    recving: set[str] = field(default_factory=set)
+    sending: set[str] = field(default_factory=set)
+    invalid: set[int] = field(default_factory=set)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        model: Path,
+        role: Role,
+        url: str,
+        *,
+        num_blocks: int = 64,
+        max_num_seqs: int = 8,
+        max_batched: int = 256,
+        **extra: Any,
+    ) -> None:
+        self.role = role
+        cfg = {"num_blocks": num_blocks, "max_num_seqs": max_num_seqs, **extra}
+        self.sched = make_scheduler(model, role, url=url, max_batched=max_batched, **cfg)
+        self.worker_conn, self.caches = make_worker_connector(model, url, role=role, **cfg)
+        self.layers = list(self.caches.values())
+        # Held while vLLM's scheduler changes block ownership and while the connector writes a
+        # block: each write is checked against the ownership of that moment.
+        self.world = threading.RLock()
+        self.owners: dict[int, set[str]] = {}
+        self.write_violations: list[str] = []
+        self.value_violations: list[str] = []
+        self.deadline_violations: list[str] = []
+        self.aborted: set[str] = set()
+        self.finished_params: dict[str, dict | None] = {}
+        self.finish_reasons: dict[str, str] = {}  # request -> vLLM's reason ("length", "error")
+        # req id -> (latest moment its load may still run, the load's block ids)
+        self._load_deadlines: dict[str, float] = {}
+        self._tls = threading.local()
+        self._instrument()
+
+    def __repr__(self) -> str:  # in a failing fuzz example's steps
+        return f"SimEngine({self.role}, {id(self):#x})"
+
+    # ------------------------------------------------------------------ instrumentation
+    @property
+    def worker(self) -> RedisConnectorWorker:
+        w = self.worker_conn.connector_worker
+        assert w is not None
+        return w
+
+    @property
+    def connector(self) -> RedisConnector:
+        conn = self.sched.connector
+        assert isinstance(conn, RedisConnector)
+        return conn
+
+    def _instrument(self) -> None:
+        worker = self.worker
+        mover = worker._mover
+        assert mover is not None
+        real_copy_in, real_scatter = worker._copy_in, mover.kv.scatter
+        tls = self._tls
+
+        def copy_in(job: Any, chunk: Any) -> bool:
+            tls.req_id = job.spec.req_id
+            try:
+                return real_copy_in(job, chunk)
+            finally:
+                tls.req_id = None
+
+        def scatter(ids: torch.Tensor, src: torch.Tensor) -> None:
+            with self.world:
+                self._check_writes(getattr(tls, "req_id", None), ids.tolist())
+                real_scatter(ids, src)
+
+        worker._copy_in = copy_in  # type: ignore[method-assign]
+        mover.kv.scatter = scatter  # type: ignore[method-assign,assignment]
+
+    def _check_writes(self, req_id: str | None, block_ids: list[int]) -> None:
+        req = self.sched.requests.get(req_id) if req_id else None
+        for b in block_ids:
+            owners = self.owners.get(b, set())
+            if req is None or owners != {req_id}:
+                self.write_violations.append(
+                    f"block {b} written for {req_id} while vLLM gives it to {sorted(owners)}"
+                )
+            elif not (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished()):
+                self.write_violations.append(
+                    f"block {b} written for {req_id} while the request is {req.status.name}"
+                )
+
+    def _refresh_owners(self) -> None:
+        """Block id -> requests holding it, from vLLM's block tables (under ``world``)."""
+        owners: dict[int, set[str]] = {}
+        manager = self.sched.kv_cache_manager
+        for rid in self.sched.requests:
+            for b in manager.get_block_ids(rid)[0]:
+                owners.setdefault(b, set()).add(rid)
+        self.owners = owners
+
+    # ------------------------------------------------------------------ requests
+    def add(self, rid: str, tokens: list[int] | None, **kw: Any) -> Request:
+        req = make_request(rid, tokens, **kw)
+        with self.world:
+            self.sched.add_request(req)
+            self._refresh_owners()
+        return req
+
+    def abort(self, rid: str) -> bool:
+        """The client went away (vLLM's ``finish_requests`` with FINISHED_ABORTED)."""
+        with self.world:
+            done = self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+            self._refresh_owners()
+        if done:
+            self.aborted.add(rid)
+        return bool(done)
+
+    def preempt(self, rid: str) -> bool:
+        """Preempt a running request the way vLLM does under KV-cache pressure."""
+        with self.world:
+            req = self.sched.requests.get(rid)
+            if req is None or req not in self.sched.running:
+                return False
+            self.sched.running.remove(req)
+            self.sched._preempt_request(req, time.monotonic())
+            self._refresh_owners()
+        return True
+
+    # ------------------------------------------------------------------ a step
+    def step(self) -> StepResult:
+        with self.world:
+            out = self.sched.schedule()
+            self._refresh_owners()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, RedisConnectorMetadata)
+        conn = self.worker_conn
+        conn.bind_connector_metadata(meta)
+        self._forward(out)
+        # after the forward: vLLM may give a request blocks another request of the same step
+        # computes (they are cached when allocated; the forward writes every layer's KV before
+        # attention reads it)
+        self._check_values(out)
+        conn.start_load_kv(None)  # type: ignore[arg-type]
+        for spec in meta.loads:  # the worker gives each load at most timeout_s from here
+            self._load_deadlines[spec.req_id] = time.monotonic() + spec.timeout_s
+        conn.wait_for_save()
+        asked = time.monotonic()
+        sending, recving = conn.get_finished(out.finished_req_ids)
+        invalid = conn.get_block_ids_with_load_errors()
+        conn.clear_connector_metadata()
+        recving, sending = set(recving or ()), set(sending or ())
+        for rid in recving:
+            self._load_deadlines.pop(rid, None)
+        for rid, until in self._load_deadlines.items():
+            if asked > until:
+                self.deadline_violations.append(
+                    f"{rid}: its load was still held {asked - until:.3f}s past its deadline"
+                )
+        result = StepResult(out, recving=recving, sending=sending, invalid=set(invalid))
+        runner = self._runner_output(out, recving, sending, set(invalid))
+        with self.world:
+            outputs = self.sched.update_from_output(out, runner)
+            self._refresh_owners()
+        for eco in outputs.values():
+            for o in eco.outputs:
+                if o.finished:
+                    result.finished.add(o.request_id)
+                    result.params[o.request_id] = o.kv_transfer_params
+                    self.finished_params[o.request_id] = o.kv_transfer_params
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
+        return result
+
+    def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """(request id, tokens computed before this step, tokens scheduled now)."""
+        rows = [
+            (new.req_id, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id])
+            for new in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            rows.append((rid, cached.num_computed_tokens[i], out.num_scheduled_tokens[rid]))
+        return rows
+
+    def _blocks(self, rid: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    def _check_values(self, out: SchedulerOutput) -> None:
+        """Every full block a scheduled request has computed holds that request's value."""
+        for rid, computed, _ in self._scheduled(out):
+            req = self.sched.requests[rid]
+            n = computed // BS
+            ids = block_identities(req, n)
+            blocks = self._blocks(rid)
+            for p in range(n):
+                for layer, cache in enumerate(self.layers):
+                    if not torch.equal(cache[blocks[p]], block_value(ids[p], layer)):
+                        held = int(cache[blocks[p]].flatten()[0].item()) - 7 * layer
+                        self.value_violations.append(
+                            f"{rid}: block {blocks[p]} (position {p}, layer {layer}) holds KV "
+                            f"{held}, not this request's {ids[p]}"
+                        )
+                        break
+
+    def _forward(self, out: SchedulerOutput) -> None:
+        """The stand-in model: writes each block completed by this step's tokens."""
+        for rid, computed, scheduled in self._scheduled(out):
+            req = self.sched.requests[rid]
+            end = computed + scheduled
+            first, last = computed // BS, end // BS  # blocks [first, last) complete now
+            if last <= first:
+                continue
+            ids = block_identities(req, last)
+            blocks = self._blocks(rid)
+            for p in range(first, last):
+                for layer, cache in enumerate(self.layers):
+                    cache[blocks[p]].copy_(block_value(ids[p], layer))
+
+    def _runner_output(
+        self, out: SchedulerOutput, recving: set[str], sending: set[str], invalid: set[int]
+    ) -> ModelRunnerOutput:
+        rows = self._scheduled(out)
+        sampled = []
+        for rid, computed, scheduled in rows:
+            req = self.sched.requests[rid]
+            sampled.append([SAMPLED_TOKEN] if computed + scheduled >= req.num_tokens else [])
+        kv_out = None
+        if recving or sending or invalid:
+            kv_out = KVConnectorOutput(
+                finished_sending=sending or None,
+                finished_recving=recving or None,
+                invalid_block_ids=invalid,
+            )
+        return ModelRunnerOutput(
+            req_ids=[r[0] for r in rows],
+            req_id_to_index={r[0]: i for i, r in enumerate(rows)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=kv_out,
+        )
+
+    # ------------------------------------------------------------------ running out
+    def run_until_idle(self, max_steps: int = 2000, pause_s: float = 0.002) -> None:
+        """Step until no request is left (vLLM's engine loop pauses when nothing ran), then
+        wait for the worker's writes and commit records to land."""
+        for _ in range(max_steps):
+            if not self.sched.has_requests():
+                self.settle()
+                return
+            res = self.step()
+            if not res.output.num_scheduled_tokens:
+                time.sleep(pause_s)
+        raise AssertionError(f"requests left after {max_steps} steps: {list(self.sched.requests)}")
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait until the worker's transfers (saves, commit records, deletes) and the handoffs
+        the scheduler side dropped are done."""
+        deadline = time.monotonic() + timeout_s
+        assert self.worker.shutdown_pending(timeout_s) == 0, "transfers still running"
+        while self.connector.scheduler._drops.waiting:
+            assert time.monotonic() < deadline, "dropped handoffs still waiting"
+            time.sleep(0.01)
+
+    def leftovers(self) -> list[str]:
+        """Per-request state the connector still holds once every request is gone (a leak)."""
+        sched, worker = self.connector.scheduler, self.worker
+        held: dict[str, dict[Any, Any]] = {
+            "scheduler requests": sched._reqs,
+            "scheduler loads": sched._loading,
+            "scheduler load blocks": sched._load_blocks,
+            "worker loads": worker._jobs,
+            "worker saves": worker._saves,
+        }
+        return [f"{what}: {sorted(map(str, v))[:5]}" for what, v in held.items() if v]
+
+    def assert_clean(self) -> None:
+        assert not self.write_violations, self.write_violations[:5]
+        assert not self.value_violations, self.value_violations[:5]
+        assert not self.deadline_violations, self.deadline_violations[:5]
+
+    def shutdown(self) -> None:
+        self.worker_conn.shutdown()
+        self.connector.shutdown()

@@ -1,0 +1,582 @@
+"""What vLLM does to a request -- aborts, preemption, a full KV cache, local hits that change --
+against the real connector on both sides and vLLM's real Scheduler (``testing.sim_engine``: no
+model, a stand-in forward pass whose KV values say which request and tokens they belong to).
+Every test checks, besides its own assertions, that the connector wrote no block it did not
+own at that moment and that every block a request ran on held that request's KV."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus
+
+import connector.scheduler
+from connector.chains import handoff_salt
+from kvstore import LookupBuffer, chain_hashes
+from testing.scheduler_harness import BS, make_request, make_scheduler
+from testing.sim_engine import SimEngine
+
+pytestmark = pytest.mark.vllm
+
+URL = "redis://fake:6379/0"
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
+
+
+class Gate:
+    """Holds every call of a store's method until opened: a load or lookup in flight."""
+
+    def __init__(self, store: LookupBuffer, method: str = "select_into") -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        real = getattr(store, method)
+
+        def gated(*a: Any, **k: Any) -> Any:
+            self.entered.set()
+            self.opened.wait(30)
+            return real(*a, **k)
+
+        setattr(store, method, gated)
+
+
+GATES: list[Gate] = []
+
+
+@pytest.fixture
+def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
+    """A factory of simulated engines on one fakeredis server; afterwards every gate is
+    opened, every engine checked (no foreign writes, no wrong values) and shut down."""
+    made: list[SimEngine] = []
+
+    def make(role: str = "kv_both", **kw: Any) -> SimEngine:
+        kw.setdefault("deadline_s", 30)
+        kw.setdefault("lookup_wait_s", 0.02)
+        e = SimEngine(tiny_model, role, URL, **kw)  # type: ignore[arg-type]
+        made.append(e)
+        return e
+
+    yield make
+    for gate in GATES:
+        gate.opened.set()
+    GATES.clear()
+    for e in made:
+        if not e.sched.has_requests():  # all done: the connector must hold nothing of them
+            e.settle()
+            assert not e.leftovers(), e.leftovers()
+        e.shutdown()
+    for e in made:
+        e.assert_clean()
+
+
+def gate(store: LookupBuffer, method: str = "select_into") -> Gate:
+    g = Gate(store, method)
+    GATES.append(g)
+    return g
+
+
+def until(pred: Any, engine: SimEngine, steps: int = 400) -> None:
+    for _ in range(steps):
+        if pred():
+            return
+        engine.step()
+        time.sleep(0.002)
+    raise AssertionError("condition never held")
+
+
+def loaded_blocks(engine: SimEngine) -> int:
+    return int(engine.worker.stats.take().get("blocks_loaded", 0))
+
+
+# ---------------------------------------------------------------------- defect 1
+def test_an_abort_during_a_share_mode_load_holds_the_blocks_until_the_load_ends(
+    engines: Any,
+) -> None:
+    """The aborted request only loaded: it must not report "finished sending" (vLLM would free
+    its blocks under the load, hand them to the next request, then die on the load's report)."""
+    tokens = prompt(6 * BS + 3)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    reader = engines()
+    held = gate(reader.worker.store)
+    reader.add("a", tokens)
+    until(lambda: held.entered.is_set(), reader)
+    assert reader.sched.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    reader.abort("a")
+    for _ in range(3):  # vLLM must keep a's blocks: the load may still write them
+        res = reader.step()
+        assert "a" not in res.sending
+    assert "a" in reader.sched.requests
+    reader.add("b", prompt(7 * BS + 5, seed=2))  # would get a's blocks if they were freed
+    for _ in range(5):
+        reader.step()
+    held.opened.set()
+    reader.run_until_idle()
+    assert "a" not in reader.sched.requests and "b" in reader.finished_params
+
+
+def test_a_request_that_loaded_and_saved_is_reported_sent_once(engines: Any) -> None:
+    tokens = prompt(4 * BS)
+    writer = engines()
+    writer.add("w", tokens[: 2 * BS + 1])  # the pool holds the first 2 blocks
+    writer.run_until_idle()
+    reader = engines()
+    reader.add("r", tokens + prompt(BS + 1, seed=5))
+    sent: list[str] = []
+    for _ in range(200):
+        if not reader.sched.has_requests():
+            break
+        sent += reader.step().sending
+        time.sleep(0.002)
+    assert sent == ["r"]  # it saved blocks 2..4: vLLM held them until the saves were staged
+
+
+# ---------------------------------------------------------------------- defect 2
+def test_a_full_kv_cache_at_admission_keeps_the_handoff(engines: Any) -> None:
+    """vLLM asks again when it could not allocate: the answer must stay, and the handoff must
+    be loaded once there is room, not recomputed and deleted unread."""
+    tokens = prompt(8 * BS + 1, seed=3)
+    producer = engines("kv_producer")
+    producer.add("p", tokens, max_tokens=1)
+    producer.run_until_idle()
+    params = producer.finished_params["p"]
+    assert params is not None
+    consumer = engines("kv_consumer", num_blocks=16)
+    consumer.add("hog", prompt(10 * BS, seed=4), max_tokens=12)  # most of the 15 blocks
+    consumer.step()
+    consumer.add("d", tokens, params=params)
+    waits = 0
+    for _ in range(6):  # the hog holds the cache: d cannot be allocated yet
+        res = consumer.step()
+        waits += "d" not in res.output.num_scheduled_tokens and not any(
+            s.req_id == "d" for s in res.output.kv_connector_metadata.loads
+        )
+    assert waits >= 3
+    consumer.run_until_idle()
+    assert loaded_blocks(consumer) == 8
+    chain = chain_hashes(tokens, BS, handoff_salt("", params["redis_kv"]["handoff"]))
+    store = consumer.worker.store
+    deadline = time.monotonic() + 10
+    while store.longest_prefix(chain, consumer.worker.layout.all_fingerprints()):
+        assert time.monotonic() < deadline, "the consumed handoff was never deleted"
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- defect 3
+def test_prompts_that_differ_only_in_their_embeddings_never_share_blocks(
+    engines: Any,
+) -> None:
+    n = 5 * BS + 2
+    gen = torch.Generator().manual_seed(0)
+    e1 = torch.randn(n, 32, generator=gen)
+    e2 = e1.clone()
+    e2[3 * BS + 1] += 1.0  # block 3 differs; blocks 0..2 are the same
+    placeholder = [0] * n
+    mask = [False] * n
+    writer = engines()
+    writer.add("w", placeholder, prompt_embeds=e1, prompt_is_token_ids=mask)
+    writer.run_until_idle()
+    reader = engines()
+    reader.add("r", placeholder, prompt_embeds=e2, prompt_is_token_ids=mask)
+    reader.run_until_idle()
+    assert loaded_blocks(reader) == 3  # the shared prefix, and nothing of block 3 on
+
+
+# ---------------------------------------------------------------------- defect 4
+@pytest.mark.parametrize("changed", ["after the answer", "while the lookup is out"])
+def test_a_lookup_answer_survives_a_change_of_local_hits(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, changed: str
+) -> None:
+    """vLLM may present another local-hit length on the next call (its prefix cache changed,
+    or it could not allocate and asks again): the request must still load its handoff, not
+    find it taken by itself."""
+    sched = make_scheduler(tiny_model, "kv_consumer", url=URL, lookup_wait_s=0, deadline_s=30)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    layout = sched.connector.layout  # type: ignore[union-attr]
+    tokens = prompt(6 * BS + 1)
+    chain = chain_hashes(tokens, BS, handoff_salt("", "feed"))
+    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
+    block = {n: torch.zeros(2, BS, 128) for n in layout.layer_names}
+    store.insert_many([(h, block) for h in chain])
+    store.publish_handoff("feed", 6)
+    params = {
+        "redis_kv": {
+            "handoff": "feed",
+            "scope": "handoff",
+            "num_blocks": 6,
+            "last_hash": chain[5],
+            "namespace": "vllm",
+            "block_size": BS,
+        }
+    }
+    held = Gate(conn.store, "read_handoffs")
+    req = make_request("r", tokens, params)
+
+    def ask(local_blocks: int) -> tuple[int | None, bool]:
+        for _ in range(500):
+            answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
+            if answer[0] is not None:
+                return answer
+            time.sleep(0.01)
+        raise AssertionError("no answer")
+
+    try:
+        assert conn.get_num_new_matched_tokens(req, 0) == (None, False)  # the lookup is out
+        assert held.entered.wait(10)
+    finally:
+        held.opened.set()
+    if changed == "after the answer":
+        assert ask(0) == (6 * BS, True)
+    assert ask(1) == (5 * BS, True)  # a local hit of one block appeared
+    assert ask(1) == (5 * BS, True)  # and vLLM asks again: the same answer
+    assert conn.stats.take().get("requests_given_up") is None
+    sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------- defect 5
+def test_one_step_waits_for_lookups_once_however_many_requests_arrive(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """64 new requests against a slow Redis: the step's waits add up to lookup_wait_s at most."""
+    waited: list[float] = []
+    real_wait = futures.wait
+
+    def counting_wait(fs: Any, timeout: float | None = None, **kw: Any) -> Any:
+        waited.append(timeout or 0.0)
+        return real_wait(fs, timeout=timeout, **kw)
+
+    monkeypatch.setattr(connector.scheduler, "wait", counting_wait)
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, lookup_wait_s=0.005)
+    store = sched.connector.scheduler.store  # type: ignore[union-attr]
+    real_lookup = store.longest_prefixes
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.02)
+        return real_lookup(*a, **k)
+
+    store.longest_prefixes = slow
+    for i in range(64):
+        sched.add_request(make_request(f"r{i}", prompt(3 * BS + 1, seed=i)))
+    sched.schedule()
+    assert sum(waited) <= 0.005 + 1e-9
+
+
+# ---------------------------------------------------------------------- defect 6
+@pytest.mark.parametrize(
+    ("first", "second", "shares"),
+    [
+        (("alice", 1, "/a"), ("bob", 1, "/b"), False),  # another adapter under the same id
+        (("alice", 1, "/a"), ("alice", 1, "/b"), False),  # the name pointed at another adapter
+        (("alice", 1, "/a"), ("alice", 2, "/a"), True),  # the same adapter under another id
+        (("alice", 1, "/a"), None, False),  # the base model
+        (("a@b", 1, "/c"), ("a", 2, "b@/c"), False),  # fields that once ran into each other
+    ],
+)
+def test_lora_adapters_are_told_apart_by_name_and_path_not_by_id(
+    engines: Any, first: Any, second: Any, shares: bool
+) -> None:
+    tokens = prompt(4 * BS + 1, seed=8)
+    writer = engines()
+    writer.add("w", tokens, lora=first)
+    writer.run_until_idle()
+    reader = engines()
+    reader.add("r", tokens, lora=second)
+    reader.run_until_idle()
+    assert loaded_blocks(reader) == (4 if shares else 0)
+
+
+# ---------------------------------------------------------------------- consume mode
+def produce(engines: Any, tokens: list[int], rid: str = "p") -> dict:
+    producer = engines("kv_producer")
+    producer.add(rid, tokens, max_tokens=1)
+    producer.run_until_idle()
+    params = producer.finished_params[rid]
+    assert params is not None
+    return params
+
+
+def handoff_chain(tokens: list[int], params: dict) -> list[str]:
+    return chain_hashes(tokens, BS, handoff_salt("", params["redis_kv"]["handoff"]))
+
+
+def wait_deleted(engine: SimEngine, chain: list[str]) -> None:
+    store, fps = engine.worker.store, engine.worker.layout.all_fingerprints()
+    deadline = time.monotonic() + 10
+    while any(store.contains(chain)):
+        assert time.monotonic() < deadline, "the handoff was never deleted"
+        time.sleep(0.01)
+    del fps
+
+
+def test_the_same_handoff_on_two_consumers_is_loaded_by_one_and_recomputed_by_the_other(
+    engines: Any,
+) -> None:
+    """A retried request reaches a second decode server while the first still has it: both
+    may plan a load, one claim wins, the loser recomputes without touching the chain."""
+    tokens = prompt(6 * BS + 1, seed=11)
+    params = produce(engines, tokens)
+    a, b = engines("kv_consumer"), engines("kv_consumer")
+    a.add("d", tokens, params=params)
+    b.add("d", tokens, params=params)
+    for _ in range(300):
+        if not (a.sched.has_requests() or b.sched.has_requests()):
+            break
+        a.step()
+        b.step()
+        time.sleep(0.002)
+    loaded = sorted([loaded_blocks(a), loaded_blocks(b)])
+    assert loaded == [0, 6]
+    wait_deleted(a, handoff_chain(tokens, params))
+
+
+@pytest.mark.parametrize("when", ["looking up", "answered", "loading"])
+def test_an_aborted_consumer_leaves_nothing_behind(engines: Any, when: str) -> None:
+    """Aborted while waiting for the producer, while waiting for room in the KV cache, or
+    while its load runs: the handoff is deleted (after the load, or at once), vLLM keeps
+    every block the load writes until the load reports, and nothing else is disturbed."""
+    tokens = prompt(8 * BS + 1, seed=12)
+    params = produce(engines, tokens)
+    # (a lookup held at the gate must not be taken for a hung Redis on a slow machine)
+    consumer = engines("kv_consumer", num_blocks=16, control_timeout_s=30)
+    if when == "looking up":
+        held = gate(consumer.connector.scheduler.store, "read_handoffs")
+    elif when == "answered":
+        consumer.add("hog", prompt(10 * BS, seed=4), max_tokens=12)
+        consumer.step()
+    else:
+        held = gate(consumer.worker.store, "select_into")
+    consumer.add("d", tokens, params=params)
+    for _ in range(4):
+        consumer.step()
+        time.sleep(0.005)
+    status = consumer.sched.requests["d"].status
+    if when == "loading":
+        assert held.entered.wait(10) and status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    else:
+        assert status == RequestStatus.WAITING
+    consumer.abort("d")
+    consumer.add("next", prompt(5 * BS + 1, seed=13))
+    for _ in range(3):
+        consumer.step()
+    for g in GATES:
+        g.opened.set()
+    consumer.run_until_idle()
+    assert "next" in consumer.finished_params
+    wait_deleted(consumer, handoff_chain(tokens, params))
+
+
+# ---------------------------------------------------------------------- share mode
+def test_a_preempted_request_looks_up_again_and_runs_on_its_own_values(engines: Any) -> None:
+    tokens = prompt(6 * BS + 1, seed=14)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    reader = engines()
+    req = reader.add("r", tokens, max_tokens=30)
+    until(lambda: req.status == RequestStatus.RUNNING and req.num_output_tokens > 2, reader)
+    assert reader.preempt("r")
+    reader.sched.reset_prefix_cache()  # its blocks are gone locally: Redis again
+    reader.run_until_idle()
+    assert loaded_blocks(reader) == 12  # 6 blocks, twice
+    assert reader.finished_params["r"] is not None
+
+
+def test_a_corrupt_block_is_recomputed_once_and_saved_again(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A block that fails its checksum is reported with the load; vLLM recomputes from there;
+    the request never loads again in the same admission; its recomputed value replaces the
+    bad one in the pool."""
+    tokens = prompt(5 * BS + 1, seed=15)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    writer.settle()
+    key = writer.worker.store.redis_key(chain_hashes(tokens, BS)[2])
+    value = bytearray(fake_redis.get(key))
+    value[-5] ^= 0xFF
+    fake_redis.set(key, bytes(value), keepttl=True)
+    reader = engines()
+    reader.add("r", tokens)
+    loads: list[Any] = []
+    for _ in range(300):
+        if not reader.sched.has_requests():
+            break
+        loads += reader.step().output.kv_connector_metadata.loads
+        time.sleep(0.002)
+    assert [len(s.block_ids) for s in loads] == [5]  # one load, never retried
+    saves = reader.worker.stats.take()
+    # blocks 3 and 4 arrived, but vLLM recomputes from block 2 on: they count as failed
+    assert saves["blocks_loaded"] == 2 and saves["blocks_load_failed"] == 3
+    reader.settle()
+    third = engines()
+    third.add("t", tokens)
+    third.run_until_idle()
+    assert loaded_blocks(third) == 5  # the pool's block 2 was replaced by a good one
+
+
+# ---------------------------------------------------------------------- vLLM's own scenarios
+def test_the_fail_policy_ends_the_request_only_after_its_load_reports(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """kv_load_failure_policy "fail": vLLM finishes the request with an error when a block
+    fails, while the load may still be running; its blocks must stay vLLM's until the load
+    reports (vLLM's test_invalid_blocks_race_conditions, test_error_propagation)."""
+    tokens = prompt(5 * BS + 1, seed=16)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    key = writer.worker.store.redis_key(chain_hashes(tokens, BS)[1])
+    value = bytearray(fake_redis.get(key))
+    value[-5] ^= 0xFF
+    fake_redis.set(key, bytes(value), keepttl=True)
+    reader = engines(failure_policy="fail")
+    reader.add("r", tokens)
+    reader.add("other", prompt(3 * BS + 1, seed=17))
+    reader.run_until_idle()
+    assert reader.finish_reasons == {"r": "error", "other": "length"}
+    assert reader.sched.requests == {}
+
+
+def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Newer vLLM may cap an async load by its token budget: the connector loads the blocks of
+    the tokens vLLM allocated, not of its answer (vLLM's test_large_async_load...)."""
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, deadline_s=30)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    tokens = prompt(6 * BS + 1, seed=18)
+    hashes = chain_hashes(tokens, BS)
+    block = {n: torch.zeros(2, BS, 128) for n in sched.connector.layout.layer_names}  # type: ignore[union-attr]
+    conn.store.insert_many([(h, block) for h in hashes])
+    req = make_request("r", tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
+
+    class Blocks:
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (list(range(10, 17)),)
+
+    conn.update_state_after_alloc(req, Blocks(), 2 * BS + 3)  # 2 blocks and a part of a third
+    (load,) = conn._pending_loads
+    assert load.block_ids == [10, 11, 12] and load.hashes == hashes[:3]
+    sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_load_planned_while_the_kv_cache_sleeps_still_deletes_its_handoff(
+    engines: Any,
+) -> None:
+    """vLLM 0.33 sleep mode: a load the worker receives while the KV cache is released is
+    cancelled (the request recomputes), and its handoff is still claimed and deleted (it was
+    left for its whole TTL)."""
+    tokens = prompt(6 * BS + 1, seed=21)
+    params = produce(engines, tokens)
+    consumer = engines("kv_consumer")
+    consumer.add("d", tokens, params=params)
+    for _ in range(200):  # the KV cache sleeps in the step that plans the load
+        consumer.worker_conn.unregister_kv_caches()
+        res = consumer.step()
+        consumer.worker_conn.restore_kv_caches()
+        if res.output.kv_connector_metadata.loads:
+            break
+        time.sleep(0.005)
+    else:
+        raise AssertionError("no load was planned")
+    consumer.run_until_idle()
+    assert consumer.worker.stats.take()["loads_cancelled"] == 1
+    assert "d" in consumer.finished_params
+    wait_deleted(consumer, handoff_chain(tokens, params))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # a LoRA path holding what another request's cache_salt adds
+        ({"lora": ("x", 1, "/p|salt=s")}, {"lora": ("x", 1, "/p"), "cache_salt": "s"}),
+        ({"lora": ("x", 1, "/p|salt=s")}, {"lora": ("x", 1, "/p|salt=s"), "cache_salt": "s"}),
+    ],
+)
+def test_no_salt_can_pass_for_another(engines: Any, first: dict, second: dict) -> None:
+    """cache_salt and LoRA names and paths come from clients: no choice of them may make two
+    requests whose KV differs share blocks (the salt's parts were joined with "|" unescaped)."""
+    tokens = prompt(4 * BS + 1, seed=9)
+    writer = engines()
+    writer.add("w", tokens, **first)
+    writer.run_until_idle()
+    reader = engines()
+    reader.add("r", tokens, **second)
+    reader.run_until_idle()
+    assert loaded_blocks(reader) == 0
+
+
+def test_many_requests_on_one_prefix_wait_for_one_load_and_survive_aborts(
+    engines: Any,
+) -> None:
+    """Share mode: twelve requests on one cached prefix, loads slow, two aborted mid-way. The
+    others wait for the one load of the prefix (then a local hit), and all run on right KV."""
+    base = prompt(6 * BS, seed=30)
+    writer = engines()
+    writer.add("w", [*base, 5])
+    writer.run_until_idle()
+    reader = engines(num_blocks=200, max_num_seqs=16)
+    real = reader.worker.store.select_into
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.05)
+        return real(*a, **k)
+
+    reader.worker.store.select_into = slow  # type: ignore[method-assign]
+    for i in range(12):
+        reader.add(f"r{i}", base + prompt(BS + 3, seed=100 + i))
+    for step in range(2000):
+        if not reader.sched.has_requests():
+            break
+        reader.step()
+        if step == 3:
+            reader.abort("r0")
+            reader.abort("r5")
+        time.sleep(0.002)
+    assert set(reader.finished_params) == {f"r{i}" for i in range(12)} - {"r0", "r5"}
+    assert 6 <= loaded_blocks(reader) <= 12  # the prefix once (twice if its loader was aborted)
+
+
+@pytest.mark.parametrize("abort_at", [None, 1, 3])
+def test_kv_both_in_consume_mode_hands_off_and_on(engines: Any, abort_at: int | None) -> None:
+    """Instances that both produce and consume handoffs (kv_both, consume mode): a prompt of
+    an exact number of blocks goes from one to the other and back, with an abort on the way."""
+    tokens = prompt(7 * BS, seed=61)
+    x = engines("kv_both", mode="consume")
+    y = engines("kv_both", mode="consume")
+    x.add("p", tokens, max_tokens=1)
+    x.run_until_idle()
+    params = x.finished_params["p"]
+    assert params is not None
+    y.add("d", tokens, params=params, max_tokens=3)
+    for i in range(400):
+        if not y.sched.has_requests():
+            break
+        y.step()
+        if abort_at is not None and i == abort_at:
+            y.abort("d")
+        time.sleep(0.002)
+    y.run_until_idle()
+    wait_deleted(y, handoff_chain(tokens, params))
+    again = y.finished_params.get("d")
+    if abort_at is None:
+        assert again is not None and loaded_blocks(y) == 6  # never the last prompt token
+    if again:  # and back to the first instance
+        x.add("d2", [*tokens, 9], params=again)
+        x.run_until_idle()
+        wait_deleted(x, handoff_chain(tokens, again))
