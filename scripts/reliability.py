@@ -46,6 +46,9 @@ from testing.redis_server import RedisServer, free_port
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 1200  # 9 full blocks of 128 (vLLM's CPU block size)
 MAX_TOKENS = 8
+# What kvstore's circuit breaker logs (through vLLM's log) when it opens and closes again.
+BREAKER_OPENED = "not sending it anything until it answers again"
+BREAKER_CLOSED = "answers again after"
 # The connector settings under test (the defaults, spelled out so the table can say them).
 CONNECTOR = {"deadline_s": 2.0, "control_timeout_s": 0.5, "breaker_probe_s": 0.5}
 
@@ -68,6 +71,8 @@ class FaultResult:
     fault: str
     what: str
     outcomes: list[Outcome] = field(default_factory=list)
+    # the decode servers' connector counters, summed, during the scenario
+    counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def sent(self) -> int:
@@ -105,6 +110,7 @@ class FaultResult:
             "median_added_after_3_s": self.median("added_s", skip=3),
             "worst_prefill_added_s": self.worst("prefill_added_s"),
             "tokens_from_redis": round(self.cached_fraction, 3),
+            "counters": self.counters,
             "outcomes": [asdict(o) for o in self.outcomes],
         }
 
@@ -233,11 +239,16 @@ class Harness:
         during_decode: Callable[[], None] | None = None,
         params: dict | None = None,
         prefill_s: float | None = None,
+        committed_first: bool = False,
     ) -> Outcome:
-        """One request as the proxy sends it; faults may be injected while either half runs."""
+        """One request as the proxy sends it; faults may be injected while either half runs.
+        ``committed_first``: the decode is sent once the prefill's commit record is in Redis
+        (for checks of what is loaded, which must not race a busy machine)."""
         try:
             if params is None:
                 params, prefill_s = self._with(during_prefill, lambda: self.prefill(prompt))
+            if committed_first:
+                self.wait_committed([params])
             text, decode_s, cached, _ = self._with(
                 during_decode, lambda: self.complete(decoder, prompt, params)
             )
@@ -285,10 +296,52 @@ class Harness:
 
         return fault
 
-    def revive(self) -> None:
+    def revive(self, timeout_s: float = 120.0) -> None:
+        """Start Redis again if it is down, and wait until every breaker that opened has closed
+        (each server logs both): the event that matters, not a pause that a busy machine may
+        outlast."""
         if self.redis.proc is None:
             self.redis.start()
-        time.sleep(2 * CONNECTOR["breaker_probe_s"] + 0.2)  # let the breakers close again
+        deadline = time.monotonic() + timeout_s
+        while True:
+            still_open = [name for name, n in self.breakers_open().items() if n > 0]
+            if not still_open:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"breakers of {still_open} did not close in {timeout_s:.0f}s")
+            time.sleep(0.1)
+
+    def breakers_open(self) -> dict[str, int]:
+        """Per server: breakers opened minus breakers closed again, from its log."""
+        counts = {}
+        for proc in self.stack.procs:
+            log = proc.log.read_text(errors="replace") if proc.log.exists() else ""
+            counts[proc.name] = log.count(BREAKER_OPENED) - log.count(BREAKER_CLOSED)
+        return counts
+
+    def counters(self, server: str) -> dict[str, float]:
+        """The connector's counters on a server's /metrics (``vllm:redis_kv_<name>_total``)."""
+        out: dict[str, float] = {}
+        for line in self.http.get(self.urls[server] + "/metrics").text.splitlines():
+            if line.startswith("vllm:redis_kv_") and "_total" in line:
+                name = line.split("{")[0].split(" ")[0][len("vllm:redis_kv_") : -len("_total")]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+    def wait_committed(self, params: list[dict | None], timeout_s: float = 120.0) -> None:
+        """Until every producer's commit record is in Redis: a consumer then never waits for
+        one, so what it loads does not depend on how busy the machine is."""
+        ids = [p["redis_kv"]["handoff"] for p in params if p and "redis_kv" in p]
+        deadline = time.monotonic() + timeout_s
+        with self.admin() as a:
+            for handoff in ids:
+                while True:
+                    values = [a.get(k) for k in a.keys(f"kv:*:handoff:{{{handoff}}}")]
+                    if values and all(v is not None and v.isdigit() for v in values):
+                        break
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"handoff {handoff} was never committed")
+                    time.sleep(0.05)
 
     @contextlib.contextmanager
     def stopped(self) -> Iterator[None]:
@@ -404,7 +457,9 @@ def restarted(h: Harness, prompts: list[list[int]]) -> FaultResult:
     h.kill()
     res.outcomes = [h.disaggregated(i, p) for i, p in enumerate(prompts[:half])]
     h.revive()
-    res.outcomes += [h.disaggregated(i + half, p) for i, p in enumerate(prompts[half:])]
+    res.outcomes += [
+        h.disaggregated(i + half, p, committed_first=True) for i, p in enumerate(prompts[half:])
+    ]
     return res
 
 
@@ -431,6 +486,7 @@ def shared_prefix(h: Harness, prompts: list[list[int]]) -> FaultResult:
     """Two decode servers, prompts sharing 1,000 tokens, decoded at the same time."""
     res = FaultResult("two-consumers", "two decode servers, a shared 1,000-token prefix")
     saved = [h.prefill(p) for p in prompts]
+    h.wait_committed([params for params, _ in saved])
     with ThreadPoolExecutor(2) as pool:
         futs = [
             pool.submit(
@@ -467,8 +523,15 @@ def run(h: Harness, n: int, names: list[str]) -> list[FaultResult]:
     sharing = [prompt_tokens(100 + i, shared) for i in range(n)]
     h.prepare(prompts + (sharing if "two-consumers" in names else []))
     results = []
+    decoders = ("decode", "decode2")
     for name in names:
-        results.append(SCENARIOS[name](h, sharing if name == "two-consumers" else prompts))
+        before = [h.counters(d) for d in decoders]
+        result = SCENARIOS[name](h, sharing if name == "two-consumers" else prompts)
+        after = [h.counters(d) for d in decoders]
+        for b, a in zip(before, after, strict=True):
+            for key, value in a.items():
+                result.counters[key] = result.counters.get(key, 0.0) + value - b.get(key, 0.0)
+        results.append(result)
         h.flush()
     return results
 

@@ -23,8 +23,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.
 
 REQUESTS = 3
 # A request with Redis misbehaving may take its recompute plus, at worst, its whole Redis
-# deadline (deadline_s plus 1 s per 1,000 prompt tokens); anything beyond that is a stall.
-BUDGET_S = CONNECTOR["deadline_s"] + 1.2 + 1.0  # + 1 s for this 2-core machine's noise
+# deadline (deadline_s plus 1 s per 1,000 prompt tokens); what this catches is a stall: a wait
+# of a socket timeout or more (tens of seconds). The room above the deadline is for a busy
+# 2-core CI machine, where one request's compute varies by seconds against its baseline; that
+# no wait outlives its deadline is checked without timing noise by tests/test_fuzz_lifecycle.py.
+BUDGET_S = CONNECTOR["deadline_s"] + 1.2 + 8.0
 
 
 @pytest.fixture(scope="module")
@@ -65,5 +68,8 @@ def test_evicted_blocks_are_recomputed_without_waiting_for_the_deadline(
     results: dict[str, FaultResult],
 ) -> None:
     r = results["evicted"]
-    assert (r.worst("added_s") or 0) < CONNECTOR["deadline_s"]
+    # no decode request gave up on Redis, and no load ran into its deadline: what was missing
+    # was known at lookup time and recomputed at once (the decode servers' own counters)
+    assert r.counters.get("requests_given_up", 0) == 0, r.counters
+    assert r.counters.get("loads_expired", 0) == 0, r.counters
     assert r.cached_fraction > 0  # what survived was still used
