@@ -291,12 +291,19 @@ class RedisConnectorWorker:
 
     def _report_load(self, job: _LoadJob, expired: bool = False, cancelled: bool = False) -> None:
         """Report a load finished, exactly once; blocks not copied by now are failed."""
+        spec = job.spec
         with job.lock:
             if job.reported:
                 return
             job.reported = True
-        spec = job.spec
-        failed = [b for b in spec.block_ids if b not in job.copied]
+            failed = [b for b in spec.block_ids if b not in job.copied]
+            # in the same critical section: once ``reported`` is set, the next get_finished
+            # must see the load finished (it may be the call that found the deadline passed)
+            with self._lock:
+                if self._jobs.get(spec.req_id) is job:
+                    del self._jobs[spec.req_id]
+                self._failed_block_ids.update(failed)
+                self._finished_loads.add(spec.req_id)
         # vLLM recomputes from the first failed block on: only the blocks before it count
         loaded = next(
             (i for i, b in enumerate(spec.block_ids) if b not in job.copied), len(spec.block_ids)
@@ -319,10 +326,6 @@ class RedisConnectorWorker:
                 "far); recomputing what was not loaded",
                 req=spec.req_id,
             )
-        with self._lock:
-            self._jobs.pop(spec.req_id, None)
-            self._failed_block_ids.update(failed)
-            self._finished_loads.add(spec.req_id)
 
     # ------------------------------------------------------------------ saves
     def wait_for_save(self, meta: RedisConnectorMetadata) -> None:

@@ -275,6 +275,39 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
     assert dst.take_stats()["loads_expired"] == 1
 
 
+def test_a_load_whose_thread_is_still_reporting_at_its_deadline_is_reported_then() -> None:
+    """The load thread was preempted right after marking its load reported (a busy machine):
+    get_finished at the deadline must still return the load, or vLLM waits a step more than
+    the deadline allows (found by the fuzzer under load on CI)."""
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client)
+    dst, _ = make_worker(client)
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(src, "p", [0, 1], hashes)
+    inside, release = threading.Event(), threading.Event()
+    real_add = dst.stats.add
+
+    def stalled_add(**counts: int) -> None:
+        if counts.get("loads") and threading.current_thread() is not threading.main_thread():
+            inside.set()
+            release.wait(10)  # the load thread, descheduled mid-report
+        real_add(**counts)
+
+    dst.stats.add = stalled_add  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.2))
+    try:
+        assert inside.wait(10)
+        while time.monotonic() < t0 + 0.2:  # the deadline itself is the event here
+            time.sleep(0.01)
+        assert "d" in dst.get_finished()[1]
+        assert dst.get_block_ids_with_load_errors() == set()  # it had copied everything
+    finally:
+        release.set()
+    dst.shutdown_pending(timeout_s=10)
+
+
 def test_lz4_staging_is_sized_from_the_uncompressed_value_and_round_trips() -> None:
     client = fakeredis.FakeRedis()
     worker, kv = make_worker(client, compression="lz4", max_inflight_bytes=1 << 20)
