@@ -77,7 +77,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
         ),
     )
     assert finished_loads(conn) == {"r2"} and conn.get_block_ids_with_load_errors() == {5}
-    worker.shutdown_pending(timeout_s=10)
+    assert worker.shutdown_pending(timeout_s=120) == 0
     assert all(t.abs().sum() == 0 for t in caches.values())
     assert not worker.store.contains(["ab" * 16])[0]
     stats = worker.take_stats()
