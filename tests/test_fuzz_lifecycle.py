@@ -137,42 +137,51 @@ LORAS = [None, ("alice", 1, "/adapters/alice"), ("alice", 2, "/adapters/alice"),
 
 
 class Prompt(dict):
-    """A request's spec; printed short in a failing example (its catalogue entry, not its
-    tokens: CI shows only the first lines of a failure)."""
+    """A request's spec (what ``SimEngine.add`` takes); printed short in a failing example, by
+    its catalogue entry instead of its tokens (CI shows only the first lines of a failure)."""
+
+    def __init__(self, entry: int, embeds_seed: int | None, **spec: Any) -> None:
+        super().__init__(**spec)
+        self.entry, self.embeds_seed = entry, embeds_seed
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # Hypothesis's printer
         p.text(repr(self))
 
     def __repr__(self) -> str:
-        hidden = ("entry", "tokens", "prompt_embeds", "prompt_is_token_ids")
+        hidden = ("tokens", "prompt_embeds", "prompt_is_token_ids")
         extras = {k: v for k, v in self.items() if k not in hidden}
-        return f"Prompt(catalogue[{self['entry']}], {extras})"
+        if self.embeds_seed is not None:
+            extras["embeds_seed"] = self.embeds_seed
+        return f"Prompt(catalogue[{self.entry}], {extras})"
 
 
 def request_options(spec: dict[str, Any]) -> dict[str, Any]:
     """What ``SimEngine.add`` takes besides the tokens."""
-    return {k: v for k, v in spec.items() if k not in ("tokens", "entry", "embeds_seed")}
+    return {k: v for k, v in spec.items() if k != "tokens"}
 
 
 @st.composite
-def prompts(draw: Any) -> dict[str, Any]:
+def prompts(draw: Any) -> Prompt:
     entry = draw(st.integers(0, len(CATALOGUE) - 1))
     tokens = list(CATALOGUE[entry])
-    spec = Prompt(
-        {
-            "entry": entry,
-            "tokens": tokens,
-            "max_tokens": draw(st.integers(1, 6)),
-            "cache_salt": draw(st.sampled_from([None, None, None, "tenant-b"])),
-            "lora": draw(st.sampled_from([None] * 5 + LORAS[1:])),
-        }
+    options = {
+        "max_tokens": draw(st.integers(1, 6)),
+        "cache_salt": draw(st.sampled_from([None, None, None, "tenant-b"])),
+        "lora": draw(st.sampled_from([None] * 5 + LORAS[1:])),
+    }
+    if draw(st.integers(0, 7)) != 0:
+        return Prompt(entry, None, tokens=tokens, **options)
+    # a prompt of embeddings (a mixed prompt, all embeds)
+    seed = draw(st.integers(0, 1))
+    embeds = torch.randn(len(tokens), 16, generator=torch.Generator().manual_seed(seed))
+    return Prompt(
+        entry,
+        seed,
+        tokens=[0] * len(tokens),
+        prompt_embeds=embeds,
+        prompt_is_token_ids=[False] * len(tokens),
+        **options,
     )
-    if draw(st.integers(0, 7)) == 0:  # a prompt of embeddings (a mixed prompt, all embeds)
-        seed = draw(st.integers(0, 1))
-        embeds = torch.randn(len(tokens), 16, generator=torch.Generator().manual_seed(seed))
-        spec.update(tokens=[0] * len(tokens), prompt_embeds=embeds, embeds_seed=seed)
-        spec["prompt_is_token_ids"] = [False] * len(tokens)
-    return spec
 
 
 # ---------------------------------------------------------------------- the store under test
