@@ -284,7 +284,7 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
 def test_a_load_whose_thread_is_still_reporting_at_its_deadline_is_reported_then() -> None:
     """The load thread was preempted right after marking its load reported (a busy machine):
     get_finished at the deadline must still return the load, or vLLM waits a step more than
-    the deadline allows (found by the fuzzer under load on CI)."""
+    the deadline allows (the likely cause of a fuzzer failure under load on CI)."""
     client = fakeredis.FakeRedis()
     src, src_kv = make_worker(client)
     dst, _ = make_worker(client)
