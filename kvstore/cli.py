@@ -20,6 +20,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -41,47 +42,79 @@ def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
         yield key.decode() if isinstance(key, bytes) else str(key)
 
 
+@dataclass
+class _Group:
+    """Running totals of one (namespace, fingerprint)'s blocks."""
+
+    blocks: int = 0
+    nbytes: int = 0
+    ttls: tuple[float, float] | None = None
+    ages: tuple[float, float] | None = None
+
+    def add(self, size: int, ttl_s: float | None, age_s: float | None) -> None:
+        self.blocks += 1
+        self.nbytes += size
+        self.ttls = _widen(self.ttls, ttl_s)
+        self.ages = _widen(self.ages, age_s)
+
+
+def _widen(span: tuple[float, float] | None, x: float | None) -> tuple[float, float] | None:
+    if x is None:
+        return span
+    return (x, x) if span is None else (min(span[0], x), max(span[1], x))
+
+
 def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> list[dict[str, Any]]:
-    """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range."""
+    """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range. Streams: keys
+    are read as SCAN returns them, :data:`_SCAN_COUNT` per pipeline, and only running totals
+    are kept, so a namespace of millions of blocks costs bounded client memory."""
     pattern = f"{prefix}:{namespace or '*'}:*"
-    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    groups: dict[tuple[str, str], _Group] = defaultdict(_Group)
     others: dict[str, int] = defaultdict(int)  # claims, handoff and document records, probes
-    for key in _scan(client, pattern):
-        parsed = parse_key(key, prefix)
-        if parsed is None:
-            continue
-        if parsed.kind == "block":
-            groups[(parsed.namespace, parsed.fingerprint)].append(key)
-        else:
-            others[parsed.kind] += 1
-    rows = []
     now = time.time()
-    for (ns, fp), keys in sorted(groups.items()):
+
+    def flush(batch: list[tuple[str, str, str]]) -> None:
         pipe = client.pipeline(transaction=False)
-        for k in keys:
+        for _, _, k in batch:
             pipe.strlen(k)
             pipe.pttl(k)
             pipe.getrange(k, 0, 1023)
         replies = pipe.execute()
-        sizes, ttls, ages = [], [], []
-        for i in range(len(keys)):
+        for i, (ns, fp, _) in enumerate(batch):
             size, pttl, head = replies[3 * i : 3 * i + 3]
-            sizes.append(int(size))
-            if pttl >= 0:
-                ttls.append(pttl / 1000)
+            if pttl == -2:  # expired or deleted since SCAN saw it
+                continue
             created = created_epoch(head)
-            if created:
-                ages.append(now - created)
+            groups[(ns, fp)].add(
+                int(size), pttl / 1000 if pttl >= 0 else None, now - created if created else None
+            )
+
+    batch: list[tuple[str, str, str]] = []
+    for key in _scan(client, pattern):
+        parsed = parse_key(key, prefix)
+        if parsed is None:
+            continue
+        if parsed.kind != "block":
+            others[parsed.kind] += 1
+            continue
+        batch.append((parsed.namespace, parsed.fingerprint, key))
+        if len(batch) >= _SCAN_COUNT:
+            flush(batch)
+            batch = []
+    if batch:
+        flush(batch)
+    rows = []
+    for (ns, fp), g in sorted(groups.items()):
         rows.append(
             {
                 "namespace": ns,
                 "fingerprint": fp,
-                "blocks": len(keys),
-                "bytes": sum(sizes),
-                "ttl_min_s": round(min(ttls), 1) if ttls else None,
-                "ttl_max_s": round(max(ttls), 1) if ttls else None,
-                "age_min_s": round(min(ages), 1) if ages else None,
-                "age_max_s": round(max(ages), 1) if ages else None,
+                "blocks": g.blocks,
+                "bytes": g.nbytes,
+                "ttl_min_s": round(g.ttls[0], 1) if g.ttls else None,
+                "ttl_max_s": round(g.ttls[1], 1) if g.ttls else None,
+                "age_min_s": round(g.ages[0], 1) if g.ages else None,
+                "age_max_s": round(g.ages[1], 1) if g.ages else None,
                 "pattern": f"{prefix}:{ns}:{fp}:*",
             }
         )

@@ -27,6 +27,7 @@ from redis.retry import Retry
 
 from .errors import (
     InvalidURLError,
+    KVStoreError,
     StoreAuthenticationError,
     StoreCommandError,
     StoreOutOfMemoryError,
@@ -248,6 +249,26 @@ def make_client(
     return redis.Redis(connection_pool=pool)
 
 
+def close_client(client: redis.Redis) -> None:
+    """Close every connection a client made by :func:`make_client` holds: its pool's, each
+    Cluster node's, and a Sentinel pool's connections to the sentinels. redis-py's ``close()``
+    leaves a pool it was given open until garbage collection."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        for node in client.get_nodes():
+            if node.redis_connection is not None:
+                node.redis_connection.connection_pool.disconnect()
+        client.close()
+        return
+    pool = client.connection_pool
+    manager = getattr(pool, "sentinel_manager", None)
+    for sentinel in getattr(manager, "sentinels", ()):
+        sentinel.connection_pool.disconnect()
+    pool.disconnect()
+    client.close()
+
+
 def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:
     """redis-py's ``RedisCluster`` over the seed nodes: it learns the slot map now (so a
     cluster URL that reaches a standalone server fails here, saying so), follows ``MOVED`` /
@@ -261,17 +282,22 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
         raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
     kwargs.pop("health_check_interval")
     try:
+        # per node a plain pool of max_connections (redis-py builds node pools itself):
+        # more than that at once is a typed error, never a wait
+        client = RedisCluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+            # no second attempt, for any error: redis-py would retry timeouts too (a hung
+            # master then costs a timeout per attempt, plus a slot-map refresh) and
+            # CLUSTERDOWN after a 0.25 s sleep. A failure relearns the slot map; the
+            # breaker and the caller's deadline decide what happens next. MOVED / ASK /
+            # TRYAGAIN are still followed (they are redirects, not retries)
+            retry=Retry(NoBackoff(), 0),
+            **kwargs,
+        )
+    except (rex.RedisError, OSError):
         with translated_errors(address.safe_url, "CLUSTER SLOTS"):
-            # per node a plain pool of max_connections (redis-py builds node pools itself):
-            # more than that at once is a typed error, never a wait
-            client = RedisCluster(
-                startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
-                # a command's attempts when a node fails or a slot moves: one more after the
-                # map is relearned, no sleeping; the connector's deadline bounds the rest
-                retry=Retry(NoBackoff(), 1),
-                **kwargs,
-            )
-    except rex.RedisClusterException as exc:  # not a RedisError: translated_errors lets it by
+            raise
+    except rex.RedisClusterException as exc:  # learning the slot map failed: say what to check
         if "cluster mode is not enabled" in str(exc).lower():
             first = "{}:{}".format(*address.nodes[0])
             raise StoreTopologyError(
@@ -311,10 +337,17 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
 
 
 # Server error types (redis-py maps each error code to a class) -> what the user should do.
-_TOPOLOGY_ERRORS = (
-    rex.AskError,  # MovedError too
+# A Cluster that is down (CLUSTERDOWN, a slot not served), resharding (TRYAGAIN past redis-py's
+# redirect budget: "TTL exhausted") is unavailable for now, not misconfigured.
+_UNAVAILABLE_CLUSTER_ERRORS = (
     rex.ClusterDownError,  # MasterDownError too
     rex.TryAgainError,
+    rex.ClusterError,
+    rex.RedisClusterException,  # SlotNotCoveredError, "TTL exhausted", no node reachable
+)
+# A redirect outside the cluster client: a plain URL pointed at a Cluster node.
+_TOPOLOGY_ERRORS = (
+    rex.AskError,  # MovedError too
     rex.ClusterCrossSlotError,
 )
 
@@ -328,6 +361,8 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
     """
     try:
         yield
+    except KVStoreError:
+        raise  # already typed (a nested call's), and some are OSErrors
     except rex.NoPermissionError as exc:
         raise permission_error(safe_url, command, _strip(exc)) from None
     except rex.AuthenticationError:
@@ -344,6 +379,12 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
         raise StoreTopologyError(
             f"{safe_url} is a read-only replica: point the URL at the master (after a failover, "
             "use a redis-sentinel:// URL so the new master is found)"
+        ) from None
+    except _UNAVAILABLE_CLUSTER_ERRORS as exc:
+        raise StoreUnavailableError(
+            f"{safe_url}: the Cluster cannot serve this key now ({type(exc).__name__}: "
+            f"{_strip(exc)}): a master is down and not yet replaced, or its slot is moving; "
+            "calls fail fast until it answers again"
         ) from None
     except _TOPOLOGY_ERRORS as exc:
         raise StoreTopologyError(

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .lookup_buffer import LookupBuffer
+    from .lookup_buffer import BlockInfo, LookupBuffer
 
 RECORD_EXTRA_TTL_MS = 60_000
 _SCAN_COUNT = 1000
@@ -61,7 +61,7 @@ def save_record(buf: LookupBuffer, record: DocumentRecord) -> None:
     key = buf.keys.document(record.document_id, record.fingerprints[0])
     value = json.dumps(asdict(record), separators=(",", ":"))
     ttl = buf.ttl_ms + RECORD_EXTRA_TTL_MS if buf.ttl_ms else None
-    buf._call("SET", lambda: buf.client.set(key, value, px=ttl))
+    buf.guard.call("SET", lambda: buf.client.set(key, value, px=ttl))
 
 
 def load_records(buf: LookupBuffer, model: str | None = None) -> tuple[list[DocumentRecord], int]:
@@ -78,7 +78,7 @@ def load_records(buf: LookupBuffer, model: str | None = None) -> tuple[list[Docu
             pipe.get(k)
         return list(pipe.execute())
 
-    values = buf._call("SCAN", scan)
+    values = buf.guard.call("SCAN", scan)
     records, unreadable = [], 0
     for value in values:
         if value is None:  # expired between SCAN and GET
@@ -95,17 +95,53 @@ def load_records(buf: LookupBuffer, model: str | None = None) -> tuple[list[Docu
     return sorted(records, key=lambda r: (r.name, -r.stored_at)), unreadable
 
 
+# Keys per round trip when checking many documents: bounded, so a corpus of any size costs
+# bounded client memory and never one pipeline of millions of commands.
+PRESENCE_BATCH_KEYS = 20_000
+
+
 def presence(
     buf: LookupBuffer, chain: Sequence[str], fingerprints: Sequence[str]
 ) -> DocumentPresence:
     """One round trip: which of the chain's blocks are present, their bytes and TTL left."""
-    infos = buf.block_info(chain, fingerprints)
+    return presences(buf, [(chain, fingerprints)])[0]
+
+
+def presences(
+    buf: LookupBuffer, chains: Sequence[tuple[Sequence[str], Sequence[str]]]
+) -> list[DocumentPresence]:
+    """``presence`` of many (chain, fingerprints), in batches of about
+    :data:`PRESENCE_BATCH_KEYS` keys per round trip."""
+    out: list[DocumentPresence] = []
+    start = 0
+    while start < len(chains):
+        end, keys = start, 0
+        while end < len(chains) and (end == start or keys < PRESENCE_BATCH_KEYS):
+            keys += len(chains[end][0]) * max(1, len(chains[end][1]))
+            end += 1
+        part = chains[start:end]
+        by_fps: dict[tuple[str, ...], list[int]] = {}
+        for i, (_, fps) in enumerate(part):
+            by_fps.setdefault(tuple(fps), []).append(i)
+        infos: list[list[BlockInfo]] = [[] for _ in part]
+        for fps, idx in by_fps.items():
+            flat = buf.block_info([h for i in idx for h in part[i][0]], list(fps))
+            at = 0
+            for i in idx:
+                infos[i] = flat[at : at + len(part[i][0])]
+                at += len(part[i][0])
+        out += [_summary(len(chain), info) for (chain, _), info in zip(part, infos, strict=True)]
+        start = end
+    return out
+
+
+def _summary(blocks: int, infos: Sequence[BlockInfo]) -> DocumentPresence:
     usable = 0
     while usable < len(infos) and infos[usable].present:
         usable += 1
     ttls = [i.ttl_s for i in infos if i.present and i.ttl_s is not None]
     return DocumentPresence(
-        blocks=len(chain),
+        blocks=blocks,
         present=sum(i.present for i in infos),
         usable=usable,
         bytes=sum(i.size for i in infos),

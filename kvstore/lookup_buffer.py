@@ -6,8 +6,8 @@ Redis semantics, one line each:
   ``volatile-ttl`` eviction a prompt's tail goes before its head (a head without its tail is
   still useful; not vice versa).
 - ``drop_select``: a Lua script claims a batch atomically (each stored value reaches exactly one
-  caller), a pipelined ``GET`` fetches it, and the claimed keys are deleted only after the values
-  arrived and were verified, so a dropped connection loses nothing.
+  caller; see ``claims``), a pipelined ``GET`` fetches it, and the claimed keys are deleted only
+  after the values arrived and were verified: a lost reply or a dropped connection loses nothing.
 - ``select``: pipelined ``GETRANGE`` without deleting, for shared prefix reuse.
 - ``longest_prefix``: pipelined ``EXISTS``, counting leading present blocks in one round trip.
 - handoffs: a producer's commit record says how many leading blocks of a chain it really wrote
@@ -25,12 +25,9 @@ calls fail at once with :class:`StoreCircuitOpenError` until a background probe 
 from __future__ import annotations
 
 import contextlib
-import functools
-import itertools
 import json
 import logging
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -42,28 +39,28 @@ import redis
 import torch
 import xxhash
 
-from .breaker import CircuitBreaker
+from .claims import Claimer
 from .codec import CODECS, FORMAT_VERSION, decode_value, encode_value, lz4_block
 from .connection import (
     StoreAddress,
+    close_client,
     error_code,
     make_client,
     parse_url,
     permission_error,
-    translated_errors,
 )
 from .counters import StoreStats
 from .errors import (
     CorruptValueError,
     InvalidArgumentError,
     KVStoreError,
-    StoreCircuitOpenError,
     StoreCommandError,
     StorePermissionError,
     StoreTimeoutError,
     StoreTopologyError,
     StoreUnavailableError,
 )
+from .guard import Guard
 from .handoff import (
     HANDOFF_PENDING,
     HANDOFF_TAKEN,
@@ -75,10 +72,16 @@ from .handoff import (
     claim_outcome,
     leading_present,
 )
-from .keys import DEFAULT_KEY_PREFIX, KeySpace, claim_key
-from .lua import CLAIM_LUA, CLAIM_TTL_MS, claimed_values
+from .keys import DEFAULT_KEY_PREFIX, KeySpace
 from .shards import REDIRECTED, Shards, is_redirect
-from .wire import Oversize, ReplyReader, copy_reply, pack_set, raw_socket, send_buffers
+from .wire import (
+    Oversize,
+    ReplyReader,
+    pack_set,
+    parsed_reply_into,
+    raw_socket,
+    send_buffers,
+)
 
 logger = logging.getLogger("kvstore")
 
@@ -90,6 +93,12 @@ DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
 # that may not delete leaves it to expire.
 _PROBE_TTL_MS = 1_000
 
+# Reads: replies in flight per connection, and connections per server for a public select /
+# drop_select (select_into takes its own). Chosen from scripts/bench_paths.py --sweep across
+# value sizes; see docs/benchmarks.md, "How reads are shaped".
+READ_DEPTH = 4
+READ_CONNECTIONS = 1
+
 # Scratch memory kept per thread for framing values in insert_many (see there).
 _SCRATCH_LIMIT = 64 << 20
 
@@ -97,26 +106,15 @@ _SCRATCH_LIMIT = 64 << 20
 ACCESS: dict[str, tuple[str, ...]] = {
     "ping": ("PING",),
     "insert": ("SET",),
-    "select": ("GETRANGE",),
+    "select": ("GET",),
     "lookup": ("EXISTS",),
     "delete": ("UNLINK",),
     "handoff_read": ("GET",),
     "handoff_claim": ("SET",),
-    "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "PEXPIRE", "RENAME", "GET", "UNLINK"),
+    "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
     "block_info": ("STRLEN", "PTTL"),
     "renew": ("PEXPIRE", "PERSIST"),
 }
-
-
-# A waiting drop_select polls after 0.5 ms, doubling up to 20 ms.
-_FIRST_POLL_S = 0.0005
-_MAX_POLL_S = 0.02
-
-
-def _pause(delay: float, deadline: float) -> float:
-    """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
-    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
-    return min(delay * 2, _MAX_POLL_S)
 
 
 @dataclass(frozen=True)
@@ -162,6 +160,8 @@ class LookupBuffer:
         control_client: redis.Redis | None = None,
         breaker_failures: int = 3,
         breaker_probe_s: float = 0.5,
+        read_depth: int = READ_DEPTH,
+        read_connections: int = READ_CONNECTIONS,
     ) -> None:
         if compression not in CODECS:
             raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
@@ -175,6 +175,10 @@ class LookupBuffer:
             raise InvalidArgumentError("max_value_bytes must be positive")
         if fingerprint is not None and layout is not None:
             raise InvalidArgumentError("give fingerprint or layout, not both")
+        if read_depth < 1 or read_connections < 1:
+            raise InvalidArgumentError("read_depth and read_connections must be >= 1")
+        self.read_depth = read_depth
+        self.read_connections = read_connections
         self.keys = KeySpace(key_prefix, namespace, fingerprint or layout_fingerprint(layout))
         self.namespace = namespace
         self.fingerprint = self.keys.fingerprint
@@ -191,24 +195,31 @@ class LookupBuffer:
         # pool, with a shorter socket timeout when made by from_url: they never queue behind
         # multi-MiB transfers on a slow server
         self._control = control_client or client
-        self._claim = client.register_script(CLAIM_LUA)
-        self._shards = Shards(client)
-        self.breaker = CircuitBreaker(
-            self._probe,
-            name=f"Redis at {safe_url}",
-            failure_threshold=breaker_failures,
-            probe_interval_s=breaker_probe_s,
-        )
-        self._io_threads = io_threads
-        self._executor: ThreadPoolExecutor | None = None
+        # the clients' pools are closed by close() only when from_url made them
+        self._owns_clients = False
         # runs the parts of one call spread over connections and shards; separate from
         # _executor, whose tasks (insert_async) spread too and must not wait on their own pool
-        self._fanout_executor: ThreadPoolExecutor | None = None
+        self._shards = Shards(client, threads=max(8, 2 * io_threads))
+        self.guard = Guard(
+            self._probe, safe_url=safe_url, failures=breaker_failures, probe_s=breaker_probe_s
+        )
+        self.breaker = self.guard.breaker
+        self._io_threads = io_threads
+        self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._stats = StoreStats()
         self._logged_bad: OrderedDict[str, None] = OrderedDict()
         self.address: StoreAddress | None = None  # set by from_url
         self._local = threading.local()
+        self._claims = Claimer(
+            client,
+            self._control,
+            self._shards,
+            self.guard,
+            exists=self._exists,
+            max_value_bytes=max_value_bytes,
+            on_retry=self._count_redirect,
+        )
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -234,6 +245,8 @@ class LookupBuffer:
         io_threads: int = 4,
         breaker_failures: int = 3,
         breaker_probe_s: float = 0.5,
+        read_depth: int = READ_DEPTH,
+        read_connections: int = READ_CONNECTIONS,
         check: bool = True,
     ) -> LookupBuffer:
         """Connect to ``url``. With ``check`` (default) the server is pinged now, so a wrong URL,
@@ -253,7 +266,7 @@ class LookupBuffer:
         client = make_client(
             address,
             socket_timeout_s=socket_timeout_s,
-            max_connections=max(max_connections, io_threads + 2),
+            max_connections=max(max_connections, io_threads + 2, 4 * read_connections),
             **common,
         )
         control = make_client(
@@ -276,8 +289,11 @@ class LookupBuffer:
             control_client=control,
             breaker_failures=breaker_failures,
             breaker_probe_s=breaker_probe_s,
+            read_depth=read_depth,
+            read_connections=read_connections,
         )
         buf.address = address
+        buf._owns_clients = True
         if check:
             buf.ping()
             buf.check_topology()
@@ -296,14 +312,16 @@ class LookupBuffer:
         self.close()
 
     def close(self) -> None:
-        self.breaker.stop()
-        for pool in (self._executor, self._fanout_executor):
-            if pool is not None:
-                pool.shutdown(wait=True)
-        self._executor = self._fanout_executor = None
-        self._client.close()
-        if self._control is not self._client:
-            self._control.close()
+        """Stop the breaker's probe and the threads, and close the connections of the clients
+        ``from_url`` made (a client passed in is its owner's to close)."""
+        self.guard.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._executor = None
+        self._shards.close()
+        if self._owns_clients:
+            for client in dict.fromkeys((self._client, self._control)):
+                close_client(client)
 
     @property
     def client(self) -> redis.Redis:
@@ -321,23 +339,6 @@ class LookupBuffer:
         return self.breaker.allow()
 
     # ------------------------------------------------------------------ every call
-    def _call(self, command: str, fn: Callable[[], T]) -> T:
-        """Run one Redis round trip: fail fast while the breaker is open, translate errors to
-        kvstore's types, and tell the breaker whether the server answered."""
-        if not self.breaker.allow():
-            raise StoreCircuitOpenError(
-                f"{self.safe_url} is skipped for now: recent calls failed "
-                f"({self.breaker.last_error}); it is used again once it answers a probe"
-            )
-        try:
-            with translated_errors(self.safe_url, command):
-                result = fn()
-        except (StoreUnavailableError, StoreTimeoutError) as exc:
-            self.breaker.record_failure(str(exc))
-            raise
-        self.breaker.record_success()
-        return result
-
     def _probe(self) -> object:
         """The breaker's probe: every master of a Cluster must answer (one that is down and not
         yet replaced makes a third of the keys fail), else the one server."""
@@ -348,7 +349,7 @@ class LookupBuffer:
         return self._control.ping()
 
     def ping(self) -> None:
-        self._call("PING", self._probe)
+        self.guard.call("PING", self._probe)
 
     def check_topology(self) -> None:
         """Fail now, naming the right URL form, when the URL's kind does not match the server:
@@ -359,7 +360,7 @@ class LookupBuffer:
         if address is None or address.topology != "standalone":
             return
         try:
-            info = self._call("INFO", lambda: self._control.info("server"))
+            info = self.guard.call("INFO", lambda: self._control.info("server"))
         except (StorePermissionError, StoreCommandError) as exc:  # NOPERM, or no INFO at all
             logger.debug("kvstore: the URL's topology is not checked (INFO: %s)", exc)
             return
@@ -390,21 +391,18 @@ class LookupBuffer:
         if "drop_select" in ops and "insert" not in ops:
             ops.append("insert")  # the claim script only runs its commands on a present key
         probe = self.keys.probe(uuid.uuid4().hex)
-        suffix = uuid.uuid4().hex
         c, ctl = self._client, self._control
         steps: dict[str, Callable[[], object]] = {
             "ping": ctl.ping,
             "insert": lambda: c.set(probe, b"probe", px=_PROBE_TTL_MS),
-            "select": lambda: c.getrange(probe, 0, 0),
+            "select": lambda: c.get(probe),
             "lookup": lambda: ctl.exists(probe),
             "handoff_read": lambda: ctl.get(probe),
             "handoff_claim": lambda: ctl.set(
                 probe, HANDOFF_TAKEN, xx=True, px=_PROBE_TTL_MS, get=True
             ),
-            "drop_select": lambda: self._claim(
-                keys=[probe], args=[self.max_value_bytes, "any", suffix, _PROBE_TTL_MS], client=c
-            ),
-            "delete": lambda: ctl.unlink(probe, claim_key(probe, suffix)),
+            "drop_select": lambda: self._claims.check_scripts(probe),
+            "delete": lambda: ctl.unlink(probe),
         }
         # operations of several commands outside a script: each command probed on its own, so
         # the error names the one refused
@@ -425,11 +423,11 @@ class LookupBuffer:
         for op in (o for o in order if o in ops):
             if op in commands:
                 for command, step in commands[op]:
-                    self._call(command, step)
+                    self.guard.call(command, step)
                 continue
             command = " ".join(ACCESS[op]) if op == "drop_select" else ACCESS[op][0]
             try:
-                self._call(command, steps[op])
+                self.guard.call(command, steps[op])
             except StoreCommandError as exc:
                 if op != "drop_select":
                     raise
@@ -571,7 +569,9 @@ class LookupBuffer:
         nbytes = sum(memoryview(p).nbytes for _, parts in encoded for p in parts)
 
         def send() -> None:
-            sent = self._spread(self._send_on_one, commands, connections, key=lambda c: c[0])
+            sent = self._shards.fan_out(
+                self._send_on_one, commands, key=lambda c: c[0], connections=connections
+            )
             for (key, parts, px), outcome in zip(commands, sent, strict=True):
                 if outcome is REDIRECTED:  # the slot moved: redis-py finds its new master
                     self._count_redirect()
@@ -579,7 +579,7 @@ class LookupBuffer:
                     self._client.set(key, value, px=px)
 
         try:
-            self._call("SET", send)
+            self.guard.call("SET", send)
         except Exception:
             with self._lock:
                 self._stats.insert_errors += len(encoded)
@@ -634,46 +634,6 @@ class LookupBuffer:
         finally:
             pool.release(conn)
 
-    def _spread(
-        self,
-        run: Callable[[redis.Redis, list[Any]], list[T]],
-        work: list[Any],
-        connections: int,
-        *,
-        key: Callable[[Any], str | bytes],
-    ) -> list[T]:
-        """``run(server, part)`` over ``work`` grouped by the server holding each item's
-        ``key`` (one group unless this is a Cluster), each group split in up to
-        ``connections`` contiguous parts, all in parallel (the first on this thread); results
-        in ``work``'s order. Every part finishes before the first error is raised. A failure
-        on a Cluster makes the slot map be fetched again: a replica may have taken over."""
-        units: list[tuple[redis.Redis, list[int]]] = []
-        for server, indexes in self._shards.split([key(w) for w in work]):
-            n = max(1, min(connections, len(indexes)))
-            bounds = [len(indexes) * c // n for c in range(n + 1)]
-            units += [(server, indexes[a:b]) for a, b in itertools.pairwise(bounds)]
-        if not units:
-            return []
-
-        def run_unit(unit: tuple[redis.Redis, list[int]]) -> list[T]:
-            return run(unit[0], [work[i] for i in unit[1]])
-
-        futures = [self._fanout().submit(run_unit, u) for u in units[1:]]
-        results: list[Any] = [None] * len(work)
-        error: BaseException | None = None
-        for unit, outcome in zip(units, [None, *futures], strict=True):
-            try:
-                got = run_unit(unit) if outcome is None else outcome.result()
-            except BaseException as exc:  # re-raised below, once every part has finished
-                error = error or exc
-                continue
-            for i, r in zip(unit[1], got, strict=True):
-                results[i] = r
-        if error is not None:
-            self._shards.relearn()
-            raise error
-        return results
-
     def insert_async(
         self,
         block_hash: str,
@@ -703,158 +663,33 @@ class LookupBuffer:
                 self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvstore")
             return self._executor
 
-    def _fanout(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._fanout_executor is None:
-                self._fanout_executor = ThreadPoolExecutor(
-                    max(8, 2 * self._io_threads), thread_name_prefix="kvstore-fanout"
-                )
-            return self._fanout_executor
-
     # ------------------------------------------------------------------ lookups
     def select(
         self, hashes: Sequence[str], *, copy: bool = True
     ) -> list[dict[str, torch.Tensor] | None]:
         """Read blocks without deleting them. ``None`` where a block is missing or invalid.
 
-        Each read is a ``GETRANGE key 0 max_value_bytes``, so an oversized value is never
-        allocated in full. With ``copy=False`` uncompressed tensors are read-only views on the
-        received bytes.
+        Each reply is received into a buffer of exactly its size (a value over
+        ``max_value_bytes`` is drained, never allocated). With ``copy=False`` uncompressed
+        tensors are views on those buffers.
         """
         keys = self._keys(hashes)
-
-        def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.getrange(k, 0, self.max_value_bytes)
-            replies = list(pipe.execute(raise_on_error=False))
-            for r in replies:  # a key of another type is a counted miss; anything else raises
-                if isinstance(r, Exception) and error_code(r) != "WRONGTYPE":
-                    raise r
-            return replies
-
-        raw: list[Any] = []
-        for r in self._call("GETRANGE", read):
-            if isinstance(r, Exception):
-                raw.append(-1)
-            elif not r:
-                raw.append(None)
-            elif len(r) > self.max_value_bytes:
-                raw.append(len(r))
-            else:
-                raw.append(r)
-        return self._decode_all(hashes, keys, raw, copy)
+        return self._read(hashes, keys, None, consume=False, timeout_s=0.0, copy=copy)
 
     def drop_select(
         self, hashes: Sequence[str], timeout_s: float = 0.0, *, copy: bool = True
     ) -> list[dict[str, torch.Tensor] | None]:
         """Atomically take blocks; each stored value is delivered to exactly one caller.
 
-        A Lua script claims the present keys for this call (atomic ``RENAME`` to a private key
-        that expires unless read), one pipelined ``GET`` fetches them -- retried once if the
-        connection drops, the claimed keys are still there -- and they are deleted after they
-        arrived and were verified. With ``timeout_s > 0`` it waits (polling with backoff up to
-        20 ms) until *every* key is present and claims them all at once; when the time runs
-        out it takes what is there.
+        The present keys are claimed for this call (``claims``: renamed to private keys,
+        atomically), read -- retried once if the connection drops, the claimed keys are still
+        there -- and deleted after they arrived and were verified; if they cannot be read, they
+        are given back. With ``timeout_s > 0`` it waits (polling with backoff up to 20 ms) until
+        *every* key is present and claims them all at once; when the time runs out it takes
+        what is there.
         """
         keys = self._keys(hashes)
-        statuses, lengths, claim_keys = self._claim_present(keys, timeout_s)
-
-        def fetch() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in claim_keys:
-                pipe.get(k)
-            return list(pipe.execute())
-
-        values: list[Any] = []
-        if claim_keys:
-            try:
-                values = self._call("GET", fetch)
-            except (StoreUnavailableError, StoreTimeoutError):
-                values = self._call("GET", fetch)  # the claims are still there: one retry
-        raw = claimed_values(statuses, lengths, values)
-        out = self._decode_all(hashes, keys, raw, copy)
-        self._drop_claims(claim_keys)
-        return out
-
-    def _claim_present(
-        self, keys: list[str], timeout_s: float
-    ) -> tuple[list[int], list[Any], list[str]]:
-        """Claim the present keys for this call (see ``drop_select``): per key a status (1
-        claimed, 2 oversize, 3 wrong type, 0 missing) and length, and the claimed keys' names."""
-        if timeout_s < 0:
-            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout_s
-        suffix = uuid.uuid4().hex
-        claim = self._claim_sharded if self._shards.cluster else self._claim_on_one_server
-        statuses, lengths = claim(keys, deadline, suffix)
-        claim_keys = [claim_key(k, suffix) for k, st in zip(keys, statuses, strict=True) if st == 1]
-        return statuses, lengths, claim_keys
-
-    def _claim_on_one_server(
-        self, keys: list[str], deadline: float, suffix: str
-    ) -> tuple[list[int], list[Any]]:
-        """``_claim_present`` on one server: one script call for the batch; while waiting, it
-        claims nothing unless every key is present."""
-        delay = _FIRST_POLL_S
-        while True:
-            waiting = time.monotonic() < deadline
-            args = [self.max_value_bytes, "all" if waiting else "any", suffix, CLAIM_TTL_MS]
-            claimed = self._call("EVALSHA", functools.partial(self._claim, keys=keys, args=args))
-            if claimed is not None:
-                return [int(st) for st in claimed[0::2]], list(claimed[1::2])
-            delay = _pause(delay, deadline)
-
-    def _claim_sharded(
-        self, keys: list[str], deadline: float, suffix: str
-    ) -> tuple[list[int], list[Any]]:
-        """``_claim_present`` on a Cluster: one script call per slot (a script may touch one
-        slot only), pipelined per master, the masters in parallel. Each key is still claimed
-        exactly once, but a batch is no longer claimed all-or-nothing: waiting for every key
-        polls ``EXISTS`` and then claims what is there."""
-        delay = _FIRST_POLL_S
-        while time.monotonic() < deadline and not all(self._exists(keys)):
-            delay = _pause(delay, deadline)
-        args: list[int | str] = [self.max_value_bytes, "any", suffix, CLAIM_TTL_MS]
-        by_slot: dict[int, list[int]] = {}
-        for i, k in enumerate(keys):
-            by_slot.setdefault(self._shards.slot(k), []).append(i)
-        groups = list(by_slot.values())
-
-        def claim_on_one(server: redis.Redis, part: list[list[int]]) -> list[Any]:
-            pipe = server.pipeline(transaction=False)
-            for group in part:
-                self._claim(keys=[keys[i] for i in group], args=args, client=pipe)
-            return list(pipe.execute(raise_on_error=False))
-
-        def claim_all() -> list[Any]:
-            replies = self._spread(claim_on_one, groups, 1, key=lambda g: keys[g[0]])
-            for n, reply in enumerate(replies):
-                if isinstance(reply, Exception) and is_redirect(reply):
-                    self._count_redirect()
-                    # the slot moved: again through redis-py (this call's earlier claims are
-                    # recognised by the suffix, so nothing is claimed twice)
-                    group_keys = [keys[i] for i in groups[n]]
-                    reply = self._claim(keys=group_keys, args=args, client=self._client)
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[n] = reply
-            return replies
-
-        replies = self._call("EVALSHA", claim_all)
-        statuses = [0] * len(keys)
-        lengths: list[Any] = [0] * len(keys)
-        for group, reply in zip(groups, replies, strict=True):
-            for j, i in enumerate(group):
-                statuses[i], lengths[i] = int(reply[2 * j]), reply[2 * j + 1]
-        return statuses, lengths
-
-    def _drop_claims(self, claim_keys: list[str]) -> None:
-        if claim_keys:
-            try:
-                self._call("UNLINK", lambda: self._control.unlink(*claim_keys))
-            except KVStoreError as exc:  # the values were delivered; the claims expire anyway
-                logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
+        return self._read(hashes, keys, None, consume=True, timeout_s=timeout_s, copy=copy)
 
     def select_into(
         self,
@@ -883,71 +718,111 @@ class LookupBuffer:
             raise InvalidArgumentError(f"connections must be >= 1, got {connections}")
         keys = self._keys(hashes)
         views = [memoryview(b.numpy()).cast("B") for b in buffers]  # type: ignore[arg-type]
-        if consume:
-            statuses, lengths, claim_keys = self._claim_present(keys, timeout_s)
-            targets = [i for i, st in enumerate(statuses) if st == 1]
-            commands: list[tuple[Any, ...]] = [("GET", k) for k in claim_keys]
-        else:
-            targets = list(range(len(keys)))
-            commands = [
-                ("GETRANGE", k, 0, min(len(views[i]), self.max_value_bytes))
-                for i, k in enumerate(keys)
-            ]
-        target_views = [views[i] for i in targets]
+        return self._read(
+            hashes,
+            keys,
+            views,
+            consume=consume,
+            timeout_s=timeout_s,
+            copy=False,
+            connections=connections,
+        )
+
+    def _read(
+        self,
+        hashes: Sequence[str],
+        keys: list[str],
+        views: list[memoryview] | None,
+        *,
+        consume: bool,
+        timeout_s: float,
+        copy: bool,
+        connections: int | None = None,
+    ) -> list[dict[str, torch.Tensor] | None]:
+        """The one read path: claim (when consuming), receive each value into its view (or a
+        buffer of its own size when ``views`` is None), verify, and delete the claims."""
+        dests: list[memoryview | int] = (
+            list(views) if views is not None else [self.max_value_bytes] * len(keys)
+        )
+        conns = connections or self.read_connections
+        if not consume:
+            commands: list[tuple[Any, ...]] = [("GET", k) for k in keys]
+            received = self.guard.call("GET", lambda: self._receive(commands, dests, conns))
+            raw = [self._as_raw(got, dests[i]) for i, got in enumerate(received)]
+            return self._decode_all(hashes, keys, raw, copy)
+        batch = self._claims.claim(keys, timeout_s)
+        targets = [i for i, st in enumerate(batch.statuses) if st == 1]
+        commands = [("GET", k) for k in batch.claim_keys]
+        target_dests = [dests[i] for i in targets]
+
+        def fetch() -> list[Any]:
+            return self._receive(commands, target_dests, conns) if commands else []
+
         try:
-            received = self._call("GET", lambda: self._receive(commands, target_views, connections))
-        except (StoreUnavailableError, StoreTimeoutError):
-            if not consume:
-                raise
-            # the claims are still there: one retry
-            received = self._call("GET", lambda: self._receive(commands, target_views, connections))
-        values: list[Any] = []
-        for i, got in zip(targets, received, strict=True):
-            if isinstance(got, Oversize):
-                values.append(got.length)
-            elif isinstance(got, int) and got >= 0:
-                values.append(views[i][:got])
-            else:  # None (missing) or -1 (wrong type)
-                values.append(got)
-        if consume:
-            raw = claimed_values(statuses, lengths, values)
-        else:
-            raw = [None if isinstance(v, memoryview) and len(v) == 0 else v for v in values]
-        out = self._decode_all(hashes, keys, raw, copy=False)
-        if consume:
-            self._drop_claims(claim_keys)
+            try:
+                received = self.guard.call("GET", fetch)
+            except (StoreUnavailableError, StoreTimeoutError):
+                received = self.guard.call("GET", fetch)  # the claims are still there: once more
+        except KVStoreError:
+            self._claims.release(batch)
+            raise
+        fetched = [self._as_raw(got, dests[i]) for i, got in zip(targets, received, strict=True)]
+        out = self._decode_all(hashes, keys, batch.raw_values(fetched), copy)
+        self._claims.finish(batch)
         return out
 
+    @staticmethod
+    def _as_raw(got: Any, dest: memoryview | int) -> Any:
+        """A received reply as ``_decode_all`` takes it: the value's bytes, None (missing), a
+        length (oversize) or -1 (wrong type)."""
+        if isinstance(got, Oversize):
+            return got.length
+        if isinstance(got, int) and isinstance(dest, memoryview) and got >= 0:
+            return dest[:got]
+        return got  # bytes-like, None or -1
+
     def _receive(
-        self, commands: list[tuple[Any, ...]], views: list[memoryview], connections: int
-    ) -> list[int | Oversize | None]:
-        """Send ``commands`` (each ``(name, key, ...)``) pipelined and receive each bulk reply
-        into its view, the batch split over the servers holding the keys and over up to
-        ``connections`` connections per server."""
-        work = list(zip(commands, views, strict=True))
-        got = self._spread(self._receive_on_one, work, connections, key=lambda w: w[0][1])
+        self, commands: list[tuple[Any, ...]], dests: list[memoryview | int], connections: int
+    ) -> list[Any]:
+        """Send ``commands`` (each ``(name, key, ...)``, bulk-string replies) and receive each
+        reply into its destination -- a view, or for an int a new buffer of the reply's size up
+        to that many bytes -- the batch split over the servers holding the keys and over up to
+        ``connections`` connections per server, at most ``read_depth`` replies in flight on
+        each. A key whose slot moved is read again through redis-py, which follows redirects."""
+        work = list(zip(commands, dests, strict=True))
+        got = self._shards.fan_out(
+            self._receive_on_one, work, key=lambda w: w[0][1], connections=connections
+        )
         for i, reply in enumerate(got):
-            if reply is REDIRECTED:  # the slot moved: redis-py finds its new master
+            if reply is REDIRECTED:
                 self._count_redirect()
-                command, view = work[i]
-                got[i] = copy_reply(self._client.execute_command(*command), view)
-        return got  # type: ignore[return-value]
+                command, dest = work[i]
+                got[i] = parsed_reply_into(self._client.execute_command(*command), dest)
+        return got
 
     def _receive_on_one(
-        self, server: redis.Redis, work: list[tuple[tuple[Any, ...], memoryview]]
-    ) -> list[int | Oversize | object | None]:
-        out: list[int | Oversize | object | None] = []
+        self, server: redis.Redis, work: list[tuple[tuple[Any, ...], memoryview | int]]
+    ) -> list[Any]:
+        out: list[Any] = []
         refused: Exception | None = None
+        depth = self.read_depth
         with self._pooled_connection(server) as conn:
-            conn.send_packed_command(conn.pack_commands([c for c, _ in work]))
+            conn.connect()
             sock = raw_socket(conn)
             reader = ReplyReader(sock) if sock is not None else None
-            for _, view in work:
+            sent = 0
+            for i, (_, dest) in enumerate(work):
+                upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
+                if upto > sent:
+                    conn.send_packed_command(conn.pack_commands([c for c, _ in work[sent:upto]]))
+                    sent = upto
                 try:
-                    if reader is not None:
-                        out.append(reader.read_bulk_into(view))
-                    else:  # a client without a socket (fakeredis): copy the parsed reply
-                        out.append(copy_reply(conn.read_response(), view))
+                    if reader is None:  # a client without a socket (fakeredis): parsed reply
+                        out.append(parsed_reply_into(conn.read_response(), dest))
+                    elif isinstance(dest, memoryview):
+                        out.append(reader.read_bulk_into(dest))
+                    else:
+                        out.append(reader.read_bulk_new(dest))
                 except redis.exceptions.ResponseError as exc:
                     if is_redirect(exc):
                         out.append(REDIRECTED)
@@ -1001,7 +876,7 @@ class LookupBuffer:
                 pipe.pttl(k)
             return list(pipe.execute())
 
-        replies = self._call("STRLEN", read) if keys else []
+        replies = self.guard.call("STRLEN", read) if keys else []
         out = []
         for i in range(len(hashes)):
             span = replies[2 * i * len(fps) : 2 * (i + 1) * len(fps)]
@@ -1031,7 +906,7 @@ class LookupBuffer:
 
         if not hashes:
             return 0
-        return sum(int(bool(r)) for r in self._call("PEXPIRE", send))
+        return sum(int(bool(r)) for r in self.guard.call("PEXPIRE", send))
 
     def _exists(self, keys: Sequence[str]) -> list[int]:
         """``EXISTS`` per key, pipelined: one round trip (on a Cluster, one per master, sent to
@@ -1043,14 +918,14 @@ class LookupBuffer:
                 pipe.exists(k)
             return [int(x) for x in pipe.execute()]
 
-        return self._call("EXISTS", exists)
+        return self.guard.call("EXISTS", exists)
 
     def delete(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
         """Delete blocks (under each of ``fingerprints``, default this buffer's); returns how many
         keys existed."""
         fps: Sequence[str | None] = list(fingerprints) if fingerprints else [None]
         keys = [k for fp in fps for k in self._keys(hashes, fp)]
-        return int(self._call("UNLINK", lambda: self._control.unlink(*keys)))
+        return int(self.guard.call("UNLINK", lambda: self._control.unlink(*keys)))
 
     # ------------------------------------------------------------------ handoffs
     def open_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
@@ -1065,7 +940,7 @@ class LookupBuffer:
                 pipe.set(self.keys.handoff(handoff_id, fp), HANDOFF_PENDING, nx=True, px=ttl)
             pipe.execute()
 
-        self._call("SET", mark)
+        self.guard.call("SET", mark)
 
     def publish_handoff(self, handoff_id: str, num_blocks: int) -> None:
         """Record that the first ``num_blocks`` blocks of a handoff's chain are written (call it
@@ -1074,7 +949,7 @@ class LookupBuffer:
             raise InvalidArgumentError(f"num_blocks must be >= 0, got {num_blocks}")
         key = self.keys.handoff(handoff_id)
         ttl = min(self.ttl_ms or HANDOFF_TTL_MS, HANDOFF_TTL_MS)
-        self._call("SET", lambda: self._control.set(key, str(num_blocks), px=ttl))
+        self.guard.call("SET", lambda: self._control.set(key, str(num_blocks), px=ttl))
 
     def read_handoff(
         self, handoff_id: str, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
@@ -1101,7 +976,7 @@ class LookupBuffer:
                         pipe.exists(self.keys.block(h, fp))
             return list(pipe.execute())
 
-        replies = self._call("GET", read) if handoffs else []
+        replies = self.guard.call("GET", read) if handoffs else []
         out, at = [], 0
         for _, hashes in handoffs:
             records = Records(replies[at : at + len(fps)])
@@ -1131,12 +1006,12 @@ class LookupBuffer:
                 )
             return list(pipe.execute())
 
-        return claim_outcome(self._call("SET", claim), own=mark)
+        return claim_outcome(self.guard.call("SET", claim), own=mark)
 
     def delete_handoff(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
         fps = list(fingerprints) if fingerprints else [self.fingerprint]
         keys = [self.keys.handoff(handoff_id, fp) for fp in fps]
-        return int(self._call("UNLINK", lambda: self._control.unlink(*keys)))
+        return int(self.guard.call("UNLINK", lambda: self._control.unlink(*keys)))
 
     # ------------------------------------------------------------------ counters
     def stats(self) -> StoreStats:

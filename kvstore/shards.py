@@ -1,5 +1,6 @@
-"""Which server holds a key: the one server behind a standalone or Sentinel URL, or, in a
-Redis/Valkey Cluster, the master that serves the key's slot.
+"""Which server holds a key -- the one server behind a standalone or Sentinel URL, or, in a
+Redis/Valkey Cluster, the master that serves the key's slot -- and running one batch over all
+of them in parallel (:meth:`Shards.fan_out`).
 
 The lookup buffer reads and writes values on raw pooled connections (see ``wire``), so it must
 route them itself: redis-py's cluster client routes only the commands it sends. A reply of
@@ -9,15 +10,20 @@ caller sends it again through redis-py, which follows redirections and relearns 
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Sequence
-from typing import Any, Final
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final, TypeVar
 
 import redis
 import redis.exceptions as rex
 from redis.cluster import RedisCluster
 
 logger = logging.getLogger("kvstore")
+
+T = TypeVar("T")
 
 
 class _Redirected:
@@ -36,9 +42,66 @@ def is_redirect(exc: BaseException) -> bool:
 class Shards:
     """Groups keys by the server that holds them, for fanning a batch out over shards."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, threads: int = 8) -> None:
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
+        self._threads = threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def fan_out(
+        self,
+        run: Callable[[redis.Redis, list[Any]], list[T]],
+        work: Sequence[Any],
+        *,
+        key: Callable[[Any], str | bytes],
+        connections: int = 1,
+    ) -> list[T]:
+        """``run(server, part)`` over ``work`` grouped by the server holding each item's
+        ``key`` (one group unless this is a Cluster), each group split in up to
+        ``connections`` contiguous parts, all in parallel (the first on this thread); results
+        in ``work``'s order. Every part finishes before the first error is raised. A failure
+        on a Cluster makes the slot map be fetched again: a replica may have taken over."""
+        units: list[tuple[redis.Redis, list[int]]] = []
+        for server, indexes in self.split([key(w) for w in work]):
+            n = max(1, min(connections, len(indexes)))
+            bounds = [len(indexes) * c // n for c in range(n + 1)]
+            units += [(server, indexes[a:b]) for a, b in itertools.pairwise(bounds)]
+        if not units:
+            return []
+
+        def run_unit(unit: tuple[redis.Redis, list[int]]) -> list[T]:
+            return run(unit[0], [work[i] for i in unit[1]])
+
+        futures = [self._pool().submit(run_unit, u) for u in units[1:]]
+        results: list[Any] = [None] * len(work)
+        error: BaseException | None = None
+        for unit, outcome in zip(units, [None, *futures], strict=True):
+            try:
+                got = run_unit(unit) if outcome is None else outcome.result()
+            except BaseException as exc:  # re-raised below, once every part has finished
+                error = error or exc
+                continue
+            for i, r in zip(unit[1], got, strict=True):
+                results[i] = r
+        if error is not None:
+            self.relearn()
+            raise error
+        return results
+
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    self._threads, thread_name_prefix="kvstore-fanout"
+                )
+            return self._executor
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._executor = self._executor, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def split(self, keys: Sequence[str | bytes]) -> list[tuple[redis.Redis, list[int]]]:
         """The indexes of ``keys`` grouped by server (a client of that server each), in key

@@ -78,11 +78,38 @@ class ReplyReader:
             self._take(dest[:length])
             self._crlf()
             return length
-        if kind == b"_" and len(line) == 1:
+        return self._not_bulk(line)
+
+    @staticmethod
+    def _not_bulk(line: bytes) -> None:
+        """A reply line that is not a bulk string: a nil (None), else an error raised."""
+        if line[:1] == b"_" and len(line) == 1:
             return None
-        if kind == b"-":
+        if line[:1] == b"-":
             raise _parse_error(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+
+    def read_bulk_new(self, limit: int) -> bytearray | Oversize | None:
+        """Read one reply into a new buffer of exactly its size (the kernel's copy is the only
+        one). One longer than ``limit`` is drained, never allocated, and returns
+        :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            try:
+                length = int(line[1:])
+            except ValueError:
+                raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
+            if length < 0:
+                return None
+            if length > limit:
+                self._skip(length + 2)
+                return Oversize(length)
+            dest = bytearray(length)
+            self._take(memoryview(dest))
+            self._crlf()
+            return dest
+        return self._not_bulk(line)
 
     def read_status(self) -> bytes:
         """Read one simple-string reply (``+OK``) and return its text; an error reply raises
@@ -201,13 +228,17 @@ def raw_socket(conn: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def copy_reply(reply: Any, view: memoryview) -> int | Oversize | None:
-    """What ``ReplyReader.read_bulk_into`` returns, for a reply redis-py already parsed."""
+def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytes | Oversize | None:
+    """What ``ReplyReader.read_bulk_into`` (``dest`` a view) or ``read_bulk_new`` (``dest`` a
+    size limit) returns, for a reply redis-py already parsed."""
     if reply is None:
         return None
     if isinstance(reply, Exception):
         raise reply
-    if len(reply) > len(view):
+    limit = len(dest) if isinstance(dest, memoryview) else dest
+    if len(reply) > limit:
         return Oversize(len(reply))
-    view[: len(reply)] = reply
+    if isinstance(dest, int):
+        return bytes(reply)
+    dest[: len(reply)] = reply
     return len(reply)

@@ -10,15 +10,22 @@ Paths (batches of ``--batch`` values, the median of ``--rounds`` interleaved rou
   2 and 4 connections (what the data mover does: header and checksum around the staged bytes,
   sent from where they lie with ``sendmsg``); ``select_into`` with 1, 2 and 4 connections
   (received straight into the destination, header and checksum verified);
-- ``bare recv_into``: pipelined ``GET`` received with kvstore's reply reader into the
-  destination, no verification -- the ceiling of this way of reading; ``bare sendmsg``: the
-  payloads' ``SET`` sent with ``sendmsg``, nothing framed or hashed -- the ceiling of writing;
+- ``kvstore select`` / ``drop_select``: the public API (values received into buffers the
+  library allocates; ``drop_select`` claims, reads and deletes -- its keys are written again,
+  untimed, before each round);
+- ``bare recv_into depth 1 xN``: ``GET`` received with kvstore's reply reader into the
+  destination, one in flight per connection, on N connections, no verification -- the ceiling
+  of this way of reading; ``bare sendmsg``: the payloads' ``SET`` sent with ``sendmsg``,
+  nothing framed or hashed -- the ceiling of writing;
 - ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers.
 
 GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py and writes
 ``--json`` and PNG plots (GB/s against value size, one line per path) to ``--plot-dir``.
 
     python -m scripts.bench_paths [--sizes 256K,1M,2M,8M] [--batch 16] [--rounds 7]
+
+``--sweep`` instead measures ``select_into`` for each read depth (replies in flight per
+connection) and number of connections, per size: how kvstore's read defaults were chosen.
 """
 
 from __future__ import annotations
@@ -141,16 +148,34 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
     def plain_get_landed() -> None:
         pipelined_get_into(client, plain_keys, dests)
 
-    def bare_recv_into() -> None:
-        conn = client.connection_pool.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_commands([("GET", k) for k in plain_keys]))
-            assert conn._sock is not None
-            reader = ReplyReader(conn._sock)
-            for dest in dests:
-                reader.read_bulk_into(memoryview(dest.numpy()))
-        finally:
-            client.connection_pool.release(conn)
+    def bare_depth1(connections: int) -> Path_:
+        """One GET in flight per connection, each reply received into its buffer."""
+
+        def part(idx: list[int]) -> None:
+            conn = client.connection_pool.get_connection()
+            try:
+                conn.connect()
+                assert conn._sock is not None
+                reader = ReplyReader(conn._sock)
+                for i in idx:
+                    conn.send_packed_command(conn.pack_command("GET", plain_keys[i]))
+                    reader.read_bulk_into(memoryview(dests[i].numpy()))
+            finally:
+                client.connection_pool.release(conn)
+
+        def run() -> None:
+            idx = list(range(batch))
+            threads = [
+                threading.Thread(target=part, args=(idx[c::connections],))
+                for c in range(1, connections)
+            ]
+            for t in threads:
+                t.start()
+            part(idx[0::connections])
+            for t in threads:
+                t.join()
+
+        return run
 
     def bare_sendmsg() -> None:
         """SETs of the raw payloads sent with sendmsg and acknowledged, nothing framed or
@@ -192,6 +217,14 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
 
         return run
 
+    def kv_select() -> None:
+        got = store.select(hashes[:batch], copy=False)
+        assert all(g is not None for g in got), "kvstore missed a value"
+
+    def kv_drop_select() -> None:
+        got = store.drop_select(hashes[:batch], copy=False)
+        assert all(g is not None for g in got), "kvstore missed a value"
+
     def kv_select_into(connections: int) -> Path_:
         def run() -> None:
             got = store.select_into(hashes[:batch], dests, connections=connections)
@@ -209,7 +242,10 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
     }
     reads: dict[str, Path_] = {
         "redis-py GET + copy": plain_get_landed,
-        "bare recv_into (ceiling)": bare_recv_into,
+        "bare recv_into depth 1 x1": bare_depth1(1),
+        "bare recv_into depth 1 x2": bare_depth1(2),
+        "kvstore select": kv_select,
+        "kvstore drop_select": kv_drop_select,
         "kvstore select_into x1": kv_select_into(1),
         "kvstore select_into x2": kv_select_into(2),
         "kvstore select_into x4": kv_select_into(4),
@@ -225,11 +261,39 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
     times: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
     for _ in range(rounds):
         for name, fn in [*writes.items(), *reads.items()]:
+            if name == "kvstore drop_select":
+                kv_insert()  # what the previous round took
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
     store.close()
     return {name: value_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+def sweep_size(url: str, size: int, batch: int, rounds: int) -> dict[str, float]:
+    """``select_into`` GB/s per (read depth, connections) at one value size."""
+    payloads = [{"kv": torch.frombuffer(bytearray(os.urandom(size)), dtype=torch.uint8)}]
+    hashes = chain_hashes(list(range(batch * 16)), 16)
+    dests = [torch.empty(size + 4096, dtype=torch.uint8) for _ in range(batch)]
+    out: dict[str, float] = {}
+    stores = {
+        depth: LookupBuffer.from_url(url, namespace="sweep", read_depth=depth)
+        for depth in (1, 2, 4, 16)
+    }
+    stores[1].insert_many([(h, payloads[0]) for h in hashes[:batch]])
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for depth, store in stores.items():
+            for conns in (1, 2, 4):
+                t0 = time.perf_counter()
+                got = store.select_into(hashes[:batch], dests, connections=conns)
+                times.setdefault(f"depth {depth} x{conns}", []).append(time.perf_counter() - t0)
+                assert all(g is not None for g in got)
+    for store in stores.values():
+        store.close()
+    for name, t in times.items():
+        out[name] = batch * size / statistics.median(t) / 1e9
+    return out
 
 
 def plot(results: dict[int, dict[str, float]], names: list[str], title: str, out: Path) -> None:
@@ -259,7 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot-dir", type=Path)
+    ap.add_argument("--sweep", action="store_true", help="read depth x connections per size")
     args = ap.parse_args(argv)
+    if args.sweep:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        with RedisServer() as server:
+            rows = {s: sweep_size(server.url, s, args.batch, args.rounds) for s in sizes}
+        print(f"select_into GB/s, median of {args.rounds} rounds, batches of {args.batch}")
+        print("| depth x connections | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
+        print("| --- |" + " --- |" * len(sizes))
+        for name in rows[sizes[0]]:
+            print(f"| {name} | " + " | ".join(f"{rows[s][name]:.2f}" for s in sizes) + " |")
+        if args.json:
+            args.json.write_text(json.dumps({str(s): r for s, r in rows.items()}, indent=2))
+        return 0
     try:
         import lmcache.v1.storage_backend.connector.redis_connector  # noqa: F401
 
@@ -281,6 +358,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | " + " | ".join(f"{results[s][name]:.2f}" for s in sizes) + " |")
     base = {"read": "LMCache resp:// get", "write": "LMCache resp:// put"} if lmc else {}
     best_read = {s: max(v for k, v in results[s].items() if "select_into" in k) for s in sizes}
+    bare = {s: max(v for k, v in results[s].items() if "bare recv_into" in k) for s in sizes}
+    for s in sizes:
+        r = results[s]
+        line = (
+            f"{s >> 10} KiB reads / bare depth-1 ceiling: select_into {best_read[s] / bare[s]:.2f}"
+        )
+        line += f", select {r['kvstore select'] / bare[s]:.2f}"
+        line += f", drop_select {r['kvstore drop_select'] / bare[s]:.2f}"
+        if lmc:
+            get = r["LMCache resp:// get"]
+            line += f"; / LMCache get: select {r['kvstore select'] / get:.2f}x"
+            line += f", drop_select {r['kvstore drop_select'] / get:.2f}x"
+        print(line)
     best_write = {s: max(v for k, v in results[s].items() if "insert_parts" in k) for s in sizes}
     for s in sizes:
         line = f"{s >> 10} KiB: select_into (best) / redis-py GET+copy = "

@@ -4,6 +4,10 @@ sends back is held ``delay_s`` from when it arrived, order kept.
 
     with DelayRelay("127.0.0.1", redis_port, delay_s=0.02) as relay:
         url = relay.url  # redis://127.0.0.1:<relay port>/0
+
+``lose_replies(b"EVALSHA", 1)`` makes a reply go missing after the server ran the command: the
+connection that next sends an EVALSHA is muted (the server gets its requests, the client gets
+no reply again and times out).
 """
 
 from __future__ import annotations
@@ -28,6 +32,26 @@ class DelayRelay:
         self._closed = threading.Event()
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._lose: dict[bytes, int] = {}  # request text -> connections left to mute
+
+    def lose_replies(self, request: bytes, connections: int = 1) -> None:
+        """Mute the next ``connections`` connections whose request contains ``request``, from
+        that request on (see the module docstring)."""
+        with self._lock:
+            self._lose[request] = self._lose.get(request, 0) + connections
+
+    def keep_replies(self) -> None:
+        """Mute no more connections (those muted stay muted)."""
+        with self._lock:
+            self._lose.clear()
+
+    def _mutes(self, data: bytes) -> bool:
+        with self._lock:
+            for text, left in self._lose.items():
+                if left and text in data:
+                    self._lose[text] = left - 1
+                    return True
+        return False
 
     @property
     def url(self) -> str:
@@ -59,20 +83,25 @@ class DelayRelay:
                 sock.settimeout(None)
             with self._lock:
                 self._socks += [client, server]
-            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._delayed_pipe, args=(server, client), daemon=True).start()
+            muted = threading.Event()
+            threading.Thread(target=self._pipe, args=(client, server, muted), daemon=True).start()
+            threading.Thread(
+                target=self._delayed_pipe, args=(server, client, muted), daemon=True
+            ).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, muted: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 20):
+                if not muted.is_set() and self._mutes(data):
+                    muted.set()
                 dst.sendall(data)
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
-    def _delayed_pipe(self, src: socket.socket, dst: socket.socket) -> None:
-        """Replies: each chunk leaves ``delay_s`` after it arrived (a sender thread holds it)."""
+    def _delayed_pipe(self, src: socket.socket, dst: socket.socket, muted: threading.Event) -> None:
+        """Replies: each chunk leaves ``delay_s`` after it arrived (a sender thread holds it);
+        none leaves a muted connection."""
         queue: list[tuple[float, int, bytes]] = []
         order = itertools.count()
         ready = threading.Condition()
@@ -100,6 +129,8 @@ class DelayRelay:
         sender.start()
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 20):
+                if muted.is_set():
+                    continue
                 with ready:
                     heapq.heappush(queue, (time.monotonic() + self.delay_s, next(order), data))
                     ready.notify()

@@ -317,7 +317,8 @@ def test_claim_keys_live_in_their_blocks_slot(store: Backend) -> None:
     cluster = cluster_only(store)
     with LookupBuffer.from_url(store.url, namespace="slot") as buf:
         buf.insert(HASHES[0], block(0))
-        statuses, _, claims = buf._claim_present([buf.redis_key(HASHES[0])], 0.0)
+        batch = buf._claims.claim([buf.redis_key(HASHES[0])])
+        statuses, claims = batch.statuses, batch.claim_keys
         assert statuses == [1] and len(claims) == 1
         slot = buf.client.keyslot  # type: ignore[attr-defined]
         assert slot(claims[0]) == slot(buf.redis_key(HASHES[0]))

@@ -46,6 +46,39 @@ def test_ls_groups_by_namespace_and_fingerprint(client, capsys) -> None:
     assert rc == 0 and "namespace" in out and "kv:a:" in out
 
 
+def test_ls_streams_a_big_namespace_in_bounded_pipelines(client, capsys, monkeypatch) -> None:
+    """Issue 20: ls pipelined three commands per key of a whole namespace at once (gigabytes of
+    client memory for millions of blocks). Now every pipeline holds at most one SCAN batch, and
+    the totals are the same."""
+    many = LookupBuffer(client, namespace="many", layout={"m": 3}, ttl_s=100)
+    many.insert_many([(h, {"kv": torch.ones(8)}) for h in HASHES[:40]])
+    rc, out = run(capsys, "ls", "--namespace", "many", "--json")
+    whole = json.loads(out)
+    monkeypatch.setattr(kvstore.cli, "_SCAN_COUNT", 7)
+    sizes: list[int] = []
+    real = client.pipeline
+
+    def recording_pipeline(*a, **k):  # type: ignore[no-untyped-def]
+        pipe = real(*a, **k)
+        execute = pipe.execute
+
+        def counted(*ea, **ek):  # type: ignore[no-untyped-def]
+            sizes.append(len(pipe.command_stack))
+            return execute(*ea, **ek)
+
+        pipe.execute = counted
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", recording_pipeline)
+    rc, out = run(capsys, "ls", "--namespace", "many", "--json")
+    streamed = json.loads(out)
+    assert rc == 0 and streamed[0]["blocks"] == 40
+    for row in (whole[0], streamed[0]):  # ages move on between the two runs
+        row.pop("age_min_s"), row.pop("age_max_s"), row.pop("ttl_min_s"), row.pop("ttl_max_s")
+    assert streamed == whole
+    assert sizes and max(sizes) <= 3 * 7
+
+
 def test_inspect_reports_header_and_checksum(client, capsys) -> None:
     key = next(k.decode() for k in client.scan_iter(match="kv:a:*"))
     rc, out = run(capsys, "--json", "inspect", key)

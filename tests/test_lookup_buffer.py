@@ -279,37 +279,6 @@ def test_handoff_over_ranks_waits_for_every_rank_and_takes_the_minimum(fake_clie
     assert ranks[0].read_handoff("req", HASHES[:1], fps).committed == 2
 
 
-def test_a_lost_reply_during_drop_select_loses_nothing(fake_buffer: LookupBuffer) -> None:
-    """The server may have executed the fetch when the connection drops: the values must still
-    be there for the retry (they were deleted before the reply arrived, formerly)."""
-    import redis.exceptions as rex
-
-    fill(fake_buffer, 3)
-    real_pipeline = fake_buffer.client.pipeline
-    dropped = []
-
-    def pipeline_losing_first_get_reply(*a, **k):  # type: ignore[no-untyped-def]
-        pipe = real_pipeline(*a, **k)
-        execute = pipe.execute
-
-        def execute_then_drop(*ea, **ek):  # type: ignore[no-untyped-def]
-            gets = any(c[0][0] == "GET" for c in pipe.command_stack)
-            result = execute(*ea, **ek)  # the server runs the commands ...
-            if gets and not dropped:  # ... and the reply is lost
-                dropped.append(True)
-                raise rex.ConnectionError("Connection reset by peer")
-            return result
-
-        pipe.execute = execute_then_drop
-        return pipe
-
-    fake_buffer.client.pipeline = pipeline_losing_first_get_reply  # type: ignore[method-assign]
-    got = fake_buffer.drop_select(HASHES[:3])
-    assert dropped and all(g is not None for g in got)
-    assert torch.equal(got[2]["k"], block(2)["k"])  # type: ignore[index]
-    assert fake_buffer.client.keys("*") == []  # taken, and the claims cleaned up
-
-
 def test_any_redis_py_error_becomes_a_typed_store_error(fake_buffer: LookupBuffer) -> None:
     import redis.exceptions as rex
 

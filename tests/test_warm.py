@@ -193,6 +193,28 @@ def test_presence_counts_holes_and_the_usable_prefix(fake_client: Any) -> None:
     assert now.fraction == 0.75 and now.bytes > 0 and 0 < (now.ttl_s or 0) <= 60
 
 
+def test_presences_of_many_documents_batch_round_trips_and_agree_with_one_by_one(
+    fake_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--check used one round trip per document; now bounded batches of keys."""
+    import kvstore.documents
+
+    buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=60)
+    docs = [chain_hashes(list(range(1000 * d, 1000 * d + 16 * 5)), 16) for d in range(6)]
+    for d, chain in enumerate(docs):
+        buf.insert_many([(h, block(i)) for i, h in enumerate(chain[: d % 5 + 1])])
+    one_by_one = [presence(buf, chain, ["f"]) for chain in docs]
+    monkeypatch.setattr(kvstore.documents, "PRESENCE_BATCH_KEYS", 12)
+    calls: list[int] = []
+    real = buf.block_info
+    monkeypatch.setattr(buf, "block_info", lambda h, f=None: calls.append(len(h)) or real(h, f))
+    batched = kvstore.documents.presences(buf, [(chain, ["f"]) for chain in docs])
+    assert [(p.present, p.usable, p.bytes) for p in batched] == [
+        (p.present, p.usable, p.bytes) for p in one_by_one
+    ]
+    assert len(calls) == 2 and max(calls) <= 12 + 5  # 30 keys in 2 trips, not 6
+
+
 # ------------------------------------------------------------------------------ --check
 def _check(url: str, *args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
     rc = cli.main(["--url", url, "--namespace", "w", "--check", "--json", *args])

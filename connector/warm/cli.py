@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.cli import human_size
-from kvstore.documents import DocumentRecord, load_records, presence, save_record
+from kvstore.documents import DocumentRecord, load_records, presences, save_record
 
 from .inputs import Document, PromptStyle, read_documents, render
 
@@ -413,27 +413,24 @@ def check(args: argparse.Namespace, out: Console) -> int:
             if doc.name not in by_name:
                 rows.append(Row(doc.name, "not warmed", message=doc.error or ""))
         names = [d.name for d in wanted] if wanted else list(by_name)
-        for name in names:
-            for rec in by_name.get(name, []):
-                now = presence(store, rec.chain, rec.fingerprints)
-                row = Row(
-                    name,
-                    "complete" if now.present == now.blocks else "incomplete",
-                    tokens=rec.tokens,
-                    blocks=now.blocks,
-                    present=now.present,
-                    bytes=now.bytes,
-                    ttl_s=round(now.ttl_s, 1) if now.ttl_s is not None else None,
-                    message=f"usable prefix {now.usable}/{now.blocks} blocks",
-                )
-                given = wanted_by_name.get(name)
-                if (
-                    given is not None
-                    and given.text is not None
-                    and given.text_hash != rec.text_hash
-                ):
-                    row.message += "; the file changed since it was warmed: warm it again"
-                rows.append(row)
+        checked = [rec for name in names for rec in by_name.get(name, [])]
+        found = presences(store, [(rec.chain, rec.fingerprints) for rec in checked])
+        for rec, now in zip(checked, found, strict=True):
+            name = rec.name
+            row = Row(
+                name,
+                "complete" if now.present == now.blocks else "incomplete",
+                tokens=rec.tokens,
+                blocks=now.blocks,
+                present=now.present,
+                bytes=now.bytes,
+                ttl_s=round(now.ttl_s, 1) if now.ttl_s is not None else None,
+                message=f"usable prefix {now.usable}/{now.blocks} blocks",
+            )
+            given = wanted_by_name.get(name)
+            if given is not None and given.text is not None and given.text_hash != rec.text_hash:
+                row.message += "; the file changed since it was warmed: warm it again"
+            rows.append(row)
     except KVStoreError as exc:
         raise NothingDone(f"{exc}") from None
     finally:

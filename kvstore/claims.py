@@ -1,0 +1,342 @@
+"""Exactly-once claims: how ``drop_select`` and ``select_into(consume=True)`` take blocks so that
+each stored value reaches one caller, and is never stranded.
+
+A claim renames each present block key to a key private to the claiming call (``keys.claim_key``:
+the block's key, the call's random suffix, and the block's key as a hash tag, so on a Cluster it
+lives in the block's slot). The caller then reads the private keys and deletes them.
+
+- **Atomic and all-or-nothing per script**: the Lua script checks every key first and changes
+  nothing unless it can finish. Every key it touches, block and private, is declared in KEYS, so
+  a Cluster routes it correctly and, while a slot migrates, answers ASK / TRYAGAIN *before* the
+  script runs: the whole claim is then retried until the migration ends, bounded by the call's
+  deadline (at least :data:`MIGRATION_WAIT_S`).
+- **TTLs are kept**: ``RENAME`` keeps a key's TTL, and the script sets none, so a block released
+  back is exactly as it was stored.
+- **A lost reply is recovered by its owner**: when the claim's reply times out or the
+  connection drops, the same call sends the claim again with the same suffix; the script counts
+  keys that suffix already holds as claimed. If that fails too, or the values cannot be read,
+  the call renames what it holds back (:data:`RELEASE_LUA`) before raising. Only a caller that
+  dies between claiming and deleting leaves private keys; they keep the blocks' TTLs and expire
+  with them.
+
+Values never pass through Lua: returning a multi-MiB string from a script costs ~4x a plain GET.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.exceptions as rex
+
+from .errors import (
+    InvalidArgumentError,
+    KVStoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
+from .guard import Guard
+from .keys import claim_key
+from .shards import Shards
+
+logger = logging.getLogger("kvstore")
+
+# KEYS[1..n]: block keys, KEYS[n+1..2n]: this call's private keys for them. ARGV[1]: max bytes;
+# ARGV[2]: "all" (claim nothing unless every key is present; reply nil) or "any". Reply: a
+# [status, length] pair per key; status 1 claimed, 0 missing, 2 over the size limit (left in
+# place), 3 not a string. A key this call's suffix already holds counts as claimed.
+# redis.acl_check_cmd (Redis/Valkey 7+) refuses a forbidden RENAME before anything changed.
+CLAIM_LUA = """
+local n = #KEYS / 2
+local maxlen = tonumber(ARGV[1])
+local out, mine, missing = {}, {}, false
+for i = 1, n do
+  local len = redis.pcall('STRLEN', KEYS[n + i])
+  mine[i] = type(len) == 'number' and len > 0
+  if not mine[i] then len = redis.pcall('STRLEN', KEYS[i]) end
+  if type(len) == 'table' and len.err then
+    if not string.find(tostring(len.err), 'WRONGTYPE', 1, true) then return len end
+    out[2 * i - 1] = 3; out[2 * i] = 0
+  elseif len == 0 then
+    out[2 * i - 1] = 0; out[2 * i] = 0; missing = true
+  elseif len > maxlen then
+    out[2 * i - 1] = 2; out[2 * i] = len
+  else
+    out[2 * i - 1] = 1; out[2 * i] = len
+  end
+end
+if missing and ARGV[2] == 'all' then return false end
+if redis.acl_check_cmd then
+  for i = 1, n do
+    if out[2 * i - 1] == 1 and not mine[i]
+        and not redis.acl_check_cmd('RENAME', KEYS[i], KEYS[n + i]) then
+      return redis.error_reply('NOPERM this user has no permissions to run the RENAME command')
+    end
+  end
+end
+for i = 1, n do
+  if out[2 * i - 1] == 1 and not mine[i] then redis.call('RENAME', KEYS[i], KEYS[n + i]) end
+end
+return out
+"""
+
+# Gives claimed values back (same KEYS layout): a private key goes back to its block's key,
+# unless a new value was stored there meanwhile (then the newer one stays). Reply: how many.
+RELEASE_LUA = """
+local n = #KEYS / 2
+local released = 0
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[n + i]) == 1 then
+    if redis.call('EXISTS', KEYS[i]) == 1 then
+      redis.call('UNLINK', KEYS[n + i])
+    else
+      redis.call('RENAME', KEYS[n + i], KEYS[i]); released = released + 1
+    end
+  end
+end
+return released
+"""
+
+# How long a claim keeps retrying a slot that is migrating, when the caller gave no longer
+# deadline: a migration of a slot of KV blocks takes about a second per GB moved.
+MIGRATION_WAIT_S = 2.0
+
+# A waiting claim polls after 0.5 ms, doubling up to 20 ms.
+_FIRST_POLL_S = 0.0005
+_MAX_POLL_S = 0.02
+
+# What redis-py's cluster client raises when a slot stays mid-migration for its whole
+# redirect budget ("TTL exhausted") or the slot is not served at the moment.
+_MIGRATING = (rex.TryAgainError, rex.AskError, rex.ClusterError, rex.SlotNotCoveredError)
+
+
+class _StillMigrating(StoreUnavailableError):
+    """A slot stayed mid-migration past the claim's bound: sending the claim again now would
+    only wait again."""
+
+
+def _pause(delay: float, deadline: float) -> float:
+    """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
+    time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+    return min(delay * 2, _MAX_POLL_S)
+
+
+@dataclass(frozen=True)
+class ClaimedBatch:
+    """What one claim took: per block key a status (1 claimed, 0 missing, 2 oversize, 3 wrong
+    type) and length, and the private keys now holding the claimed values, in key order."""
+
+    keys: list[str]
+    suffix: str
+    statuses: list[int]
+    lengths: list[int]
+
+    @property
+    def claim_keys(self) -> list[str]:
+        return [
+            claim_key(k, self.suffix)
+            for k, st in zip(self.keys, self.statuses, strict=True)
+            if st == 1
+        ]
+
+    def raw_values(self, fetched: Sequence[Any]) -> list[Any]:
+        """Per key, what the decoder takes: a claimed key's fetched value, a length (oversize),
+        -1 (wrong type) or None (missing)."""
+        values = iter(fetched)
+        raw: list[Any] = []
+        for status, length in zip(self.statuses, self.lengths, strict=True):
+            if status == 1:
+                raw.append(next(values))
+            elif status == 2:
+                raw.append(int(length))
+            elif status == 3:
+                raw.append(-1)
+            else:
+                raw.append(None)
+        return raw
+
+
+class Claimer:
+    """Claims, releases and finishes batches of block keys (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        control: redis.Redis,
+        shards: Shards,
+        guard: Guard,
+        *,
+        exists: Callable[[Sequence[str]], list[int]],
+        max_value_bytes: int,
+        on_retry: Callable[[], None],
+    ) -> None:
+        self._client = client
+        self._control = control
+        self._shards = shards
+        self._guard = guard
+        self._exists = exists
+        self._max_value_bytes = max_value_bytes
+        self._on_retry = on_retry
+        self._claim_script = client.register_script(CLAIM_LUA)
+        self._release_script = client.register_script(RELEASE_LUA)
+
+    # ------------------------------------------------------------------ claim
+    def claim(self, keys: list[str], timeout_s: float = 0.0) -> ClaimedBatch:
+        """Claim the present ``keys`` for one caller. With ``timeout_s > 0`` wait (polling with
+        backoff) until every key is present; when the time runs out take what is there. A lost
+        reply is recovered by sending the claim again; if that fails, whatever the claim took
+        is released before the error is raised."""
+        if timeout_s < 0:
+            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
+        deadline = time.monotonic() + timeout_s
+        suffix = uuid.uuid4().hex
+        try:
+            statuses, lengths = self._claim_all(keys, deadline, suffix)
+        except _StillMigrating:
+            self.release(ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys)))
+            raise
+        except (StoreTimeoutError, StoreUnavailableError) as first:
+            # the script may have run and its reply been lost: the same suffix again recovers
+            # what it took (and claims the rest)
+            logger.info("kvstore: claim sent again after %s", first)
+            self._on_retry()
+            try:
+                statuses, lengths = self._claim_all(keys, deadline, suffix)
+            except KVStoreError:
+                self.release(ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys)))
+                raise
+        return ClaimedBatch(keys, suffix, statuses, lengths)
+
+    def _claim_all(
+        self, keys: list[str], deadline: float, suffix: str
+    ) -> tuple[list[int], list[int]]:
+        if self._shards.cluster:
+            return self._claim_per_slot(keys, deadline, suffix)
+        delay = _FIRST_POLL_S
+        scripted = [*keys, *(claim_key(k, suffix) for k in keys)]
+        while True:
+            waiting = time.monotonic() < deadline
+            args = [self._max_value_bytes, "all" if waiting else "any"]
+            reply = self._guard.call(
+                "EVALSHA", functools.partial(self._claim_script, keys=scripted, args=args)
+            )
+            if reply is not None:
+                return [int(st) for st in reply[0::2]], [int(n) for n in reply[1::2]]
+            delay = _pause(delay, deadline)
+
+    def _claim_per_slot(
+        self, keys: list[str], deadline: float, suffix: str
+    ) -> tuple[list[int], list[int]]:
+        """On a Cluster: one script per slot (a script may touch one slot), pipelined per master
+        with the masters in parallel. Each key is still claimed exactly once, but a batch is not
+        claimed all-or-nothing across slots: waiting for every key polls ``EXISTS`` first."""
+        delay = _FIRST_POLL_S
+        while time.monotonic() < deadline and not all(self._exists(keys)):
+            delay = _pause(delay, deadline)
+        by_slot: dict[int, list[int]] = {}
+        for i, k in enumerate(keys):
+            by_slot.setdefault(self._shards.slot(k), []).append(i)
+        groups = [[keys[i] for i in idx] for idx in by_slot.values()]
+        args: list[int | str] = [self._max_value_bytes, "any"]
+
+        def scripted(group: list[str]) -> list[str]:
+            return [*group, *(claim_key(k, suffix) for k in group)]
+
+        def on_one_master(server: redis.Redis, part: list[list[str]]) -> list[Any]:
+            pipe = server.pipeline(transaction=False)
+            for group in part:
+                self._claim_script(keys=scripted(group), args=args, client=pipe)
+            return list(pipe.execute(raise_on_error=False))
+
+        def claim_groups() -> list[Any]:
+            replies = self._shards.fan_out(on_one_master, groups, key=lambda g: g[0])
+            for n, reply in enumerate(replies):
+                if isinstance(reply, Exception) and isinstance(reply, _MIGRATING):
+                    # the slot moved or is moving: the whole group again, through redis-py's
+                    # cluster client (it follows MOVED / ASK), until the migration ends
+                    reply = self._claim_migrating(scripted(groups[n]), args, deadline)
+                if isinstance(reply, Exception):
+                    raise reply
+                replies[n] = reply
+            return replies
+
+        replies = self._guard.call("EVALSHA", claim_groups)
+        statuses, lengths = [0] * len(keys), [0] * len(keys)
+        for idx, reply in zip(by_slot.values(), replies, strict=True):
+            for j, i in enumerate(idx):
+                statuses[i], lengths[i] = int(reply[2 * j]), int(reply[2 * j + 1])
+        return statuses, lengths
+
+    def _claim_migrating(self, scripted: list[str], args: list[Any], deadline: float) -> Any:
+        until = max(deadline, time.monotonic() + MIGRATION_WAIT_S)
+        delay = _FIRST_POLL_S
+        while True:
+            self._on_retry()
+            try:
+                return self._claim_script(keys=scripted, args=args, client=self._client)
+            except _MIGRATING as exc:
+                if time.monotonic() >= until:
+                    raise _StillMigrating(
+                        f"{self._guard.safe_url}: slot {self._shards.slot(scripted[0])} is "
+                        f"still migrating ({exc}); its blocks are left in place, untouched"
+                    ) from None
+            delay = _pause(delay, until)
+
+    def check_scripts(self, key: str) -> None:
+        """Claim ``key`` and give it back, raising what the server refuses (for
+        ``LookupBuffer.check_access``)."""
+        scripted = [key, claim_key(key, uuid.uuid4().hex)]
+        self._claim_script(keys=scripted, args=[self._max_value_bytes, "any"])
+        self._release_script(keys=scripted)
+
+    # ------------------------------------------------------------------ after the read
+    def finish(self, batch: ClaimedBatch) -> None:
+        """Delete the private keys once their values were delivered (best effort: if this
+        fails, they expire with the blocks' TTLs)."""
+        claimed = batch.claim_keys
+        if not claimed:
+            return
+        try:
+            self._guard.call("UNLINK", lambda: self._unlink(claimed))
+        except KVStoreError as exc:
+            logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
+
+    def _unlink(self, keys: list[str]) -> int:
+        if not self._shards.cluster:
+            return int(self._control.unlink(*keys))
+        return sum(int(self._control.unlink(k)) for k in keys)  # keys of many slots
+
+    def release(self, batch: ClaimedBatch) -> int:
+        """Give what ``batch`` holds back to the blocks' keys (their TTLs as stored); returns
+        how many. Best effort: what cannot be reached is logged and left to expire."""
+        groups: dict[int, list[str]] = {}
+        for k in batch.keys:
+            groups.setdefault(self._shards.slot(k), []).append(k)
+
+        released, failed = 0, []
+        for group in groups.values():  # each slot on its own: one that is moving fails alone
+            scripted = [*group, *(claim_key(k, batch.suffix) for k in group)]
+            try:
+                released += int(
+                    self._guard.call(
+                        "EVALSHA", functools.partial(self._release_script, keys=scripted)
+                    )
+                )
+            except KVStoreError as exc:
+                failed.append(exc)
+        if failed:
+            logger.warning(
+                "kvstore: could not give claimed blocks of %d slot(s) back (%s); any there "
+                "stay under claim keys (kvstore ls counts them) and expire with their TTLs",
+                len(failed),
+                failed[0],
+            )
+        if released:
+            logger.info("kvstore: gave %d claimed blocks back after a failed read", released)
+        return released

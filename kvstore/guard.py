@@ -1,0 +1,50 @@
+"""The one error policy every Redis round trip goes through: the circuit breaker, redis-py's
+errors translated into kvstore's typed ones, and the breaker told whether the server answered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from .breaker import CircuitBreaker
+from .connection import translated_errors
+from .errors import StoreCircuitOpenError, StoreTimeoutError, StoreUnavailableError
+
+T = TypeVar("T")
+
+
+class Guard:
+    def __init__(
+        self,
+        probe: Callable[[], object],
+        *,
+        safe_url: str,
+        failures: int = 3,
+        probe_s: float = 0.5,
+    ) -> None:
+        self.safe_url = safe_url
+        self.breaker = CircuitBreaker(
+            probe, name=f"Redis at {safe_url}", failure_threshold=failures, probe_interval_s=probe_s
+        )
+
+    def call(self, command: str, fn: Callable[[], T]) -> T:
+        """Run one round trip: fail fast while the breaker is open, translate errors to
+        kvstore's types (``command`` names what ran, for permission errors), and count
+        unavailability (refused, reset, timed out, a Cluster down or resharding, a server
+        loading its data) towards opening the breaker."""
+        if not self.breaker.allow():
+            raise StoreCircuitOpenError(
+                f"{self.safe_url} is skipped for now: recent calls failed "
+                f"({self.breaker.last_error}); it is used again once it answers a probe"
+            )
+        try:
+            with translated_errors(self.safe_url, command):
+                result = fn()
+        except (StoreUnavailableError, StoreTimeoutError) as exc:
+            self.breaker.record_failure(str(exc))
+            raise
+        self.breaker.record_success()
+        return result
+
+    def stop(self) -> None:
+        self.breaker.stop()

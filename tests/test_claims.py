@@ -1,0 +1,206 @@
+"""Exactly-once claims that hold (``drop_select`` / ``select_into(consume=True)``): a reply
+lost after the server ran the claim or the read is recovered by the same call or the values are
+given back, never stranded; on a Cluster, a claim during a live slot migration is retried until
+the migration ends, and one that cannot finish changes nothing. Real servers, faults injected
+with a relay that mutes a connection after a chosen request (the server runs it, the client
+never hears back and times out)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+import torch
+
+from kvstore import LookupBuffer, StoreTimeoutError, StoreUnavailableError, chain_hashes
+from testing.redis_server import ClusterServers, RedisServer
+from testing.relay import DelayRelay
+
+pytestmark = pytest.mark.redis
+
+HASHES = chain_hashes(list(range(16 * 9)), 16)
+TTL_S = 3600
+
+
+def block(i: int) -> dict[str, torch.Tensor]:
+    return {"kv": torch.full((2, 16, 8), float(i))}
+
+
+def fill(buf: LookupBuffer, n: int) -> None:
+    buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+
+
+def assert_blocks(got: list[dict[str, torch.Tensor] | None], n: int) -> None:
+    assert len(got) == n
+    for i, value in enumerate(got):
+        assert value is not None, f"block {i} missing"
+        assert torch.equal(value["kv"], block(i)["kv"])
+
+
+@pytest.fixture
+def relayed(private_redis: RedisServer) -> Iterator[tuple[DelayRelay, LookupBuffer, redis.Redis]]:
+    """A buffer whose every reply passes through a relay; a direct client to check the server."""
+    with DelayRelay("127.0.0.1", private_redis.port, delay_s=0.0) as relay:
+        buf = LookupBuffer.from_url(
+            relay.url, namespace="claims", ttl_s=TTL_S, socket_timeout_s=0.5, breaker_failures=10
+        )
+        direct = redis.Redis(port=private_redis.port)
+        try:
+            buf.drop_select([HASHES[-1]])  # loads the scripts: later claims are one EVALSHA each
+            yield relay, buf, direct
+        finally:
+            buf.close()
+            direct.close()
+
+
+def block_keys(direct: redis.Redis) -> list[bytes]:
+    return sorted(k for k in direct.keys("kv:*") if b":claim:" not in k)
+
+
+def test_a_claim_whose_reply_is_lost_is_recovered_by_the_same_call(relayed) -> None:  # type: ignore[no-untyped-def]
+    relay, buf, direct = relayed
+    fill(buf, 5)
+    relay.lose_replies(b"EVALSHA")
+    got = buf.drop_select(HASHES[:5])
+    assert_blocks(got, 5)
+    assert direct.keys("kv:*") == []  # taken once, the private keys deleted
+    assert buf.drop_select(HASHES[:5]) == [None] * 5
+
+
+def test_a_claim_that_cannot_be_confirmed_gives_the_blocks_back_with_their_ttl(relayed) -> None:  # type: ignore[no-untyped-def]
+    relay, buf, direct = relayed
+    fill(buf, 5)
+    before = sorted(block_keys(direct))
+    relay.lose_replies(b"EVALSHA", 2)  # the claim and the same call's second attempt
+    with pytest.raises(StoreTimeoutError):
+        buf.drop_select(HASHES[:5])
+    assert sorted(block_keys(direct)) == before  # every block back under its own key
+    assert not [k for k in direct.keys("kv:*") if b":claim:" in k]
+    assert min(direct.pttl(k) for k in before) > (TTL_S - 60) * 1000  # TTLs as stored
+    assert_blocks(buf.drop_select(HASHES[:5]), 5)  # and the next caller gets them all
+
+
+@pytest.mark.parametrize("lost", [1, 2])
+def test_a_read_whose_reply_is_lost_delivers_or_gives_back(relayed, lost: int) -> None:  # type: ignore[no-untyped-def]
+    relay, buf, direct = relayed
+    fill(buf, 4)
+    if lost == 1:  # the read is sent again: the claimed values are still there
+        relay.lose_replies(b"\r\nGET\r\n", 1)
+        assert_blocks(buf.drop_select(HASHES[:4]), 4)
+        assert direct.keys("kv:*") == []
+        return
+    relay.lose_replies(b"\r\nGET\r\n", 1000)  # every read, and the read sent again
+    with pytest.raises(StoreTimeoutError):
+        buf.drop_select(HASHES[:4])
+    relay.keep_replies()
+    assert len(block_keys(direct)) == 4
+    assert_blocks(buf.drop_select(HASHES[:4]), 4)
+
+
+def test_select_into_consume_gives_back_what_it_could_not_read(relayed) -> None:  # type: ignore[no-untyped-def]
+    relay, buf, direct = relayed
+    fill(buf, 4)
+    buffers = [torch.empty(1 << 16, dtype=torch.uint8) for _ in range(4)]
+    relay.lose_replies(b"\r\nGET\r\n", 1000)
+    with pytest.raises(StoreTimeoutError):
+        buf.select_into(HASHES[:4], buffers, consume=True, connections=2)
+    relay.keep_replies()
+    assert len(block_keys(direct)) == 4
+    assert_blocks(buf.select_into(HASHES[:4], buffers, consume=True), 4)
+
+
+# ---------------------------------------------------------------------------- Cluster
+@pytest.fixture
+def cluster() -> Iterator[ClusterServers]:
+    with ClusterServers(masters=3, replicas=0) as servers:
+        yield servers
+
+
+class SlotMove:
+    """A live migration of one slot, driven by hand as ``redis-cli --cluster reshard`` does."""
+
+    def __init__(self, cluster: ClusterServers, key: str) -> None:
+        self.cluster = cluster
+        self.slot = _slot(key)
+        self.source = cluster.node_of(key)
+        self.target = next(n for n in cluster.master_nodes() if n.port != self.source.port)
+        self.src, self.dst = cluster.client(self.source), cluster.client(self.target)
+
+    def start(self) -> None:
+        src_id, dst_id = self._id(self.src), self._id(self.dst)
+        self.dst.execute_command("CLUSTER SETSLOT", self.slot, "IMPORTING", src_id)
+        self.src.execute_command("CLUSTER SETSLOT", self.slot, "MIGRATING", dst_id)
+
+    def finish(self) -> None:
+        keys = self.src.execute_command("CLUSTER GETKEYSINSLOT", self.slot, 1000)
+        for key in keys:
+            self.src.execute_command("MIGRATE", "127.0.0.1", self.target.port, key, 0, 5000)
+        dst_id = self._id(self.dst)
+        for client in (self.dst, self.src):
+            client.execute_command("CLUSTER SETSLOT", self.slot, "NODE", dst_id)
+
+    @staticmethod
+    def _id(client: redis.Redis) -> str:
+        node_id = client.execute_command("CLUSTER MYID")
+        return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
+
+
+def _slot(key: str) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(key.encode()))
+
+
+def test_a_claim_during_a_live_slot_migration_waits_for_it_and_takes_each_block_once(
+    cluster: ClusterServers,
+) -> None:
+    buf = LookupBuffer.from_url(cluster.url, namespace="move", ttl_s=TTL_S)
+    fill(buf, 8)
+    move = SlotMove(cluster, buf.redis_key(HASHES[0]))
+    move.start()
+    got: list[object] = []
+    worker = threading.Thread(target=lambda: got.append(buf.drop_select(HASHES[:8], 60.0)))
+    worker.start()
+    # the event that matters: the claim met the migrating slot and is retrying it
+    while buf.stats().redirects == 0 and worker.is_alive():
+        threading.Event().wait(0.01)
+    move.finish()
+    worker.join()
+    assert got, "drop_select raised (see the thread's traceback above)"
+    assert_blocks(got[0], 8)  # type: ignore[arg-type]
+    assert buf.drop_select(HASHES[:8]) == [None] * 8
+    for node in cluster.master_nodes():
+        assert cluster.client(node).keys("kv:*") == []  # no private key left anywhere
+    buf.close()
+
+
+def test_a_claim_the_migration_outlasts_changes_nothing(cluster: ClusterServers) -> None:
+    buf = LookupBuffer.from_url(cluster.url, namespace="stuck", ttl_s=TTL_S, breaker_failures=10)
+    fill(buf, 8)
+    move = SlotMove(cluster, buf.redis_key(HASHES[0]))
+    move.start()
+    with pytest.raises(StoreUnavailableError, match="migrating"):
+        buf.drop_select(HASHES[:8])
+    keys = {k for node in cluster.master_nodes() for k in cluster.client(node).keys("kv:*")}
+    assert len(keys) == 8 and not [k for k in keys if b":claim:" in k]
+    for node in cluster.master_nodes():
+        client = cluster.client(node)
+        for key in client.keys("kv:*"):  # TTLs as stored: nothing ran before the script could
+            assert client.pttl(key) > (TTL_S - 60) * 1000
+    move.finish()
+    assert_blocks(buf.drop_select(HASHES[:8]), 8)
+    buf.close()
+
+
+def test_close_closes_every_connection_it_opened(private_redis: RedisServer) -> None:
+    direct = redis.Redis(port=private_redis.port)
+    before = len(direct.client_list())
+    for _ in range(20):
+        buf = LookupBuffer.from_url(private_redis.url, namespace="close")
+        fill(buf, 2)
+        buf.drop_select(HASHES[:2])
+        buf.close()
+    assert len(direct.client_list()) == before  # this client's own connection only
+    direct.close()
