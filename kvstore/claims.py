@@ -38,6 +38,7 @@ import redis.exceptions as rex
 from .errors import (
     InvalidArgumentError,
     KVStoreError,
+    StoreCircuitOpenError,
     StoreTimeoutError,
     StoreUnavailableError,
 )
@@ -196,21 +197,27 @@ class Claimer:
             raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
         deadline = time.monotonic() + timeout_s
         suffix = uuid.uuid4().hex
+        everything = ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys))
         try:
             statuses, lengths = self._claim_all(keys, deadline, suffix)
-        except _StillMigrating:
-            self.release(ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys)))
-            raise
         except (StoreTimeoutError, StoreUnavailableError) as first:
+            if isinstance(first, StoreCircuitOpenError):
+                raise  # nothing was sent
+            if isinstance(first, _StillMigrating):
+                self.release(everything)
+                raise
             # the script may have run and its reply been lost: the same suffix again recovers
             # what it took (and claims the rest)
             logger.info("kvstore: claim sent again after %s", first)
             self._on_retry()
             try:
                 statuses, lengths = self._claim_all(keys, deadline, suffix)
-            except KVStoreError:
-                self.release(ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys)))
+            except BaseException:
+                self.release(everything)
                 raise
+        except BaseException:  # any other error: other slots' claims may have run
+            self.release(everything)
+            raise
         return ClaimedBatch(keys, suffix, statuses, lengths)
 
     def _claim_all(
@@ -319,15 +326,18 @@ class Claimer:
         for k in batch.keys:
             groups.setdefault(self._shards.slot(k), []).append(k)
 
-        released, failed = 0, []
+        released, failed = 0, list[KVStoreError]()
         for group in groups.values():  # each slot on its own: one that is moving fails alone
             scripted = [*group, *(claim_key(k, batch.suffix) for k in group)]
-            try:
+            try:  # sent even while the breaker is open: the failure may be what opened it
                 released += int(
-                    self._guard.call(
+                    self._guard.call_anyway(
                         "EVALSHA", functools.partial(self._release_script, keys=scripted)
                     )
                 )
+            except StoreTimeoutError as exc:
+                failed.append(exc)
+                break  # a hung server: not one timeout per slot
             except KVStoreError as exc:
                 failed.append(exc)
         if failed:

@@ -46,5 +46,17 @@ class Guard:
         self.breaker.record_success()
         return result
 
+    def call_anyway(self, command: str, fn: Callable[[], T]) -> T:
+        """As :meth:`call`, but sent even while the breaker is open: for the rare calls that
+        put things right (giving claimed values back), which must not be skipped because the
+        failure they repair opened the breaker."""
+        try:
+            with translated_errors(self.safe_url, command):
+                result = fn()
+        except (StoreUnavailableError, StoreTimeoutError) as exc:
+            self.breaker.record_failure(str(exc))
+            raise
+        return result
+
     def stop(self) -> None:
         self.breaker.stop()

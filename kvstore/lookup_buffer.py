@@ -53,7 +53,6 @@ from .counters import StoreStats
 from .errors import (
     CorruptValueError,
     InvalidArgumentError,
-    KVStoreError,
     StoreCommandError,
     StorePermissionError,
     StoreTimeoutError,
@@ -763,11 +762,13 @@ class LookupBuffer:
                 received = self.guard.call("GET", fetch)
             except (StoreUnavailableError, StoreTimeoutError):
                 received = self.guard.call("GET", fetch)  # the claims are still there: once more
-        except KVStoreError:
+            fetched = [
+                self._as_raw(got, dests[i]) for i, got in zip(targets, received, strict=True)
+            ]
+            out = self._decode_all(hashes, keys, batch.raw_values(fetched), copy)
+        except BaseException:  # nothing was delivered: give the values back
             self._claims.release(batch)
             raise
-        fetched = [self._as_raw(got, dests[i]) for i, got in zip(targets, received, strict=True)]
-        out = self._decode_all(hashes, keys, batch.raw_values(fetched), copy)
         self._claims.finish(batch)
         return out
 
