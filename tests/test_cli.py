@@ -51,7 +51,7 @@ def test_ls_streams_a_big_namespace_in_bounded_pipelines(client, capsys, monkeyp
     client memory for millions of blocks). Now every pipeline holds at most one SCAN batch, and
     the totals are the same."""
     many = LookupBuffer(client, namespace="many", layout={"m": 3}, ttl_s=100)
-    many.insert_many([(h, {"kv": torch.ones(8)}) for h in HASHES[:40]])
+    many.insert_many([(h, {"kv": torch.ones(8)}) for h in chain_hashes(list(range(16 * 40)), 16)])
     rc, out = run(capsys, "ls", "--namespace", "many", "--json")
     whole = json.loads(out)
     monkeypatch.setattr(kvstore.cli, "_SCAN_COUNT", 7)
