@@ -37,19 +37,15 @@ class Guard:
                 f"{self.safe_url} is skipped for now: recent calls failed "
                 f"({self.breaker.last_error}); it is used again once it answers a probe"
             )
-        try:
-            with translated_errors(self.safe_url, command):
-                result = fn()
-        except (StoreUnavailableError, StoreTimeoutError) as exc:
-            self.breaker.record_failure(str(exc))
-            raise
+        result = self.call_anyway(command, fn)
         self.breaker.record_success()
         return result
 
     def call_anyway(self, command: str, fn: Callable[[], T]) -> T:
-        """As :meth:`call`, but sent even while the breaker is open: for the rare calls that
-        put things right (giving claimed values back), which must not be skipped because the
-        failure they repair opened the breaker."""
+        """As :meth:`call`, but sent even while the breaker is open, and a success is not
+        recorded (it must not close a breaker the regular calls opened): for the rare calls
+        that put things right (giving claimed values back), which must not be skipped because
+        the failure they repair opened the breaker."""
         try:
             with translated_errors(self.safe_url, command):
                 result = fn()

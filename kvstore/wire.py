@@ -63,53 +63,45 @@ class ReplyReader:
         returned; a nil returns None; one longer than ``dest`` is drained (never allocated) and
         returns :class:`Oversize`. An error reply raises redis-py's ``ResponseError`` (the
         stream stays usable)."""
-        line = self._line()
-        kind = line[:1]
-        if kind == b"$":
-            try:
-                length = int(line[1:])
-            except ValueError:
-                raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
-            if length < 0:
-                return None
-            if length > len(dest):
-                self._skip(length + 2)
-                return Oversize(length)
+        length = self._bulk_header(len(dest))
+        if isinstance(length, int):
             self._take(dest[:length])
             self._crlf()
-            return length
-        return self._not_bulk(line)
-
-    @staticmethod
-    def _not_bulk(line: bytes) -> None:
-        """A reply line that is not a bulk string: a nil (None), else an error raised."""
-        if line[:1] == b"_" and len(line) == 1:
-            return None
-        if line[:1] == b"-":
-            raise _parse_error(line[1:].decode(errors="replace"))
-        raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+        return length
 
     def read_bulk_new(self, limit: int) -> bytearray | Oversize | None:
         """Read one reply into a new buffer of exactly its size (the kernel's copy is the only
         one). One longer than ``limit`` is drained, never allocated, and returns
         :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
+        length = self._bulk_header(limit)
+        if not isinstance(length, int):
+            return length
+        dest = bytearray(length)
+        self._take(memoryview(dest))
+        self._crlf()
+        return dest
+
+    def _bulk_header(self, limit: int) -> int | Oversize | None:
+        """Read a reply's first line: a bulk string's length when it fits in ``limit`` (its
+        bytes are next in the stream), :class:`Oversize` (drained) when it does not, None for a
+        nil; an error reply raises."""
         line = self._line()
-        kind = line[:1]
-        if kind == b"$":
-            try:
-                length = int(line[1:])
-            except ValueError:
-                raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
-            if length < 0:
+        if line[:1] != b"$":
+            if line[:1] == b"_" and len(line) == 1:
                 return None
-            if length > limit:
-                self._skip(length + 2)
-                return Oversize(length)
-            dest = bytearray(length)
-            self._take(memoryview(dest))
-            self._crlf()
-            return dest
-        return self._not_bulk(line)
+            if line[:1] == b"-":
+                raise _parse_error(line[1:].decode(errors="replace"))
+            raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+        try:
+            length = int(line[1:])
+        except ValueError:
+            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
+        if length < 0:
+            return None
+        if length > limit:
+            self._skip(length + 2)
+            return Oversize(length)
+        return length
 
     def read_status(self) -> bytes:
         """Read one simple-string reply (``+OK``) and return its text; an error reply raises
