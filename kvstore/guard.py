@@ -21,8 +21,10 @@ class Guard:
         safe_url: str,
         failures: int = 3,
         probe_s: float = 0.5,
+        on_unavailable: Callable[[], None] = lambda: None,
     ) -> None:
         self.safe_url = safe_url
+        self._on_unavailable = on_unavailable
         self.breaker = CircuitBreaker(
             probe, name=f"Redis at {safe_url}", failure_threshold=failures, probe_interval_s=probe_s
         )
@@ -31,7 +33,8 @@ class Guard:
         """Run one round trip: fail fast while the breaker is open, translate errors to
         kvstore's types (``command`` names what ran, for permission errors), and count
         unavailability (refused, reset, timed out, a Cluster down or resharding, a server
-        loading its data) towards opening the breaker."""
+        loading its data) towards opening the breaker; each such failure but a timeout also
+        calls ``on_unavailable`` (a Cluster relearns its slot map there)."""
         if not self.breaker.allow():
             raise StoreCircuitOpenError(
                 f"{self.safe_url} is skipped for now: recent calls failed "
@@ -51,6 +54,8 @@ class Guard:
                 result = fn()
         except (StoreUnavailableError, StoreTimeoutError) as exc:
             self.breaker.record_failure(str(exc))
+            if isinstance(exc, StoreUnavailableError):  # not a timeout: relearning would
+                self._on_unavailable()  # ask the hung server too
             raise
         return result
 

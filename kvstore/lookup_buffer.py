@@ -198,9 +198,15 @@ class LookupBuffer:
         self._owns_clients = False
         # runs the parts of one call spread over connections and shards; separate from
         # _executor, whose tasks (insert_async) spread too and must not wait on their own pool
-        self._shards = Shards(client, threads=max(8, 2 * io_threads))
+        self._shards = Shards(client, others=[self._control], threads=max(8, 2 * io_threads))
         self.guard = Guard(
-            self._probe, safe_url=safe_url, failures=breaker_failures, probe_s=breaker_probe_s
+            self._probe_after_failures,
+            safe_url=safe_url,
+            failures=breaker_failures,
+            probe_s=breaker_probe_s,
+            # a failed call may be a master its replica replaced: every client learns the map
+            # again (redis-py's cluster client does so itself only when it retries)
+            on_unavailable=self._shards.relearn,
         )
         self.breaker = self.guard.breaker
         self._io_threads = io_threads
@@ -339,13 +345,19 @@ class LookupBuffer:
 
     # ------------------------------------------------------------------ every call
     def _probe(self) -> object:
-        """The breaker's probe: every master of a Cluster must answer (one that is down and not
+        """Is the store serving? Every master of a Cluster must answer (one that is down and not
         yet replaced makes a third of the keys fail), else the one server."""
         if self._shards.cluster:
             from redis.cluster import RedisCluster
 
             return self._control.ping(target_nodes=RedisCluster.PRIMARIES)
         return self._control.ping()
+
+    def _probe_after_failures(self) -> object:
+        """The breaker's probe: the slot map is learned again first (on a Cluster, the failures
+        may have been a master that its replica has replaced since)."""
+        self._shards.relearn()
+        return self._probe()
 
     def ping(self) -> None:
         self.guard.call("PING", self._probe)

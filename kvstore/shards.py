@@ -42,8 +42,12 @@ def is_redirect(exc: BaseException) -> bool:
 class Shards:
     """Groups keys by the server that holds them, for fanning a batch out over shards."""
 
-    def __init__(self, client: redis.Redis, *, threads: int = 8) -> None:
+    def __init__(
+        self, client: redis.Redis, *, others: Sequence[redis.Redis] = (), threads: int = 8
+    ) -> None:
         self.client = client
+        # clients of the same servers with their own slot maps (the control client)
+        self._others = [c for c in others if c is not client]
         self.cluster = isinstance(client, RedisCluster)
         self._threads = threads
         self._executor: ThreadPoolExecutor | None = None
@@ -60,8 +64,8 @@ class Shards:
         """``run(server, part)`` over ``work`` grouped by the server holding each item's
         ``key`` (one group unless this is a Cluster), each group split in up to
         ``connections`` contiguous parts, all in parallel (the first on this thread); results
-        in ``work``'s order. Every part finishes before the first error is raised. A failure
-        on a Cluster makes the slot map be fetched again: a replica may have taken over."""
+        in ``work``'s order. Every part finishes before the first error is raised (the caller's
+        guard relearns the slot map after a failure: a replica may have taken over)."""
         units: list[tuple[redis.Redis, list[int]]] = []
         for server, indexes in self.split([key(w) for w in work]):
             n = max(1, min(connections, len(indexes)))
@@ -85,7 +89,6 @@ class Shards:
             for i, r in zip(unit[1], got, strict=True):
                 results[i] = r
         if error is not None:
-            self.relearn()
             raise error
         return results
 
@@ -123,11 +126,15 @@ class Shards:
         return int(self.client.keyslot(key)) if self.cluster else 0  # type: ignore[attr-defined]
 
     def relearn(self) -> None:
-        """After a node failed: fetch the slot map again (a replica may have been promoted).
-        Best effort; the next call fails typed if the cluster is still down."""
+        """After a node failed: fetch the slot map again (a replica may have been promoted), for
+        every client. Best effort; the next call fails typed if the cluster is still down.
+        redis-py's cluster client relearns by itself only when it retries, and kvstore's
+        clients never retry (see ``connection._cluster_client``)."""
         if not self.cluster:
             return
-        try:
-            self.client.nodes_manager.initialize()  # type: ignore[attr-defined]
-        except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-            logger.debug("kvstore: could not relearn the cluster's slot map yet: %s", exc)
+        for client in [self.client, *self._others]:
+            try:
+                client.nodes_manager.initialize()  # type: ignore[attr-defined]
+            except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
+                logger.debug("kvstore: could not relearn the cluster's slot map yet: %s", exc)
+                return
