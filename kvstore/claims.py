@@ -44,7 +44,7 @@ from .errors import (
 )
 from .guard import Guard
 from .keys import claim_key
-from .shards import Shards
+from .transport import Transport
 
 logger = logging.getLogger("kvstore")
 
@@ -168,18 +168,16 @@ class Claimer:
 
     def __init__(
         self,
-        client: redis.Redis,
-        control: redis.Redis,
-        shards: Shards,
+        transport: Transport,
         guard: Guard,
         *,
         exists: Callable[[Sequence[str]], list[int]],
         max_value_bytes: int,
         on_retry: Callable[[], None],
     ) -> None:
-        self._client = client
-        self._control = control
-        self._shards = shards
+        self._transport = transport
+        self._client = client = transport.client
+        self._shards = transport.shards
         self._guard = guard
         self._exists = exists
         self._max_value_bytes = max_value_bytes
@@ -310,14 +308,9 @@ class Claimer:
         if not claimed:
             return
         try:
-            self._guard.call("UNLINK", lambda: self._unlink(claimed))
+            self._guard.call("UNLINK", lambda: self._transport.unlink(claimed))
         except KVStoreError as exc:
             logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
-
-    def _unlink(self, keys: list[str]) -> int:
-        if not self._shards.cluster:
-            return int(self._control.unlink(*keys))
-        return sum(int(self._control.unlink(k)) for k in keys)  # keys of many slots
 
     def release(self, batch: ClaimedBatch) -> int:
         """Give what ``batch`` holds back to the blocks' keys (their TTLs as stored); returns

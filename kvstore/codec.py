@@ -454,8 +454,8 @@ def decode_value(
 ) -> tuple[ValueHeader, dict[str, torch.Tensor]]:
     """Validate and decode one value; raises :class:`CorruptValueError` on anything off.
 
-    With ``copy=False`` uncompressed tensors are read-only views on ``value`` (no copy at all):
-    for callers that copy them on into their own buffers straight away.
+    With ``copy=False`` uncompressed tensors are views on ``value`` (no copy at all; read-only
+    when ``value`` is): for callers that own ``value`` or copy the tensors on straight away.
     """
     header = read_header(value, max_value_bytes)
     if header.fingerprint != fingerprint:
@@ -474,12 +474,14 @@ def decode_value(
         except InvalidArgumentError as exc:  # another instance compresses; this one cannot read
             raise _corrupt("codec", str(exc)) from None
         try:
-            raw: bytes | memoryview = lz4.decompress(payload, uncompressed_size=header.raw_bytes)
+            raw: bytes | bytearray | memoryview = lz4.decompress(
+                payload, uncompressed_size=header.raw_bytes, return_bytearray=True
+            )
         except lz4.LZ4BlockError as exc:
             raise _corrupt("checksum", f"lz4 payload does not decompress ({exc})") from None
         if len(raw) != header.raw_bytes:
             raise _corrupt("truncated", "lz4 payload decompressed to the wrong size")
-        copy = False  # the decompressed buffer is already ours
+        copy = False  # the decompressed buffer is already ours, and writable
     else:
         raw = payload
     data = torch.frombuffer(raw, dtype=torch.uint8) if header.raw_bytes else None

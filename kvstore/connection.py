@@ -288,8 +288,10 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
             startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
             # one more attempt after redis-py relearned the slot map: with none, loads
             # resumed after a failover only some of the time (tests/test_e2e_cluster.py failed
-            # 3 of 7 runs, 2026-11-23). redis-py spends it on timeouts too, so a hung master
-            # costs two timeouts (issue 20, defect 3, still open: tests/test_cluster_errors.py)
+            # 3 of 7 runs, 2026-11-23). redis-py spends it on timeouts too, so the frequent
+            # calls do not come through here: values and control pipelines go to each master's
+            # own connection (transport.Transport), and a timeout there fails once
+            # (tests/test_cluster_errors.py); only redirects and rare calls use this client
             retry=Retry(NoBackoff(), 1),
             **kwargs,
         )

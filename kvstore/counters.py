@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,3 +24,30 @@ class StoreStats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class Counters:
+    """The live, thread-safe counters behind :class:`StoreStats` snapshots."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = StoreStats()
+
+    def add(self, **deltas: int) -> None:
+        """Add to counters by name (``add(hits=3, bytes_in=n)``)."""
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + n)
+
+    def add_corrupt(self, reasons: list[str]) -> None:
+        with self._lock:
+            self._stats.corrupt += len(reasons)
+            by_reason = self._stats.corrupt_by_reason
+            for reason in reasons:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    def snapshot(self) -> StoreStats:
+        with self._lock:
+            snap = StoreStats(**asdict(self._stats))
+            snap.corrupt_by_reason = dict(self._stats.corrupt_by_reason)
+        return snap

@@ -1,5 +1,6 @@
 """Handoff records: a producer's commit record per chain (how many leading blocks it really
-wrote), the states a consumer can find it in, and how to read several ranks' records at once."""
+wrote), the states a consumer can find it in, how to read several ranks' records at once, and
+the calls that write, read and claim them (:class:`HandoffRecords`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .guard import Guard
+from .keys import KeySpace
+from .transport import Transport
+from .ttl import ChainTtl
 
 HANDOFF_TAKEN = b"taken"
 HANDOFF_PENDING = b"pending"
@@ -85,3 +91,80 @@ def claim_outcome(replies: Sequence[Any], own: bytes) -> Claim:
     if records.taken:
         return Claim.TAKEN
     return Claim.WON if records.committed is not None else Claim.UNCOMMITTED
+
+
+class HandoffRecords:
+    """The commit records of one lookup buffer's handoffs, on the control client: a producer
+    opens and publishes them, a consumer reads and claims them (see ``LookupBuffer``)."""
+
+    def __init__(self, transport: Transport, guard: Guard, keys: KeySpace, ttl: ChainTtl) -> None:
+        self._transport = transport
+        self._guard = guard
+        self._keys = keys
+        # a record matters for the seconds between a prefill and its decode: it expires with
+        # the blocks, and within HANDOFF_TTL_MS
+        self._ttl_ms = ttl.capped(HANDOFF_TTL_MS)
+
+    def _fingerprints(self, fingerprints: Sequence[str] | None) -> list[str]:
+        return list(fingerprints) if fingerprints else [self._keys.fingerprint]
+
+    def open(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+
+        def fill(pipe: Any) -> None:
+            for key in keys:  # NX: never over a final count
+                pipe.set(key, HANDOFF_PENDING, nx=True, px=self._ttl_ms)
+
+        self._guard.call("SET", lambda: self._transport.pipeline(fill))
+
+    def publish(self, handoff_id: str, num_blocks: int) -> None:
+        key = self._keys.handoff(handoff_id)
+        control = self._transport.control
+        self._guard.call("SET", lambda: control.set(key, str(num_blocks), px=self._ttl_ms))
+
+    def read(
+        self,
+        handoffs: Sequence[tuple[str, Sequence[str]]],
+        fingerprints: Sequence[str] | None = None,
+    ) -> list[HandoffState]:
+        """Every rank's record of each handoff and its chain's present leading blocks, in one
+        round trip."""
+        fps = self._fingerprints(fingerprints)
+        if not handoffs:
+            return []
+
+        def fill(pipe: Any) -> None:
+            for handoff_id, hashes in handoffs:
+                for fp in fps:
+                    pipe.get(self._keys.handoff(handoff_id, fp))
+                for h in hashes:
+                    for fp in fps:
+                        pipe.exists(self._keys.block(h, fp))
+
+        replies = self._guard.call("GET", lambda: self._transport.pipeline(fill))
+        out, at = [], 0
+        for _, hashes in handoffs:
+            records = Records(replies[at : at + len(fps)])
+            at += len(fps)
+            span = len(hashes) * len(fps)
+            present = leading_present(replies[at : at + span], len(fps))
+            at += span
+            out.append(HandoffState(records.committed, records.taken, present, records.pending))
+        return out
+
+    def claim(
+        self, handoff_id: str, fingerprints: Sequence[str] | None = None, *, owner: str = ""
+    ) -> Claim:
+        """``SET ... XX PX GET`` on every rank's record (see ``LookupBuffer.claim_handoff``)."""
+        mark = HANDOFF_TAKEN + b":" + owner.encode()
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.set(key, mark, xx=True, px=TAKEN_TTL_MS, get=True)
+
+        return claim_outcome(self._guard.call("SET", lambda: self._transport.pipeline(fill)), mark)
+
+    def delete(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+        return self._guard.call("UNLINK", lambda: self._transport.unlink(keys))

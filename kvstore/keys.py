@@ -16,6 +16,7 @@ have no tag: a prompt's blocks spread over every shard.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import InvalidArgumentError
@@ -29,7 +30,7 @@ _DOCUMENT = "doc"
 
 
 def claim_key(block_key: str, claim_id: str) -> str:
-    """The private key ``drop_select`` renames a block to (``lua.CLAIM_LUA`` builds the same)."""
+    """The private key a claim renames a block to (``claims.Claimer``)."""
     return f"{block_key}{CLAIM_MARKER}{claim_id}:{{{block_key}}}"
 
 
@@ -59,6 +60,16 @@ class KeySpace:
 
     def block(self, block_hash: str, fingerprint: str | None = None) -> str:
         return f"{self._base(fingerprint)}:{check_name('a block hash', block_hash)}"
+
+    def blocks(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:
+        """The keys of a non-empty list of block hashes."""
+        if isinstance(hashes, str) or not isinstance(hashes, Sequence):
+            raise InvalidArgumentError(
+                f"expected a list of block hashes, got {type(hashes).__name__}"
+            )
+        if not hashes:
+            raise InvalidArgumentError("the list of block hashes is empty")
+        return [self.block(h, fingerprint) for h in hashes]
 
     def handoff(self, handoff_id: str, fingerprint: str | None = None) -> str:
         return f"{self._base(fingerprint)}:{_HANDOFF}:{{{check_name('handoff id', handoff_id)}}}"

@@ -60,14 +60,16 @@ class Shards:
         *,
         key: Callable[[Any], str | bytes],
         connections: int = 1,
+        via: redis.Redis | None = None,
     ) -> list[T]:
         """``run(server, part)`` over ``work`` grouped by the server holding each item's
         ``key`` (one group unless this is a Cluster), each group split in up to
         ``connections`` contiguous parts, all in parallel (the first on this thread); results
         in ``work``'s order. Every part finishes before the first error is raised (the caller's
-        guard relearns the slot map after a failure: a replica may have taken over)."""
+        guard relearns the slot map after a failure: a replica may have taken over). ``via``:
+        which of the clients' node connections ``run`` gets (default: the main client's)."""
         units: list[tuple[redis.Redis, list[int]]] = []
-        for server, indexes in self.split([key(w) for w in work]):
+        for server, indexes in self.split([key(w) for w in work], via):
             n = max(1, min(connections, len(indexes)))
             bounds = [len(indexes) * c // n for c in range(n + 1)]
             units += [(server, indexes[a:b]) for a, b in itertools.pairwise(bounds)]
@@ -106,12 +108,15 @@ class Shards:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def split(self, keys: Sequence[str | bytes]) -> list[tuple[redis.Redis, list[int]]]:
-        """The indexes of ``keys`` grouped by server (a client of that server each), in key
-        order within a group. One group, the client itself, when this is not a Cluster."""
+    def split(
+        self, keys: Sequence[str | bytes], via: redis.Redis | None = None
+    ) -> list[tuple[redis.Redis, list[int]]]:
+        """The indexes of ``keys`` grouped by server (a client of that server each, made by
+        ``via``, default the main client), in key order within a group. One group, the client
+        itself, when this is not a Cluster."""
         if not self.cluster:
-            return [(self.client, list(range(len(keys))))]
-        cluster: Any = self.client
+            return [(via or self.client, list(range(len(keys))))]
+        cluster: Any = via or self.client
         nodes = cluster.nodes_manager
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         for i, key in enumerate(keys):

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import redis.exceptions as rex
 
 try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
@@ -69,15 +70,16 @@ class ReplyReader:
             self._crlf()
         return length
 
-    def read_bulk_new(self, limit: int) -> bytearray | Oversize | None:
-        """Read one reply into a new buffer of exactly its size (the kernel's copy is the only
-        one). One longer than ``limit`` is drained, never allocated, and returns
+    def read_bulk_new(self, limit: int) -> memoryview | Oversize | None:
+        """Read one reply into a new, writable buffer of exactly its size (the kernel's copy is
+        the only one). One longer than ``limit`` is drained, never allocated, and returns
         :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
         length = self._bulk_header(limit)
         if not isinstance(length, int):
             return length
-        dest = bytearray(length)
-        self._take(memoryview(dest))
+        # not zero-filled, unlike bytearray(n): filling 2 MiB first made select 2x slower
+        dest = memoryview(np.empty(length, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+        self._take(dest)
         self._crlf()
         return dest
 
@@ -220,7 +222,7 @@ def raw_socket(conn: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
-def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytes | Oversize | None:
+def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytearray | Oversize | None:
     """What ``ReplyReader.read_bulk_into`` (``dest`` a view) or ``read_bulk_new`` (``dest`` a
     size limit) returns, for a reply redis-py already parsed."""
     if reply is None:
@@ -231,6 +233,6 @@ def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytes | Overs
     if len(reply) > limit:
         return Oversize(len(reply))
     if isinstance(dest, int):
-        return bytes(reply)
+        return bytearray(reply)  # writable, as read_bulk_new's: tensors may be views on it
     dest[: len(reply)] = reply
     return len(reply)

@@ -48,12 +48,6 @@ def test_a_slot_no_master_serves_is_unavailability_and_opens_the_breaker(
     buf.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 20 defect 3 is open: it passes with no cluster retry (Retry(NoBackoff(), "
-    "0)), but then loads resumed after a failover only some of the time "
-    "(tests/test_e2e_cluster.py); the one retry kept is spent on timeouts too",
-)
 def test_a_hung_master_costs_one_timeout_not_a_retried_one(cluster: ClusterServers) -> None:
     buf = LookupBuffer.from_url(
         cluster.url, namespace="hung", control_timeout_s=0.5, breaker_failures=10

@@ -289,7 +289,7 @@ def test_any_redis_py_error_becomes_a_typed_store_error(fake_buffer: LookupBuffe
         def broken(*a, exc=exc, **k):  # type: ignore[no-untyped-def]
             raise exc
 
-        fake_buffer._control.ping = broken  # type: ignore[method-assign]
+        fake_buffer.client.ping = broken  # type: ignore[method-assign]
         with pytest.raises(KVStoreError) as info:
             fake_buffer.ping()
         assert not isinstance(info.value, rex.RedisError)

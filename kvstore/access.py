@@ -1,0 +1,129 @@
+"""Is this URL and this ACL user right for the job? Checked once, at startup, so a mistake fails
+there with a message naming the fix, instead of as misses later: the URL's kind against the
+server's (:func:`check_topology`) and each operation's commands against the user's permissions
+(:func:`check_access`, :data:`ACCESS`, :func:`acl_rule`)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+
+from .claims import Claimer
+from .connection import StoreAddress, permission_error
+from .errors import (
+    InvalidArgumentError,
+    StoreCommandError,
+    StorePermissionError,
+    StoreTopologyError,
+)
+from .guard import Guard
+from .handoff import HANDOFF_TAKEN
+from .keys import KeySpace
+from .transport import Transport
+
+logger = logging.getLogger("kvstore")
+
+# The permission probe's key: it lives for the few milliseconds check_access takes; a role
+# that may not delete leaves it to expire.
+_PROBE_TTL_MS = 1_000
+
+# What each operation needs the ACL user to be allowed, for check_access / the README.
+ACCESS: dict[str, tuple[str, ...]] = {
+    "ping": ("PING",),
+    "insert": ("SET",),
+    "select": ("GET",),
+    "lookup": ("EXISTS",),
+    "delete": ("UNLINK",),
+    "handoff_read": ("GET",),
+    "handoff_claim": ("SET",),
+    "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
+    "block_info": ("STRLEN", "PTTL"),
+    "renew": ("PEXPIRE", "PERSIST"),
+}
+
+
+def acl_rule(operations: Iterable[str], key_pattern: str = "kv:*") -> str:
+    """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)."""
+    commands = dict.fromkeys(c for op in operations for c in ACCESS[op])
+    perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands)
+    return f"{perms} ~{key_pattern}"
+
+
+def check_topology(address: StoreAddress | None, transport: Transport, guard: Guard) -> None:
+    """Fail, naming the right URL form, when the URL's kind does not match the server: a plain
+    URL that reaches a Cluster node (most keys would be refused with MOVED) or a Sentinel (which
+    holds no data). Skipped when the ACL user may not run ``INFO`` or the server has none."""
+    if address is None or address.topology != "standalone":
+        return
+    try:
+        info = guard.call("INFO", lambda: transport.control.info("server"))
+    except (StorePermissionError, StoreCommandError) as exc:  # NOPERM, or no INFO at all
+        logger.debug("kvstore: the URL's topology is not checked (INFO: %s)", exc)
+        return
+    mode = str(info.get("redis_mode", "standalone"))
+    where = f"{address.host}:{address.port}"
+    if mode == "cluster":
+        raise StoreTopologyError(
+            f"{guard.safe_url} is a node of a Redis/Valkey Cluster: use a cluster URL, "
+            f"redis-cluster://{where} (rediss-cluster:// with TLS)"
+        )
+    if mode == "sentinel":
+        raise StoreTopologyError(
+            f"{guard.safe_url} is a Sentinel, which holds no data: use "
+            f"redis-sentinel://{where}/<service> (the master's name in sentinel.conf)"
+        )
+
+
+def check_access(
+    operations: Iterable[str], transport: Transport, guard: Guard, keys: KeySpace, claims: Claimer
+) -> None:
+    """Run each operation's commands once against a short-lived probe key; raises
+    :class:`StorePermissionError` naming the first command refused."""
+    ops = list(dict.fromkeys(operations))
+    unknown = set(ops) - set(ACCESS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
+    if "drop_select" in ops and "insert" not in ops:
+        ops.append("insert")  # the claim script only runs its commands on a present key
+    probe = keys.probe(uuid.uuid4().hex)
+    c, ctl = transport.client, transport.control
+    steps: dict[str, Callable[[], object]] = {
+        "ping": ctl.ping,
+        "insert": lambda: c.set(probe, b"probe", px=_PROBE_TTL_MS),
+        "select": lambda: c.get(probe),
+        "lookup": lambda: ctl.exists(probe),
+        "handoff_read": lambda: ctl.get(probe),
+        "handoff_claim": lambda: ctl.set(probe, HANDOFF_TAKEN, xx=True, px=_PROBE_TTL_MS, get=True),
+        "drop_select": lambda: claims.check_scripts(probe),
+        "delete": lambda: ctl.unlink(probe),
+    }
+    # operations of several commands outside a script: each command probed on its own, so
+    # the error names the one refused
+    commands: dict[str, list[tuple[str, Callable[[], object]]]] = {
+        "block_info": [
+            ("STRLEN", lambda: ctl.strlen(probe)),
+            ("PTTL", lambda: ctl.pttl(probe)),
+        ],
+        "renew": [
+            ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),
+            ("PERSIST", lambda: ctl.persist(probe)),
+            ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),  # never left forever
+        ],
+    }
+    order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
+    order += ["block_info", "renew", "drop_select", "delete"]
+    assert set(order) == set(ACCESS), "every operation has a probe"
+    for op in (o for o in order if o in ops):
+        if op in commands:
+            for command, step in commands[op]:
+                guard.call(command, step)
+            continue
+        command = " ".join(ACCESS[op]) if op == "drop_select" else ACCESS[op][0]
+        try:
+            guard.call(command, steps[op])
+        except StoreCommandError as exc:
+            if op != "drop_select":
+                raise
+            # inside a script a refused command is a plain script error (no NOPERM code)
+            raise permission_error(guard.safe_url, command, str(exc)) from None

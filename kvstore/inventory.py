@@ -1,0 +1,99 @@
+"""What is stored, without moving values: presence of blocks and chains (``EXISTS``), sizes and
+TTLs left (``STRLEN`` / ``PTTL``), renewing TTLs and deleting. Small calls, on the control
+client, one pipelined round trip each."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .guard import Guard
+from .handoff import leading_present
+from .keys import KeySpace
+from .transport import Transport
+from .ttl import ChainTtl
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A stored block as ``block_info`` sees it (summed / the minimum over fingerprints)."""
+
+    present: bool
+    size: int  # bytes stored
+    ttl_s: float | None  # seconds left; None: no expiry (or not present)
+
+
+class Inventory:
+    def __init__(self, transport: Transport, guard: Guard, keys: KeySpace, ttl: ChainTtl) -> None:
+        self._transport = transport
+        self._guard = guard
+        self._keys = keys
+        self._ttl = ttl
+
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """``EXISTS`` per key, in one round trip."""
+
+        def fill(pipe: Any) -> None:
+            for k in keys:
+                pipe.exists(k)
+
+        return [int(x) for x in self._guard.call("EXISTS", lambda: self._transport.pipeline(fill))]
+
+    def longest_prefixes(
+        self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
+    ) -> list[int]:
+        """Per chain, how many leading blocks are present under every fingerprint."""
+        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+        keys = [self._keys.block(h, fp) for chain in chains for h in chain for fp in fps]
+        exists = self.exists(keys) if keys else []
+        out, at = [], 0
+        for chain in chains:
+            span = len(chain) * len(fps)
+            out.append(leading_present(exists[at : at + span], len(fps)))
+            at += span
+        return out
+
+    def block_info(
+        self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
+    ) -> list[BlockInfo]:
+        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+        keys = [self._keys.block(h, fp) for h in hashes for fp in fps]
+
+        def fill(pipe: Any) -> None:
+            for k in keys:
+                pipe.strlen(k)
+                pipe.pttl(k)
+
+        replies = self._guard.call("STRLEN", lambda: self._transport.pipeline(fill)) if keys else []
+        out = []
+        for i in range(len(hashes)):
+            span = replies[2 * i * len(fps) : 2 * (i + 1) * len(fps)]
+            sizes, pttls = [int(x) for x in span[0::2]], [int(x) for x in span[1::2]]
+            present = all(p != -2 for p in pttls)  # -2: no such key (an empty value is -1/>=0)
+            ttls = [p / 1000 for p in pttls if p >= 0]
+            out.append(BlockInfo(present, sum(sizes), min(ttls) if ttls else None))
+        return out
+
+    def renew(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
+        """Give a chain's blocks their TTL again, counted from now; how many keys changed."""
+        if not hashes:
+            return 0
+        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+
+        def fill(pipe: Any) -> None:
+            for pos, h in enumerate(hashes):
+                ttl = self._ttl.at(pos)
+                for fp in fps:
+                    key = self._keys.block(h, fp)
+                    if ttl is None:
+                        pipe.persist(key)
+                    else:
+                        pipe.pexpire(key, ttl)
+
+        replies = self._guard.call("PEXPIRE", lambda: self._transport.pipeline(fill))
+        return sum(int(bool(r)) for r in replies)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        """``UNLINK`` the keys; how many existed."""
+        return self._guard.call("UNLINK", lambda: self._transport.unlink(keys))

@@ -1,0 +1,260 @@
+"""The store's connections and how bytes travel on them: the one place where a value is sent,
+where a reply is received, and where a redirected value is sent again.
+
+Two redis-py clients of the same servers: ``client`` moves values, ``control`` carries the small
+latency-critical calls (lookups, handoff records, deletes, pings) on its own pool -- with a
+shorter socket timeout when ``LookupBuffer.from_url`` made it -- so they never queue behind
+multi-MiB transfers on a slow server.
+
+Values travel on raw pooled connections of ``client`` (``wire``): each SET is sent from the
+buffers where its parts lie, each GET reply is received straight into its destination. A batch
+is split by :class:`Shards` over the servers holding its keys and over several connections per
+server. A value whose slot moved (``MOVED`` / ``ASK``) is sent again through redis-py's cluster
+client, which follows the redirection and relearns the slot map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import redis
+
+from .connection import close_client, error_code
+from .shards import REDIRECTED, Shards, is_redirect
+from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buffers
+
+# Replies in flight per connection on reads. Chosen from scripts/bench_paths.py --sweep across
+# value sizes; see docs/benchmarks.md, "How reads are shaped".
+READ_DEPTH = 4
+
+# One SET: the key, the value's parts (buffers, sent as they lie), its TTL in ms or None.
+SetCommand = tuple[bytes, Sequence[Any], int | None]
+# Where a GET reply lands: a view of the caller's buffer, or for an int, a new buffer of the
+# reply's size up to that many bytes.
+Destination = memoryview | int
+
+
+class Transport:
+    def __init__(
+        self,
+        client: redis.Redis,
+        control: redis.Redis | None = None,
+        *,
+        read_depth: int = READ_DEPTH,
+        threads: int = 8,
+        on_redirect: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.client = client
+        self.control = control or client
+        self.shards = Shards(client, others=[self.control], threads=threads)
+        self.read_depth = read_depth
+        self._on_redirect = on_redirect
+        # close() closes the clients' pools only when their maker said they are ours
+        self.owns_clients = False
+
+    @property
+    def cluster(self) -> bool:
+        return self.shards.cluster
+
+    # ------------------------------------------------------------------ values
+    def set_values(self, commands: Sequence[SetCommand], connections: int = 1) -> None:
+        """Send the SETs, spread over the servers and up to ``connections`` connections each;
+        raises the first error any server replied (after every reply was read)."""
+        sent = self.shards.fan_out(
+            self._set_on_one, list(commands), key=lambda c: c[0], connections=connections
+        )
+        for (key, parts, px), outcome in zip(commands, sent, strict=True):
+            if outcome is REDIRECTED:
+                self._on_redirect()
+                value = b"".join(memoryview(p).cast("B") for p in parts)
+                self.client.set(key, value, px=px)
+
+    def _set_on_one(self, server: redis.Redis, commands: list[SetCommand]) -> list[object]:
+        """SETs on one connection to ``server``; per command None, or REDIRECTED."""
+        refused: Exception | None = None
+        out: list[object] = []
+        with self._pooled_connection(server) as conn:
+            conn.connect()
+            sock = raw_socket(conn)
+            if sock is None:  # a client without a socket (fakeredis): plain SETs
+                pipe = server.pipeline(transaction=False)
+                for key, parts, px in commands:
+                    pipe.set(key, b"".join(memoryview(p).cast("B") for p in parts), px=px)
+                pipe.execute()
+                return [None] * len(commands)
+            send_buffers(sock, [b for c in commands for b in pack_set(*c)])
+            reader = ReplyReader(sock)
+            for _ in commands:
+                try:
+                    reader.read_status()
+                    out.append(None)
+                except redis.exceptions.ResponseError as exc:
+                    if is_redirect(exc):
+                        out.append(REDIRECTED)
+                        continue
+                    refused = refused or exc  # read the rest, then say so
+                    out.append(None)
+        if refused is not None:
+            raise refused
+        return out
+
+    def get_values(
+        self,
+        commands: Sequence[tuple[Any, ...]],
+        dests: Sequence[Destination],
+        connections: int = 1,
+    ) -> list[Any]:
+        """Send ``commands`` (each ``(name, key, ...)`` with a bulk-string reply) and receive
+        each reply into its destination, at most ``read_depth`` replies in flight per
+        connection. Per command: the length received into a view, the new buffer, None for a
+        missing key, ``wire.Oversize`` for a value larger than its destination (drained, never
+        allocated), or -1 for a key of another type."""
+        work = list(zip(commands, dests, strict=True))
+        got = self.shards.fan_out(
+            self._get_on_one, work, key=lambda w: w[0][1], connections=connections
+        )
+        for i, reply in enumerate(got):
+            if reply is REDIRECTED:
+                self._on_redirect()
+                command, dest = work[i]
+                got[i] = parsed_reply_into(self.client.execute_command(*command), dest)
+        return got
+
+    def _get_on_one(
+        self, server: redis.Redis, work: list[tuple[tuple[Any, ...], Destination]]
+    ) -> list[Any]:
+        out: list[Any] = []
+        refused: Exception | None = None
+        depth = self.read_depth
+        with self._pooled_connection(server) as conn:
+            conn.connect()
+            sock = raw_socket(conn)
+            reader = ReplyReader(sock) if sock is not None else None
+            sent = 0
+            for i, (_, dest) in enumerate(work):
+                upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
+                if upto > sent:
+                    conn.send_packed_command(conn.pack_commands([c for c, _ in work[sent:upto]]))
+                    sent = upto
+                try:
+                    if reader is None:  # a client without a socket (fakeredis): parsed reply
+                        out.append(parsed_reply_into(conn.read_response(), dest))
+                    elif isinstance(dest, memoryview):
+                        out.append(reader.read_bulk_into(dest))
+                    else:
+                        out.append(reader.read_bulk_new(dest))
+                except redis.exceptions.ResponseError as exc:
+                    if is_redirect(exc):
+                        out.append(REDIRECTED)
+                        continue
+                    if error_code(exc) != "WRONGTYPE":
+                        refused = refused or exc  # read the rest, then say so
+                    out.append(-1)
+        if refused is not None:
+            raise refused
+        return out
+
+    @contextlib.contextmanager
+    def _pooled_connection(self, server: redis.Redis) -> Iterator[Any]:
+        """A connection of ``server``'s pool, for reading replies ourselves. If the body raises
+        before every reply was read, the connection's place in the reply stream is lost: it is
+        dropped, not returned to the pool as it is."""
+        pool = server.connection_pool
+        conn = pool.get_connection()
+        try:
+            yield conn
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    # ------------------------------------------------------------------ small calls
+    def pipeline(self, fill: Callable[[Any], None]) -> list[Any]:
+        """Small single-key commands on the control client, in one round trip: ``fill`` calls
+        redis-py's command methods (``pipe.exists(key)``, ...) on what it is given, and the
+        replies come back in that order.
+
+        On a Cluster the commands go to each master's own connection, the masters in parallel,
+        not through redis-py's cluster pipeline: that one sends every command that timed out
+        again, one by one, each waiting out its own timeout (a hung master cost 8 timeouts for
+        one lookup). Here a timeout or a dropped connection fails the call once; a command
+        whose slot moved is sent again through the cluster client, which follows the move."""
+        if not self.cluster:
+            pipe = self.control.pipeline(transaction=False)
+            fill(pipe)
+            return list(pipe.execute())
+        recorder = _CommandRecorder()
+        fill(recorder)
+        calls = recorder.calls
+        got = self.shards.fan_out(_pipelined, calls, key=lambda c: c[1][0], via=self.control)
+        for i, reply in enumerate(got):
+            if reply is REDIRECTED:
+                self._on_redirect()
+                name, args, kwargs = calls[i]
+                got[i] = getattr(self.control, name)(*args, **kwargs)
+        return got
+
+    def unlink(self, keys: Sequence[str]) -> int:
+        """``UNLINK`` the keys (of any slots); how many existed."""
+        if not self.cluster:
+            return int(self.control.unlink(*keys)) if keys else 0
+
+        def fill(pipe: Any) -> None:
+            for key in keys:
+                pipe.unlink(key)
+
+        return sum(int(n) for n in self.pipeline(fill))
+
+    def ping(self) -> object:
+        """Is the store serving? Every master of a Cluster must answer (one that is down and not
+        yet replaced makes a third of the keys fail), else the one server."""
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            return self.control.ping(target_nodes=RedisCluster.PRIMARIES)
+        return self.control.ping()
+
+    def relearn(self) -> None:
+        self.shards.relearn()
+
+    def close(self) -> None:
+        self.shards.close()
+        if self.owns_clients:
+            for client in dict.fromkeys((self.client, self.control)):
+                close_client(client)
+
+
+# One recorded command: redis-py's method name, its arguments (the key first), its keywords.
+_Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+class _CommandRecorder:
+    """Stands in for a pipeline while ``fill`` names its commands, so they can be routed."""
+
+    def __init__(self) -> None:
+        self.calls: list[_Call] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((name, args, kwargs))
+
+        return record
+
+
+def _pipelined(server: redis.Redis, calls: list[_Call]) -> list[Any]:
+    """``calls`` in one pipeline on one master; REDIRECTED where the slot moved."""
+    pipe = server.pipeline(transaction=False)
+    for name, args, kwargs in calls:
+        getattr(pipe, name)(*args, **kwargs)
+    replies = pipe.execute(raise_on_error=False)
+    out: list[Any] = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            if not is_redirect(reply):
+                raise reply
+            reply = REDIRECTED
+        out.append(reply)
+    return out
