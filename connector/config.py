@@ -68,7 +68,7 @@ class RedisConnectorConfig:
 
     def operations(self, side: str) -> list[str]:
         """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
-        ``kvstore.lookup_buffer.ACCESS``, checked at startup."""
+        ``kvstore.access.ACCESS``, checked at startup."""
         ops = ["ping"]
         if side == "scheduler" and self.saves:
             ops += ["insert"]  # the "pending" handoff record

@@ -11,7 +11,7 @@ import redis
 
 from connector.config import RedisConnectorConfig
 from kvstore import LookupBuffer, StorePermissionError
-from kvstore.lookup_buffer import acl_rule
+from kvstore.access import acl_rule
 from testing.redis_server import RedisServer
 
 from .conftest import ROOT

@@ -215,7 +215,7 @@ def test_handoff_records_and_one_owner(store: Backend) -> None:
 
 
 def test_every_permission_probe_passes(store: Backend) -> None:
-    from kvstore.lookup_buffer import ACCESS
+    from kvstore.access import ACCESS
 
     with LookupBuffer.from_url(store.url, namespace="acl") as buf:
         buf.check_access(list(ACCESS))

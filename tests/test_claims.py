@@ -206,6 +206,27 @@ def test_a_claim_the_migration_outlasts_changes_nothing(cluster: ClusterServers)
     buf.close()
 
 
+def test_control_calls_follow_a_slot_that_moved(cluster: ClusterServers) -> None:
+    """Lookups, handoff records, TTL reads and deletes go to each master's own connection (not
+    redis-py's cluster pipeline): a slot that moved since the map was learned answers MOVED,
+    and the command is sent again to the new owner."""
+    buf = LookupBuffer.from_url(cluster.url, namespace="moved", ttl_s=TTL_S)
+    fill(buf, 8)
+    buf.open_handoff("h-moved")
+    buf.publish_handoff("h-moved", 8)
+    move = SlotMove(cluster, buf.redis_key(HASHES[0]))
+    move.start()
+    move.finish()  # the buffer's clients still map the slot to its old master
+    assert buf.longest_prefix(HASHES[:8]) == 8
+    assert [info.present for info in buf.block_info(HASHES[:8])] == [True] * 8
+    assert buf.renew(HASHES[:8]) == 8
+    assert buf.read_handoff("h-moved", HASHES[:8]).committed == 8
+    assert buf.stats().redirects >= 1
+    assert buf.delete(HASHES[:8]) == 8
+    assert buf.longest_prefix(HASHES[:8]) == 0
+    buf.close()
+
+
 def test_close_closes_every_connection_it_opened(private_redis: RedisServer) -> None:
     direct = redis.Redis(port=private_redis.port)
     before = len(direct.client_list())

@@ -23,7 +23,7 @@ from kvstore import (
     StoreUnavailableError,
     chain_hashes,
 )
-from kvstore.lookup_buffer import ACCESS, acl_rule
+from kvstore.access import ACCESS, acl_rule
 from testing.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis

@@ -454,7 +454,7 @@ def test_a_wrong_password_stops_the_warm_before_any_engine_starts(
 
 
 def test_the_readmes_acl_rule_for_the_warm_command_covers_what_it_checks() -> None:
-    from kvstore.lookup_buffer import acl_rule
+    from kvstore.access import acl_rule
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     line = next(ln for ln in readme.splitlines() if ln.startswith("| `connector.warm` |"))
