@@ -188,7 +188,10 @@ def _meta(staged: StagedValue, codec: str, checksum: str, payload_bytes: int) ->
 def _plan(
     tensors: Mapping[str, torch.Tensor], max_value_bytes: int | None
 ) -> tuple[list[tuple[str, torch.Tensor]], list[TensorEntry], int]:
-    items = _validate_tensors(tensors)
+    # widest elements first: every tensor then starts at a multiple of its element size (sizes
+    # are powers of two, the payload starts 8-aligned), so it can be viewed in place; the
+    # offsets stay back to back, as safetensors requires
+    items = sorted(_validate_tensors(tensors), key=lambda item: -item[1].element_size())
     entries: list[TensorEntry] = []
     offset = 0
     for name, t in items:

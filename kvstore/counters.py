@@ -20,7 +20,9 @@ class StoreStats:
     corrupt: int = 0
     corrupt_by_reason: dict[str, int] = field(default_factory=dict)
     breaker_opens: int = 0  # times the circuit breaker opened (Redis refusing, hung, gone)
-    redirects: int = 0  # Cluster only: values sent again after MOVED / ASK (a slot moved)
+    # Cluster only: commands sent again after MOVED / ASK (a slot moved), and claims retried
+    # while a slot migrates or after their reply was lost
+    redirects: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -39,11 +41,15 @@ class Counters:
             for name, n in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + n)
 
-    def add_corrupt(self, reasons: list[str]) -> None:
+    def add_reads(self, hits: int, misses: int, bytes_in: int, corrupt: list[str]) -> None:
+        """One read's outcome, all at once: ``corrupt`` holds the reason of each bad value."""
         with self._lock:
-            self._stats.corrupt += len(reasons)
+            self._stats.hits += hits
+            self._stats.misses += misses
+            self._stats.bytes_in += bytes_in
+            self._stats.corrupt += len(corrupt)
             by_reason = self._stats.corrupt_by_reason
-            for reason in reasons:
+            for reason in corrupt:
                 by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def snapshot(self) -> StoreStats:

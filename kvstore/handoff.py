@@ -119,8 +119,11 @@ class HandoffRecords:
 
     def publish(self, handoff_id: str, num_blocks: int) -> None:
         key = self._keys.handoff(handoff_id)
-        control = self._transport.control
-        self._guard.call("SET", lambda: control.set(key, str(num_blocks), px=self._ttl_ms))
+
+        def fill(pipe: Any) -> None:
+            pipe.set(key, str(num_blocks), px=self._ttl_ms)
+
+        self._guard.call("SET", lambda: self._transport.pipeline(fill))
 
     def read(
         self,

@@ -136,9 +136,8 @@ class Reader:
             hits += 1
             nbytes += len(value)
             out.append(tensors)
-        self._counters.add(hits=hits, misses=misses, bytes_in=nbytes)
+        self._counters.add_reads(hits, misses, nbytes, [err.reason for _, err in bad])
         if bad:
-            self._counters.add_corrupt([err.reason for _, err in bad])
             self._log_bad(bad)
         return out
 

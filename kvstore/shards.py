@@ -43,13 +43,19 @@ class Shards:
     """Groups keys by the server that holds them, for fanning a batch out over shards."""
 
     def __init__(
-        self, client: redis.Redis, *, others: Sequence[redis.Redis] = (), threads: int = 8
+        self,
+        client: redis.Redis,
+        *,
+        others: Sequence[redis.Redis] = (),
+        threads: int = 8,
+        name: str = "kvstore-fanout",
     ) -> None:
         self.client = client
         # clients of the same servers with their own slot maps (the control client)
         self._others = [c for c in others if c is not client]
         self.cluster = isinstance(client, RedisCluster)
         self._threads = threads
+        self._name = name  # the threads' name prefix
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -60,16 +66,14 @@ class Shards:
         *,
         key: Callable[[Any], str | bytes],
         connections: int = 1,
-        via: redis.Redis | None = None,
     ) -> list[T]:
         """``run(server, part)`` over ``work`` grouped by the server holding each item's
         ``key`` (one group unless this is a Cluster), each group split in up to
         ``connections`` contiguous parts, all in parallel (the first on this thread); results
         in ``work``'s order. Every part finishes before the first error is raised (the caller's
-        guard relearns the slot map after a failure: a replica may have taken over). ``via``:
-        which of the clients' node connections ``run`` gets (default: the main client's)."""
+        guard relearns the slot map after a failure: a replica may have taken over)."""
         units: list[tuple[redis.Redis, list[int]]] = []
-        for server, indexes in self.split([key(w) for w in work], via):
+        for server, indexes in self.split([key(w) for w in work]):
             n = max(1, min(connections, len(indexes)))
             bounds = [len(indexes) * c // n for c in range(n + 1)]
             units += [(server, indexes[a:b]) for a, b in itertools.pairwise(bounds)]
@@ -97,9 +101,7 @@ class Shards:
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    self._threads, thread_name_prefix="kvstore-fanout"
-                )
+                self._executor = ThreadPoolExecutor(self._threads, thread_name_prefix=self._name)
             return self._executor
 
     def close(self) -> None:
@@ -108,15 +110,12 @@ class Shards:
         if pool is not None:
             pool.shutdown(wait=True)
 
-    def split(
-        self, keys: Sequence[str | bytes], via: redis.Redis | None = None
-    ) -> list[tuple[redis.Redis, list[int]]]:
-        """The indexes of ``keys`` grouped by server (a client of that server each, made by
-        ``via``, default the main client), in key order within a group. One group, the client
-        itself, when this is not a Cluster."""
+    def split(self, keys: Sequence[str | bytes]) -> list[tuple[redis.Redis, list[int]]]:
+        """The indexes of ``keys`` grouped by server (a client of that server each), in key
+        order within a group. One group, the client itself, when this is not a Cluster."""
         if not self.cluster:
-            return [(via or self.client, list(range(len(keys))))]
-        cluster: Any = via or self.client
+            return [(self.client, list(range(len(keys))))]
+        cluster: Any = self.client
         nodes = cluster.nodes_manager
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         for i, key in enumerate(keys):

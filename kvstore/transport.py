@@ -49,6 +49,9 @@ class Transport:
         self.client = client
         self.control = control or client
         self.shards = Shards(client, others=[self.control], threads=threads)
+        # the control calls' fan-out has threads of its own: a lookup never waits behind value
+        # transfers queued for a slow master (its relearning is done by self.shards)
+        self._control_shards = Shards(self.control, threads=threads, name="kvstore-control")
         self.read_depth = read_depth
         self._on_redirect = on_redirect
         # close() closes the clients' pools only when their maker said they are ours
@@ -189,7 +192,7 @@ class Transport:
         recorder = _CommandRecorder()
         fill(recorder)
         calls = recorder.calls
-        got = self.shards.fan_out(_pipelined, calls, key=lambda c: c[1][0], via=self.control)
+        got = self._control_shards.fan_out(_pipelined, calls, key=lambda c: c[1][0])
         for i, reply in enumerate(got):
             if reply is REDIRECTED:
                 self._on_redirect()
@@ -222,6 +225,7 @@ class Transport:
 
     def close(self) -> None:
         self.shards.close()
+        self._control_shards.close()
         if self.owns_clients:
             for client in dict.fromkeys((self.client, self.control)):
                 close_client(client)
@@ -232,14 +236,18 @@ _Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
 class _CommandRecorder:
-    """Stands in for a pipeline while ``fill`` names its commands, so they can be routed."""
+    """Stands in for a pipeline while ``fill`` names its commands, so they can be routed: each
+    command takes its key as its first positional argument."""
 
     def __init__(self) -> None:
         self.calls: list[_Call] = []
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        def record(*args: Any, **kwargs: Any) -> None:
+    def __getattr__(self, name: str) -> Callable[..., _CommandRecorder]:
+        def record(*args: Any, **kwargs: Any) -> _CommandRecorder:
+            if not args or not isinstance(args[0], (str, bytes)):
+                raise TypeError(f"{name}: a routed command takes its key first, got {args!r}")
             self.calls.append((name, args, kwargs))
+            return self  # chained like a pipeline's methods
 
         return record
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +24,7 @@ from testing.redis_server import ClusterServers
 pytestmark = pytest.mark.redis
 
 HASHES = chain_hashes(list(range(16 * 4)), 16)
+MANY = chain_hashes(list(range(16 * 64)), 16)  # enough for 8 transfers per master
 
 
 @pytest.fixture
@@ -55,6 +57,9 @@ def test_a_hung_master_costs_one_timeout_not_a_retried_one(cluster: ClusterServe
     key = buf.redis_key(HASHES[0])
     node = cluster.node_of(key)
     client = cluster.client(node)
+    handoff = next(
+        f"h{i}" for i in range(10_000) if cluster.node_of(buf.keys.handoff(f"h{i}")) is node
+    )
     buf.longest_prefix([HASHES[0]])  # a pooled connection to the master is open now
     client.config_resetstat()
     assert node.proc is not None
@@ -62,11 +67,54 @@ def test_a_hung_master_costs_one_timeout_not_a_retried_one(cluster: ClusterServe
     try:
         with pytest.raises(StoreTimeoutError):
             buf.longest_prefix([HASHES[0]])
+        with pytest.raises(StoreTimeoutError):
+            buf.publish_handoff(handoff, 4)
     finally:
         os.kill(node.proc.pid, signal.SIGCONT)
     # the stopped master still ran what reached it, and accepted who connected: one attempt
-    # is one EXISTS on the pooled connection; a second one would have connected again
+    # is one command; each call's timeout drops its connection, so the publish connected once
+    # (its connection handshake may be what timed out) and a retry would have connected again
     stats = client.info("commandstats")
     assert stats.get("cmdstat_exists", {}).get("calls") == 1, stats
-    assert client.info("stats")["total_connections_received"] <= 1  # a retry connects again
+    assert stats.get("cmdstat_set", {}).get("calls", 0) <= 1, stats  # 0: it timed out connecting
+    assert client.info("stats")["total_connections_received"] <= 1
+    buf.close()
+
+
+def test_a_lookup_never_waits_behind_reads_from_a_hung_master(cluster: ClusterServers) -> None:
+    """Lookups have threads of their own: value reads stuck on a hung master (each for its
+    60 s socket timeout) may fill every transfer thread, and a lookup of keys on the other
+    masters still answers before any of those reads gives up."""
+    buf = LookupBuffer.from_url(
+        cluster.url, namespace="hol", socket_timeout_s=60, control_timeout_s=60, breaker_failures=99
+    )
+    buf.insert_many([(h, {"kv": torch.ones(4)}) for h in MANY])
+    hung = cluster.node_of(buf.redis_key(MANY[0]))
+    elsewhere = [h for h in MANY if cluster.node_of(buf.redis_key(h)) is not hung]
+    stop, gave_up = threading.Event(), threading.Event()
+
+    def read_until_stopped() -> None:
+        buffers = [torch.empty(1 << 12, dtype=torch.uint8) for _ in MANY]
+        while not stop.is_set():
+            try:
+                buf.select_into(MANY, buffers, connections=8)
+            except StoreTimeoutError:
+                gave_up.set()
+
+    readers = [threading.Thread(target=read_until_stopped, daemon=True) for _ in range(2)]
+    assert hung.proc is not None
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    try:
+        for reader in readers:
+            reader.start()
+        # the event that matters: every transfer thread exists, so reads fill the pool
+        while sum(t.name.startswith("kvstore-fanout") for t in threading.enumerate()) < 8:
+            threading.Event().wait(0.01)
+        assert buf.longest_prefix(elsewhere) == len(elsewhere)
+        assert not gave_up.is_set()  # answered while the reads still wait on the hung master
+    finally:
+        stop.set()
+        os.kill(hung.proc.pid, signal.SIGCONT)
+    for reader in readers:
+        reader.join()
     buf.close()

@@ -60,6 +60,27 @@ def test_round_trip_is_bit_exact(
         assert same_bits(out[name], tensors[name])
 
 
+@pytest.mark.parametrize("copy", [True, False])
+def test_tensors_of_mixed_element_sizes_round_trip(copy: bool, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # an int8 tensor before a float32 one used to leave the float32 misaligned: encode raised
+    # a raw RuntimeError ("storage_offset() must be divisible by 4")
+    tensors = {
+        "codes": torch.arange(3, dtype=torch.int8),
+        "scale": torch.tensor([0.5, 2.0]),
+        "half": torch.ones(5, dtype=torch.float16),
+        "index": torch.tensor([7, 9], dtype=torch.int64),
+    }
+    value = encode(tensors)
+    out = decode(bytearray(value), copy=copy)  # type: ignore[arg-type]
+    assert set(out) == set(tensors)
+    for name, t in tensors.items():
+        assert same_bits(out[name], t)
+    path = tmp_path / "mixed.safetensors"
+    path.write_bytes(value)
+    loaded = safetensors.torch.load_file(str(path))  # still a valid safetensors file
+    assert all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
 def test_uncompressed_value_is_a_safetensors_file_with_readable_header(tmp_path) -> None:
     tensors = {"kv": torch.arange(64, dtype=torch.bfloat16).view(2, 4, 8)}
     value = encode(tensors, metadata={"tokens": "16"})
