@@ -429,7 +429,9 @@ class LookupBuffer:
 
         Each reply is received into a new buffer of exactly its size, which the returned
         tensors own (a value over ``max_value_bytes`` is drained, never allocated): there is no
-        second copy, and ``copy`` (kept for compatibility) changes nothing.
+        second copy, and ``copy`` (kept for compatibility) changes nothing. A block's tensors
+        share that one buffer: keeping one keeps the block's memory (``.clone()`` it to keep it
+        alone), and they cannot be resized.
         """
         keys = self.keys.blocks(hashes)
         return self._reader.read(hashes, keys, None, consume=False, copy=copy)
