@@ -105,11 +105,8 @@ class HandoffRecords:
         # the blocks, and within HANDOFF_TTL_MS
         self._ttl_ms = ttl.capped(HANDOFF_TTL_MS)
 
-    def _fingerprints(self, fingerprints: Sequence[str] | None) -> list[str]:
-        return list(fingerprints) if fingerprints else [self._keys.fingerprint]
-
     def open(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
-        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
 
         def fill(pipe: Any) -> None:
             for key in keys:  # NX: never over a final count
@@ -132,7 +129,7 @@ class HandoffRecords:
     ) -> list[HandoffState]:
         """Every rank's record of each handoff and its chain's present leading blocks, in one
         round trip."""
-        fps = self._fingerprints(fingerprints)
+        fps = self._keys.fingerprints(fingerprints)
         if not handoffs:
             return []
 
@@ -160,7 +157,7 @@ class HandoffRecords:
     ) -> Claim:
         """``SET ... XX PX GET`` on every rank's record (see ``LookupBuffer.claim_handoff``)."""
         mark = HANDOFF_TAKEN + b":" + owner.encode()
-        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
 
         def fill(pipe: Any) -> None:
             for key in keys:
@@ -169,5 +166,5 @@ class HandoffRecords:
         return claim_outcome(self._guard.call("SET", lambda: self._transport.pipeline(fill)), mark)
 
     def delete(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
-        keys = [self._keys.handoff(handoff_id, fp) for fp in self._fingerprints(fingerprints)]
+        keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
         return self._guard.call("UNLINK", lambda: self._transport.unlink(keys))

@@ -44,7 +44,7 @@ class Inventory:
         self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
     ) -> list[int]:
         """Per chain, how many leading blocks are present under every fingerprint."""
-        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+        fps = self._keys.fingerprints(fingerprints)
         keys = [self._keys.block(h, fp) for chain in chains for h in chain for fp in fps]
         exists = self.exists(keys) if keys else []
         out, at = [], 0
@@ -57,7 +57,7 @@ class Inventory:
     def block_info(
         self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
     ) -> list[BlockInfo]:
-        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+        fps = self._keys.fingerprints(fingerprints)
         keys = [self._keys.block(h, fp) for h in hashes for fp in fps]
 
         def fill(pipe: Any) -> None:
@@ -79,7 +79,7 @@ class Inventory:
         """Give a chain's blocks their TTL again, counted from now; how many keys changed."""
         if not hashes:
             return 0
-        fps = list(fingerprints) if fingerprints else [self._keys.fingerprint]
+        fps = self._keys.fingerprints(fingerprints)
 
         def fill(pipe: Any) -> None:
             for pos, h in enumerate(hashes):

@@ -61,6 +61,10 @@ class KeySpace:
     def block(self, block_hash: str, fingerprint: str | None = None) -> str:
         return f"{self._base(fingerprint)}:{check_name('a block hash', block_hash)}"
 
+    def fingerprints(self, given: Sequence[str] | None) -> list[str]:
+        """``given`` (e.g. one per tensor-parallel rank), or this space's own fingerprint."""
+        return list(given) if given else [self.fingerprint]
+
     def blocks(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:
         """The keys of a non-empty list of block hashes."""
         if isinstance(hashes, str) or not isinstance(hashes, Sequence):

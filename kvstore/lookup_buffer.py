@@ -434,7 +434,7 @@ class LookupBuffer:
         alone), and they cannot be resized.
         """
         keys = self.keys.blocks(hashes)
-        return self._reader.read(hashes, keys, None, consume=False, copy=copy)
+        return self._reader.read(hashes, keys, None, consume=False)
 
     def drop_select(
         self, hashes: Sequence[str], timeout_s: float = 0.0, *, copy: bool = True
@@ -449,7 +449,7 @@ class LookupBuffer:
         what is there. Values are received as by :meth:`select`.
         """
         keys = self.keys.blocks(hashes)
-        return self._reader.read(hashes, keys, None, consume=True, timeout_s=timeout_s, copy=copy)
+        return self._reader.read(hashes, keys, None, consume=True, timeout_s=timeout_s)
 
     def select_into(
         self,
@@ -484,7 +484,6 @@ class LookupBuffer:
             views,
             consume=consume,
             timeout_s=timeout_s,
-            copy=False,
             connections=connections,
         )
 

@@ -59,17 +59,14 @@ class Reader:
         *,
         consume: bool,
         timeout_s: float = 0.0,
-        copy: bool = True,
         connections: int | None = None,
     ) -> list[dict[str, torch.Tensor] | None]:
         """Claim (when consuming), receive each value into its view -- or, when ``views`` is
-        None, into a new buffer of its own size, which the returned tensors then own -- verify,
-        and delete the claims. ``copy=False`` returns views also on the caller's ``views``."""
+        None, into a new buffer of its own size -- verify, and delete the claims. The returned
+        tensors are views on those buffers: no second copy."""
         dests: list[Destination] = (
             list(views) if views is not None else [self._max_value_bytes] * len(keys)
         )
-        # a buffer the reader allocated belongs to this result alone: no second copy needed
-        copy = copy and views is not None
         conns = connections or self.connections
         if not consume:
             commands: list[tuple[Any, ...]] = [("GET", k) for k in keys]
@@ -77,7 +74,7 @@ class Reader:
                 "GET", lambda: self._transport.get_values(commands, dests, conns)
             )
             raw = [_as_raw(got, dests[i]) for i, got in enumerate(received)]
-            return self._verify(hashes, keys, raw, copy)
+            return self._verify(hashes, keys, raw)
         batch = self._claims.claim(keys, timeout_s)
         targets = [i for i, st in enumerate(batch.statuses) if st == 1]
         claimed = [("GET", k) for k in batch.claim_keys]
@@ -92,7 +89,7 @@ class Reader:
             except (StoreUnavailableError, StoreTimeoutError):
                 received = self._guard.call("GET", fetch)  # the claims are still there: once more
             fetched = [_as_raw(got, dests[i]) for i, got in zip(targets, received, strict=True)]
-            out = self._verify(hashes, keys, batch.raw_values(fetched), copy)
+            out = self._verify(hashes, keys, batch.raw_values(fetched))
         except BaseException:  # nothing was delivered: give the values back
             self._claims.release(batch)
             raise
@@ -100,7 +97,7 @@ class Reader:
         return out
 
     def _verify(
-        self, hashes: Sequence[str], keys: list[str], raw: list[Any], copy: bool
+        self, hashes: Sequence[str], keys: list[str], raw: list[Any]
     ) -> list[dict[str, torch.Tensor] | None]:
         """Decode and check each value (``codec.decode_value``); an invalid one is a counted miss,
         logged once per key."""
@@ -126,7 +123,7 @@ class Reader:
                     fingerprint=self._fingerprint,
                     block_hash=h,
                     max_value_bytes=self._max_value_bytes,
-                    copy=copy,
+                    copy=False,
                 )
             except CorruptValueError as exc:
                 bad.append((key, exc))

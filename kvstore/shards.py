@@ -133,7 +133,7 @@ class Shards:
         """After a node failed: fetch the slot map again (a replica may have been promoted), for
         every client. Best effort; the next call fails typed if the cluster is still down.
         redis-py's cluster client relearns by itself only when it retries, and kvstore's
-        clients never retry (see ``connection._cluster_client``)."""
+        frequent calls do not go through it (see ``transport``)."""
         if not self.cluster:
             return
         for client in [self.client, *self._others]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from .connection import close_client, error_code
 from .shards import REDIRECTED, Shards, is_redirect
@@ -68,11 +69,12 @@ class Transport:
         sent = self.shards.fan_out(
             self._set_on_one, list(commands), key=lambda c: c[0], connections=connections
         )
-        for (key, parts, px), outcome in zip(commands, sent, strict=True):
-            if outcome is REDIRECTED:
-                self._on_redirect()
-                value = b"".join(memoryview(p).cast("B") for p in parts)
-                self.client.set(key, value, px=px)
+
+        def resend(i: int) -> object:
+            key, parts, px = commands[i]
+            return self.client.set(key, b"".join(memoryview(p).cast("B") for p in parts), px=px)
+
+        self._follow_redirects(sent, resend)
 
     def _set_on_one(self, server: redis.Redis, commands: list[SetCommand]) -> list[object]:
         """SETs on one connection to ``server``; per command None, or REDIRECTED."""
@@ -118,12 +120,12 @@ class Transport:
         got = self.shards.fan_out(
             self._get_on_one, work, key=lambda w: w[0][1], connections=connections
         )
-        for i, reply in enumerate(got):
-            if reply is REDIRECTED:
-                self._on_redirect()
-                command, dest = work[i]
-                got[i] = parsed_reply_into(self.client.execute_command(*command), dest)
-        return got
+
+        def resend(i: int) -> Any:
+            command, dest = work[i]
+            return parsed_reply_into(self.client.execute_command(*command), dest)
+
+        return self._follow_redirects(got, resend)
 
     def _get_on_one(
         self, server: redis.Redis, work: list[tuple[tuple[Any, ...], Destination]]
@@ -193,11 +195,21 @@ class Transport:
         fill(recorder)
         calls = recorder.calls
         got = self._control_shards.fan_out(_pipelined, calls, key=lambda c: c[1][0])
+
+        def resend(i: int) -> Any:
+            name, args, kwargs = calls[i]
+            return getattr(self.control, name)(*args, **kwargs)
+
+        return self._follow_redirects(got, resend)
+
+    def _follow_redirects(self, got: list[Any], resend: Callable[[int], Any]) -> list[Any]:
+        """Each item a server answered MOVED / ASK for, sent again with ``resend(index)``
+        through a redis-py client, which follows the redirection and relearns the slot map;
+        counted. Returns ``got`` with those replies in place."""
         for i, reply in enumerate(got):
             if reply is REDIRECTED:
                 self._on_redirect()
-                name, args, kwargs = calls[i]
-                got[i] = getattr(self.control, name)(*args, **kwargs)
+                got[i] = resend(i)
         return got
 
     def unlink(self, keys: Sequence[str]) -> int:
@@ -215,8 +227,6 @@ class Transport:
         """Is the store serving? Every master of a Cluster must answer (one that is down and not
         yet replaced makes a third of the keys fail), else the one server."""
         if self.cluster:
-            from redis.cluster import RedisCluster
-
             return self.control.ping(target_nodes=RedisCluster.PRIMARIES)
         return self.control.ping()
 

@@ -36,8 +36,9 @@ def _old_receive(self: wire.ReplyReader, limit: int) -> Any:
     return dest
 
 
-def _old_verify(self: reads.Reader, hashes: Any, keys: Any, raw: Any, copy: bool) -> Any:
-    return _NEW_VERIFY(self, hashes, keys, raw, True)
+def _old_verify(self: reads.Reader, hashes: Any, keys: Any, raw: Any) -> Any:
+    got = _NEW_VERIFY(self, hashes, keys, raw)  # then each tensor cloned, as decoding did
+    return [None if g is None else {n: t.clone() for n, t in g.items()} for g in got]
 
 
 def _use(old: bool) -> None:
