@@ -23,6 +23,8 @@ class StoreStats:
     # Cluster only: commands sent again after MOVED / ASK (a slot moved), and claims retried
     # while a slot migrates or after their reply was lost
     redirects: int = 0
+    # select / drop_select receive buffers served from recycled memory (buffer_pool.py)
+    recycled_buffers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

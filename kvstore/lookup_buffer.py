@@ -571,4 +571,5 @@ class LookupBuffer:
     def stats(self) -> StoreStats:
         snap = self._counters.snapshot()
         snap.breaker_opens = self.breaker.opens
+        snap.recycled_buffers = self._transport.buffers.reused
         return snap

@@ -7,7 +7,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,6 +24,16 @@ logger = logging.getLogger("kvstore")
 # Connections per server for a public select / drop_select (select_into takes its own).
 # Chosen with transport.READ_DEPTH from scripts/bench_paths.py --sweep; see docs/benchmarks.md.
 READ_CONNECTIONS = 1
+
+
+class Checked(NamedTuple):
+    """One received value after ``Reader._check``: its tensors (None for a miss or an invalid
+    value), its stored bytes, and why it is invalid."""
+
+    tensors: dict[str, torch.Tensor] | None
+    nbytes: int
+    error: CorruptValueError | None
+
 
 # Keys already warned about as invalid: each is logged once (bounded memory).
 _LOGGED_BAD_KEYS = 4096
@@ -63,80 +73,89 @@ class Reader:
     ) -> list[dict[str, torch.Tensor] | None]:
         """Claim (when consuming), receive each value into its view -- or, when ``views`` is
         None, into a new buffer of its own size -- verify, and delete the claims. The returned
-        tensors are views on those buffers: no second copy."""
+        tensors are views on those buffers: no second copy. Each value is verified on the
+        thread that received it, as soon as it arrived (``Transport.get_values``' ``each``)."""
         dests: list[Destination] = (
             list(views) if views is not None else [self._max_value_bytes] * len(keys)
         )
         conns = connections or self.connections
         if not consume:
             commands: list[tuple[Any, ...]] = [("GET", k) for k in keys]
-            received = self._guard.call(
-                "GET", lambda: self._transport.get_values(commands, dests, conns)
+
+            def check(i: int, got: Any) -> Checked:
+                return self._check(hashes[i], _as_raw(got, dests[i]))
+
+            checked = self._guard.call(
+                "GET", lambda: self._transport.get_values(commands, dests, conns, check)
             )
-            raw = [_as_raw(got, dests[i]) for i, got in enumerate(received)]
-            return self._verify(hashes, keys, raw)
+            return self._tally(keys, checked)
         batch = self._claims.claim(keys, timeout_s)
         targets = [i for i, st in enumerate(batch.statuses) if st == 1]
         claimed = [("GET", k) for k in batch.claim_keys]
         target_dests = [dests[i] for i in targets]
 
+        def check_claimed(j: int, got: Any) -> Checked:
+            return self._check(hashes[targets[j]], _as_raw(got, target_dests[j]))
+
         def fetch() -> list[Any]:
-            return self._transport.get_values(claimed, target_dests, conns) if claimed else []
+            if not claimed:
+                return []
+            return self._transport.get_values(claimed, target_dests, conns, check_claimed)
 
         try:
             try:
-                received = self._guard.call("GET", fetch)
+                fetched = self._guard.call("GET", fetch)
             except (StoreUnavailableError, StoreTimeoutError):
-                received = self._guard.call("GET", fetch)  # the claims are still there: once more
-            fetched = [_as_raw(got, dests[i]) for i, got in zip(targets, received, strict=True)]
-            out = self._verify(hashes, keys, batch.raw_values(fetched))
+                fetched = self._guard.call("GET", fetch)  # the claims are still there: once more
+            raw = batch.raw_values(fetched)  # the claimed keys' entries are checked already
+            checked = [
+                r if st == 1 else self._check(h, r)
+                for h, st, r in zip(hashes, batch.statuses, raw, strict=True)
+            ]
+            out = self._tally(keys, checked)
         except BaseException:  # nothing was delivered: give the values back
             self._claims.release(batch)
             raise
         self._claims.finish(batch)
         return out
 
-    def _verify(
-        self, hashes: Sequence[str], keys: list[str], raw: list[Any]
-    ) -> list[dict[str, torch.Tensor] | None]:
-        """Decode and check each value (``codec.decode_value``); an invalid one is a counted miss,
-        logged once per key."""
-        out: list[dict[str, torch.Tensor] | None] = []
-        hits = misses = nbytes = 0
-        bad: list[tuple[str, CorruptValueError]] = []
-        for h, key, value in zip(hashes, keys, raw, strict=True):
-            if value is None:
-                misses += 1
-                out.append(None)
-                continue
-            try:
-                if isinstance(value, int):
-                    if value < 0:
-                        raise CorruptValueError("wrong-type", "the key does not hold a string")
-                    raise CorruptValueError(
-                        "oversize",
-                        f"{value} bytes exceeds max_value_bytes={self._max_value_bytes} "
-                        "or the buffer it was read into",
-                    )
-                _, tensors = decode_value(
-                    value,
-                    fingerprint=self._fingerprint,
-                    block_hash=h,
-                    max_value_bytes=self._max_value_bytes,
-                    copy=False,
+    def _check(self, block_hash: str, value: Any) -> Checked:
+        """Decode and check one value (``codec.decode_value``): never raises, so it can run on
+        a receiving thread; an invalid value comes back as its error."""
+        if value is None:
+            return Checked(None, 0, None)
+        try:
+            if isinstance(value, int):
+                if value < 0:
+                    raise CorruptValueError("wrong-type", "the key does not hold a string")
+                raise CorruptValueError(
+                    "oversize",
+                    f"{value} bytes exceeds max_value_bytes={self._max_value_bytes} "
+                    "or the buffer it was read into",
                 )
-            except CorruptValueError as exc:
-                bad.append((key, exc))
-                misses += 1
-                out.append(None)
-                continue
-            hits += 1
-            nbytes += len(value)
-            out.append(tensors)
-        self._counters.add_reads(hits, misses, nbytes, [err.reason for _, err in bad])
+            _, tensors = decode_value(
+                value,
+                fingerprint=self._fingerprint,
+                block_hash=block_hash,
+                max_value_bytes=self._max_value_bytes,
+                copy=False,
+            )
+        except CorruptValueError as exc:
+            return Checked(None, 0, exc)
+        return Checked(tensors, len(value), None)
+
+    def _tally(
+        self, keys: list[str], checked: list[Checked]
+    ) -> list[dict[str, torch.Tensor] | None]:
+        """Count the hits, misses and bytes of one read together; an invalid value is a counted
+        miss, logged once per key."""
+        bad = [(key, c.error) for key, c in zip(keys, checked, strict=True) if c.error is not None]
+        hits = sum(1 for c in checked if c.tensors is not None)
+        nbytes = sum(c.nbytes for c in checked)
+        self._counters.add_reads(hits, len(checked) - hits, nbytes, [e.reason for _, e in bad])
         if bad:
             self._log_bad(bad)
-        return out
+        return [c.tensors for c in checked]
 
     def _log_bad(self, bad: list[tuple[str, CorruptValueError]]) -> None:
         for key, err in bad:

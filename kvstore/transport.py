@@ -22,6 +22,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from .buffer_pool import BufferPool
 from .connection import close_client, error_code
 from .shards import REDIRECTED, Shards, is_redirect
 from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buffers
@@ -29,6 +30,10 @@ from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buf
 # Replies in flight per connection on reads. Chosen from scripts/bench_paths.py --sweep across
 # value sizes; see docs/benchmarks.md, "How reads are shaped".
 READ_DEPTH = 4
+
+# Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): two
+# batches of 16 blocks of Llama-3-8B geometry (2 MiB each).
+RECYCLE_BYTES = 64 << 20
 
 # One SET: the key, the value's parts (buffers, sent as they lie), its TTL in ms or None.
 SetCommand = tuple[bytes, Sequence[Any], int | None]
@@ -46,6 +51,7 @@ class Transport:
         read_depth: int = READ_DEPTH,
         threads: int = 8,
         on_redirect: Callable[[], None] = lambda: None,
+        recycle_bytes: int = RECYCLE_BYTES,
     ) -> None:
         self.client = client
         self.control = control or client
@@ -54,6 +60,8 @@ class Transport:
         # transfers queued for a slow master (its relearning is done by self.shards)
         self._control_shards = Shards(self.control, threads=threads, name="kvstore-control")
         self.read_depth = read_depth
+        # where replies that are not received into the caller's buffers land (buffer_pool.py)
+        self.buffers = BufferPool(recycle_bytes)
         self._on_redirect = on_redirect
         # close() closes the clients' pools only when their maker said they are ours
         self.owns_clients = False
@@ -110,25 +118,38 @@ class Transport:
         commands: Sequence[tuple[Any, ...]],
         dests: Sequence[Destination],
         connections: int = 1,
+        each: Callable[[int, Any], Any] | None = None,
     ) -> list[Any]:
         """Send ``commands`` (each ``(name, key, ...)`` with a bulk-string reply) and receive
         each reply into its destination, at most ``read_depth`` replies in flight per
         connection. Per command: the length received into a view, the new buffer, None for a
         missing key, ``wire.Oversize`` for a value larger than its destination (drained, never
-        allocated), or -1 for a key of another type."""
-        work = list(zip(commands, dests, strict=True))
+        allocated), or -1 for a key of another type.
+
+        ``each(index, reply)``, when given, is applied to every reply on the thread that
+        received it, as soon as it is received, and its result is returned in the reply's
+        place: the caller's check of one value (a checksum) runs while the value is still in
+        the CPU cache and while the server sends the next one. It must not raise."""
+        work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
         got = self.shards.fan_out(
-            self._get_on_one, work, key=lambda w: w[0][1], connections=connections
+            lambda server, part: self._get_on_one(server, part, each),
+            work,
+            key=lambda w: w[1][1],
+            connections=connections,
         )
 
         def resend(i: int) -> Any:
-            command, dest = work[i]
-            return parsed_reply_into(self.client.execute_command(*command), dest)
+            _, command, dest = work[i]
+            reply = parsed_reply_into(self.client.execute_command(*command), dest)
+            return each(i, reply) if each is not None else reply
 
         return self._follow_redirects(got, resend)
 
     def _get_on_one(
-        self, server: redis.Redis, work: list[tuple[tuple[Any, ...], Destination]]
+        self,
+        server: redis.Redis,
+        work: list[tuple[int, tuple[Any, ...], Destination]],
+        each: Callable[[int, Any], Any] | None,
     ) -> list[Any]:
         out: list[Any] = []
         refused: Exception | None = None
@@ -138,25 +159,26 @@ class Transport:
             sock = raw_socket(conn)
             reader = ReplyReader(sock) if sock is not None else None
             sent = 0
-            for i, (_, dest) in enumerate(work):
+            for i, (index, _, dest) in enumerate(work):
                 upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
                 if upto > sent:
-                    conn.send_packed_command(conn.pack_commands([c for c, _ in work[sent:upto]]))
+                    conn.send_packed_command(conn.pack_commands([c for _, c, _ in work[sent:upto]]))
                     sent = upto
                 try:
                     if reader is None:  # a client without a socket (fakeredis): parsed reply
-                        out.append(parsed_reply_into(conn.read_response(), dest))
+                        reply: Any = parsed_reply_into(conn.read_response(), dest)
                     elif isinstance(dest, memoryview):
-                        out.append(reader.read_bulk_into(dest))
+                        reply = reader.read_bulk_into(dest)
                     else:
-                        out.append(reader.read_bulk_new(dest))
+                        reply = reader.read_bulk_new(dest, self.buffers.take)
                 except redis.exceptions.ResponseError as exc:
                     if is_redirect(exc):
                         out.append(REDIRECTED)
                         continue
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
-                    out.append(-1)
+                    reply = -1
+                out.append(each(index, reply) if each is not None else reply)
         if refused is not None:
             raise refused
         return out

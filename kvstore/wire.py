@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,15 +70,17 @@ class ReplyReader:
             self._crlf()
         return length
 
-    def read_bulk_new(self, limit: int) -> memoryview | Oversize | None:
-        """Read one reply into a new, writable buffer of exactly its size (the kernel's copy is
-        the only one). One longer than ``limit`` is drained, never allocated, and returns
-        :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
+    def read_bulk_new(
+        self, limit: int, allocate: Callable[[int], memoryview] | None = None
+    ) -> memoryview | Oversize | None:
+        """Read one reply into a new, writable buffer of exactly its size from ``allocate``
+        (the kernel's copy is the only one). One longer than ``limit`` is drained, never
+        allocated, and returns :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
         length = self._bulk_header(limit)
         if not isinstance(length, int):
             return length
         # not zero-filled, unlike bytearray(n): filling 2 MiB first made select 2x slower
-        dest = memoryview(np.empty(length, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+        dest = allocate(length) if allocate is not None else _new_buffer(length)
         self._take(dest)
         self._crlf()
         return dest
@@ -236,3 +238,8 @@ def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytearray | O
         return bytearray(reply)  # writable, as read_bulk_new's: tensors may be views on it
     dest[: len(reply)] = reply
     return len(reply)
+
+
+def _new_buffer(nbytes: int) -> memoryview:
+    """A writable buffer that is not zero-filled."""
+    return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]

@@ -1,0 +1,61 @@
+"""Recycled receive buffers (``kvstore.buffer_pool``): a block is reused only once nothing can
+read it any more, and ``select`` results stay intact while later reads recycle memory."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from kvstore import LookupBuffer, chain_hashes
+from kvstore.buffer_pool import BufferPool
+
+
+def test_a_block_is_reused_only_after_every_tensor_on_it_is_gone() -> None:
+    pool = BufferPool(max_idle_bytes=1 << 20)
+    first = pool.take(1000)
+    tensor = torch.frombuffer(first, dtype=torch.uint8)[10:20]  # a view, as decode makes
+    tensor.fill_(7)
+    del first
+    gc.collect()
+    second = pool.take(1000)  # the first block is still viewed: a new one
+    torch.frombuffer(second, dtype=torch.uint8).fill_(9)
+    assert pool.reused == 0
+    assert tensor.tolist() == [7] * 10
+    del tensor
+    gc.collect()
+    third = pool.take(1000)
+    assert pool.reused == 1
+    assert len(third) == 1000 and not third.readonly
+
+
+def test_idle_blocks_are_capped_and_sizes_do_not_mix() -> None:
+    pool = BufferPool(max_idle_bytes=128 << 10)  # room for two 64 KiB blocks
+    taken = [pool.take(60 << 10) for _ in range(3)]
+    del taken
+    gc.collect()
+    assert pool.idle_bytes == 128 << 10  # the third block was freed, not kept
+    big = pool.take(1 << 20)  # another size class: not served from the small blocks
+    assert pool.reused == 0 and len(big) == 1 << 20
+    small = [pool.take(1), pool.take(64 << 10)]  # both round up to one 64 KiB class
+    assert pool.reused == 2 and [len(s) for s in small] == [1, 64 << 10]
+
+
+@pytest.mark.redis
+def test_select_results_survive_later_reads_that_recycle_buffers(redis_url: str) -> None:
+    store = LookupBuffer.from_url(redis_url, namespace="recycle")
+    hashes = chain_hashes(list(range(8 * 16)), 16)
+    blocks = [{"kv": torch.full((256, 1024), i, dtype=torch.int32)} for i in range(len(hashes))]
+    store.insert_many(list(zip(hashes, blocks, strict=True)))
+    kept = store.select(hashes[:4], copy=False)
+    for _ in range(3):  # later reads, of other blocks and of the same ones, dropped at once
+        store.select(hashes[4:])
+        store.select(hashes[:4])
+        gc.collect()
+    for got, want in zip(kept, blocks[:4], strict=True):
+        assert got is not None and torch.equal(got["kv"], want["kv"])
+    assert store.stats().recycled_buffers > 0  # the dropped ones were recycled
+    consumed = store.drop_select(hashes[:4])
+    for got, want in zip(consumed, blocks[:4], strict=True):
+        assert got is not None and torch.equal(got["kv"], want["kv"])
