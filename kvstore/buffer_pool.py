@@ -18,8 +18,11 @@ from collections import defaultdict
 import numpy as np
 
 # Size classes: a request is rounded up to a multiple of this, so one model's blocks (all the
-# same size) share a class and other sizes waste at most this much per buffer.
+# same size) share a class.
 _GRANULE = 64 << 10
+# Smaller buffers are not pooled: rounding them up would waste up to a granule each (a kept
+# 1 KiB result would pin 64 KiB), and malloc serves them from memory already mapped.
+MIN_POOLED_BYTES = 16 * _GRANULE
 
 
 class BufferPool:
@@ -32,11 +35,14 @@ class BufferPool:
         self._idle_bytes = 0
         # re-entrant: a finalizer may return a block on a thread that is inside take()
         self._lock = threading.RLock()
+        self._closed = False
         self.reused = 0  # buffers served from the pool (for tests and counters)
 
     def take(self, nbytes: int) -> memoryview:
         """A writable buffer of exactly ``nbytes``, not zero-filled."""
-        capacity = -(-max(nbytes, 1) // _GRANULE) * _GRANULE
+        if nbytes < MIN_POOLED_BYTES:
+            return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
+        capacity = -(-nbytes // _GRANULE) * _GRANULE
         block: np.ndarray | None = None
         with self._lock:
             free = self._idle.get(capacity)
@@ -53,7 +59,7 @@ class BufferPool:
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
-            if self._idle_bytes + block.nbytes <= self.max_idle_bytes:
+            if not self._closed and self._idle_bytes + block.nbytes <= self.max_idle_bytes:
                 self._idle[block.nbytes].append(block)
                 self._idle_bytes += block.nbytes
 
@@ -62,7 +68,9 @@ class BufferPool:
         with self._lock:
             return self._idle_bytes
 
-    def clear(self) -> None:
+    def close(self) -> None:
+        """Free the idle blocks; blocks still in use are freed when their tensors are."""
         with self._lock:
+            self._closed = True
             self._idle.clear()
             self._idle_bytes = 0

@@ -380,7 +380,7 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
         raise _corrupt("truncated", f"header of {n} bytes but value has {len(value)}")
     try:
         doc = json.loads(bytes(value[8 : 8 + n]))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _corrupt("not-kvstore", f"header is not JSON ({exc})") from None
     meta = doc.get("__metadata__") if isinstance(doc, dict) else None
     if not isinstance(meta, dict) or "kvstore.format" not in meta:
@@ -427,8 +427,11 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
         numel = 1
         for s in e.shape:
             numel *= s
-        if e.end - e.start != numel * _ST_TO_DTYPE[e.dtype].itemsize:
+        itemsize = _ST_TO_DTYPE[e.dtype].itemsize
+        if e.end - e.start != numel * itemsize:
             raise _corrupt("not-kvstore", f"tensor {e.name!r} size does not match its shape")
+        if e.start % itemsize:  # kvstore lays tensors out widest first; it cannot be viewed
+            raise _corrupt("not-kvstore", f"tensor {e.name!r} is not aligned to its dtype")
         expected = e.end
     if expected != raw_bytes:
         raise _corrupt("not-kvstore", "tensor offsets do not cover the payload")

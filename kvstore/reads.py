@@ -142,6 +142,9 @@ class Reader:
             )
         except CorruptValueError as exc:
             return Checked(None, 0, exc)
+        except Exception as exc:  # a header decode_value's checks let through: still a bad value
+            reason = f"header decodes with {type(exc).__name__}: {exc}"
+            return Checked(None, 0, CorruptValueError("not-kvstore", reason))
         return Checked(tensors, len(value), None)
 
     def _tally(

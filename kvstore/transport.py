@@ -258,6 +258,7 @@ class Transport:
     def close(self) -> None:
         self.shards.close()
         self._control_shards.close()
+        self.buffers.close()
         if self.owns_clients:
             for client in dict.fromkeys((self.client, self.control)):
                 close_client(client)

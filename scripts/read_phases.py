@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
     sizes = [int(s[:-1]) << {"K": 10, "M": 20}[s[-1]] for s in args.sizes.split(",")]
-    with RedisServer().start() as server:
+    with RedisServer() as server:
         results = {size: phases(server.url, size, args.rounds) for size in sizes}
     names = list(next(iter(results.values())))
     print(f"GB/s, median of {args.rounds} interleaved rounds, {BATCH} values per call")

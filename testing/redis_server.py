@@ -114,6 +114,10 @@ class RedisServer:
         return f"unix://{self.unix_socket}?db=0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start the server; a no-op while it runs, so ``with RedisServer().start() as s``
+        does not start a second process that cannot bind the port (and leak the first)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         args = [
             self.binary,
             "--port", str(self.port),

@@ -11,42 +11,67 @@ import torch
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.buffer_pool import BufferPool
 
+MIB = 1 << 20
+
 
 def test_a_block_is_reused_only_after_every_tensor_on_it_is_gone() -> None:
-    pool = BufferPool(max_idle_bytes=1 << 20)
-    first = pool.take(1000)
+    pool = BufferPool(max_idle_bytes=8 * MIB)
+    first = pool.take(MIB + 1000)
     tensor = torch.frombuffer(first, dtype=torch.uint8)[10:20]  # a view, as decode makes
     tensor.fill_(7)
     del first
     gc.collect()
-    second = pool.take(1000)  # the first block is still viewed: a new one
+    second = pool.take(MIB + 1000)  # the first block is still viewed: a new one
     torch.frombuffer(second, dtype=torch.uint8).fill_(9)
     assert pool.reused == 0
     assert tensor.tolist() == [7] * 10
     del tensor
     gc.collect()
-    third = pool.take(1000)
+    third = pool.take(MIB + 1000)
     assert pool.reused == 1
-    assert len(third) == 1000 and not third.readonly
+    assert len(third) == MIB + 1000 and not third.readonly
 
 
 def test_idle_blocks_are_capped_and_sizes_do_not_mix() -> None:
-    pool = BufferPool(max_idle_bytes=128 << 10)  # room for two 64 KiB blocks
-    taken = [pool.take(60 << 10) for _ in range(3)]
+    pool = BufferPool(max_idle_bytes=4 * MIB)  # room for two 2 MiB blocks
+    taken = [pool.take(2 * MIB - 100) for _ in range(3)]
     del taken
     gc.collect()
-    assert pool.idle_bytes == 128 << 10  # the third block was freed, not kept
-    big = pool.take(1 << 20)  # another size class: not served from the small blocks
-    assert pool.reused == 0 and len(big) == 1 << 20
-    small = [pool.take(1), pool.take(64 << 10)]  # both round up to one 64 KiB class
-    assert pool.reused == 2 and [len(s) for s in small] == [1, 64 << 10]
+    assert pool.idle_bytes == 4 * MIB  # the third block was freed, not kept
+    big = pool.take(4 * MIB)  # another size class: not served from the smaller blocks
+    assert pool.reused == 0 and len(big) == 4 * MIB
+    same_class = [pool.take(2 * MIB - 60_000), pool.take(2 * MIB)]  # both round up to 2 MiB
+    assert pool.reused == 2 and [len(s) for s in same_class] == [2 * MIB - 60_000, 2 * MIB]
+
+
+def test_small_buffers_are_not_pooled_so_a_kept_one_pins_only_its_size() -> None:
+    pool = BufferPool(max_idle_bytes=8 * MIB)
+    small = pool.take(1000)
+    assert len(small) == 1000 and small.obj.base is None  # type: ignore[union-attr]
+    del small
+    gc.collect()
+    assert pool.idle_bytes == 0
+
+
+def test_a_closed_pool_keeps_nothing() -> None:
+    pool = BufferPool(max_idle_bytes=8 * MIB)
+    kept = pool.take(2 * MIB)
+    returned = pool.take(2 * MIB)
+    del returned
+    gc.collect()
+    assert pool.idle_bytes == 2 * MIB
+    pool.close()
+    assert pool.idle_bytes == 0
+    del kept  # returned after close: freed, not kept
+    gc.collect()
+    assert pool.idle_bytes == 0
 
 
 @pytest.mark.redis
 def test_select_results_survive_later_reads_that_recycle_buffers(redis_url: str) -> None:
     store = LookupBuffer.from_url(redis_url, namespace="recycle")
     hashes = chain_hashes(list(range(8 * 16)), 16)
-    blocks = [{"kv": torch.full((256, 1024), i, dtype=torch.int32)} for i in range(len(hashes))]
+    blocks = [{"kv": torch.full((512, 1024), i, dtype=torch.int32)} for i in range(len(hashes))]
     store.insert_many(list(zip(hashes, blocks, strict=True)))
     kept = store.select(hashes[:4], copy=False)
     for _ in range(3):  # later reads, of other blocks and of the same ones, dropped at once

@@ -237,3 +237,40 @@ def test_without_the_lz4_extra_lz4_is_refused_up_front_and_lz4_values_are_counte
         LookupBuffer(fake_client, compression="lz4")  # type: ignore[arg-type]
     assert reader.select([key]) == [None]  # a counted miss, not an exception
     assert reader.stats().corrupt_by_reason == {"codec": 1}
+
+
+def _misaligned_value() -> bytes:
+    """A value kvstore could not have written: an int8 tensor first, so the float32 after it
+    starts at byte 1 (the payload and its checksum are still valid)."""
+    value = encode({"a": torch.zeros(1, dtype=torch.int8), "b": torch.ones(1)})
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    doc["a"]["data_offsets"], doc["b"]["data_offsets"] = [0, 1], [1, 5]
+    raw = json.dumps(doc).encode()
+    return struct.pack("<Q", len(raw)) + raw + value[8 + n :]
+
+
+def test_a_tensor_not_aligned_to_its_dtype_is_rejected() -> None:
+    assert _reason(_misaligned_value()) == "not-kvstore"
+
+
+def test_a_header_nested_too_deep_for_the_json_parser_is_rejected() -> None:
+    raw = b"[" * 200_000 + b"]" * 200_000
+    assert _reason(struct.pack("<Q", len(raw)) + raw) == "not-kvstore"
+
+
+def test_bad_headers_are_counted_misses_not_errors(fake_client: object) -> None:
+    """Reads check each value on the thread that received it: whatever is wrong with a value
+    must come back as a counted miss, never as an exception out of the read."""
+    from kvstore import LookupBuffer, chain_hashes
+
+    buf = LookupBuffer(fake_client, namespace="n")  # type: ignore[arg-type]
+    hashes = chain_hashes(list(range(48)), 16)
+    buf.insert_many([(h, {"x": torch.ones(8)}) for h in hashes])
+    nested = b"[" * 200_000 + b"]" * 200_000
+    fake_client.set(buf.redis_key(hashes[0]), _misaligned_value())  # type: ignore[attr-defined]
+    fake_client.set(buf.redis_key(hashes[1]), struct.pack("<Q", len(nested)) + nested)  # type: ignore[attr-defined]
+    got = buf.select(hashes)
+    assert got[0] is None and got[1] is None and got[2] is not None
+    stats = buf.stats()
+    assert (stats.hits, stats.misses, stats.corrupt_by_reason) == (1, 2, {"not-kvstore": 2})

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import redis
 import torch
 
 from kvstore import (
@@ -143,3 +144,15 @@ def test_tls_with_ca_and_client_certificate(tls_files: dict[str, str]) -> None:
 def test_invalid_url_never_connects() -> None:
     with pytest.raises(InvalidURLError):
         LookupBuffer.from_url("memcached://127.0.0.1:11211")
+
+
+def test_starting_a_started_test_server_does_not_start_a_second_one() -> None:
+    """``with RedisServer().start() as s`` used to start a second redis-server that could not
+    bind the port, so ``s.proc`` was a dead process and the first server leaked."""
+    with RedisServer().start() as server:
+        assert server.proc is not None and server.proc.poll() is None
+        pid = redis.Redis.from_url(server.url).info("server")["process_id"]
+        assert pid == server.proc.pid
+        url = server.url
+    with pytest.raises(redis.exceptions.ConnectionError):  # and the one server is gone
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
