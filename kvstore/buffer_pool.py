@@ -17,12 +17,17 @@ from collections import defaultdict
 
 import numpy as np
 
-# Size classes: a request is rounded up to a multiple of this, so one model's blocks (all the
-# same size) share a class.
-_GRANULE = 64 << 10
-# Smaller buffers are not pooled: rounding them up would waste up to a granule each (a kept
-# 1 KiB result would pin 64 KiB), and malloc serves them from memory already mapped.
-MIN_POOLED_BYTES = 16 * _GRANULE
+# Smaller buffers are not pooled: malloc serves them from memory already mapped (glibc maps
+# fresh pages only from 128 KiB up), and a pooled block would outlive a small result's need.
+MIN_POOLED_BYTES = 64 << 10
+
+
+def size_class(nbytes: int) -> int:
+    """The block size a request of ``nbytes`` is served from: rounded up to a multiple of
+    between 1/32 and 1/16 of itself, so one model's blocks (all the same size) share a class
+    and a kept result wastes at most 1/16 of its size."""
+    granule = max(4096, 1 << (nbytes.bit_length() - 5))
+    return -(-nbytes // granule) * granule
 
 
 class BufferPool:
@@ -42,7 +47,7 @@ class BufferPool:
         """A writable buffer of exactly ``nbytes``, not zero-filled."""
         if nbytes < MIN_POOLED_BYTES:
             return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
-        capacity = -(-nbytes // _GRANULE) * _GRANULE
+        capacity = size_class(nbytes)
         block: np.ndarray | None = None
         with self._lock:
             free = self._idle.get(capacity)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.buffer_pool import BufferPool
+from kvstore.buffer_pool import BufferPool, size_class
 
 MIB = 1 << 20
 
@@ -42,6 +42,12 @@ def test_idle_blocks_are_capped_and_sizes_do_not_mix() -> None:
     assert pool.reused == 0 and len(big) == 4 * MIB
     same_class = [pool.take(2 * MIB - 60_000), pool.take(2 * MIB)]  # both round up to 2 MiB
     assert pool.reused == 2 and [len(s) for s in same_class] == [2 * MIB - 60_000, 2 * MIB]
+
+
+@pytest.mark.parametrize("nbytes", [64 << 10, 65537, 100_000, 196 << 10, 2 * MIB + 1, 5 * MIB])
+def test_a_size_class_wastes_at_most_a_sixteenth(nbytes: int) -> None:
+    capacity = size_class(nbytes)
+    assert nbytes <= capacity <= nbytes + nbytes // 16
 
 
 def test_small_buffers_are_not_pooled_so_a_kept_one_pins_only_its_size() -> None:
