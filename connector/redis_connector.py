@@ -16,6 +16,7 @@ import importlib
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,6 +100,28 @@ def _tp_rank() -> int:
         return 0
 
 
+def cpu_threads_note(device_type: str, env: Mapping[str, str]) -> str | None:
+    """Why this CPU server's bf16 outputs may differ from a connector-less one's, or None.
+
+    vLLM's CPU backend reserves one more core when any KV connector is configured
+    (``vllm/utils/ompmultiprocessing.py``), so with automatic thread binding this engine runs
+    fewer (or, on 2 cores, more) OpenMP threads than the same server without a connector, and
+    its sums round differently. Not this connector's doing; said once so nobody hunts for it."""
+    if device_type != "cpu":
+        return None
+    if env.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return None
+    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in env:
+        return None
+    return (
+        "vLLM's CPU backend reserves one more core for any KV connector, so this server runs "
+        "another OpenMP thread count than it would without one: bf16 results differ in the "
+        "last bits and greedy outputs can differ on near ties. To compare with a "
+        "connector-less server bit for bit, give both the same VLLM_CPU_OMP_THREADS_BIND "
+        "(or VLLM_CPU_NUM_OF_RESERVED_CPU)."
+    )
+
+
 class RedisConnector(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -159,6 +182,9 @@ class RedisConnector(KVConnectorBase_V1):
         self.connector_scheduler: RedisConnectorScheduler | None = None
         self.connector_worker: RedisConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            note = cpu_threads_note(vllm_config.device_config.device_type, os.environ)
+            if note:
+                logger.info(note)
             self.connector_scheduler = RedisConnectorScheduler(self.rc, self.layout, store)
             write_layout_file(os.environ.get(LAYOUT_FILE_ENV), self.rc, self.layout)
         else:

@@ -51,6 +51,8 @@ def start_engine(
     params: dict | None = None,
     by_module_path: bool = False,
     gates: dict[int, Path] | None = None,
+    dtype: str | None = None,
+    max_tokens: int | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -65,6 +67,10 @@ def start_engine(
         cmd += ["--params", str(p)]
     if by_module_path:
         cmd.append("--by-module-path")
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if max_tokens:
+        cmd += ["--max-tokens", str(max_tokens)]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out

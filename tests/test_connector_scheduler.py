@@ -589,3 +589,26 @@ def test_redis_hits_are_reported_per_source_where_vllm_counts_them(
     stats = sched.make_stats()
     assert stats is not None and stats.connector_prefix_cache_stats is not None
     assert stats.connector_prefix_cache_stats.hits_by_source == {want: 3 * BS}
+
+
+@pytest.mark.parametrize(
+    ("device", "env", "said"),
+    [
+        ("cpu", {}, True),
+        ("cpu", {"VLLM_CPU_OMP_THREADS_BIND": "auto"}, True),
+        ("cpu", {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, False),
+        ("cpu", {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, False),
+        ("cuda", {}, False),
+    ],
+)
+def test_cpu_servers_say_why_their_bf16_outputs_may_differ(
+    device: str, env: dict[str, str], said: bool
+) -> None:
+    """Issue 21: vLLM's CPU backend gives a server with any KV connector another thread count;
+    the connector says so (and how to pin) where that applies, and nowhere else."""
+    from connector.redis_connector import cpu_threads_note
+
+    note = cpu_threads_note(device, env)
+    assert (note is not None) == said
+    if note:
+        assert "VLLM_CPU_OMP_THREADS_BIND" in note
