@@ -36,6 +36,10 @@ class PagedKV:
             numel *= s
         self.layer_bytes = numel * self.dtype.itemsize  # one block of one layer
         self.block_bytes = self.layer_bytes * len(self.names)  # one block, every layer
+        # one-byte float caches (fp8) move as bytes: the same bits, and index_copy_ (the CUDA
+        # scatter) has no fp8 kernel on every torch build (none on the CPU in torch 2.13)
+        self._moved_as = torch.uint8 if self.dtype.itemsize == 1 else self.dtype
+        self._moved = {name: t.view(self._moved_as) for name, t in self.caches.items()}
 
     @property
     def on_cuda(self) -> bool:
@@ -45,7 +49,8 @@ class PagedKV:
         """Copy blocks ``block_ids`` of every layer into ``out``, a contiguous
         ``[layers, n, *block_shape]`` tensor on the cache's device (or, for a CPU cache, in
         host staging): one ``index_select`` per layer, on the current stream."""
-        for layer, cache in enumerate(self.caches.values()):
+        out = out.view(self._moved_as)
+        for layer, cache in enumerate(self._moved.values()):
             torch.index_select(cache, 0, block_ids, out=out[layer])
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
@@ -53,12 +58,13 @@ class PagedKV:
         into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream. On the
         CPU, where ``index_copy_`` runs at a sixth of ``copy_``'s speed (measured: 0.5 against
         3-4.6 GB/s), runs of consecutive block ids are copied as slices instead."""
+        src = src.view(self._moved_as)
         if self.on_cuda:
-            for layer, cache in enumerate(self.caches.values()):
+            for layer, cache in enumerate(self._moved.values()):
                 cache.index_copy_(0, block_ids, src[:, layer])
             return
         runs = consecutive_runs(block_ids.tolist())
-        for layer, cache in enumerate(self.caches.values()):
+        for layer, cache in enumerate(self._moved.values()):
             for dst, at, n in runs:
                 cache[dst : dst + n].copy_(src[at : at + n, layer])
 

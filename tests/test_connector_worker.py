@@ -3,6 +3,7 @@ tests run on a GPU with ``-m cuda``)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -26,8 +27,18 @@ LAYERS = ("layer.0", "layer.1")
 H, N, C, BLOCKS = 2, 16, 128, 32
 
 
-def layout() -> KVLayout:
-    return KVLayout("m", N, H, 64, "float32", LAYERS, 1)
+def layout(dtype: torch.dtype = torch.float32) -> KVLayout:
+    return KVLayout("m", N, H, 64, str(dtype).replace("torch.", ""), LAYERS, 1)
+
+
+def shared_kv_buffer(physical: str, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every layer's logical ``[B, H, N, C]`` view into one buffer whose dimensions lie in the
+    ``physical`` order (a permutation of L, B, H, N, C), as vLLM 0.33's KV-cache layouts can
+    present them: ``LBHNC`` is one plain tensor per layer, ``BLHNC`` is block-first."""
+    sizes = {"L": len(LAYERS), "B": BLOCKS, "H": H, "N": N, "C": C}
+    buffer = torch.zeros([sizes[d] for d in physical], device=device, dtype=dtype)
+    logical = buffer.permute([physical.index(d) for d in "LBHNC"])
+    return {name: logical[i] for i, name in enumerate(LAYERS)}
 
 
 def make_worker(
@@ -38,6 +49,7 @@ def make_worker(
     max_inflight_bytes: int = 64 << 20,
     mode: str = "share",
     compression: str = "none",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[RedisConnectorWorker, dict[str, torch.Tensor]]:
     cfg = RedisConnectorConfig(
         url="redis://x",
@@ -47,24 +59,30 @@ def make_worker(
         compression=compression,
     )
     store = LookupBuffer(
-        client, namespace="w", fingerprint=layout().fingerprint(0), compression=compression
+        client, namespace="w", fingerprint=layout(dtype).fingerprint(0), compression=compression
     )
-    worker = RedisConnectorWorker(cfg, layout(), store)
-    caches = {}
-    for name in LAYERS:
-        if physical == "LBHNC":
-            t = torch.zeros(BLOCKS, H, N, C, device=device)
-        else:  # block-interior token-major: the logical view [B, H, N, C] is a permutation
-            t = torch.zeros(BLOCKS, N, H, C, device=device).permute(0, 2, 1, 3)
-        caches[name] = t
+    worker = RedisConnectorWorker(cfg, layout(dtype), store)
+    caches = shared_kv_buffer(physical, device, dtype)
     worker.register_kv_caches(caches)
     return worker, caches
 
 
 def fill_random(caches: dict[str, torch.Tensor], seed: int = 0) -> None:
+    """Normal values; for one-byte (fp8) caches every bit pattern, NaNs included: compare
+    those with ``same_bytes``."""
     gen = torch.Generator().manual_seed(seed)
     for t in caches.values():
-        t.copy_(torch.randn(t.shape, generator=gen))
+        if t.element_size() == 1:
+            raw = torch.randint(0, 256, t.shape, generator=gen, dtype=torch.uint8)
+            t.copy_(raw.view(t.dtype).to(t.device))
+        else:
+            t.copy_(torch.randn(t.shape, generator=gen))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN payloads included), whatever the dtype and strides."""
+    as_bytes = [x.contiguous().cpu().view(torch.uint8) for x in (a, b)]
+    return a.dtype == b.dtype and torch.equal(*as_bytes)
 
 
 def wait_loaded(worker: RedisConnectorWorker, req_id: str, timeout_s: float = 10) -> None:
@@ -108,13 +126,17 @@ def save(
     settle(worker)
 
 
-@pytest.mark.parametrize(("src_layout", "dst_layout"), [("LBHNC", "LBNHC"), ("LBNHC", "LBHNC")])
-def test_blocks_move_between_instances_with_different_physical_layouts(
-    src_layout: str, dst_layout: str
-) -> None:
+# Every order of the layer, block, head and token dimensions with the content innermost: one
+# tensor per layer (L first), block-first buffers shared by every layer (B first), token-major
+# and head-major block interiors. Each is saved from and loaded into the plain layout.
+PHYSICAL = ["".join(p) + "C" for p in itertools.permutations("LBHN")]
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def move_and_check(src_physical: str, dst_physical: str, dtype: torch.dtype) -> None:
     client = fakeredis.FakeRedis()
-    src, src_kv = make_worker(client, physical=src_layout)
-    dst, dst_kv = make_worker(client, physical=dst_layout)
+    src, src_kv = make_worker(client, physical=src_physical, dtype=dtype)
+    dst, dst_kv = make_worker(client, physical=dst_physical, dtype=dtype)
     fill_random(src_kv)
     hashes = chain_hashes(list(range(3 * N)), N)
     save(src, "p", [5, 9, 2], hashes)
@@ -123,8 +145,41 @@ def test_blocks_move_between_instances_with_different_physical_layouts(
     assert dst.get_block_ids_with_load_errors() == set()
     for name in LAYERS:
         for s, d in zip([5, 9, 2], [1, 2, 3], strict=True):
-            assert torch.equal(dst_kv[name][d], src_kv[name][s])
-        assert dst_kv[name][0].abs().sum() == 0  # nothing else was written
+            assert same_bytes(dst_kv[name][d], src_kv[name][s]), (name, d)
+        others = [b for b in range(BLOCKS) if b not in (1, 2, 3)]  # nothing else was written,
+        untouched = dst_kv[name][others].contiguous().view(torch.uint8)  # in a shared buffer too
+        assert int(untouched.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("physical", PHYSICAL)
+@pytest.mark.parametrize("direction", ["save from it", "load into it"])
+def test_blocks_move_bit_exact_between_every_kv_layout_and_the_plain_one(
+    physical: str, direction: str
+) -> None:
+    if direction == "save from it":
+        move_and_check(physical, "LBHNC", torch.float32)
+    else:
+        move_and_check("LBHNC", physical, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize(("src", "dst"), [("LBHNC", "BLNHC"), ("BLNHC", "LBHNC")])
+def test_fp8_kv_caches_move_bit_exact(dtype: torch.dtype, src: str, dst: str) -> None:
+    """Every fp8 bit pattern (NaNs included) arrives unchanged: blocks move as bytes."""
+    move_and_check(src, dst, dtype)
+
+
+def test_fp8_blocks_are_never_loaded_into_a_cache_of_another_dtype() -> None:
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client, dtype=torch.float8_e4m3fn)
+    dst, dst_kv = make_worker(client, dtype=torch.bfloat16)
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(src, "p", [4, 5], hashes)
+    dst.start_load_kv(load("d", [1, 2], hashes))
+    wait_loaded(dst, "d")
+    assert dst.get_block_ids_with_load_errors() == {1, 2}  # recomputed, not mixed
+    assert all(int(t.count_nonzero()) == 0 for t in dst_kv.values())
 
 
 def test_missing_and_corrupt_blocks_are_reported_and_the_request_still_finishes() -> None:
