@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -81,10 +81,7 @@ class Reader:
         conns = connections or self.connections
         if not consume:
             commands: list[tuple[Any, ...]] = [("GET", k) for k in keys]
-
-            def check(i: int, got: Any) -> Checked:
-                return self._check(hashes[i], _as_raw(got, dests[i]))
-
+            check = self._checker(hashes, dests)
             checked = self._guard.call(
                 "GET", lambda: self._transport.get_values(commands, dests, conns, check)
             )
@@ -93,9 +90,7 @@ class Reader:
         targets = [i for i, st in enumerate(batch.statuses) if st == 1]
         claimed = [("GET", k) for k in batch.claim_keys]
         target_dests = [dests[i] for i in targets]
-
-        def check_claimed(j: int, got: Any) -> Checked:
-            return self._check(hashes[targets[j]], _as_raw(got, target_dests[j]))
+        check_claimed = self._checker([hashes[i] for i in targets], target_dests)
 
         def fetch() -> list[Any]:
             if not claimed:
@@ -118,6 +113,13 @@ class Reader:
             raise
         self._claims.finish(batch)
         return out
+
+    def _checker(
+        self, hashes: Sequence[str], dests: Sequence[Destination]
+    ) -> Callable[[int, Any], Checked]:
+        """``Transport.get_values``' ``each`` for replies ``i`` of ``hashes`` landing in
+        ``dests``: the reply as ``_check`` takes it, checked."""
+        return lambda i, got: self._check(hashes[i], _as_raw(got, dests[i]))
 
     def _check(self, block_hash: str, value: Any) -> Checked:
         """Decode and check one value (``codec.decode_value``): never raises, so it can run on

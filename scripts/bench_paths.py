@@ -59,6 +59,23 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * mult[text[-1]]) if text[-1] in mult else int(text)
 
 
+def median_seconds(
+    paths: dict[str, Path_], rounds: int, after: Callable[[str], None] | None = None
+) -> dict[str, float]:
+    """Each path's median wall time over ``rounds`` interleaved rounds (every path once per
+    round, in order, so a busy moment of the machine hits all of them); ``after(name)`` runs
+    untimed after each path."""
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            if after is not None:
+                after(name)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 class LMCacheResp:
     """LMCache 0.5.6's RESPConnector driven without an engine (see lmcache.md)."""
 
@@ -258,16 +275,14 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
         reads["LMCache resp:// get"] = resp.get
     for fn in writes.values():  # everything readable before the first timed read
         fn()
-    times: dict[str, list[float]] = {name: [] for name in [*writes, *reads]}
-    for _ in range(rounds):
-        for name, fn in [*writes.items(), *reads.items()]:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-            if name == "kvstore drop_select":
-                kv_insert()  # what it took, for the paths after it
+
+    def put_back(name: str) -> None:
+        if name == "kvstore drop_select":
+            kv_insert()  # what it took, for the paths after it
+
+    seconds = median_seconds({**writes, **reads}, rounds, after=put_back)
     store.close()
-    return {name: value_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {name: value_bytes / t / 1e9 for name, t in seconds.items()}
 
 
 def sweep_size(url: str, size: int, batch: int, rounds: int) -> dict[str, float]:

@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts, plan_entries
 from testing.redis_server import ClusterServers, RedisServer
 
-from .bench_paths import parse_size, pipelined_get_into, pipelined_set
+from .bench_paths import median_seconds, parse_size, pipelined_get_into, pipelined_set
 
 
 def bench(url: str, size: int, blocks: int, rounds: int, connections: int) -> dict[str, float]:
@@ -71,14 +69,9 @@ def bench(url: str, size: int, blocks: int, rounds: int, connections: int) -> di
     }
     for fn in paths.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(rounds):
-        for name, fn in paths.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    seconds = median_seconds(paths, rounds)
     store.close()
-    return {k: size * blocks / statistics.median(t) / 1e9 for k, t in times.items()}
+    return {k: size * blocks / t / 1e9 for k, t in seconds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

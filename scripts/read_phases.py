@@ -15,8 +15,6 @@ One process, one ``redis-server``, 16 stored values per call, interleaved rounds
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -26,6 +24,8 @@ from kvstore.codec import decode_value
 from kvstore.transport import READ_DEPTH
 from kvstore.wire import ReplyReader, raw_socket
 from testing.redis_server import RedisServer
+
+from .bench_paths import median_seconds, parse_size
 
 BATCH = 16
 
@@ -73,15 +73,10 @@ def phases(url: str, size: int, rounds: int) -> dict[str, float]:
         "select_into": select_into,
         "select": select,
     }
-    times: dict[str, list[float]] = {name: [] for name in paths}
-    receive()
-    for _ in range(rounds):
-        for name, run in paths.items():
-            t0 = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - t0)
+    receive()  # check_afterwards checks what the last receive left
+    seconds = median_seconds(paths, rounds)
     store.close()
-    return {name: BATCH * size / statistics.median(ts) / 1e9 for name, ts in times.items()}
+    return {name: BATCH * size / t / 1e9 for name, t in seconds.items()}
 
 
 def main() -> None:
@@ -89,7 +84,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="64K,256K,2M,8M")
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
-    sizes = [int(s[:-1]) << {"K": 10, "M": 20}[s[-1]] for s in args.sizes.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     with RedisServer() as server:
         results = {size: phases(server.url, size, args.rounds) for size in sizes}
     names = list(next(iter(results.values())))
