@@ -1,11 +1,18 @@
 """The KV layout both sides agree on, from vLLM's config alone, and its fingerprint: exactly what
-changes a stored block's bytes."""
+changes a stored block's bytes.
+
+A model may have several KV-cache groups (vLLM's hybrid memory allocator): full attention and
+sliding-window layers keep separate block tables. Each group's block at a chain position is its
+own value, under the position's hash with the group appended (``<hash>.g1``), so a load reads
+only the blocks vLLM allocated for it: a sliding-window group gets real blocks only for the
+window before the hit's end (the rest are vLLM's null block, which is never read or written).
+A model with one group keeps the keys and fingerprint it always had."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore import layout_fingerprint
 
@@ -17,6 +24,54 @@ if TYPE_CHECKING:
 # of every layer, in layer order. Bump it only when that changes; never with vLLM's version, so
 # instances on different vLLM releases with the same layout share blocks.
 LAYOUT_VERSION = "logical-HNC/1"
+
+
+# vLLM's null block: a placeholder in a group's block table for positions that group does not
+# keep (a sliding window's past). Never read from, never written to.
+NULL_BLOCK_ID = 0
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One KV-cache group: layers sharing one block table, stored as one value per block."""
+
+    index: int  # its place in vLLM's ``kv_cache_groups``: block ids come in this order
+    kind: str  # "full", "sliding_window=<tokens>", "chunked_local=<tokens>"
+    layer_names: tuple[str, ...]
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+
+    def holds(self, block_id: int) -> bool:
+        """Whether ``block_id`` is a block of this group's own: a windowed group's block table
+        holds vLLM's null block where the window has passed (never read, never written; a
+        full-attention group never holds it)."""
+        return self.kind == "full" or block_id != NULL_BLOCK_ID
+
+
+class UnsupportedModelError(ValueError):
+    """The model has a KV-cache group this connector cannot store (yet)."""
+
+
+def _group_kind(spec: object) -> str | None:
+    """What a group keeps, or None for a group the connector cannot store. A group's block at
+    chain position p must hold the KV of tokens [p * block_size, (p + 1) * block_size)."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    if not isinstance(spec, AttentionSpec) or not getattr(spec, "prefix_cacheable", True):
+        return None  # state (Mamba, GDN) or a ring buffer: blocks are not token positions
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding_window={int(spec.sliding_window)}"
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return f"chunked_local={int(spec.attention_chunk_size)}"
+    if isinstance(spec, FullAttentionSpec):
+        return "full"  # (with the hybrid allocator off, window layers keep every block too)
+    return type(spec).__name__
 
 
 @dataclass(frozen=True)
@@ -42,55 +97,108 @@ class KVLayout:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     hf_overrides: str | None = None
+    # every KV-cache group; () means one group of all ``layer_names`` (what the fields above say)
+    groups: tuple[KVGroup, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            only = KVGroup(
+                0, "full", self.layer_names, self.num_kv_heads, self.head_size, self.dtype
+            )
+            object.__setattr__(self, "groups", (only,))
+
+    @property
+    def hybrid(self) -> bool:
+        """Several KV-cache groups: keys carry the group, loads fail per request."""
+        return len(self.groups) > 1
+
+    def group_key(self, block_hash: str, group: KVGroup) -> str:
+        """The name of ``group``'s block at the position ``block_hash`` names."""
+        return f"{block_hash}.g{group.index}" if self.hybrid else block_hash
+
+    def keys_of(self, hashes: list[str]) -> list[str]:
+        """Every group's key at each position, position by position: a chain's leading keys
+        present, divided by ``len(groups)``, are its leading positions present in every group."""
+        return [self.group_key(h, g) for h in hashes for g in self.groups]
 
     @classmethod
     def from_vllm(
         cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
     ) -> KVLayout:
-        from vllm.v1.kv_cache_interface import AttentionSpec
-
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, AttentionSpec):
-            raise ValueError(
-                "RedisConnector supports models with one attention KV-cache group "
-                f"(got {len(groups)} group(s)); hybrid / SSM models are not supported yet"
-            )
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("RedisConnector does not support pipeline parallelism yet")
-        spec = groups[0].kv_cache_spec
+        groups = []
+        for index, group in enumerate(kv_cache_config.kv_cache_groups):
+            if not getattr(group, "enable_kv_transfer", True):
+                continue  # vLLM rebuilds it from another group after a load
+            spec: Any = group.kv_cache_spec  # an attention spec, once _group_kind says so
+            kind = _group_kind(spec)
+            if kind is None:
+                raise UnsupportedModelError(
+                    f"RedisConnector cannot store KV-cache group {index} "
+                    f"({type(spec).__name__}, layers {list(group.layer_names)[:3]}...): "
+                    "state (Mamba, gated delta-net) and other non-attention groups are not "
+                    "supported yet. Serve this model without --kv-transfer-config."
+                )
+            groups.append(
+                KVGroup(
+                    index=index,
+                    kind=kind,
+                    layer_names=tuple(group.layer_names),
+                    num_kv_heads=int(spec.num_kv_heads),
+                    head_size=int(spec.head_size),
+                    dtype=str(spec.dtype).replace("torch.", ""),
+                )
+            )
+        if not groups:
+            raise UnsupportedModelError("RedisConnector: this model has no KV cache to store")
+        block_sizes = {
+            int(kv_cache_config.kv_cache_groups[g.index].kv_cache_spec.block_size) for g in groups
+        }
+        if len(block_sizes) != 1:
+            raise UnsupportedModelError(
+                f"RedisConnector needs one block size for every KV-cache group, got "
+                f"{sorted(block_sizes)}"
+            )
+        first = groups[0]
         model_config = vllm_config.model_config
         return cls(
             model_id=model_id or str(model_config.model),
-            block_size=int(spec.block_size),
-            num_kv_heads=int(spec.num_kv_heads),
-            head_size=int(spec.head_size),
-            dtype=str(spec.dtype).replace("torch.", ""),
-            layer_names=tuple(groups[0].layer_names),
+            block_size=block_sizes.pop(),
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            dtype=first.dtype,
+            layer_names=tuple(name for g in groups for name in g.layer_names),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             revision=getattr(model_config, "revision", None) or None,
             quantization=getattr(model_config, "quantization", None) or None,
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             hf_overrides=describe_overrides(getattr(model_config, "hf_overrides", None)),
+            groups=tuple(groups),
         )
 
     def fingerprint(self, tp_rank: int) -> str:
-        return layout_fingerprint(
-            {
-                "layout": LAYOUT_VERSION,
-                "model": self.model_id,
-                "revision": self.revision,
-                "quantization": self.quantization,
-                "hf_overrides": self.hf_overrides,
-                "block_size": self.block_size,
-                "num_kv_heads": self.num_kv_heads,
-                "head_size": self.head_size,
-                "dtype": self.dtype,
-                "kv_cache_dtype": self.kv_cache_dtype,
-                "layers": list(self.layer_names),
-                "tp_rank": tp_rank,
-                "tp_size": self.tp_size,
-            }
-        )
+        fields: dict[str, object] = {
+            "layout": LAYOUT_VERSION,
+            "model": self.model_id,
+            "revision": self.revision,
+            "quantization": self.quantization,
+            "hf_overrides": self.hf_overrides,
+            "block_size": self.block_size,
+            "num_kv_heads": self.num_kv_heads,
+            "head_size": self.head_size,
+            "dtype": self.dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "layers": list(self.layer_names),
+            "tp_rank": tp_rank,
+            "tp_size": self.tp_size,
+        }
+        if self.hybrid:  # a one-group model keeps the fingerprint it always had
+            fields["groups"] = [
+                [g.index, g.kind, list(g.layer_names), g.num_kv_heads, g.head_size, g.dtype]
+                for g in self.groups
+            ]
+        return layout_fingerprint(fields)
 
     def all_fingerprints(self) -> list[str]:
         return [self.fingerprint(r) for r in range(self.tp_size)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -56,10 +57,19 @@ class Lookup:
 
 class LookupBatcher:
     def __init__(
-        self, store: LookupBuffer, fingerprints: list[str], threads: int, stats: StatsBuffer
+        self,
+        store: LookupBuffer,
+        fingerprints: list[str],
+        threads: int,
+        stats: StatsBuffer,
+        keys_of: Callable[[list[str]], list[str]] = list,
     ) -> None:
         self.store = store
         self.fingerprints = fingerprints
+        # a chain's hashes -> the keys asked about, position by position (one per KV-cache
+        # group of a hybrid model); leading keys present // keys per position = positions
+        self._keys_of = keys_of
+        self._per_position = max(1, len(keys_of(["0"])))
         self.stats = stats
         self._queue: queue.SimpleQueue[Lookup | None] = queue.SimpleQueue()
         self._threads = [
@@ -108,17 +118,19 @@ class LookupBatcher:
             pool = [j for j in batch if j.handoff_id is None]
             handoffs = [j for j in batch if j.handoff_id is not None]
             if pool:
-                counts = self.store.longest_prefixes([j.hashes for j in pool], self.fingerprints)
+                counts = self.store.longest_prefixes(
+                    [self._keys_of(j.hashes) for j in pool], self.fingerprints
+                )
                 for j, n in zip(pool, counts, strict=True):
-                    j.future.set_result(LookupResult(j.start + n))
+                    j.future.set_result(LookupResult(j.start + n // self._per_position))
             if handoffs:
                 states = self.store.read_handoffs(
-                    [(j.handoff_id or "", j.hashes) for j in handoffs], self.fingerprints
+                    [(j.handoff_id or "", self._keys_of(j.hashes)) for j in handoffs],
+                    self.fingerprints,
                 )
                 for j, s in zip(handoffs, states, strict=True):
-                    j.future.set_result(
-                        LookupResult(j.start + s.present, s.committed, s.taken, s.pending)
-                    )
+                    present = j.start + s.present // self._per_position
+                    j.future.set_result(LookupResult(present, s.committed, s.taken, s.pending))
         except BaseException as exc:  # every waiting request must hear back
             for j in batch:
                 if not j.future.done():

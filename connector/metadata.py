@@ -9,13 +9,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class LoadSpec:
-    """Load ``hashes[i]`` into ``block_ids[i]`` within ``timeout_s`` (the rest of the request's
-    deadline, counted from when the worker receives it). Consume mode: first claim handoff
-    ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is loaded or
-    deleted -- then, loaded or not, delete ``drop_hashes`` (the whole handed-off chain)."""
+    """Load position ``hashes[i]`` into ``block_ids[g][i]`` of each KV-cache group ``g`` (the
+    layout's groups, in order; a null block id is skipped) within ``timeout_s`` (the rest of
+    the request's deadline, counted from when the worker receives it). Consume mode: first
+    claim handoff ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is
+    loaded or deleted -- then, loaded or not, delete ``drop_hashes`` (the whole handed-off
+    chain's keys)."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     hashes: list[str]
     timeout_s: float
     drop_hashes: list[str] = field(default_factory=list)
@@ -25,11 +27,12 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the KV of ``block_ids[i]`` under ``hashes[i]`` once this step's forward is done;
-    ``hashes[0]`` is block ``first_position`` of the request's chain ``handoff``."""
+    """Save the KV of ``block_ids[g][i]`` of each KV-cache group ``g`` under position
+    ``hashes[i]`` once this step's forward is done (a null block id is skipped); ``hashes[0]``
+    is block ``first_position`` of the request's chain ``handoff``."""
 
     req_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]
     hashes: list[str]
     first_position: int
     handoff: str

@@ -67,6 +67,18 @@ def _optional(module: str, name: str) -> Any:
 
 # vLLM 0.32+: per-source prefix-cache hit metrics
 CacheHitSource = _optional("vllm.v1.metrics.cache_hit_source", "CacheHitSource")
+# vLLM 0.32+: a load can fail per request. A hybrid model's block ids are unique only within a
+# KV-cache group, so vLLM takes its load failures only this way.
+KVConnectorTransferResults = _optional(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults"
+)
+SupportsHMA = _optional("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA")
+# The hybrid memory allocator (sliding-window layers keep only their window, hybrid models'
+# groups) is declared only where vLLM can take a failed load per request; elsewhere vLLM turns
+# it off and gives the connector one group of full-size blocks, as before.
+_HMA_BASES: tuple[type, ...] = (
+    (SupportsHMA,) if SupportsHMA is not None and KVConnectorTransferResults is not None else ()
+)
 
 
 # A path the scheduler side writes its keys' layout to at startup (JSON: namespace, block size,
@@ -86,6 +98,11 @@ def write_layout_file(path: str | None, config: RedisConnectorConfig, layout: KV
         "dtype": layout.dtype,
         "kv_cache_dtype": layout.kv_cache_dtype,
         "tp_size": layout.tp_size,
+        # the KV-cache groups: a hybrid model stores each group's block at a position under
+        # "<hash>.g<index>"
+        "groups": [
+            {"index": g.index, "kind": g.kind, "layers": len(g.layer_names)} for g in layout.groups
+        ],
     }
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -122,7 +139,7 @@ def cpu_threads_note(device_type: str, env: Mapping[str, str]) -> str | None:
     )
 
 
-class RedisConnector(KVConnectorBase_V1):
+class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -252,6 +269,15 @@ class RedisConnector(KVConnectorBase_V1):
         sending, recving = self.worker.get_finished()
         return sending or None, recving or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+: finished saves and loads, and the loads that failed as a whole (a
+        hybrid model's; they are among the finished too)."""
+        sending, recving = self.worker.get_finished()
+        failed = self.worker.take_failed_loads()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+        )
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
@@ -318,4 +344,14 @@ class RedisConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler.request_finished(request, block_ids)
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: the same for every group (the blocks to save were planned per step)."""
+        return self.scheduler.request_finished(request)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """vLLM 0.32+: a load restores every group this connector stores."""
+        return tuple(group.index for group in self.layout.groups)

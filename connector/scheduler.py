@@ -38,12 +38,18 @@ RUNNING: computing, after its load or with nothing to load.
   get_num_new_matched_tokens: (0, False): one load per admission; a failed load is recomputed,
       not retried.
   build_connector_meta: plan the saves of the prompt blocks this step completes.
-  update_connector_output, invalid blocks: save the recomputed blocks again (share mode).
+  update_connector_output, invalid blocks (or, for a model with several KV-cache groups, the
+      whole load failed): save the recomputed blocks again (share mode).
   request_finished: (True, params) if saves were planned -- the worker reports finished
       sending once it has taken the commit, every save staged -- else (False, params).
 Any state, after a preemption: -> LOOKING_UP with a fresh deadline (a handoff loaded or dropped
 is not waited for again). A callback not listed for a state is not made in it, or changes
 nothing.
+
+A model with several KV-cache groups (full attention, sliding window) keeps one chain of
+positions: each group's block at a position is its own key (``KVLayout.group_key``), a lookup
+counts a position only when every group has it, and loads and saves carry every group's block
+ids (a sliding window's past is vLLM's null block, which the worker skips).
 
 "Drop the handoff" (consume mode): once its producer is done writing, claim it, and delete its
 chain and record unless another request's claim is there (``drops.py``). "Finished sending"
@@ -58,6 +64,7 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -129,7 +136,7 @@ class _RequestState:
     answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     saved_blocks: int = 0  # leading blocks of save_hashes saved or known to be in Redis
     save_start: int | None = None  # saved_blocks when the first save was planned
     opening: Future[None] | None = None  # the "pending" record being written
@@ -160,7 +167,9 @@ class RedisConnectorScheduler:
         self._load_blocks: dict[int, tuple[str, int]] = {}
         # this step's lookups wait together until this moment (None: no wait yet this step)
         self._step_wait_until: float | None = None
-        self._lookups = LookupBatcher(store, self.fingerprints, config.lookup_threads, self.stats)
+        self._lookups = LookupBatcher(
+            store, self.fingerprints, config.lookup_threads, self.stats, layout.keys_of
+        )
         # deletes and handoff records never hold up lookups
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
         # handoffs dropped unloaded wait here for their producer to finish writing
@@ -410,7 +419,7 @@ class RedisConnectorScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._state(request)
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = self._per_group(blocks.get_block_ids())
         if st.phase in (Phase.LOADING, Phase.RUNNING):
             return  # admitted again after its load: nothing changes
         if st.phase is Phase.LOOKING_UP:  # admitted without an answer from us: nothing to load
@@ -431,8 +440,9 @@ class RedisConnectorScheduler:
         if not self.config.consume:
             for h in st.load_hashes[start:end]:
                 self._loading[h] = rid
-        for pos in range(start, end):
-            self._load_blocks[st.block_ids[pos]] = (rid, pos)
+        if not self.layout.hybrid:  # (a hybrid model's failed loads fail the whole request)
+            for pos in range(start, end):
+                self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
         claim = None
         if self._owns_handoff(st):
             assert st.handoff is not None
@@ -440,16 +450,22 @@ class RedisConnectorScheduler:
         self._pending_loads.append(
             LoadSpec(
                 req_id=rid,
-                block_ids=st.block_ids[start:end],
+                block_ids=[ids[start:end] for ids in st.block_ids],
                 hashes=st.load_hashes[start:end],
                 timeout_s=max(0.0, st.deadline - now),
-                drop_hashes=list(st.load_hashes) if claim else [],
+                drop_hashes=self.layout.keys_of(st.load_hashes) if claim else [],
                 claim=claim,
                 owner=st.handoff.owner if st.handoff is not None else "",
             )
         )
         if st.same_chain:
             st.saved_blocks = max(st.saved_blocks, end)  # already in Redis
+
+    def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
+        """vLLM's block ids (one list per KV-cache group) of the groups the layout stores."""
+        if not block_ids:
+            return [[] for _ in self.layout.groups]
+        return [list(block_ids[g.index]) for g in self.layout.groups]
 
     def _owns_handoff(self, st: _RequestState) -> bool:
         """A consume-mode handoff chain is this request's alone: it deletes it when done."""
@@ -465,7 +481,7 @@ class RedisConnectorScheduler:
         self._drops.drop(
             handoff.handoff_id,
             handoff.owner,
-            list(st.load_hashes),
+            self.layout.keys_of(st.load_hashes),
             expect_record=not handoff.opened,
         )
 
@@ -477,6 +493,12 @@ class RedisConnectorScheduler:
                 # share mode: save the recomputed block again, so the bad value is replaced
                 st.saved_blocks = min(st.saved_blocks, owner[1])
                 st.present_blocks = min(st.present_blocks, owner[1])
+        for req_id in getattr(output, "failed_recving", None) or ():
+            # a hybrid model's load failed in some group: vLLM recomputes the whole prompt
+            st = self._reqs.get(req_id)
+            if st is not None and st.same_chain:  # share mode: save what was not loaded again
+                st.saved_blocks = min(st.saved_blocks, st.load_range[0])
+                st.present_blocks = min(st.present_blocks, st.load_range[0])
         for req_id in output.finished_recving or ():
             st = self._reqs.get(req_id)
             if st is not None and st.phase is Phase.LOADING:
@@ -489,7 +511,7 @@ class RedisConnectorScheduler:
         for h in st.load_hashes[start:end]:
             if self._loading.get(h) == req_id:
                 del self._loading[h]
-        for block_id in st.block_ids[start:end]:
+        for block_id in st.block_ids[0][start:end] if st.block_ids else ():
             if self._load_blocks.get(block_id, ("",))[0] == req_id:
                 del self._load_blocks[block_id]
         st.load_range = (0, 0)
@@ -505,7 +527,7 @@ class RedisConnectorScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = self._per_group(new.block_ids)
                 progress.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -514,16 +536,21 @@ class RedisConnectorScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = self._per_group(new_ids)
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                for ids, more in zip(st.block_ids, self._per_group(new_ids), strict=True):
+                    ids.extend(more)
             progress.append((req_id, cached.num_computed_tokens[i]))
         for req_id, computed in progress:
             st = self._reqs[req_id]
             if st.phase is not Phase.RUNNING:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            full = min(done // self.block_size, len(st.save_hashes), len(st.block_ids))
+            full = min(
+                done // self.block_size,
+                len(st.save_hashes),
+                min((len(ids) for ids in st.block_ids), default=0),
+            )
             if full > st.saved_blocks:
                 if st.save_start is None:
                     st.save_start = st.saved_blocks
@@ -535,7 +562,7 @@ class RedisConnectorScheduler:
                 meta.saves.append(
                     SaveSpec(
                         req_id=req_id,
-                        block_ids=st.block_ids[st.saved_blocks : full],
+                        block_ids=[ids[st.saved_blocks : full] for ids in st.block_ids],
                         hashes=st.save_hashes[st.saved_blocks : full],
                         first_position=st.saved_blocks,
                         handoff=st.save_handoff,
@@ -544,9 +571,7 @@ class RedisConnectorScheduler:
                 st.saved_blocks = full
         return meta
 
-    def request_finished(
-        self, request: Request, block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted, in any state. A producer returns the handoff a consumer waits
         for; its worker publishes the commit record once the saves are acknowledged. True only
         for a request whose saves were planned and that is not loading: the worker then reports

@@ -17,6 +17,10 @@
   gathers, so nothing reads them after the next forward pass starts.
 - Blocks are gathered and scattered along the block dimension of the *logical* per-layer view
   vLLM presents ([blocks, kv_heads, block_size, content]), so no backend's layout is assumed.
+- A model with several KV-cache groups gets one mover per group (its layers, its share of the
+  staging budget); each group's block is its own value, and a group's null blocks (a sliding
+  window's past) are never read or written. A failed load of such a model is reported for the
+  whole request (``take_failed_loads``): vLLM cannot map block ids back across groups.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from kvstore import (
 )
 
 from .config import RedisConnectorConfig
-from .layout import KVLayout
+from .layout import KVGroup, KVLayout
 from .logs import FailureCounts
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from .stats import StatsBuffer
@@ -58,7 +62,8 @@ class _LoadJob:
     deadline: float
     started: float
     lock: threading.Lock = field(default_factory=threading.Lock)
-    copied: set[int] = field(default_factory=set)  # block ids written into the KV cache
+    # (group, block id) written into the KV cache (block ids are unique only within a group)
+    copied: set[tuple[int, int]] = field(default_factory=set)
     nbytes: int = 0
     reported: bool = False  # once True, nothing touches this request's blocks any more
 
@@ -67,7 +72,7 @@ class _LoadJob:
 class _SaveTrack:
     """One request's saves: which chain positions were acknowledged, what is in flight."""
 
-    ok: set[int] = field(default_factory=set)
+    ok: set[tuple[int, int]] = field(default_factory=set)  # (group, chain position)
     pending: int = 0
     commit: CommitSpec | None = None
     publishing: bool = False
@@ -90,21 +95,19 @@ class RedisConnectorWorker:
         self._kv: dict[str, torch.Tensor] = {}
         self._kv_asleep: dict[str, torch.Tensor] = {}  # vLLM sleep mode: set aside, not used
         self._asleep = False
-        self._block_shape: tuple[int, ...] = ()
-        self._dtype: torch.dtype | None = None
-        self._device = torch.device("cpu")
         self._load_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-load")
         self._save_io = ThreadPoolExecutor(
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
         self._cleanup_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-cleanup")
-        self._mover: BlockMover | None = None
+        self._movers: list[BlockMover] = []  # one per KV-cache group, in the layout's order
         self._jobs: dict[str, _LoadJob] = {}
         self._saves: dict[str, _SaveTrack] = {}
         self._commits_received: list[CommitSpec] = []
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
+        self._failed_loads: set[str] = set()  # hybrid models: a failed load fails its request
         self._pending: set[Future[Any]] = set()
         self._failures = FailureCounts()  # never reset (stats are): drives sparse logging
 
@@ -116,41 +119,50 @@ class RedisConnectorWorker:
         with self._lock:
             self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
             self._kv_asleep, self._asleep = {}, False
-        first = next(iter(self._kv.values()))
-        self._block_shape = tuple(first.shape[1:])
-        self._dtype = first.dtype
-        self._device = first.device
-        for name, t in self._kv.items():
-            if tuple(t.shape[1:]) != self._block_shape or t.dtype != self._dtype:
+        # the staging budget is shared by the groups' movers
+        budget = max(1, self.config.max_inflight_bytes // len(self.layout.groups))
+        self._movers = [
+            BlockMover(
+                self._group_caches(group),
+                self.store,
+                max_inflight_bytes=budget,
+                connections=self.config.connections,
+            )
+            for group in self.layout.groups
+        ]
+        for group, mover in zip(self.layout.groups, self._movers, strict=True):
+            logger.info(
+                "RedisConnector worker (tp rank %d): group %d (%s): %d layers, block %s %s on "
+                "%s, value %d bytes, chunks of %d blocks, %d MiB staging, %d connection(s) per "
+                "batch, store %s key pattern %s",
+                self.tp_rank,
+                group.index,
+                group.kind,
+                len(group.layer_names),
+                list(mover.kv.block_shape),
+                mover.kv.dtype,
+                mover.kv.device,
+                mover.raw_bytes,
+                mover.chunk_blocks,
+                mover.staging_bytes >> 20,
+                mover.connections,
+                self.store.safe_url,
+                self.store.key_pattern(),
+            )
+
+    def _group_caches(self, group: KVGroup) -> dict[str, torch.Tensor]:
+        caches = {name: self._kv[name] for name in group.layer_names}
+        first = next(iter(caches.values()))
+        shape = tuple(first.shape[1:])
+        for name, t in caches.items():
+            if tuple(t.shape[1:]) != shape or t.dtype != first.dtype:
                 raise ValueError(f"RedisConnector: layer {name} has a different KV block shape")
-        if self._block_shape[:2] != (self.layout.num_kv_heads, self.layout.block_size):
+        if shape[:2] != (group.num_kv_heads, self.layout.block_size):
             raise ValueError(
                 f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
-                f"[blocks, {self.layout.num_kv_heads}, {self.layout.block_size}, content]"
+                f"[blocks, {group.num_kv_heads}, {self.layout.block_size}, content]"
             )
-        self._mover = BlockMover(
-            self._kv,
-            self.store,
-            max_inflight_bytes=self.config.max_inflight_bytes,
-            connections=self.config.connections,
-        )
-        mover = self._mover
-        logger.info(
-            "RedisConnector worker (tp rank %d): %d layers, block %s %s on %s, value %d bytes, "
-            "chunks of %d blocks, %d MiB staging, %d connection(s) per batch, store %s key "
-            "pattern %s",
-            self.tp_rank,
-            len(self._kv),
-            list(self._block_shape),
-            self._dtype,
-            self._device,
-            mover.raw_bytes,
-            mover.chunk_blocks,
-            mover.staging_bytes >> 20,
-            mover.connections,
-            self.store.safe_url,
-            self.store.key_pattern(),
-        )
+        return caches
 
     def unregister_kv_caches(self) -> None:
         """vLLM sleep mode (0.33+), before the KV cache's memory is released: no thread may
@@ -224,18 +236,13 @@ class RedisConnectorWorker:
             if time.monotonic() >= job.deadline or job.reported:
                 return  # past its deadline, or cancelled (sleep): reported, nothing to copy
             try:
-                self._receive(job, list(spec.block_ids), list(spec.hashes))
+                self._receive(job)
             except (StoreUnavailableError, StoreTimeoutError):
                 # once more for what is not copied yet, if the connection dropped and time is
                 # left (the values are only deleted after they were copied: still there)
                 if job.deadline - time.monotonic() < _RETRY_MIN_LEFT_S or not self.store.available:
                     raise
-                left = [
-                    (b, h)
-                    for b, h in zip(spec.block_ids, spec.hashes, strict=True)
-                    if b not in job.copied
-                ]
-                self._receive(job, [b for b, _ in left], [h for _, h in left])
+                self._receive(job)
         except KVStoreError as exc:
             self._redis_error(
                 exc,
@@ -259,25 +266,40 @@ class RedisConnectorWorker:
                 fut = self._cleanup_io.submit(self.store.delete, spec.drop_hashes)
                 self._track(fut, "deleting a consumed handoff")
 
-    def _receive(self, job: _LoadJob, block_ids: list[int], hashes: list[str]) -> None:
-        """Receive and copy in chunk by chunk; stops as soon as the load was reported."""
-        assert self._mover is not None
-        chunks = self._mover.receive(
-            block_ids, hashes, timeout_s=max(0.0, job.deadline - time.monotonic())
-        )
-        try:
-            for chunk in chunks:
-                if not self._copy_in(job, chunk):
-                    return
-        finally:
-            chunks.close()  # releases the staging buffer at once
+    def _uncopied(self, job: _LoadJob) -> list[tuple[int, list[int], list[str]]]:
+        """(group, block ids, keys) of each group's blocks the load has not copied yet; null
+        blocks (a sliding window's past) are neither read nor written."""
+        out = []
+        for g, (group, ids) in enumerate(zip(self.layout.groups, job.spec.block_ids, strict=True)):
+            pairs = [
+                (b, self.layout.group_key(h, group))
+                for b, h in zip(ids, job.spec.hashes, strict=True)
+                if group.holds(b) and (g, b) not in job.copied
+            ]
+            if pairs:
+                out.append((g, [b for b, _ in pairs], [k for _, k in pairs]))
+        return out
 
-    def _copy_in(self, job: _LoadJob, chunk: LoadChunk) -> bool:
+    def _receive(self, job: _LoadJob) -> None:
+        """Receive and copy in chunk by chunk, group by group, what is not copied yet; stops
+        as soon as the load was reported."""
+        for g, block_ids, keys in self._uncopied(job):
+            chunks = self._movers[g].receive(
+                block_ids, keys, timeout_s=max(0.0, job.deadline - time.monotonic())
+            )
+            try:
+                for chunk in chunks:
+                    if not self._copy_in(job, g, chunk):
+                        return
+            finally:
+                chunks.close()  # releases the staging buffer at once
+
+    def _copy_in(self, job: _LoadJob, group: int, chunk: LoadChunk) -> bool:
         with job.lock:
             if job.reported:  # the deadline passed: these blocks are no longer ours
                 return False
             copied, nbytes = chunk.copy_in()  # synchronous: done when it returns
-            job.copied.update(copied)
+            job.copied.update((group, b) for b in copied)
             job.nbytes += nbytes
         if chunk.misfits:
             self._warn(
@@ -296,26 +318,31 @@ class RedisConnectorWorker:
             if job.reported:
                 return
             job.reported = True
-            failed = [b for b in spec.block_ids if b not in job.copied]
+            failed = self._uncopied(job)
             # in the same critical section: once ``reported`` is set, the next get_finished
             # must see the load finished (it may be the call that found the deadline passed)
             with self._lock:
                 if self._jobs.get(spec.req_id) is job:
                     del self._jobs[spec.req_id]
-                self._failed_block_ids.update(failed)
+                if failed and self.layout.hybrid:
+                    # block ids are unique only within a group: vLLM takes a hybrid model's
+                    # failure per request (and recomputes all of it)
+                    self._failed_loads.add(spec.req_id)
+                else:
+                    self._failed_block_ids.update(b for _, ids, _ in failed for b in ids)
                 self._finished_loads.add(spec.req_id)
         # vLLM recomputes from the first failed block on: only the blocks before it count
-        loaded = next(
-            (i for i, b in enumerate(spec.block_ids) if b not in job.copied), len(spec.block_ids)
-        )
+        total = len(spec.hashes)
+        first_failed = min((spec.block_ids[g].index(ids[0]) for g, ids, _ in failed), default=total)
+        loaded = 0 if failed and self.layout.hybrid else first_failed
         self.stats.add(
             loads=1,
             loads_expired=int(expired),
             loads_cancelled=int(cancelled),
             blocks_loaded=loaded,
             tokens_loaded=loaded * self.layout.block_size,
-            blocks_load_failed=len(spec.block_ids) - loaded,
-            tokens_load_failed=(len(spec.block_ids) - loaded) * self.layout.block_size,
+            blocks_load_failed=total - loaded,
+            tokens_load_failed=(total - loaded) * self.layout.block_size,
             bytes_loaded=job.nbytes,
         )
         self.stats.observe("load_seconds", time.perf_counter() - job.started)
@@ -356,23 +383,39 @@ class RedisConnectorWorker:
         for commit in commits:
             self._maybe_publish(commit.req_id)
 
-    def _stage_and_submit(self, specs: list[SaveSpec]) -> None:
-        assert self._mover is not None
-        items = [
-            SaveItem(block_id, block_hash, spec.first_position + i, spec.req_id)
-            for spec in specs
-            for i, (block_id, block_hash) in enumerate(
-                zip(spec.block_ids, spec.hashes, strict=True)
-            )
+    def _save_items(self, specs: list[SaveSpec]) -> list[list[SaveItem]]:
+        """Each group's blocks to save (null blocks skipped), in the layout's group order."""
+        return [
+            [
+                SaveItem(
+                    block_id,
+                    self.layout.group_key(block_hash, group),
+                    spec.first_position + i,
+                    spec.req_id,
+                )
+                for spec in specs
+                for i, (block_id, block_hash) in enumerate(
+                    zip(spec.block_ids[g], spec.hashes, strict=True)
+                )
+                if group.holds(block_id)
+            ]
+            for g, group in enumerate(self.layout.groups)
         ]
+
+    def _stage_and_submit(self, specs: list[SaveSpec]) -> None:
         with self._lock:
             for spec in specs:
                 self._saves.setdefault(spec.req_id, _SaveTrack())
+        for g, items in enumerate(self._save_items(specs)):
+            if items:
+                self._stage_group(g, items)
+
+    def _stage_group(self, group: int, items: list[SaveItem]) -> None:
         chunks: list[SaveChunk] = []
         shed = items  # Redis is down or hung (or the KV cache asleep): do not even copy
         if self.store.available and not self._asleep:
             try:
-                chunks, shed = self._mover.stage_saves(items)
+                chunks, shed = self._movers[group].stage_saves(items)
             except Exception:  # the step goes on; these blocks are not saved (and counted)
                 logger.exception("copying %d block(s) out for saving failed", len(items))
         if shed:
@@ -389,15 +432,14 @@ class RedisConnectorWorker:
             with self._lock:
                 for owner in chunk.owners:
                     self._saves[owner].pending += 1
-            self._track(self._save_io.submit(self._write, chunk), "a save")
+            self._track(self._save_io.submit(self._write, group, chunk), "a save")
 
-    def _write(self, chunk: SaveChunk) -> None:
-        assert self._mover is not None
+    def _write(self, group: int, chunk: SaveChunk) -> None:
         t0 = time.perf_counter()
         ok = False
         nbytes = 0
         try:
-            nbytes = self._mover.write(chunk)
+            nbytes = self._movers[group].write(chunk)
             ok = True
         except KVStoreError as exc:
             self._redis_error(
@@ -418,7 +460,9 @@ class RedisConnectorWorker:
                     if track is not None:
                         track.pending -= 1
                         if ok:
-                            track.ok.update(i.position for i in chunk.items if i.owner == owner)
+                            track.ok.update(
+                                (group, i.position) for i in chunk.items if i.owner == owner
+                            )
             self.stats.add(
                 saves=1,
                 blocks_saved=len(chunk.items) if ok else 0,
@@ -442,7 +486,8 @@ class RedisConnectorWorker:
         commit = track.commit
         assert commit is not None
         n = commit.present_blocks
-        while n < commit.num_blocks and n in track.ok:
+        groups = range(len(self.layout.groups))
+        while n < commit.num_blocks and all((g, n) in track.ok for g in groups):
             n += 1
         try:
             self.store.publish_handoff(commit.handoff, n)
@@ -499,6 +544,13 @@ class RedisConnectorWorker:
             saves, self._finished_saves = self._finished_saves, set()
             loads, self._finished_loads = self._finished_loads, set()
         return saves, loads
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests (of a hybrid model) whose load failed: reported finished too, and to vLLM
+        as failed so it recomputes them."""
+        with self._lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

@@ -8,6 +8,10 @@ degenerate: greedy continuations of different prompts must differ, or equality t
 connector run and a plain run would prove nothing.
 
     python scripts/make_tiny_model.py models/tiny-llama --layers 2 --kv-heads 2 --head-size 64
+
+``--sliding-window N`` makes every second layer (1, 3, ...) attend to its last N tokens only
+(Llama's ``layer_types``, as Gemma 3 and gpt-oss mix them), so vLLM gives the full-attention and
+the sliding-window layers KV-cache groups of their own.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ def make_model(
     dtype: str = "float32",
     seed: int = 0,
     max_len: int = 4096,
+    sliding_window: int | None = None,
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -139,6 +144,11 @@ def make_model(
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
     }
+    if sliding_window:
+        cfg["sliding_window"] = sliding_window
+        cfg["layer_types"] = [
+            "sliding_attention" if i % 2 else "full_attention" for i in range(layers)
+        ]
     weights = make_weights(cfg, seed, _DTYPES[dtype])
     prompts = ["The quick brown fox", "Redis keeps the cache", "0123456789"]
     outs = [greedy_continuation(weights, cfg, tok.encode(p).ids, 8) for p in prompts]
@@ -179,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-size", type=int, default=64, help="CPU attention needs 32/64/80/...")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sliding-window", type=int, default=None, help="odd layers see only this many tokens"
+    )
     args = ap.parse_args(argv)
     path = make_model(
         args.out_dir,
@@ -188,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         head_size=args.head_size,
         dtype=args.dtype,
         seed=args.seed,
+        sliding_window=args.sliding_window,
     )
     print(path)
     return 0

@@ -48,7 +48,7 @@ def save(model: Path, url: str) -> dict[str, object]:
     run_worker_step(
         conn,
         RedisConnectorMetadata(
-            saves=[SaveSpec("x", block_ids, hashes, 0, "x")],
+            saves=[SaveSpec("x", [block_ids], hashes, 0, "x")],
             commits=[CommitSpec("x", "x", NUM_BLOCKS, 0)],
         ),
     )
@@ -63,7 +63,7 @@ def load(model: Path, url: str) -> dict[str, object]:
     block_ids = list(range(NUM_BLOCKS))
     hashes = chain_hashes(TOKENS, BS)
     run_worker_step(
-        conn, RedisConnectorMetadata(loads=[LoadSpec("y", block_ids, hashes, timeout_s=30)])
+        conn, RedisConnectorMetadata(loads=[LoadSpec("y", [block_ids], hashes, timeout_s=30)])
     )
     deadline = time.monotonic() + 30
     while "y" not in (conn.get_finished(set())[1] or set()) and time.monotonic() < deadline:

@@ -21,7 +21,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -45,12 +50,14 @@ def make_configs(
     num_blocks: int = 1000,
     max_num_seqs: int = 16,
     failure_policy: Literal["recompute", "fail"] = "recompute",
+    sliding_window: int | None = None,
     **extra: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
-    (``num_blocks`` blocks); ``extra`` (``url`` among them) goes to
-    ``kv_connector_extra_config``. Lookups are waited for up to 1 s in the step that starts
-    them, unless ``lookup_wait_s`` says otherwise."""
+    (``num_blocks`` blocks); with ``sliding_window``, its second layer sees only that many
+    tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator. ``extra``
+    (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
+    1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -72,15 +79,22 @@ def make_configs(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.block_size = BS
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
+    geometry: dict[str, Any] = {
+        "block_size": BS,
+        "num_kv_heads": 2,
+        "head_size": 64,
+        "dtype": torch.float32,
+    }
+    groups = [KVCacheGroupSpec(LAYERS, FullAttentionSpec(**geometry))]
+    if sliding_window:
+        groups = [
+            KVCacheGroupSpec(LAYERS[:1], FullAttentionSpec(**geometry)),
             KVCacheGroupSpec(
-                LAYERS,
-                FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.float32),
-            )
-        ],
+                LAYERS[1:], SlidingWindowSpec(**geometry, sliding_window=sliding_window)
+            ),
+        ]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return vllm_config, kv_cache_config
@@ -152,8 +166,20 @@ def make_request(
 
 
 def runner_output(
-    reqs: list[Request], recving: set[str] | None = None, invalid: set[int] | None = None
+    reqs: list[Request],
+    recving: set[str] | None = None,
+    invalid: set[int] | None = None,
+    failed: set[str] | None = None,
 ) -> ModelRunnerOutput:
+    """``failed``: loads that failed as a whole (vLLM 0.32+; reported finished too)."""
+    connector_output = None
+    if recving or invalid or failed:
+        connector_output = KVConnectorOutput(
+            finished_recving=(recving or set()) | (failed or set()),
+            invalid_block_ids=invalid or set(),
+        )
+        if failed:
+            connector_output.failed_recving = failed
     return ModelRunnerOutput(
         req_ids=[r.request_id for r in reqs],
         req_id_to_index={r.request_id: i for i, r in enumerate(reqs)},
@@ -161,9 +187,5 @@ def runner_output(
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=None,
-        kv_connector_output=KVConnectorOutput(
-            finished_recving=recving, invalid_block_ids=invalid or set()
-        )
-        if (recving or invalid)
-        else None,
+        kv_connector_output=connector_output,
     )

@@ -139,25 +139,27 @@ class SimEngine:
 
     def _instrument(self) -> None:
         worker = self.worker
-        mover = worker._mover
-        assert mover is not None
-        real_copy_in, real_scatter = worker._copy_in, mover.kv.scatter
+        real_copy_in = worker._copy_in
         tls = self._tls
 
-        def copy_in(job: Any, chunk: Any) -> bool:
+        def copy_in(job: Any, group: int, chunk: Any) -> bool:
             tls.req_id = job.spec.req_id
             try:
-                return real_copy_in(job, chunk)
+                return real_copy_in(job, group, chunk)
             finally:
                 tls.req_id = None
 
-        def scatter(ids: torch.Tensor, src: torch.Tensor) -> None:
-            with self.world:
-                self._check_writes(getattr(tls, "req_id", None), ids.tolist())
-                real_scatter(ids, src)
+        def checked(real_scatter: Any) -> Any:
+            def scatter(ids: torch.Tensor, src: torch.Tensor) -> None:
+                with self.world:
+                    self._check_writes(getattr(tls, "req_id", None), ids.tolist())
+                    real_scatter(ids, src)
+
+            return scatter
 
         worker._copy_in = copy_in  # type: ignore[method-assign]
-        mover.kv.scatter = scatter  # type: ignore[method-assign,assignment]
+        for mover in worker._movers:
+            mover.kv.scatter = checked(mover.kv.scatter)  # type: ignore[method-assign]
 
     def _check_writes(self, req_id: str | None, block_ids: list[int]) -> None:
         req = self.sched.requests.get(req_id) if req_id else None

@@ -125,7 +125,7 @@ def test_consumer_loads_a_handoff_asynchronously_and_never_the_last_token(
     out = sched.schedule()
     meta = meta_of(out)
     assert [(s.req_id, s.hashes) for s in meta.loads] == [("r1", chain[:3])]
-    assert len(meta.loads[0].block_ids) == 3 and 0 < meta.loads[0].timeout_s <= 3
+    assert [len(ids) for ids in meta.loads[0].block_ids] == [3] and 0 < meta.loads[0].timeout_s <= 3
     assert meta.loads[0].drop_hashes == chain  # consume mode: the whole chain goes after
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.num_scheduled_tokens == {}
@@ -357,7 +357,7 @@ def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.Fa
     params, _ = hand_off(sched, tokens, 4, commit=4)
     sched.add_request(make_request("r", tokens, params))
     out = sched.schedule()
-    block_ids = meta_of(out).loads[0].block_ids
+    (block_ids,) = meta_of(out).loads[0].block_ids
     # the worker found block 2 corrupt: it reports it with the finished load
     sched.update_from_output(out, runner_output([], recving={"r"}, invalid={block_ids[2]}))
     out2 = sched.schedule()
@@ -374,7 +374,7 @@ def test_share_mode_saves_a_block_again_when_its_load_failed(
     req = make_request("s", tokens)
     sched.add_request(req)
     out = sched.schedule()
-    block_ids = meta_of(out).loads[0].block_ids
+    (block_ids,) = meta_of(out).loads[0].block_ids
     sched.update_from_output(out, runner_output([], recving={"s"}, invalid={block_ids[1]}))
     out = sched.schedule()  # recomputes blocks 1..; they replace the bad values in the pool
     assert [h for s in meta_of(out).saves for h in s.hashes] == hashes[1:4]
@@ -430,7 +430,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
         meta = meta_of(out)
         assert meta.loads == []  # a producer never loads
         for s in meta.saves:
-            assert len(s.block_ids) == len(s.hashes)
+            assert [len(ids) for ids in s.block_ids] == [len(s.hashes)]
             saved += s.hashes
             positions.append(s.first_position)
             handoffs.add(s.handoff)

@@ -56,7 +56,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
 
     worker.store.select_into = slow_select  # type: ignore[method-assign]
     run_worker_step(
-        conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [3, 4], hashes, timeout_s=30)])
+        conn, RedisConnectorMetadata(loads=[LoadSpec("r1", [[3, 4]], hashes, timeout_s=30)])
     )
 
     t0 = time.monotonic()
@@ -72,8 +72,8 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     run_worker_step(
         conn,
         RedisConnectorMetadata(
-            loads=[LoadSpec("r2", [5], hashes[:1], timeout_s=30)],
-            saves=[SaveSpec("r3", [6], ["ab" * 16], 0, "h3")],
+            loads=[LoadSpec("r2", [[5]], hashes[:1], timeout_s=30)],
+            saves=[SaveSpec("r3", [[6]], ["ab" * 16], 0, "h3")],
         ),
     )
     assert finished_loads(conn) == {"r2"} and conn.get_block_ids_with_load_errors() == {5}
@@ -86,7 +86,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     conn.restore_kv_caches()  # vLLM: wake_up()
     conn.restore_kv_caches()
     run_worker_step(
-        conn, RedisConnectorMetadata(loads=[LoadSpec("r4", [1, 2], hashes, timeout_s=30)])
+        conn, RedisConnectorMetadata(loads=[LoadSpec("r4", [[1, 2]], hashes, timeout_s=30)])
     )
     assert finished_loads(conn) == {"r4"} and conn.get_block_ids_with_load_errors() == set()
     for name in LAYERS:

@@ -95,7 +95,7 @@ def wait_loaded(worker: RedisConnectorWorker, req_id: str, timeout_s: float = 10
 
 
 def load(req: str, block_ids: list[int], hashes: list[str], **kw: object) -> RedisConnectorMetadata:
-    spec = LoadSpec(req, block_ids, hashes, timeout_s=kw.pop("timeout_s", 10.0), **kw)  # type: ignore[arg-type]
+    spec = LoadSpec(req, [block_ids], hashes, timeout_s=kw.pop("timeout_s", 10.0), **kw)  # type: ignore[arg-type]
     return RedisConnectorMetadata(loads=[spec])
 
 
@@ -119,7 +119,7 @@ def save(
     commit: int | None = None,
 ) -> None:
     """Save a request's blocks (chain positions 0..) and, with ``commit``, finish it."""
-    meta = RedisConnectorMetadata(saves=[SaveSpec(req, block_ids, hashes, 0, f"h{req}")])
+    meta = RedisConnectorMetadata(saves=[SaveSpec(req, [block_ids], hashes, 0, f"h{req}")])
     step(worker, meta)
     if commit is not None:  # the next step: the request finished
         step(worker, RedisConnectorMetadata(commits=[CommitSpec(req, f"h{req}", commit, 0)]))
@@ -230,8 +230,8 @@ def test_saves_are_shed_and_counted_when_staging_is_full() -> None:
 def test_steady_state_reuses_staging_buffers() -> None:
     client = fakeredis.FakeRedis()
     worker, _kv = make_worker(client)
-    assert worker._mover is not None
-    pool = worker._mover._save_pool
+    assert worker._movers
+    pool = worker._movers[0]._save_pool
     before = {b.data_ptr() for b in pool._free}
     for step in range(5):
         hashes = chain_hashes(list(range(step, step + 2 * N)), N)
@@ -257,7 +257,7 @@ def test_cuda_pinned_staging_round_trip(dst_layout: str) -> None:
     client = fakeredis.FakeRedis()
     src, src_kv = make_worker(client, device="cuda")
     dst, dst_kv = make_worker(client, device="cuda", physical=dst_layout)
-    assert src._mover is not None and src._mover._save_pool.pinned
+    assert src._movers[0]._save_pool.pinned
     fill_random(src_kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(src, "p", [3, 4], hashes)
@@ -372,9 +372,9 @@ def test_a_load_whose_thread_is_still_reporting_at_its_deadline_is_reported_then
 def test_lz4_staging_is_sized_from_the_uncompressed_value_and_round_trips() -> None:
     client = fakeredis.FakeRedis()
     worker, kv = make_worker(client, compression="lz4", max_inflight_bytes=1 << 20)
-    assert worker._mover is not None
+    assert worker._movers
     # formerly sized from a compressed all-zero block: thousands of buffers, far over the bound
-    assert worker._mover.staging_bytes <= 1 << 20
+    assert worker._movers[0].staging_bytes <= 1 << 20
     fill_random(kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(worker, "p", [0, 1], hashes)
@@ -401,8 +401,8 @@ def test_a_failed_write_ends_the_committed_chain_there() -> None:
         return real(items, **kw)
 
     worker.store.insert_parts = second_write_fails  # type: ignore[method-assign]
-    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes[:2], 0, "hp")]))
-    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [2, 3], hashes[2:], 2, "hp")]))
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [[0, 1]], hashes[:2], 0, "hp")]))
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [[2, 3]], hashes[2:], 2, "hp")]))
     step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 4, 0)]))
     settle(worker)
     assert worker.store.read_handoff("hp", hashes).committed == 2
@@ -523,7 +523,7 @@ def test_a_finished_requests_blocks_are_released_soon_even_if_redis_hangs() -> N
 
     worker.store.insert_parts = hung_write  # type: ignore[method-assign]
     hashes = chain_hashes(list(range(2 * N)), N)
-    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")]))
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [[0, 1]], hashes, 0, "hp")]))
     step(worker, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 2, 0)]))
     t0 = time.monotonic()
     finished: set[str] = set()
@@ -561,7 +561,7 @@ def test_a_commit_in_a_step_without_a_forward_pass_is_published() -> None:
     worker, kv = make_worker(client)
     fill_random(kv)
     hashes = chain_hashes(list(range(2 * N)), N)
-    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [0, 1], hashes, 0, "hp")]))
+    step(worker, RedisConnectorMetadata(saves=[SaveSpec("p", [[0, 1]], hashes, 0, "hp")]))
     worker.start_load_kv(RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 2, 0)]))
     assert worker.get_finished()[0] == {"p"}
     settle(worker)
@@ -573,12 +573,12 @@ def test_a_failed_copy_out_sheds_the_blocks_and_the_commit_still_comes() -> None
     escape ``wait_for_save`` into vLLM's step."""
     client = fakeredis.FakeRedis()
     worker, _ = make_worker(client)
-    assert worker._mover is not None
+    assert worker._movers
 
     def broken(*a: object, **k: object) -> None:
         raise RuntimeError("injected: copy failed")
 
-    worker._mover.kv.gather = broken  # type: ignore[method-assign]
+    worker._movers[0].kv.gather = broken  # type: ignore[method-assign]
     hashes = chain_hashes(list(range(2 * N)), N)
     save(worker, "p", [0, 1], hashes, commit=2)  # must not raise
     stats = worker.take_stats()

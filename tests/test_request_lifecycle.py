@@ -417,7 +417,7 @@ def test_a_corrupt_block_is_recomputed_once_and_saved_again(
             break
         loads += reader.step().output.kv_connector_metadata.loads
         time.sleep(0.002)
-    assert [len(s.block_ids) for s in loads] == [5]  # one load, never retried
+    assert [len(s.block_ids[0]) for s in loads] == [5]  # one load, never retried
     saves = reader.worker.stats.take()
     # blocks 3 and 4 arrived, but vLLM recomputes from block 2 on: they count as failed
     assert saves["blocks_loaded"] == 2 and saves["blocks_load_failed"] == 3
@@ -471,7 +471,7 @@ def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
 
     conn.update_state_after_alloc(req, Blocks(), 2 * BS + 3)  # 2 blocks and a part of a third
     (load,) = conn._pending_loads
-    assert load.block_ids == [10, 11, 12] and load.hashes == hashes[:3]
+    assert load.block_ids == [[10, 11, 12]] and load.hashes == hashes[:3]
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 

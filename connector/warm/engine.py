@@ -63,6 +63,12 @@ class WarmEngine:
                 "is another package registered as RedisConnector?"
             )
         doc = json.loads(text)
+        if len(doc.get("groups", [None])) > 1:
+            raise RuntimeError(
+                "this model has several KV-cache groups (sliding-window or hybrid layers); the "
+                "warm command does not support such models yet: warm it by sending its prompts "
+                "to a share-mode server instead"
+            )
         self.layout = StoreLayout(
             doc["namespace"], int(doc["block_size"]), list(doc["fingerprints"]), doc["model_id"]
         )
