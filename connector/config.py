@@ -48,6 +48,9 @@ class RedisConnectorConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # set by the connector, not by users: why this engine cannot compute on top of loaded KV
+    # (it then saves but never loads)
+    cannot_load: str | None = None
 
     @property
     def saves(self) -> bool:
@@ -55,7 +58,7 @@ class RedisConnectorConfig:
 
     @property
     def loads(self) -> bool:
-        return self.role in ("kv_consumer", "kv_both")
+        return self.role in ("kv_consumer", "kv_both") and self.cannot_load is None
 
     @property
     def consume(self) -> bool:
@@ -99,7 +102,7 @@ class RedisConnectorConfig:
         parse_url(url)  # a bad URL fails here, at startup, with a redacted message
         if "load_timeout_s" in extra:  # the name before per-request deadlines
             extra.setdefault("deadline_s", extra.pop("load_timeout_s"))
-        known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role")}
+        known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role", "cannot_load")}
         unknown = set(extra) - known
         if unknown:
             raise InvalidArgumentError(

@@ -12,6 +12,7 @@ This class only dispatches: the scheduler side lives in ``scheduler.py``, the wo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
@@ -67,15 +68,15 @@ def _optional(module: str, name: str) -> Any:
 
 # vLLM 0.32+: per-source prefix-cache hit metrics
 CacheHitSource = _optional("vllm.v1.metrics.cache_hit_source", "CacheHitSource")
-# vLLM 0.32+: a load can fail per request. A hybrid model's block ids are unique only within a
-# KV-cache group, so vLLM takes its load failures only this way.
+# A load can fail per request (vLLM 0.30-0.33 all can). A hybrid model's block ids are unique
+# only within a KV-cache group, so vLLM takes its load failures only this way.
 KVConnectorTransferResults = _optional(
     "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorTransferResults"
 )
 SupportsHMA = _optional("vllm.distributed.kv_transfer.kv_connector.v1.base", "SupportsHMA")
 # The hybrid memory allocator (sliding-window layers keep only their window, hybrid models'
-# groups) is declared only where vLLM can take a failed load per request; elsewhere vLLM turns
-# it off and gives the connector one group of full-size blocks, as before.
+# groups) is declared only where vLLM can take a failed load per request; on a release without
+# that, vLLM would turn it off and give the connector one group of full-size blocks.
 _HMA_BASES: tuple[type, ...] = (
     (SupportsHMA,) if SupportsHMA is not None and KVConnectorTransferResults is not None else ()
 )
@@ -139,6 +140,17 @@ def cpu_threads_note(device_type: str, env: Mapping[str, str]) -> str | None:
     )
 
 
+def load_refusal(device_type: str, use_mla: bool) -> str | None:
+    """Why an engine cannot compute on top of KV loaded from outside, or None."""
+    if device_type == "cpu" and use_mla:
+        return (
+            "vLLM's CPU MLA backend computes a prompt without the KV already in the cache (the "
+            "CPU platform turns prefix caching and chunked prefill off for MLA), so a loaded "
+            "prefix would give wrong outputs"
+        )
+    return None
+
+
 class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -149,6 +161,15 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             logger.warning(_VERSION_WARNING)
         ktc = self._kv_transfer_config
         self.rc = RedisConnectorConfig.from_extra(ktc.kv_connector_extra_config, str(ktc.kv_role))
+        refusal = load_refusal(
+            vllm_config.device_config.device_type, bool(vllm_config.model_config.use_mla)
+        )
+        if refusal and self.rc.role == "kv_consumer":
+            raise ValueError(f"RedisConnector cannot be a kv_consumer here: {refusal}")
+        if refusal and self.rc.loads:
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning("RedisConnector saves but never loads on this engine: %s", refusal)
+            self.rc = dataclasses.replace(self.rc, cannot_load=refusal)
         self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.rc.model_id)
         if self.rc.loads and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
@@ -270,7 +291,7 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """vLLM 0.32+: finished saves and loads, and the loads that failed as a whole (a
+        """Finished saves and loads, and the loads that failed as a whole (a
         hybrid model's; they are among the finished too)."""
         sending, recving = self.worker.get_finished()
         failed = self.worker.take_failed_loads()
@@ -353,5 +374,5 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         return self.scheduler.request_finished(request)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        """vLLM 0.32+: a load restores every group this connector stores."""
+        """vLLM 0.32+ (its KV-zeroing skips these): a load restores every group stored."""
         return tuple(group.index for group in self.layout.groups)

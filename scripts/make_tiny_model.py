@@ -12,6 +12,11 @@ connector run and a plain run would prove nothing.
 ``--sliding-window N`` makes every second layer (1, 3, ...) attend to its last N tokens only
 (Llama's ``layer_types``, as Gemma 3 and gpt-oss mix them), so vLLM gives the full-attention and
 the sliding-window layers KV-cache groups of their own.
+
+``--family deepseek_v2`` writes a DeepSeek-V2 instead (MLA attention: one latent KV of
+``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 per token, the dims vLLM's CPU kernel takes),
+through transformers' own model class, randomly initialised from the seed (not checked by the
+Llama reference forward below).
 """
 
 from __future__ import annotations
@@ -109,6 +114,40 @@ def greedy_continuation(w: dict[str, torch.Tensor], cfg: dict, ids: list[int], n
     return ids[-n:]
 
 
+def write_deepseek_v2(out_dir: Path, *, layers: int, hidden: int, seed: int, dtype: str) -> None:
+    """A DeepSeek-V2 with MLA attention and dense MLPs (no experts), saved by transformers."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=384,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        first_k_dense_replace=layers,  # every layer dense: no experts to route
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        # large-ish init (not 0.02) so logits are peaked and depend on the whole context
+        initializer_range=0.2,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(cfg).to(_DTYPES[dtype])
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
 def make_model(
     out_dir: Path,
     *,
@@ -120,6 +159,7 @@ def make_model(
     seed: int = 0,
     max_len: int = 4096,
     sliding_window: int | None = None,
+    family: str = "llama",
 ) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer()
@@ -149,13 +189,18 @@ def make_model(
         cfg["layer_types"] = [
             "sliding_attention" if i % 2 else "full_attention" for i in range(layers)
         ]
-    weights = make_weights(cfg, seed, _DTYPES[dtype])
-    prompts = ["The quick brown fox", "Redis keeps the cache", "0123456789"]
-    outs = [greedy_continuation(weights, cfg, tok.encode(p).ids, 8) for p in prompts]
-    if len({tuple(o) for o in outs}) < len(outs) or any(len(set(o)) < 2 for o in outs):
-        raise SystemExit(f"degenerate model (seed {seed}): continuations {outs}; try another seed")
-    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    if family == "deepseek_v2":
+        write_deepseek_v2(out_dir, layers=layers, hidden=hidden, seed=seed, dtype=dtype)
+    else:
+        weights = make_weights(cfg, seed, _DTYPES[dtype])
+        prompts = ["The quick brown fox", "Redis keeps the cache", "0123456789"]
+        outs = [greedy_continuation(weights, cfg, tok.encode(p).ids, 8) for p in prompts]
+        if len({tuple(o) for o in outs}) < len(outs) or any(len(set(o)) < 2 for o in outs):
+            raise SystemExit(
+                f"degenerate model (seed {seed}): continuations {outs}; try another seed"
+            )
+        save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(
         json.dumps(
@@ -192,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sliding-window", type=int, default=None, help="odd layers see only this many tokens"
     )
+    ap.add_argument("--family", choices=["llama", "deepseek_v2"], default="llama")
     args = ap.parse_args(argv)
     path = make_model(
         args.out_dir,
@@ -202,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=args.dtype,
         seed=args.seed,
         sliding_window=args.sliding_window,
+        family=args.family,
     )
     print(path)
     return 0

@@ -171,7 +171,7 @@ def runner_output(
     invalid: set[int] | None = None,
     failed: set[str] | None = None,
 ) -> ModelRunnerOutput:
-    """``failed``: loads that failed as a whole (vLLM 0.32+; reported finished too)."""
+    """``failed``: loads that failed as a whole (reported finished too)."""
     connector_output = None
     if recving or invalid or failed:
         connector_output = KVConnectorOutput(

@@ -4,6 +4,7 @@ scheduler receives, the way vLLM's own connector unit tests do it."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from vllm.v1.request import RequestStatus
 from connector.chains import handoff_salt
 from connector.layout import KVLayout
 from connector.metadata import RedisConnectorMetadata
-from kvstore import Claim, LookupBuffer, StoreTimeoutError, chain_hashes
+from kvstore import Claim, InvalidArgumentError, LookupBuffer, StoreTimeoutError, chain_hashes
 from testing.scheduler_harness import BS, LAYERS, Role, make_request, runner_output
 from testing.scheduler_harness import make_scheduler as _make_scheduler
 
@@ -612,3 +613,22 @@ def test_cpu_servers_say_why_their_bf16_outputs_may_differ(
     assert (note is not None) == said
     if note:
         assert "VLLM_CPU_OMP_THREADS_BIND" in note
+
+
+def test_an_engine_that_cannot_attend_to_a_loaded_prefix_saves_but_never_loads() -> None:
+    """vLLM's CPU MLA backend computes prompts without the KV already cached (a loaded prefix
+    gave wrong tokens, tests/test_e2e_mla.py): such an engine never loads; elsewhere it does."""
+    from connector.config import RedisConnectorConfig
+    from connector.redis_connector import load_refusal
+
+    assert load_refusal("cpu", use_mla=False) is None
+    assert load_refusal("cuda", use_mla=True) is None
+    why = load_refusal("cpu", use_mla=True)
+    assert why is not None and "MLA" in why
+    config = RedisConnectorConfig.from_extra({"url": "redis://r:6379/0"}, "kv_both")
+    assert config.loads and config.saves
+    refused = dataclasses.replace(config, cannot_load=why)
+    assert not refused.loads and refused.saves
+    assert refused.operations("worker") == ["ping", "insert"]
+    with pytest.raises(InvalidArgumentError, match="unknown"):  # not a user setting
+        RedisConnectorConfig.from_extra({"url": "redis://r:6379/0", "cannot_load": "x"}, "kv_both")

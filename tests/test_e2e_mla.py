@@ -1,0 +1,85 @@
+"""An MLA model (a tiny DeepSeek-V2) on real vLLM CPU engines.
+
+vLLM's CPU MLA backend computes a prompt without the KV already in its cache: the CPU platform
+turns prefix caching and chunked prefill off for MLA models. Measured before the connector knew
+it: an instance that loaded a 640-token prefix from Redis answered with other tokens than a
+connector-less server (11 of 12 differed). So on a CPU MLA engine the connector saves and never
+loads, says so once at startup, and its outputs are a connector-less server's, bit for bit.
+
+Engines, each pinned to one core: ``plain`` (no connector) and ``saver`` (share mode, an empty
+Redis) run the same prompts side by side; then ``again``, a fresh share-mode instance, runs them
+with every block in Redis.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testing.redis_server import RedisServer
+
+from .e2e_helpers import ROOT, finish, one_per_phase, start_engine, tokens
+
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
+
+PREFIX = tokens(640, 1)
+PROMPTS = {"first": PREFIX + tokens(60, 2), "share": PREFIX + tokens(60, 10)}
+RUN = {"max_tokens": 12}
+BLOCK = 16  # the CPU MLA kernel's block size
+
+
+@pytest.fixture(scope="module")
+def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("models") / "tiny-deepseek-v2"
+    script = ROOT / "scripts" / "make_tiny_model.py"
+    subprocess.run(
+        [sys.executable, str(script), str(out), "--family", "deepseek_v2"],
+        check=True,
+        capture_output=True,
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, mla_model: Path) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("mla")
+    phases = one_per_phase(PROMPTS, list(PROMPTS))
+    out: dict[str, Any] = {}
+    with RedisServer() as server:
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        plain = start_engine(tmp, "plain", mla_model, phases, core=0, **RUN)
+        saver = start_engine(tmp, "saver", mla_model, phases, core=1, **RUN, **share)
+        out["plain"], out["saver"] = finish(plain), finish(saver)
+        out["saver_log"] = saver[0].log.read_text(errors="replace")
+        out["again"] = finish(start_engine(tmp, "again", mla_model, phases, core=0, **RUN, **share))
+    return out
+
+
+def test_the_model_tells_prompts_apart(runs: dict[str, Any]) -> None:
+    outputs = {tuple(p["token_ids"]) for p in runs["plain"]["prompts"].values()}
+    assert len(outputs) == len(PROMPTS)
+
+
+def test_a_cpu_mla_engine_saves_says_it_never_loads_and_answers_as_without_the_connector(
+    runs: dict[str, Any],
+) -> None:
+    assert "saves but never loads on this engine" in runs["saver_log"]
+    for name in ("saver", "again"):
+        for pid, want in runs["plain"]["prompts"].items():
+            got = runs[name]["prompts"][pid]
+            assert got["token_ids"] == want["token_ids"], (name, pid)
+            assert got["logprobs"] == want["logprobs"], (name, pid)
+            assert got["num_cached_tokens"] == 0, (name, pid)
+    saved = runs["saver"]["metrics"]
+    # 43 + 43 full prompt blocks; the shared prefix's 40 are written again by the second prompt
+    # (share mode asks Redis only when it loads), every one a [16, 576] latent block per layer
+    assert saved["vllm:redis_kv_blocks_saved"] == 2 * (700 // BLOCK)
+    assert (
+        saved["vllm:redis_kv_bytes_saved"]
+        > saved["vllm:redis_kv_blocks_saved"] * 2 * BLOCK * 576 * 4
+    )
+    assert runs["again"]["metrics"].get("vllm:redis_kv_blocks_loaded", 0) == 0
