@@ -11,6 +11,7 @@ A model with one group keeps the keys and fingerprint it always had."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +48,24 @@ class KVGroup:
         holds vLLM's null block where the window has passed (never read, never written; a
         full-attention group never holds it)."""
         return self.kind == "full" or block_id != NULL_BLOCK_ID
+
+    def first_needed(self, blocks: int, block_size: int) -> int:
+        """The first chain position a hit of ``blocks`` leading blocks needs from this group:
+        vLLM gives the positions before it the null block (its ``get_num_skipped_tokens``;
+        without speculative decoding's extra retained tokens, which only make a load fail
+        and recompute)."""
+        kind, _, size = self.kind.partition("=")
+        tokens = blocks * block_size
+        if kind == "sliding_window":
+            return max(0, tokens - int(size) + 1) // block_size
+        if kind == "chunked_local":
+            return tokens // int(size) * int(size) // block_size
+        return 0
+
+    @property
+    def windowed(self) -> bool:
+        """Its block table holds the null block where tokens no longer count."""
+        return self.kind.startswith(("sliding_window=", "chunked_local="))
 
 
 class UnsupportedModelError(ValueError):
@@ -99,6 +118,8 @@ class KVLayout:
     hf_overrides: str | None = None
     # every KV-cache group; () means one group of all ``layer_names`` (what the fields above say)
     groups: tuple[KVGroup, ...] = ()
+    # vLLM's KV-cache groups, stored or not (a group vLLM rebuilds after a load is not)
+    engine_groups: int = 1
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -115,6 +136,34 @@ class KVLayout:
     def group_key(self, block_hash: str, group: KVGroup) -> str:
         """The name of ``group``'s block at the position ``block_hash`` names."""
         return f"{block_hash}.g{group.index}" if self.hybrid else block_hash
+
+    @property
+    def fails_per_request(self) -> bool:
+        """A failed load fails its whole request: block ids are unique only within a group, and
+        cutting a windowed group's hit short at a failed block would leave the window before
+        it on null blocks."""
+        return self.engine_groups > 1 or any(g.windowed for g in self.groups)
+
+    def usable_prefix(self, present: Callable[[int, int], bool], start: int, end: int) -> int:
+        """The longest hit (in leading blocks, ``start`` at least: those are vLLM's own) whose
+        every needed block is present: ``present(g, p)`` says whether group ``g`` (an index
+        into ``groups``) has position ``p``. A full group needs every position, a windowed
+        group only the window before the hit's end."""
+        for g, group in enumerate(self.groups):
+            if not group.windowed:  # every position up to the hit's end
+                p = start
+                while p < end and present(g, p):
+                    p += 1
+                end = p
+        windowed = [(g, group) for g, group in enumerate(self.groups) if group.windowed]
+        for n in range(end, start, -1):
+            if all(
+                present(g, p)
+                for g, group in windowed
+                for p in range(max(start, group.first_needed(n, self.block_size)), n)
+            ):
+                return n
+        return start
 
     def keys_of(self, hashes: list[str]) -> list[str]:
         """Every group's key at each position, position by position: a chain's leading keys
@@ -175,6 +224,7 @@ class KVLayout:
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             hf_overrides=describe_overrides(getattr(model_config, "hf_overrides", None)),
             groups=tuple(groups),
+            engine_groups=len(kv_cache_config.kv_cache_groups),
         )
 
     def fingerprint(self, tp_rank: int) -> str:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvstore import LookupBuffer
 
+from .layout import KVLayout
 from .stats import StatsBuffer
 
 MAX_BATCH = 256  # lookups in one round trip
@@ -62,15 +62,13 @@ class LookupBatcher:
         fingerprints: list[str],
         threads: int,
         stats: StatsBuffer,
-        keys_of: Callable[[list[str]], list[str]] = list,
+        layout: KVLayout,
     ) -> None:
         self.store = store
         self.fingerprints = fingerprints
-        # a chain's hashes -> the keys asked about, position by position (one per KV-cache
-        # group of a hybrid model); leading keys present // keys per position = positions
-        self._keys_of = keys_of
-        self._per_position = max(1, len(keys_of(["0"])))
         self.stats = stats
+        # a position's keys: one per KV-cache group; which of them a hit needs is the layout's
+        self._layout = layout
         self._queue: queue.SimpleQueue[Lookup | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._serve, name=f"redis-kv-lookup-{i}", daemon=True)
@@ -118,18 +116,18 @@ class LookupBatcher:
             pool = [j for j in batch if j.handoff_id is None]
             handoffs = [j for j in batch if j.handoff_id is not None]
             if pool:
-                counts = self.store.longest_prefixes(
-                    [self._keys_of(j.hashes) for j in pool], self.fingerprints
+                found = self.store.presences(
+                    [self._layout.keys_of(j.hashes) for j in pool], self.fingerprints
                 )
-                for j, n in zip(pool, counts, strict=True):
-                    j.future.set_result(LookupResult(j.start + n // self._per_position))
+                for j, keys in zip(pool, found, strict=True):
+                    j.future.set_result(LookupResult(self._usable(j, keys)))
             if handoffs:
                 states = self.store.read_handoffs(
-                    [(j.handoff_id or "", self._keys_of(j.hashes)) for j in handoffs],
+                    [(j.handoff_id or "", self._layout.keys_of(j.hashes)) for j in handoffs],
                     self.fingerprints,
                 )
                 for j, s in zip(handoffs, states, strict=True):
-                    present = j.start + s.present // self._per_position
+                    present = self._usable(j, list(s.blocks))
                     j.future.set_result(LookupResult(present, s.committed, s.taken, s.pending))
         except BaseException as exc:  # every waiting request must hear back
             for j in batch:
@@ -139,6 +137,13 @@ class LookupBatcher:
             took = time.perf_counter() - t0
             for _ in batch:
                 self.stats.observe("lookup_seconds", took)
+
+    def _usable(self, job: Lookup, keys: list[bool]) -> int:
+        """The longest hit (absolute, in blocks) the keys found make loadable."""
+        groups = len(self._layout.groups)
+        return self._layout.usable_prefix(
+            lambda g, p: keys[(p - job.start) * groups + g], job.start, job.start + len(job.hashes)
+        )
 
     def shutdown(self) -> None:
         self._closed = True

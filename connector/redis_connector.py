@@ -291,12 +291,11 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
-        """Finished saves and loads, and the loads that failed as a whole (a
-        hybrid model's; they are among the finished too)."""
-        sending, recving = self.worker.get_finished()
-        failed = self.worker.take_failed_loads()
+        """Finished saves and loads, and the loads that failed as a whole (several KV-cache
+        groups, or a windowed one; they are among the finished too)."""
+        sending, recving, failed = self.worker.take_transfer_results()
         return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving | failed, failed_recving=failed
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -47,9 +47,10 @@ is not waited for again). A callback not listed for a state is not made in it, o
 nothing.
 
 A model with several KV-cache groups (full attention, sliding window) keeps one chain of
-positions: each group's block at a position is its own key (``KVLayout.group_key``), a lookup
-counts a position only when every group has it, and loads and saves carry every group's block
-ids (a sliding window's past is vLLM's null block, which the worker skips).
+positions: each group's block at a position is its own key (``KVLayout.group_key``), a hit
+needs every full-attention block and only a windowed group's window (``usable_prefix``), and
+loads and saves carry every group's block ids (a sliding window's past is vLLM's null block,
+which the worker skips).
 
 "Drop the handoff" (consume mode): once its producer is done writing, claim it, and delete its
 chain and record unless another request's claim is there (``drops.py``). "Finished sending"
@@ -168,7 +169,7 @@ class RedisConnectorScheduler:
         # this step's lookups wait together until this moment (None: no wait yet this step)
         self._step_wait_until: float | None = None
         self._lookups = LookupBatcher(
-            store, self.fingerprints, config.lookup_threads, self.stats, layout.keys_of
+            store, self.fingerprints, config.lookup_threads, self.stats, layout
         )
         # deletes and handoff records never hold up lookups
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
@@ -440,7 +441,7 @@ class RedisConnectorScheduler:
         if not self.config.consume:
             for h in st.load_hashes[start:end]:
                 self._loading[h] = rid
-        if not self.layout.hybrid:  # (a hybrid model's failed loads fail the whole request)
+        if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
         claim = None
@@ -494,7 +495,8 @@ class RedisConnectorScheduler:
                 st.saved_blocks = min(st.saved_blocks, owner[1])
                 st.present_blocks = min(st.present_blocks, owner[1])
         for req_id in getattr(output, "failed_recving", None) or ():
-            # a hybrid model's load failed in some group: vLLM recomputes the whole prompt
+            # a load failed as a whole (several groups, or a windowed one): vLLM recomputes the
+            # whole prompt
             st = self._reqs.get(req_id)
             if st is not None and st.same_chain:  # share mode: save what was not loaded again
                 st.saved_blocks = min(st.saved_blocks, st.load_range[0])
@@ -535,7 +537,7 @@ class RedisConnectorScheduler:
             if st is None:
                 continue
             new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
+            if req_id in cached.resumed_req_ids or not st.block_ids:
                 st.block_ids = self._per_group(new_ids)
             elif new_ids:
                 for ids, more in zip(st.block_ids, self._per_group(new_ids), strict=True):

@@ -107,7 +107,7 @@ class RedisConnectorWorker:
         self._finished_loads: set[str] = set()
         self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
-        self._failed_loads: set[str] = set()  # hybrid models: a failed load fails its request
+        self._failed_loads: set[str] = set()  # loads failed as a whole (fails_per_request)
         self._pending: set[Future[Any]] = set()
         self._failures = FailureCounts()  # never reset (stats are): drives sparse logging
 
@@ -119,13 +119,15 @@ class RedisConnectorWorker:
         with self._lock:
             self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
             self._kv_asleep, self._asleep = {}, False
-        # the staging budget is shared by the groups' movers
-        budget = max(1, self.config.max_inflight_bytes // len(self.layout.groups))
+        # the staging budget is shared by the groups' movers, by their share of the layers
+        total = len(self.layout.layer_names)
         self._movers = [
             BlockMover(
                 self._group_caches(group),
                 self.store,
-                max_inflight_bytes=budget,
+                max_inflight_bytes=max(
+                    1, self.config.max_inflight_bytes * len(group.layer_names) // total
+                ),
                 connections=self.config.connections,
             )
             for group in self.layout.groups
@@ -324,8 +326,9 @@ class RedisConnectorWorker:
             with self._lock:
                 if self._jobs.get(spec.req_id) is job:
                     del self._jobs[spec.req_id]
-                if failed and self.layout.hybrid:
-                    # block ids are unique only within a group: vLLM takes a hybrid model's
+                if failed and self.layout.fails_per_request:
+                    # block ids are unique only within a group (and a windowed group's hit
+                    # cannot be cut short at a failed block): vLLM takes these
                     # failure per request (and recomputes all of it)
                     self._failed_loads.add(spec.req_id)
                 else:
@@ -334,7 +337,7 @@ class RedisConnectorWorker:
         # vLLM recomputes from the first failed block on: only the blocks before it count
         total = len(spec.hashes)
         first_failed = min((spec.block_ids[g].index(ids[0]) for g, ids, _ in failed), default=total)
-        loaded = 0 if failed and self.layout.hybrid else first_failed
+        loaded = 0 if failed and self.layout.fails_per_request else first_failed
         self.stats.add(
             loads=1,
             loads_expired=int(expired),
@@ -485,10 +488,10 @@ class RedisConnectorWorker:
     def _publish(self, req_id: str, track: _SaveTrack) -> None:
         commit = track.commit
         assert commit is not None
-        n = commit.present_blocks
-        groups = range(len(self.layout.groups))
-        while n < commit.num_blocks and all((g, n) in track.ok for g in groups):
-            n += 1
+        # the longest prefix a consumer can load: every needed block of every group written
+        n = self.layout.usable_prefix(
+            lambda g, p: (g, p) in track.ok, commit.present_blocks, commit.num_blocks
+        )
         try:
             self.store.publish_handoff(commit.handoff, n)
             self.stats.add(handoffs_published=1)
@@ -532,8 +535,15 @@ class RedisConnectorWorker:
         fut.add_done_callback(done)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
-        """(finished saves, finished loads). Loads past their deadline are reported now, with
-        every block not yet copied failed, even if their thread is still waiting on Redis."""
+        """(finished saves, finished loads): ``take_transfer_results`` without the failed."""
+        saves, loads, _ = self.take_transfer_results()
+        return saves, loads
+
+    def take_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished saves, finished loads, loads failed as a whole -- among the finished),
+        taken together so a load is never reported twice. Loads past their deadline are
+        reported now, with every block not yet copied failed, even if their thread is still
+        waiting on Redis."""
         self._take_commits()  # a step without a forward pass has no wait_for_save (vLLM < 0.32)
         now = time.monotonic()
         with self._lock:
@@ -543,14 +553,8 @@ class RedisConnectorWorker:
         with self._lock:
             saves, self._finished_saves = self._finished_saves, set()
             loads, self._finished_loads = self._finished_loads, set()
-        return saves, loads
-
-    def take_failed_loads(self) -> set[str]:
-        """Requests (of a hybrid model) whose load failed: reported finished too, and to vLLM
-        as failed so it recomputes them."""
-        with self._lock:
             failed, self._failed_loads = self._failed_loads, set()
-        return failed
+        return saves, loads, failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:

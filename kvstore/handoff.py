@@ -33,23 +33,25 @@ class HandoffState:
     ``taken``: another consumer already claimed this handoff. ``pending``: a producer rank has
     started writing and not finished (its record says so); with neither a count nor a
     pending record, the record never came or was evicted. ``present``: leading blocks of the
-    chain present now under every fingerprint.
+    chain present now under every fingerprint; ``blocks``: each block's presence.
     """
 
     committed: int | None
     taken: bool
     present: int
     pending: bool = False
+    blocks: tuple[bool, ...] = ()
+
+
+def presence(exists: Sequence[Any], per_block: int) -> list[bool]:
+    """Per block, whether its ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
+    return [all(exists[i : i + per_block]) for i in range(0, len(exists), per_block)]
 
 
 def leading_present(exists: Sequence[Any], per_block: int) -> int:
     """Leading blocks whose ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
-    n = 0
-    for i in range(0, len(exists), per_block):
-        if not all(exists[i : i + per_block]):
-            break
-        n += 1
-    return n
+    blocks = presence(exists, per_block)
+    return next((i for i, present in enumerate(blocks) if not present), len(blocks))
 
 
 class Records:
@@ -147,9 +149,14 @@ class HandoffRecords:
             records = Records(replies[at : at + len(fps)])
             at += len(fps)
             span = len(hashes) * len(fps)
-            present = leading_present(replies[at : at + span], len(fps))
+            blocks = presence(replies[at : at + span], len(fps))
             at += span
-            out.append(HandoffState(records.committed, records.taken, present, records.pending))
+            present = next((i for i, b in enumerate(blocks) if not b), len(blocks))
+            out.append(
+                HandoffState(
+                    records.committed, records.taken, present, records.pending, tuple(blocks)
+                )
+            )
         return out
 
     def claim(

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .guard import Guard
-from .handoff import leading_present
+from .handoff import presence
 from .keys import KeySpace
 from .transport import Transport
 from .ttl import ChainTtl
@@ -44,13 +44,23 @@ class Inventory:
         self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
     ) -> list[int]:
         """Per chain, how many leading blocks are present under every fingerprint."""
+        return [
+            next((i for i, b in enumerate(blocks) if not b), len(blocks))
+            for blocks in self.presences(chains, fingerprints)
+        ]
+
+    def presences(
+        self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
+    ) -> list[list[bool]]:
+        """Per chain, per block, whether it is present under every fingerprint (one round
+        trip)."""
         fps = self._keys.fingerprints(fingerprints)
         keys = [self._keys.block(h, fp) for chain in chains for h in chain for fp in fps]
         exists = self.exists(keys) if keys else []
         out, at = [], 0
         for chain in chains:
             span = len(chain) * len(fps)
-            out.append(leading_present(exists[at : at + span], len(fps)))
+            out.append(presence(exists[at : at + span], len(fps)))
             at += span
         return out
 

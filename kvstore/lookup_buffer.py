@@ -504,6 +504,13 @@ class LookupBuffer:
         """``longest_prefix`` of many chains (e.g. every document of a corpus) in one round trip."""
         return self._inventory.longest_prefixes(chains, fingerprints)
 
+    def presences(
+        self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
+    ) -> list[list[bool]]:
+        """Per chain, each block's presence under every fingerprint, in one round trip (for
+        callers that need more than the leading run, e.g. a window at a chain's end)."""
+        return self._inventory.presences(chains, fingerprints)
+
     def contains(self, hashes: Sequence[str]) -> list[bool]:
         return [bool(x) for x in self._inventory.exists(self.keys.blocks(hashes))]
 

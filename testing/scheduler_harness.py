@@ -51,11 +51,13 @@ def make_configs(
     max_num_seqs: int = 16,
     failure_policy: Literal["recompute", "fail"] = "recompute",
     sliding_window: int | None = None,
+    sliding_only: bool = False,
     **extra: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
     (``num_blocks`` blocks); with ``sliding_window``, its second layer sees only that many
-    tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator. ``extra``
+    tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator (with
+    ``sliding_only``, both layers slide: one windowed group). ``extra``
     (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
     1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
@@ -86,7 +88,11 @@ def make_configs(
         "dtype": torch.float32,
     }
     groups = [KVCacheGroupSpec(LAYERS, FullAttentionSpec(**geometry))]
-    if sliding_window:
+    if sliding_window and sliding_only:
+        groups = [
+            KVCacheGroupSpec(LAYERS, SlidingWindowSpec(**geometry, sliding_window=sliding_window))
+        ]
+    elif sliding_window:
         groups = [
             KVCacheGroupSpec(LAYERS[:1], FullAttentionSpec(**geometry)),
             KVCacheGroupSpec(

@@ -144,18 +144,41 @@ def test_a_load_reads_every_full_block_and_only_the_window_of_the_sliding_group(
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 
-def test_a_position_counts_as_present_only_when_every_group_has_it(
-    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+@pytest.mark.parametrize(
+    ("missing", "hit"),
+    [
+        ((3, 1), 6),  # the window of a 6-block hit is blocks 4 and 5: block 3 is not needed
+        ((5, 1), 5),  # a 5-block hit's window is blocks 3 and 4
+        ((3, 0), 3),  # the full-attention group needs every block
+        ((0, 1), 6),
+    ],
+)
+def test_a_hit_needs_every_full_block_and_only_the_window_of_a_sliding_group(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, missing: tuple[int, int], hit: int
 ) -> None:
     sched = hybrid_scheduler(tiny_model)
     layout = layout_of(sched)
     tokens = prompt(6 * BS + 1)
     hashes = chain_hashes(tokens, BS)
-    seed_groups(layout, tokens, 6, skip={layout.group_key(hashes[3], layout.groups[1])})
+    position, group = missing
+    seed_groups(layout, tokens, 6, skip={layout.group_key(hashes[position], layout.groups[group])})
     sched.add_request(make_request("r", tokens))
     (load,) = meta_of(sched.schedule()).loads
-    assert load.hashes == hashes[:3]
+    assert load.hashes == hashes[:hit]
     sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_the_usable_prefix_rule(tiny_model: Path) -> None:
+    vllm_config, two = make_configs(tiny_model, "kv_both", url=URL, sliding_window=WINDOW)
+    layout = KVLayout.from_vllm(vllm_config, two, None)
+    assert [layout.groups[1].first_needed(n, BS) for n in range(5)] == [0, 0, 0, 1, 2]
+    everything = layout.usable_prefix(lambda g, p: True, 0, 10)
+    assert everything == 10
+    # the sliding group has only blocks 7..9: any hit whose window starts there
+    assert layout.usable_prefix(lambda g, p: g == 0 or p >= 7, 0, 10) == 10
+    assert layout.usable_prefix(lambda g, p: g == 0 or p >= 9, 0, 10) == 0
+    # positions before ``start`` are vLLM's own: never asked about
+    assert layout.usable_prefix(lambda g, p: p >= 4, 4, 10) == 10
 
 
 def test_a_failed_load_makes_the_whole_request_recompute_and_share_mode_saves_it_again(
@@ -236,6 +259,10 @@ def test_each_group_saves_and_loads_its_own_blocks_and_null_blocks_are_never_tou
         written = {4, 5, 6} if name == LAYERS[0] else {7}
         for b in set(range(cache.shape[0])) - written:
             assert torch.equal(cache[b], before[name][b]), (name, b)
+    # the commit record covers all three: a 3-block hit needs the window's blocks 1 and 2 only
+    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=src.layout.fingerprint(0))
+    assert store.read_handoff("hp", src.layout.keys_of(hashes)).committed == 3
+    store.close()
     src.shutdown()
     dst.shutdown()
 
@@ -255,4 +282,68 @@ def test_a_block_missing_in_one_group_fails_the_request_not_blocks(
     results = transfer_results(conn, "d")
     assert results.failed_recving == {"d"}
     assert conn.get_block_ids_with_load_errors() == set()  # vLLM refuses these for >1 group
+    conn.shutdown()
+
+
+def test_a_failed_load_is_reported_once_finished_and_failed_together(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    conn, _kv = hybrid_worker(tiny_model)
+    hashes = chain_hashes(list(range(2 * BS)), BS)  # nothing stored: the load fails
+    run_worker_step(
+        conn, RedisConnectorMetadata(loads=[LoadSpec("d", [[1, 2], [3, 4]], hashes, timeout_s=30)])
+    )
+    first = transfer_results(conn, "d")
+    assert first.failed_recving == {"d"} and "d" in first.finished_recving
+    again = conn.get_transfer_results(set())
+    assert "d" not in again.finished_recving and "d" not in again.failed_recving
+    conn.shutdown()
+
+
+def test_one_sliding_window_group_fails_loads_per_request_too(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Cut short at a failed block, a sliding-window hit would attend to null blocks before it
+    (never loaded): the whole request recomputes instead."""
+    conn, _kv = make_worker_connector(tiny_model, URL, 16, sliding_window=WINDOW, sliding_only=True)
+    layout = conn.layout
+    assert not layout.hybrid and layout.fails_per_request
+    hashes = chain_hashes(list(range(6 * BS)), BS)
+    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
+    store.insert_many([(h, {n: torch.ones(2, BS, 128) for n in LAYERS}) for h in hashes[4:5]])
+    store.close()  # block 5 is missing
+    load = LoadSpec("d", [[NULL, NULL, NULL, NULL, 7, 8]], hashes, timeout_s=30)
+    run_worker_step(conn, RedisConnectorMetadata(loads=[load]))
+    results = transfer_results(conn, "d")
+    assert results.failed_recving == {"d"}
+    assert conn.get_block_ids_with_load_errors() == set()
+    conn.shutdown()
+
+
+def test_a_producer_with_a_local_hit_commits_what_a_consumer_can_load(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Request b reuses a's prefix from vLLM's local cache: its sliding-window blocks before
+    the window are null and not saved; its commit record still covers every block, since a
+    consumer's hit needs only the window."""
+    sched = make_scheduler(tiny_model, "kv_producer", url=URL, sliding_window=WINDOW)
+    a = make_request("a", prompt(6 * BS + 1))
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), runner_output([a]))
+    b = make_request("b", prompt(6 * BS + 1)[: 6 * BS] + [9] * (BS + 3))
+    sched.add_request(b)
+    (save,) = [s for s in meta_of(sched.schedule()).saves if s.req_id == "b"]
+    assert save.first_position == 0 and save.block_ids[1][0] == NULL  # a's window has passed
+    conn, _kv = hybrid_worker(tiny_model, num_blocks=64)
+    run_worker_step(conn, RedisConnectorMetadata(saves=[save]))
+    _, params = sched.connector.request_finished_all_groups(b, ())  # type: ignore[union-attr]
+    n = params["redis_kv"]["num_blocks"]  # type: ignore[index]
+    run_worker_step(conn, RedisConnectorMetadata(commits=[CommitSpec("b", save.handoff, n, 0)]))
+    assert conn.worker.shutdown_pending(timeout_s=30) == 0
+    layout = conn.layout
+    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
+    state = store.read_handoff(save.handoff, layout.keys_of(save.hashes))
+    assert n == 7 and state.committed == 7
+    store.close()
+    sched.connector.shutdown()  # type: ignore[union-attr]
     conn.shutdown()

@@ -12,11 +12,15 @@ import torch
 
 pytest.importorskip("vllm")
 
+from connector.layout import KVLayout
 from connector.lookups import LookupBatcher
 from connector.stats import StatsBuffer
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 
 pytestmark = pytest.mark.vllm
+
+
+DENSE = KVLayout("m", 16, 2, 64, "float32", ("layer0",), 1)  # one group: keys are the hashes
 
 
 def store_with(chains: list[list[str]], present: list[int]) -> LookupBuffer:
@@ -50,8 +54,8 @@ def test_lookups_queued_while_one_is_out_share_one_round_trip() -> None:
     chains = [chain_hashes(list(range(i, i + 64)), 16) for i in range(40)]
     present = [i % 5 for i in range(40)]
     store = store_with(chains, present)
-    held = Held(store, "longest_prefixes")
-    batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer())
+    held = Held(store, "presences")
+    batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer(), layout=DENSE)
     first = batcher.submit(chains[0], 0).future
     assert held.entered.wait(10)
     rest = [batcher.submit(c[1:], 1).future for c in chains[1:]]  # asked from block 1 on
@@ -67,7 +71,7 @@ def test_handoff_lookups_read_records_and_blocks_together() -> None:
     store = store_with(chains, [3, 2, 0])
     store.publish_handoff("h0", 3)
     store.open_handoff("h1")
-    batcher = LookupBatcher(store, ["f0"], threads=2, stats=StatsBuffer())
+    batcher = LookupBatcher(store, ["f0"], threads=2, stats=StatsBuffer(), layout=DENSE)
     got = [batcher.submit(c, 0, f"h{i}").future.result(10) for i, c in enumerate(chains)]
     assert [(r.present, r.committed, r.pending) for r in got] == [
         (3, 3, False),
@@ -81,8 +85,8 @@ def one_held_out(n: int, present: int) -> tuple[LookupBuffer, LookupBatcher, Hel
     """A one-thread batcher whose first lookup is held in Redis; the other chains not sent."""
     chains = [chain_hashes(list(range(i, i + 32)), 16) for i in range(n)]
     store = store_with(chains, [present] * n)
-    held = Held(store, "longest_prefixes")
-    batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer())
+    held = Held(store, "presences")
+    batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer(), layout=DENSE)
     first = batcher.submit(chains[0], 0).future
     assert held.entered.wait(10)
     return store, batcher, held, chains, first
@@ -132,7 +136,7 @@ def test_only_time_redis_has_a_lookup_counts_it_as_hung(
         deadline_s=30,
     )
     conn = sched.connector.scheduler  # type: ignore[union-attr]
-    held = Held(conn.store, "longest_prefixes")
+    held = Held(conn.store, "presences")
     reqs = [make_request(f"r{i}", list(range(i, i + 49))) for i in range(3)]
     for r in reqs:  # the first round trip hangs in Redis; what is not in it waits in the queue
         sched.add_request(r)

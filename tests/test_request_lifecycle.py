@@ -261,13 +261,13 @@ def test_one_step_waits_for_lookups_once_however_many_requests_arrive(
     monkeypatch.setattr(connector.scheduler, "wait", counting_wait)
     sched = make_scheduler(tiny_model, "kv_both", url=URL, lookup_wait_s=0.005)
     store = sched.connector.scheduler.store  # type: ignore[union-attr]
-    real_lookup = store.longest_prefixes
+    real_lookup = store.presences
 
     def slow(*a: Any, **k: Any) -> Any:
         time.sleep(0.02)
         return real_lookup(*a, **k)
 
-    store.longest_prefixes = slow
+    store.presences = slow
     for i in range(64):
         sched.add_request(make_request(f"r{i}", prompt(3 * BS + 1, seed=i)))
     sched.schedule()

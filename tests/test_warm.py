@@ -139,6 +139,12 @@ def test_longest_prefixes_of_many_chains_at_once(fake_client: Any) -> None:
     assert bufs[0].longest_prefixes(CHAINS, fps) == [1, 3]
     assert bufs[0].longest_prefixes(CHAINS) == [3, 3]
     assert bufs[0].longest_prefixes([[], CHAINS[1]]) == [0, 3]
+    # each block's presence, past the first gap too (a sliding window at a chain's end)
+    assert bufs[0].presences(CHAINS, fps) == [[True, False, True, False], [True] * 3]
+    bufs[0].publish_handoff("h", 3)
+    bufs[1].publish_handoff("h", 3)
+    (state,) = bufs[0].read_handoffs([("h", CHAINS[0])], fps)
+    assert state.present == 1 and state.blocks == (True, False, True, False)
 
 
 def test_block_info_says_present_size_and_ttl(fake_client: Any) -> None:
