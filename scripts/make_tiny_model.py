@@ -141,10 +141,12 @@ def write_deepseek_v2(out_dir: Path, *, layers: int, hidden: int, seed: int, dty
         tie_word_embeddings=False,
         # large-ish init (not 0.02) so logits are peaked and depend on the whole context
         initializer_range=0.2,
-        torch_dtype=dtype,
     )
     torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(cfg).to(_DTYPES[dtype])
+    model = DeepseekV2ForCausalLM(cfg)
+    torch.nn.Module.to(
+        model, _DTYPES[dtype]
+    )  # (transformers wraps .to in a decorator mypy cannot follow)
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
