@@ -144,9 +144,8 @@ def write_deepseek_v2(out_dir: Path, *, layers: int, hidden: int, seed: int, dty
     )
     torch.manual_seed(seed)
     model = DeepseekV2ForCausalLM(cfg)
-    torch.nn.Module.to(
-        model, _DTYPES[dtype]
-    )  # (transformers wraps .to in a decorator mypy cannot follow)
+    # (transformers wraps .to in a decorator mypy cannot follow)
+    torch.nn.Module.to(model, _DTYPES[dtype])
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
