@@ -33,6 +33,7 @@ def main() -> None:
     ap.add_argument("--connector", default="RedisConnector")
     ap.add_argument("--dtype", default="float32", help="model dtype")
     ap.add_argument("--max-tokens", type=int, default=12)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument(
         "--gate",
         action="append",
@@ -68,6 +69,7 @@ def main() -> None:
         seed=0,
         kv_transfer_config=kv,
         disable_log_stats=False,
+        tensor_parallel_size=args.tp,
     )
     with open(args.prompts) as f:
         phases = json.load(f)

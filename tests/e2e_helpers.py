@@ -8,6 +8,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from testing import stack
 
@@ -15,14 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RUNNER = ROOT / "testing" / "engine_runner.py"
 
 
-def engine_env(core: int) -> dict[str, str]:
+def engine_env(core: int | str) -> dict[str, str]:
     """Every engine gets one pinned core: the same thread count everywhere, so floating-point
     reductions happen in the same order and outputs can be compared bit for bit. (vLLM reserves
     a different number of cores when a KV connector is configured, which would otherwise change
     the thread count between a connector run and a plain run.)"""
     return {
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": str(core % max(1, os.cpu_count() or 1)),
+        # "0|1": a core per tensor-parallel rank
+        "VLLM_CPU_OMP_THREADS_BIND": (
+            core if isinstance(core, str) else str(core % max(1, os.cpu_count() or 1))
+        ),
         "PYTHONPATH": str(ROOT),
         "TOKENIZERS_PARALLELISM": "false",
     }
@@ -43,7 +47,7 @@ def start_engine(
     name: str,
     model: Path,
     phases: list[list[dict]],
-    core: int,
+    core: int | str,
     *,
     role: str | None = None,
     url: str | None = None,
@@ -53,6 +57,7 @@ def start_engine(
     gates: dict[int, Path] | None = None,
     dtype: str | None = None,
     max_tokens: int | None = None,
+    tp: int = 1,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -71,6 +76,8 @@ def start_engine(
         cmd += ["--dtype", dtype]
     if max_tokens:
         cmd += ["--max-tokens", str(max_tokens)]
+    if tp > 1:
+        cmd += ["--tp", str(tp)]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out
@@ -98,3 +105,28 @@ def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
     if rc != 0 or not out.exists():
         raise AssertionError(f"engine {out.name} failed (rc={rc}):\n{proc.log_tail(6000)}")
     return json.loads(out.read_text())
+
+
+def plain_saver_loader(
+    tmp: Path, model: Path, first: dict[str, list[int]], sharing: dict[str, list[int]], **run: Any
+) -> dict[str, Any]:
+    """Three engines, one after another: ``plain`` (no connector) and ``saver`` (share mode,
+    an empty Redis) run ``first`` then ``sharing``, one prompt per phase; ``loader``, a fresh
+    share-mode instance, runs only ``sharing``. Also ``keys``: Redis's keys after the saver."""
+    import redis
+
+    from testing.redis_server import RedisServer
+
+    everything = {**first, **sharing}
+    phases = one_per_phase(everything, list(everything))
+    out: dict[str, Any] = {}
+    with RedisServer() as server:
+        out["plain"] = finish(start_engine(tmp, "plain", model, phases, **run))
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        out["saver"] = finish(start_engine(tmp, "saver", model, phases, **run, **share))
+        client = redis.Redis.from_url(server.url)
+        out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
+        client.close()
+        loads = one_per_phase(sharing, list(sharing))
+        out["loader"] = finish(start_engine(tmp, "loader", model, loads, **run, **share))
+    return out

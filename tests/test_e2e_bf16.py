@@ -22,9 +22,7 @@ from typing import Any
 
 import pytest
 
-from testing.redis_server import RedisServer
-
-from .e2e_helpers import finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import plain_saver_loader, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -37,16 +35,7 @@ RUN = {"dtype": "bfloat16", "max_tokens": 24, "core": 0}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("bf16")
-    everything = {**FIRST, **SHARING}
-    phases = one_per_phase(everything, list(everything))
-    out: dict[str, Any] = {}
-    with RedisServer() as server:
-        out["plain"] = finish(start_engine(tmp, "plain", tiny_model, phases, **RUN))
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
-        out["saver"] = finish(start_engine(tmp, "saver", tiny_model, phases, **RUN, **share))
-        loads = one_per_phase(SHARING, list(SHARING))
-        out["loader"] = finish(start_engine(tmp, "loader", tiny_model, loads, **RUN, **share))
-    return out
+    return plain_saver_loader(tmp, tiny_model, FIRST, SHARING, **RUN)
 
 
 def test_near_ties_exist_so_the_comparison_can_fail(runs: dict[str, Any]) -> None:
