@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.
 
 BLOCK = 128
 PLAIN = {f"p{i}": tokens(700, 100 + i) for i in range(4)}
-FAULT = {f"f{i}": tokens(700, 200 + i) for i in range(10)}
+FAULT = {f"f{i}": tokens(700, 200 + i) for i in range(14)}
 PROMPTS = {**PLAIN, **FAULT}
 DEADLINE_S = 3.0
 KILL_BEFORE, RECOVERED_BEFORE = 1, 7  # FAULT phases: kill before 1, promotion done before 7
@@ -93,9 +93,12 @@ def test_a_master_killed_mid_decode_costs_recomputes_only(e2e: dict) -> None:
     during = ids[KILL_BEFORE:RECOVERED_BEFORE]
     full = [(len(PROMPTS[i]) - 1) // BLOCK * BLOCK for i in during]
     assert any(fault[i]["num_cached_tokens"] < f for i, f in zip(during, full, strict=True))
-    # after the replica took over, loads resumed with no restart (the first request after the
-    # promotion may still find a process's breaker open: measured, f7 recomputed, f8 and f9
-    # loaded)
+    # after the replica took over, loads resumed with no restart. The first requests after the
+    # promotion may still find the engine's breaker open: it learns the new master by its own
+    # probe (every 0.2 s), which the test cannot wait on. Measured: f7 recomputed and f8 on
+    # loaded on an idle machine; on a busy one (a fresh-clone run) f7 and f8 recomputed, the
+    # breaker resuming about a second after the Cluster was healthy. Seven requests follow the
+    # promotion, the last two must load.
     assert all(fault[i]["num_cached_tokens"] > 0 for i in ids[-2:]), [
         fault[i]["num_cached_tokens"] for i in ids
     ]
