@@ -83,6 +83,16 @@ def seed_groups(
     return hashes
 
 
+def schedule_seeded(tiny_model: Path, blocks: int) -> tuple[Scheduler, list[str], Any]:
+    """A share-mode hybrid scheduler with every group's first ``blocks`` blocks of a prompt in
+    the store, and that prompt's first scheduling step."""
+    sched = hybrid_scheduler(tiny_model)
+    tokens = prompt(blocks * BS + 1)
+    hashes = seed_groups(layout_of(sched), tokens, blocks)
+    sched.add_request(make_request("r", tokens))
+    return sched, hashes, sched.schedule()
+
+
 def meta_of(out: Any) -> RedisConnectorMetadata:
     meta = out.kv_connector_metadata
     assert isinstance(meta, RedisConnectorMetadata)
@@ -129,11 +139,7 @@ def test_a_state_group_is_refused_at_startup_naming_it(tiny_model: Path) -> None
 def test_a_load_reads_every_full_block_and_only_the_window_of_the_sliding_group(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = hybrid_scheduler(tiny_model)
-    tokens = prompt(6 * BS + 1)
-    hashes = seed_groups(layout_of(sched), tokens, 6)
-    sched.add_request(make_request("r", tokens))
-    out = sched.schedule()
+    sched, hashes, out = schedule_seeded(tiny_model, 6)
     (load,) = meta_of(out).loads
     full, window = load.block_ids
     assert load.hashes == hashes[:6]
@@ -184,11 +190,7 @@ def test_the_usable_prefix_rule(tiny_model: Path) -> None:
 def test_a_failed_load_makes_the_whole_request_recompute_and_share_mode_saves_it_again(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = hybrid_scheduler(tiny_model)
-    tokens = prompt(4 * BS + 1)
-    hashes = seed_groups(layout_of(sched), tokens, 4)
-    sched.add_request(make_request("r", tokens))
-    out = sched.schedule()
+    sched, hashes, out = schedule_seeded(tiny_model, 4)
     assert meta_of(out).loads
     sched.update_from_output(out, runner_output([], failed={"r"}))
     out = sched.schedule()
