@@ -18,7 +18,7 @@ from .errors import (
     StoreTopologyError,
 )
 from .guard import Guard
-from .handoff import HANDOFF_TAKEN
+from .handoff import HandoffRecords
 from .keys import KeySpace
 from .transport import Transport
 
@@ -36,7 +36,7 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "lookup": ("EXISTS",),
     "delete": ("UNLINK",),
     "handoff_read": ("GET",),
-    "handoff_claim": ("SET",),
+    "handoff_claim": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),
     "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
     "block_info": ("STRLEN", "PTTL"),
     "renew": ("PEXPIRE", "PERSIST"),
@@ -76,7 +76,12 @@ def check_topology(address: StoreAddress | None, transport: Transport, guard: Gu
 
 
 def check_access(
-    operations: Iterable[str], transport: Transport, guard: Guard, keys: KeySpace, claims: Claimer
+    operations: Iterable[str],
+    transport: Transport,
+    guard: Guard,
+    keys: KeySpace,
+    claims: Claimer,
+    handoffs: HandoffRecords,
 ) -> None:
     """Run each operation's commands once against a short-lived probe key; raises
     :class:`StorePermissionError` naming the first command refused."""
@@ -84,8 +89,9 @@ def check_access(
     unknown = set(ops) - set(ACCESS)
     if unknown:
         raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
-    if "drop_select" in ops and "insert" not in ops:
-        ops.append("insert")  # the claim script only runs its commands on a present key
+    if ("drop_select" in ops or "handoff_claim" in ops) and "insert" not in ops:
+        # the claim scripts only run their commands (SET, RENAME, ...) on a present key
+        ops.append("insert")
     probe = keys.probe(uuid.uuid4().hex)
     c, ctl = transport.client, transport.control
     steps: dict[str, Callable[[], object]] = {
@@ -94,7 +100,7 @@ def check_access(
         "select": lambda: c.get(probe),
         "lookup": lambda: ctl.exists(probe),
         "handoff_read": lambda: ctl.get(probe),
-        "handoff_claim": lambda: ctl.set(probe, HANDOFF_TAKEN, xx=True, px=_PROBE_TTL_MS, get=True),
+        "handoff_claim": lambda: handoffs.check_script(probe, _PROBE_TTL_MS),
         "drop_select": lambda: claims.check_scripts(probe),
         "delete": lambda: ctl.unlink(probe),
     }
@@ -119,11 +125,12 @@ def check_access(
             for command, step in commands[op]:
                 guard.call(command, step)
             continue
-        command = " ".join(ACCESS[op]) if op == "drop_select" else ACCESS[op][0]
+        scripted = op in ("drop_select", "handoff_claim")
+        command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
         try:
             guard.call(command, steps[op])
         except StoreCommandError as exc:
-            if op != "drop_select":
+            if not scripted:
                 raise
             # inside a script a refused command is a plain script error (no NOPERM code)
             raise permission_error(guard.safe_url, command, str(exc)) from None

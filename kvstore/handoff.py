@@ -23,6 +23,26 @@ TAKEN_TTL_MS = 60_000
 # this (nor the blocks' TTL), so instances that nobody consumes from leave little behind.
 HANDOFF_TTL_MS = 600_000
 
+# Claim every rank's record of one handoff (KEYS, one slot: the handoff id is their hash tag)
+# for ARGV[1] (the "taken:<owner>" mark), atomically: when another owner's mark is on any of
+# them nothing is written (a loser must not overwrite the winner's mark: the winner's claim
+# sent again would then read as lost); else each record that exists takes the mark, for
+# ARGV[2] ms. Returns every record's previous value (false: none), as SET ... GET would.
+CLAIM_RECORDS_LUA = """
+local olds, prefix = {}, ARGV[3]
+for i, key in ipairs(KEYS) do
+  local v = redis.call('GET', key)
+  olds[i] = v
+  if v and v ~= ARGV[1] and string.sub(v, 1, #prefix) == prefix then
+    return olds
+  end
+end
+for i, key in ipairs(KEYS) do
+  if olds[i] then redis.call('SET', key, ARGV[1], 'PX', ARGV[2]) end
+end
+return olds
+"""
+
 
 @dataclass(frozen=True)
 class HandoffState:
@@ -106,6 +126,7 @@ class HandoffRecords:
         # a record matters for the seconds between a prefill and its decode: it expires with
         # the blocks, and within HANDOFF_TTL_MS
         self._ttl_ms = ttl.capped(HANDOFF_TTL_MS)
+        self._claim_script = transport.control.register_script(CLAIM_RECORDS_LUA)
 
     def open(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
         keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
@@ -162,15 +183,22 @@ class HandoffRecords:
     def claim(
         self, handoff_id: str, fingerprints: Sequence[str] | None = None, *, owner: str = ""
     ) -> Claim:
-        """``SET ... XX PX GET`` on every rank's record (see ``LookupBuffer.claim_handoff``)."""
+        """Every rank's record takes this owner's mark, unless another owner's is on one
+        (``CLAIM_RECORDS_LUA``; see ``LookupBuffer.claim_handoff``)."""
         mark = HANDOFF_TAKEN + b":" + owner.encode()
         keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
+        args: list[bytes | int] = [mark, TAKEN_TTL_MS, HANDOFF_TAKEN + b":"]
+        replies = self._guard.call("EVALSHA", lambda: self._claim_script(keys=keys, args=args))
+        return claim_outcome(list(replies) + [None] * (len(keys) - len(replies)), mark)
 
-        def fill(pipe: Any) -> None:
-            for key in keys:
-                pipe.set(key, mark, xx=True, px=TAKEN_TTL_MS, get=True)
-
-        return claim_outcome(self._guard.call("SET", lambda: self._transport.pipeline(fill)), mark)
+    def check_script(self, key: str, ttl_ms: int) -> None:
+        """Run the claim script on ``key``, which must hold a value (on a missing key the
+        script writes nothing, so a rule without SET would pass): the value is replaced by a
+        mark that expires after ``ttl_ms``. Raises what the server refuses (for
+        ``LookupBuffer.check_access``)."""
+        self._claim_script(
+            keys=[key], args=[HANDOFF_TAKEN + b":probe", ttl_ms, HANDOFF_TAKEN + b":"]
+        )
 
     def delete(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> int:
         keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]

@@ -328,7 +328,9 @@ class LookupBuffer:
         ``operations``: keys of :data:`ACCESS`. Raises :class:`StorePermissionError` (or the
         usual typed errors when the server cannot be reached).
         """
-        check_access(operations, self._transport, self.guard, self.keys, self._claims)
+        check_access(
+            operations, self._transport, self.guard, self.keys, self._claims, self._handoffs
+        )
 
     # ------------------------------------------------------------------ keys
     def key_pattern(self, fingerprint: str | None = None) -> str:

@@ -31,7 +31,7 @@ def documented_rule(label: str) -> str:
     readme = (ROOT / "README.md").read_text()
     m = re.search(rf"^\| {re.escape(label)} \| `([^`]+)` \|", readme, re.MULTILINE)
     assert m, f"no ACL row for {label} in the README"
-    return m.group(1)
+    return m.group(1).replace("\\|", "|")  # a pipe in a table cell is escaped
 
 
 def needed(role: str, mode: str) -> list[str]:
@@ -66,3 +66,26 @@ def test_a_missing_command_stops_the_connector_at_startup(
     with pytest.raises(StorePermissionError, match="GET") as info:
         make_scheduler(tiny_model, "kv_consumer", url=url)
     assert "pw" not in str(info.value)  # the password never shows
+
+
+@pytest.mark.parametrize(("role", "mode", "label"), ROLES)
+def test_every_command_of_a_rule_is_probed_at_startup(
+    private_redis: RedisServer, role: str, mode: str, label: str
+) -> None:
+    # a command the probes never run would let a rule without it start, and fail later on a
+    # request (a claim script whose SET never ran on the probe key passed without +set)
+    rule = documented_rule(label).split()
+    admin = redis.Redis.from_url(private_redis.url)
+    cfg = RedisConnectorConfig(url="redis://x", role=role, mode=mode)
+    for dropped in [r for r in rule if r.startswith("+")]:
+        admin.script_flush()  # else EVALSHA finds the scripts cached and SCRIPT LOAD never runs
+        admin.execute_command(
+            "ACL", "SETUSER", "less", "reset", "on", ">pw", *[r for r in rule if r != dropped]
+        )
+        url = f"redis://less:pw@127.0.0.1:{private_redis.port}/0"
+        with (
+            pytest.raises(StorePermissionError),
+            LookupBuffer.from_url(url, namespace="vllm", check=False) as buf,
+        ):
+            for side in ("scheduler", "worker"):
+                buf.check_access(cfg.operations(side))

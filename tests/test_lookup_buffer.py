@@ -257,8 +257,9 @@ def test_handoff_is_committed_then_taken_by_exactly_one_consumer(fake_client) ->
     assert (before.committed, before.taken, before.present) == (None, False, 3)
     producer.publish_handoff("req1", 3)
     assert consumer.read_handoff("req1", HASHES[:4]).committed == 3
-    claims = [consumer.claim_handoff("req1", owner=who) for who in ("a", "a", "b")]
-    assert claims == [Claim.WON, Claim.WON, Claim.TAKEN]  # one owner; it may ask again
+    claims = [consumer.claim_handoff("req1", owner=who) for who in ("a", "a", "b", "a")]
+    # one owner; it may ask again, also after a loser asked (who must not take its mark)
+    assert claims == [Claim.WON, Claim.WON, Claim.TAKEN, Claim.WON]
     after = consumer.read_handoff("req1", HASHES[:4])
     assert after.taken and after.committed is None
     assert 0 < fake_client.pttl(consumer.keys.handoff("req1")) <= 60_000  # and soon expires
