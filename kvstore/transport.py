@@ -27,9 +27,13 @@ from .connection import close_client, error_code
 from .shards import REDIRECTED, Shards, is_redirect
 from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buffers
 
-# Replies in flight per connection on reads. Chosen from scripts/bench_paths.py --sweep across
-# value sizes; see docs/benchmarks.md, "How reads are shaped".
+# Replies in flight per connection on reads: at least READ_DEPTH, and for smaller values as many
+# as fit in READ_BYTES_IN_FLIGHT (64 KiB values: 16). Chosen from scripts/bench_paths.py --sweep
+# across value sizes: large values read fastest 2 to 4 deep, small ones with the batch
+# pipelined (one syscall and round trip per value cost more than the bytes); see
+# docs/benchmarks.md, "How reads are shaped".
 READ_DEPTH = 4
+READ_BYTES_IN_FLIGHT = 1 << 20
 
 # Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): two
 # batches of 16 blocks of Llama-3-8B geometry (2 MiB each).
@@ -153,13 +157,17 @@ class Transport:
     ) -> list[Any]:
         out: list[Any] = []
         refused: Exception | None = None
-        depth = self.read_depth
+        # a value's size: its destination's, else (a new buffer) the last reply's, once known
+        value_bytes = len(work[0][2]) if work and isinstance(work[0][2], memoryview) else 0
         with self._pooled_connection(server) as conn:
             conn.connect()
             sock = raw_socket(conn)
             reader = ReplyReader(sock) if sock is not None else None
             sent = 0
             for i, (index, _, dest) in enumerate(work):
+                depth = self.read_depth
+                if value_bytes:
+                    depth = max(depth, READ_BYTES_IN_FLIGHT // value_bytes)
                 upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
                 if upto > sent:
                     conn.send_packed_command(conn.pack_commands([c for _, c, _ in work[sent:upto]]))
@@ -178,6 +186,10 @@ class Transport:
                     if error_code(exc) != "WRONGTYPE":
                         refused = refused or exc  # read the rest, then say so
                     reply = -1
+                if isinstance(reply, int) and reply > 0:
+                    value_bytes = reply
+                elif isinstance(reply, memoryview):
+                    value_bytes = len(reply)
                 out.append(each(index, reply) if each is not None else reply)
         if refused is not None:
             raise refused
