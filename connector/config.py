@@ -42,6 +42,10 @@ class RedisConnectorConfig:
     # connections one batch of blocks is spread over, so socket reads and writes overlap
     connections: int = 4
     lookup_threads: int = 4
+    # how many KV-head slices a block is stored as (see connector.layout): instances of
+    # different TP sizes that set the same value share blocks. None: this instance's TP size
+    # (at most the model's KV heads)
+    store_tp_size: int | None = None
     breaker_failures: int = 3
     breaker_probe_s: float = 0.5
     check_access: bool = True
@@ -82,8 +86,8 @@ class RedisConnectorConfig:
         if side == "worker":
             if self.saves:
                 ops += ["insert"]  # blocks and handoff commit records
-            if self.loads:
-                ops += ["select"] + (["delete"] if self.consume else [])
+            if self.loads:  # a consumer claims the handoff it reads (the scheduler deletes)
+                ops += ["select"] + (["handoff_claim"] if self.consume else [])
         return ops
 
     @classmethod
@@ -117,8 +121,8 @@ class RedisConnectorConfig:
         for key, f in cls.__dataclass_fields__.items():
             if key not in extra or extra[key] is None:
                 continue
-            if f.type in ("float", "float | None", "int"):
-                conv = int if f.type == "int" else float
+            if f.type in ("float", "float | None", "int", "int | None"):
+                conv = int if f.type.startswith("int") else float
                 try:
                     extra[key] = conv(extra[key])
                 except (TypeError, ValueError):
@@ -131,7 +135,13 @@ class RedisConnectorConfig:
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
-        for key in ("lookup_threads", "io_threads", "connections", "breaker_failures"):
+        for key in (
+            "lookup_threads",
+            "io_threads",
+            "connections",
+            "breaker_failures",
+            "store_tp_size",
+        ):
             if extra.get(key) == 0:
                 raise InvalidArgumentError(f"{key} must be >= 1")
         return cls(url=url, role=role, **extra)

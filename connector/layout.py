@@ -6,11 +6,22 @@ sliding-window layers keep separate block tables. Each group's block at a chain 
 own value, under the position's hash with the group appended (``<hash>.g1``), so a load reads
 only the blocks vLLM allocated for it: a sliding-window group gets real blocks only for the
 window before the hit's end (the rest are vLLM's null block, which is never read or written).
-A model with one group keeps the keys and fingerprint it always had."""
+A model with one group keeps the keys and fingerprint it always had.
+
+Tensor parallelism: the stored unit is a *head slice*. The model's KV heads are cut into
+``store_tp_size`` equal slices (default: this instance's TP size, at most the number of KV
+heads), and slice ``j`` of every block is one value under its own fingerprint (the fingerprint a
+rank of a TP ``store_tp_size`` instance always had). A rank writes the slices that lie within its
+heads (several when ``store_tp_size`` is a multiple of its TP size) and reads the slices that
+cover its heads, taking only its part of a larger one. So instances of different TP sizes that
+set the same ``store_tp_size`` share blocks, and KV heads that several ranks hold -- GQA with
+more ranks than KV heads, and MLA's one latent -- are stored once, by the first of those ranks.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -68,6 +79,23 @@ class KVGroup:
         return self.kind.startswith(("sliding_window=", "chunked_local="))
 
 
+@dataclass(frozen=True)
+class HeadSlice:
+    """One stored head slice as a worker rank sees it: slice ``index`` holds ``value_heads``
+    KV heads of each group's layers; this rank's cache holds heads ``cache_heads`` (a range of
+    its own) of them, and its rows ``value_range`` of the slice go there."""
+
+    index: int
+    value_heads: int
+    value_range: tuple[int, int]  # which of the slice's heads this rank holds
+    cache_heads: tuple[int, int]  # where they are among this rank's heads
+
+    @property
+    def whole(self) -> bool:
+        """The value is exactly these cache heads (a slice this rank could write)."""
+        return self.value_range == (0, self.value_heads)
+
+
 class UnsupportedModelError(ValueError):
     """The model has a KV-cache group this connector cannot store (yet)."""
 
@@ -120,6 +148,11 @@ class KVLayout:
     groups: tuple[KVGroup, ...] = ()
     # vLLM's KV-cache groups, stored or not (a group vLLM rebuilds after a load is not)
     engine_groups: int = 1
+    # the model's KV heads over every rank (MLA: its one latent); 0: num_kv_heads * tp_size
+    total_kv_heads: int = 0
+    # how many head slices a block is stored as (see the module docstring); 0: the default,
+    # min(tp_size, total_kv_heads)
+    store_tp_size: int = 0
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -127,6 +160,72 @@ class KVLayout:
                 0, "full", self.layer_names, self.num_kv_heads, self.head_size, self.dtype
             )
             object.__setattr__(self, "groups", (only,))
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads * self.tp_size)
+        if not self.store_tp_size:
+            object.__setattr__(self, "store_tp_size", min(self.tp_size, self.total_kv_heads))
+        self._check_slices()
+
+    def _check_slices(self) -> None:
+        h, t, s = self.total_kv_heads, self.tp_size, self.store_tp_size
+        if h % min(t, h) or (t > h and t % h):
+            raise UnsupportedModelError(
+                f"{h} KV heads cannot be spread over {t} tensor-parallel ranks evenly"
+            )
+        if self.num_kv_heads * self.ranks_with_distinct_heads != h:
+            raise UnsupportedModelError(
+                f"each rank holds {self.num_kv_heads} of {h} KV heads at TP {t}: expected "
+                f"{h // min(t, h)}"
+            )
+        if h % s:
+            raise UnsupportedModelError(
+                f"store_tp_size {s} must divide the model's {h} KV heads"
+                + (" (an MLA model's latent is one: use 1)" if h == 1 else "")
+            )
+        unit = math.lcm(s, self.ranks_with_distinct_heads)
+        for g in self.groups:
+            if g.num_kv_heads * self.ranks_with_distinct_heads % unit:
+                raise UnsupportedModelError(
+                    f"KV-cache group {g.index} has {g.num_kv_heads} KV heads per rank: they "
+                    f"cannot be cut into {s} slices at TP {t}"
+                )
+
+    @property
+    def ranks_with_distinct_heads(self) -> int:
+        """How many ranks hold different heads: TP size, or the KV heads when ranks outnumber
+        them (vLLM then gives consecutive ranks the same head)."""
+        return min(self.tp_size, self.total_kv_heads)
+
+    @property
+    def can_write_slices(self) -> bool:
+        """Every stored slice lies within one rank's heads, so some rank can write it."""
+        return self.store_tp_size % self.ranks_with_distinct_heads == 0
+
+    def _rank_slot(self, tp_rank: int) -> int:
+        """Which of the ``ranks_with_distinct_heads`` head ranges ``tp_rank`` holds."""
+        return tp_rank // (self.tp_size // self.ranks_with_distinct_heads)
+
+    def slices_read(self, tp_rank: int, rank_heads: int | None = None) -> list[HeadSlice]:
+        """The slices covering ``tp_rank``'s heads, with which part of each it holds, in heads
+        of a group whose ranks hold ``rank_heads`` each (default: ``num_kv_heads``)."""
+        s, d = self.store_tp_size, self.ranks_with_distinct_heads
+        per_unit = (rank_heads or self.num_kv_heads) * d // math.lcm(s, d)
+        width, own = (math.lcm(s, d) // n * per_unit for n in (s, d))  # in heads
+        first = self._rank_slot(tp_rank) * own
+        out = []
+        for j in range(s):
+            lo = j * width
+            a, b = max(lo, first), min(lo + width, first + own)
+            if a < b:
+                out.append(HeadSlice(j, width, (a - lo, b - lo), (a - first, b - first)))
+        return out
+
+    def slices_written(self, tp_rank: int, rank_heads: int | None = None) -> list[HeadSlice]:
+        """The slices ``tp_rank`` writes: those within its heads, and only on the first of
+        the ranks holding the same heads (replicated KV heads, MLA's latent)."""
+        if not self.can_write_slices or tp_rank % (self.tp_size // self.ranks_with_distinct_heads):
+            return []
+        return [sl for sl in self.slices_read(tp_rank, rank_heads) if sl.whole]
 
     @property
     def hybrid(self) -> bool:
@@ -172,7 +271,11 @@ class KVLayout:
 
     @classmethod
     def from_vllm(
-        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, model_id: str | None
+        cls,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        model_id: str | None,
+        store_tp_size: int | None = None,
     ) -> KVLayout:
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ValueError("RedisConnector does not support pipeline parallelism yet")
@@ -211,6 +314,8 @@ class KVLayout:
             )
         first = groups[0]
         model_config = vllm_config.model_config
+        tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        total_heads = total_kv_heads(vllm_config, first.num_kv_heads, tp_size)
         return cls(
             model_id=model_id or str(model_config.model),
             block_size=block_sizes.pop(),
@@ -218,16 +323,22 @@ class KVLayout:
             head_size=first.head_size,
             dtype=first.dtype,
             layer_names=tuple(name for g in groups for name in g.layer_names),
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            tp_size=tp_size,
             revision=getattr(model_config, "revision", None) or None,
             quantization=getattr(model_config, "quantization", None) or None,
             kv_cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto")),
             hf_overrides=describe_overrides(getattr(model_config, "hf_overrides", None)),
             groups=tuple(groups),
             engine_groups=len(kv_cache_config.kv_cache_groups),
+            total_kv_heads=total_heads,
+            store_tp_size=store_tp_size or 0,
         )
 
-    def fingerprint(self, tp_rank: int) -> str:
+    def fingerprint(self, head_slice: int) -> str:
+        """The fingerprint of head slice ``head_slice`` of ``store_tp_size``: what a rank of
+        an instance at TP ``store_tp_size`` always wrote under (same field names), so such an
+        instance keeps its keys."""
+        s = self.store_tp_size
         fields: dict[str, object] = {
             "layout": LAYOUT_VERSION,
             "model": self.model_id,
@@ -235,23 +346,35 @@ class KVLayout:
             "quantization": self.quantization,
             "hf_overrides": self.hf_overrides,
             "block_size": self.block_size,
-            "num_kv_heads": self.num_kv_heads,
+            "num_kv_heads": self.slice_heads(self.num_kv_heads),
             "head_size": self.head_size,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "layers": list(self.layer_names),
-            "tp_rank": tp_rank,
-            "tp_size": self.tp_size,
+            "tp_rank": head_slice,
+            "tp_size": s,
         }
         if self.hybrid:  # a one-group model keeps the fingerprint it always had
             fields["groups"] = [
-                [g.index, g.kind, list(g.layer_names), g.num_kv_heads, g.head_size, g.dtype]
+                [
+                    g.index,
+                    g.kind,
+                    list(g.layer_names),
+                    self.slice_heads(g.num_kv_heads),
+                    g.head_size,
+                    g.dtype,
+                ]
                 for g in self.groups
             ]
         return layout_fingerprint(fields)
 
+    def slice_heads(self, rank_heads: int) -> int:
+        """The KV heads in one stored slice of a group whose ranks hold ``rank_heads`` each."""
+        return rank_heads * self.ranks_with_distinct_heads // self.store_tp_size
+
     def all_fingerprints(self) -> list[str]:
-        return [self.fingerprint(r) for r in range(self.tp_size)]
+        """Every head slice's fingerprint: a block is present when all of them have it."""
+        return [self.fingerprint(j) for j in range(self.store_tp_size)]
 
 
 def describe_overrides(overrides: object) -> str | None:
@@ -263,3 +386,21 @@ def describe_overrides(overrides: object) -> str | None:
         module = getattr(overrides, "__module__", "?")
         return f"callable:{module}.{getattr(overrides, '__qualname__', repr(overrides))}"
     return json.dumps(overrides, sort_keys=True, default=str)
+
+
+def total_kv_heads(vllm_config: VllmConfig, rank_heads: int, tp_size: int) -> int:
+    """The model's KV heads over every rank: MLA's latent is one (every rank holds it); else
+    the model config's count, when the ranks' share agrees with it (vLLM gives each rank
+    ``total // tp`` heads, or one replicated head when ranks outnumber them). A model whose
+    layers disagree with its config is treated as one whose ranks all hold different heads:
+    each rank stores its own, as before slices."""
+    model_config = vllm_config.model_config
+    if getattr(model_config, "use_mla", False):
+        return 1
+    try:
+        total = int(model_config.get_total_num_kv_heads())
+    except Exception:  # a config vLLM cannot count heads for
+        return rank_heads * tp_size
+    if total > 0 and rank_heads * min(tp_size, total) == total:
+        return total
+    return rank_heads * tp_size

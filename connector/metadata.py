@@ -13,14 +13,12 @@ class LoadSpec:
     layout's groups, in order; a null block id is skipped) within ``timeout_s`` (the rest of
     the request's deadline, counted from when the worker receives it). Consume mode: first
     claim handoff ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is
-    loaded or deleted -- then, loaded or not, delete ``drop_hashes`` (the whole handed-off
-    chain's keys)."""
+    loaded. (The scheduler side deletes the chain once every rank has finished.)"""
 
     req_id: str
     block_ids: list[list[int]]
     hashes: list[str]
     timeout_s: float
-    drop_hashes: list[str] = field(default_factory=list)
     claim: str | None = None
     owner: str = ""
 

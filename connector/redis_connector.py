@@ -99,6 +99,7 @@ def write_layout_file(path: str | None, config: RedisConnectorConfig, layout: KV
         "dtype": layout.dtype,
         "kv_cache_dtype": layout.kv_cache_dtype,
         "tp_size": layout.tp_size,
+        "store_tp_size": layout.store_tp_size,
         # the KV-cache groups: a hybrid model stores each group's block at a position under
         # "<hash>.g<index>"
         "groups": [
@@ -170,7 +171,17 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             if role == KVConnectorRole.SCHEDULER:
                 logger.warning("RedisConnector saves but never loads on this engine: %s", refusal)
             self.rc = dataclasses.replace(self.rc, cannot_load=refusal)
-        self.layout = KVLayout.from_vllm(vllm_config, kv_cache_config, self.rc.model_id)
+        self.layout = KVLayout.from_vllm(
+            vllm_config, kv_cache_config, self.rc.model_id, self.rc.store_tp_size
+        )
+        if self.rc.saves and not self.layout.can_write_slices:
+            raise ValueError(
+                f"RedisConnector: store_tp_size {self.layout.store_tp_size} cuts the KV heads "
+                f"coarser than this instance's {self.layout.ranks_with_distinct_heads} ranks hold "
+                "them, so no rank holds a whole slice to save. Use a multiple of "
+                f"{self.layout.ranks_with_distinct_heads} (dividing the model's "
+                f"{self.layout.total_kv_heads} KV heads), or kv_role kv_consumer here."
+            )
         if self.rc.loads and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "kv_load_failure_policy is %r: a block missing from Redis will fail the request. "
@@ -184,7 +195,8 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         store = LookupBuffer.from_url(
             self.rc.url,
             namespace=self.rc.namespace,
-            fingerprint=self.layout.fingerprint(tp_rank),
+            # the first slice this rank reads; the worker reaches the others through views
+            fingerprint=self.layout.fingerprint(self.layout.slices_read(tp_rank)[0].index),
             ttl_s=self.rc.ttl_s,
             compression=self.rc.compression,
             socket_timeout_s=self.rc.socket_timeout_s,

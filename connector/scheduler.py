@@ -31,7 +31,8 @@ ANSWERED: vLLM was told n tokens (n may be 0) and has not allocated blocks yet.
       drop the handoff.
   request_finished (aborted): drop the handoff; (False, None).
 LOADING: the worker claims the handoff (consume mode) and writes the allocated blocks.
-  update_connector_output, finished_recving: -> RUNNING.
+  update_connector_output, finished_recving: -> RUNNING; consume mode: drop the handoff (every
+      rank has finished reading it; several ranks may read one value). Also after an abort.
   request_finished (aborted): (False, params): vLLM itself holds the blocks until the load
       reports finished receiving; nothing reports finished sending for it.
 RUNNING: computing, after its load or with nothing to load.
@@ -177,6 +178,9 @@ class RedisConnectorScheduler:
         self._drops = HandoffDrops(
             store, self.fingerprints, config.deadline_max_s, self._report_background_failure
         )
+        # consume mode: request -> the handoff it is loading, dropped (claimed for it again and
+        # deleted) once every rank has finished loading: several ranks may read one value
+        self._consumed: dict[str, tuple[Handoff, list[str]]] = {}
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
 
@@ -240,6 +244,12 @@ class RedisConnectorScheduler:
             problem = f"namespace {ours.get('namespace')!r} is not {self.config.namespace!r}"
         elif ours.get("block_size") != self.block_size:
             problem = f"block size {ours.get('block_size')!r} is not {self.block_size}"
+        elif ours.get("store_tp_size", self.layout.store_tp_size) != self.layout.store_tp_size:
+            problem = (
+                f"store_tp_size {ours.get('store_tp_size')!r} is not "
+                f"{self.layout.store_tp_size}: set the same store_tp_size on producer and "
+                "consumer to share blocks across TP sizes"
+            )
         else:
             handoff_id, n = ours.get("handoff"), ours.get("num_blocks")
             scoped = ours.get("scope") == "handoff"
@@ -448,13 +458,13 @@ class RedisConnectorScheduler:
         if self._owns_handoff(st):
             assert st.handoff is not None
             st.handoff.state, claim = "loading", st.handoff.handoff_id
+            self._consumed[rid] = (st.handoff, self.layout.keys_of(st.load_hashes))
         self._pending_loads.append(
             LoadSpec(
                 req_id=rid,
                 block_ids=[ids[start:end] for ids in st.block_ids],
                 hashes=st.load_hashes[start:end],
                 timeout_s=max(0.0, st.deadline - now),
-                drop_hashes=self.layout.keys_of(st.load_hashes) if claim else [],
                 claim=claim,
                 owner=st.handoff.owner if st.handoff is not None else "",
             )
@@ -506,6 +516,10 @@ class RedisConnectorScheduler:
             if st is not None and st.phase is Phase.LOADING:
                 st.phase = Phase.RUNNING
                 self._release(req_id, st)
+            consumed = self._consumed.pop(req_id, None)
+            if consumed is not None:  # every rank is done with it (aborted or not): delete it
+                handoff, keys = consumed
+                self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
 
     def _release(self, req_id: str, st: _RequestState) -> None:
         """Forget the blocks this request was loading (share mode: others stop waiting)."""
@@ -607,6 +621,8 @@ class RedisConnectorScheduler:
                 "last_hash": st.save_hashes[n - 1],
                 "namespace": self.config.namespace,
                 "block_size": self.block_size,
+                # how blocks are cut into KV-head slices: the consumer must read them so
+                "store_tp_size": self.layout.store_tp_size,
                 # whether the "pending" record was in Redis before this answer: if not, the
                 # consumer waits for a record that is not there yet instead of taking it for
                 # evicted (a one-step prefill answers before its background write lands)

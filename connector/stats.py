@@ -39,11 +39,17 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_tokens_load_failed",
         "Prompt tokens counted by vLLM as external hits whose load then failed (recomputed)",
     ),
-    "blocks_saved": ("vllm:redis_kv_blocks_saved", "KV blocks written to Redis"),
-    "blocks_save_failed": ("vllm:redis_kv_blocks_save_failed", "KV block writes that failed"),
+    "blocks_saved": (
+        "vllm:redis_kv_blocks_saved",
+        "KV block values written to Redis: one per block and slice of the KV heads",
+    ),
+    "blocks_save_failed": (
+        "vllm:redis_kv_blocks_save_failed",
+        "KV block values whose write failed (one per block and slice of the KV heads)",
+    ),
     "blocks_shed": (
         "vllm:redis_kv_blocks_shed",
-        "KV blocks not saved because staging was full or Redis was unavailable",
+        "KV block values not saved because staging was full or Redis was unavailable",
     ),
     "bytes_loaded": ("vllm:redis_kv_bytes_loaded", "Bytes of KV loaded from Redis"),
     "bytes_saved": ("vllm:redis_kv_bytes_saved", "Bytes of KV written to Redis"),
@@ -56,10 +62,13 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_loads_cancelled",
         "Load jobs cancelled because vLLM put the KV cache to sleep (their blocks were recomputed)",
     ),
-    "saves": ("vllm:redis_kv_saves", "Save jobs (one per request and step)"),
+    "saves": (
+        "vllm:redis_kv_saves",
+        "Save jobs (one per request, step and slice of the KV heads written)",
+    ),
     "handoffs_published": (
         "vllm:redis_kv_handoffs_published",
-        "Producer commit records written (how many blocks a request really saved)",
+        "Producer commit records written (one per request and slice of the KV heads)",
     ),
     "handoffs_lost": (
         "vllm:redis_kv_handoffs_lost",

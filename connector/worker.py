@@ -17,10 +17,17 @@
   gathers, so nothing reads them after the next forward pass starts.
 - Blocks are gathered and scattered along the block dimension of the *logical* per-layer view
   vLLM presents ([blocks, kv_heads, block_size, content]), so no backend's layout is assumed.
-- A model with several KV-cache groups gets one mover per group (its layers, its share of the
+- A model with several KV-cache groups gets movers per group (its layers, its share of the
   staging budget); each group's block is its own value, and a group's null blocks (a sliding
   window's past) are never read or written. A failed load of such a model is reported for the
   whole request (``take_failed_loads``): vLLM cannot map block ids back across groups.
+- Tensor parallelism: a block is stored as ``store_tp_size`` head slices (``layout``). Each
+  group gets one mover per slice this rank reads, over the cache heads the slice covers; the
+  slices within this rank's heads are also the ones it writes (none on a rank whose heads an
+  earlier rank holds too). A block counts as loaded when every slice covering it arrived; a
+  commit record is published per slice written.
+- Consume mode: a handed-off chain is deleted by the scheduler side once every rank has
+  finished loading it (several ranks may read one slice), never by a worker.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from kvstore import (
 )
 
 from .config import RedisConnectorConfig
-from .layout import KVGroup, KVLayout
+from .layout import HeadSlice, KVGroup, KVLayout
 from .logs import FailureCounts
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from .stats import StatsBuffer
@@ -57,13 +64,25 @@ _RETRY_MIN_LEFT_S = 0.1
 
 
 @dataclass
+class _SliceMover:
+    """One stored head slice of a group: the mover over the cache heads it covers, the store
+    under its fingerprint, and whether this rank writes it."""
+
+    head_slice: HeadSlice
+    mover: BlockMover
+    store: LookupBuffer
+    writes: bool
+
+
+@dataclass
 class _LoadJob:
     spec: LoadSpec
     deadline: float
     started: float
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # (group, block id) written into the KV cache (block ids are unique only within a group)
-    copied: set[tuple[int, int]] = field(default_factory=set)
+    # (group, slice, block id) written into the KV cache (block ids are unique only within a
+    # group; a block is loaded once every slice covering it is)
+    copied: set[tuple[int, int, int]] = field(default_factory=set)
     nbytes: int = 0
     reported: bool = False  # once True, nothing touches this request's blocks any more
 
@@ -72,7 +91,7 @@ class _LoadJob:
 class _SaveTrack:
     """One request's saves: which chain positions were acknowledged, what is in flight."""
 
-    ok: set[tuple[int, int]] = field(default_factory=set)  # (group, chain position)
+    ok: set[tuple[int, int, int]] = field(default_factory=set)  # (group, slice, position)
     pending: int = 0
     commit: CommitSpec | None = None
     publishing: bool = False
@@ -99,8 +118,8 @@ class RedisConnectorWorker:
         self._save_io = ThreadPoolExecutor(
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
-        self._cleanup_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-cleanup")
-        self._movers: list[BlockMover] = []  # one per KV-cache group, in the layout's order
+        # per KV-cache group (the layout's order), the head slices this rank reads
+        self._slices: list[list[_SliceMover]] = []
         self._jobs: dict[str, _LoadJob] = {}
         self._saves: dict[str, _SaveTrack] = {}
         self._commits_received: list[CommitSpec] = []
@@ -119,38 +138,56 @@ class RedisConnectorWorker:
         with self._lock:
             self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
             self._kv_asleep, self._asleep = {}, False
-        # the staging budget is shared by the groups' movers, by their share of the layers
+        # the staging budget is shared by the groups' movers, by their share of the layers,
+        # then by the slices a group reads
         total = len(self.layout.layer_names)
-        self._movers = [
-            BlockMover(
-                self._group_caches(group),
-                self.store,
-                max_inflight_bytes=max(
-                    1, self.config.max_inflight_bytes * len(group.layer_names) // total
-                ),
-                connections=self.config.connections,
-            )
-            for group in self.layout.groups
-        ]
-        for group, mover in zip(self.layout.groups, self._movers, strict=True):
-            logger.info(
-                "RedisConnector worker (tp rank %d): group %d (%s): %d layers, block %s %s on "
-                "%s, value %d bytes, chunks of %d blocks, %d MiB staging, %d connection(s) per "
-                "batch, store %s key pattern %s",
-                self.tp_rank,
-                group.index,
-                group.kind,
-                len(group.layer_names),
-                list(mover.kv.block_shape),
-                mover.kv.dtype,
-                mover.kv.device,
-                mover.raw_bytes,
-                mover.chunk_blocks,
-                mover.staging_bytes >> 20,
-                mover.connections,
-                self.store.safe_url,
-                self.store.key_pattern(),
-            )
+        self._slices = []
+        for group in self.layout.groups:
+            caches = self._group_caches(group)
+            reads = self.layout.slices_read(self.tp_rank, group.num_kv_heads)
+            written = {
+                sl.index for sl in self.layout.slices_written(self.tp_rank, group.num_kv_heads)
+            }
+            budget = self.config.max_inflight_bytes * len(group.layer_names) // total
+            movers = []
+            for sl in reads:
+                a, b = sl.cache_heads
+                mover = BlockMover(
+                    {name: t[:, a:b] for name, t in caches.items()},
+                    self.store.for_fingerprint(self.layout.fingerprint(sl.index)),
+                    max_inflight_bytes=max(1, budget // len(reads)),
+                    connections=self.config.connections,
+                    value_rows=(sl.value_heads, *sl.value_range),
+                )
+                movers.append(_SliceMover(sl, mover, mover.store, sl.index in written))
+            self._slices.append(movers)
+        for group, movers in zip(self.layout.groups, self._slices, strict=True):
+            for m in movers:
+                logger.info(
+                    "RedisConnector worker (tp rank %d): group %d (%s): %d layers, head slice "
+                    "%d of %d (%s), block %s %s on %s, value %d bytes, chunks of %d blocks, "
+                    "%d MiB staging, %d connection(s) per batch, keys %s",
+                    self.tp_rank,
+                    group.index,
+                    group.kind,
+                    len(group.layer_names),
+                    m.head_slice.index,
+                    self.layout.store_tp_size,
+                    "reads and writes" if m.writes else "reads",
+                    list(m.mover.value_shape),
+                    m.mover.kv.dtype,
+                    m.mover.kv.device,
+                    m.mover.raw_bytes,
+                    m.mover.chunk_blocks,
+                    m.mover.staging_bytes >> 20,
+                    m.mover.connections,
+                    m.store.key_pattern(),
+                )
+
+    @property
+    def movers(self) -> list[BlockMover]:
+        """Every data mover, group by group, head slice by head slice (for tools and tests)."""
+        return [sm.mover for movers in self._slices for sm in movers]
 
     def _group_caches(self, group: KVGroup) -> dict[str, torch.Tensor]:
         caches = {name: self._kv[name] for name in group.layer_names}
@@ -210,18 +247,15 @@ class RedisConnectorWorker:
                 asleep = self._asleep
                 if not asleep:
                     self._jobs[spec.req_id] = job
-            if asleep:  # no KV cache to write into: the request recomputes ...
-                self._report_load(job, cancelled=True)
-                if not spec.claim:
-                    continue
-            # ... and a handoff is still claimed and deleted (a reported load copies nothing)
+            if asleep:  # no KV cache to write into: the request recomputes (a handoff is
+                self._report_load(job, cancelled=True)  # deleted by the scheduler side)
+                continue
             self._track(self._load_io.submit(self._load, job))
 
     def _load(self, job: _LoadJob) -> None:
         spec = job.spec
-        ours = spec.claim is None  # a handoff's chain is ours to delete once our claim stands
         try:
-            if spec.claim is not None:  # claimed even past the deadline: it is ours to delete
+            if spec.claim is not None:  # consume mode: exactly one request loads a handoff
                 claim = self.store.claim_handoff(
                     spec.claim, self.layout.all_fingerprints(), owner=spec.owner
                 )
@@ -234,7 +268,6 @@ class RedisConnectorWorker:
                         req=spec.req_id,
                     )
                     return
-                ours = True
             if time.monotonic() >= job.deadline or job.reported:
                 return  # past its deadline, or cancelled (sleep): reported, nothing to copy
             try:
@@ -260,48 +293,42 @@ class RedisConnectorWorker:
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
         finally:
             self._report_load(job)
-            if spec.drop_hashes and ours:
-                # consume mode: the chain was this request's alone and nothing will read it
-                # again; it is deleted only now, after the values were received and copied
-                # (a claim that failed with an error leaves it to its TTL: it may be another's).
-                # Each TP rank deletes its own blocks: another rank may still be reading its.
-                fut = self._cleanup_io.submit(self.store.delete, spec.drop_hashes)
-                self._track(fut, "deleting a consumed handoff")
 
-    def _uncopied(self, job: _LoadJob) -> list[tuple[int, list[int], list[str]]]:
-        """(group, block ids, keys) of each group's blocks the load has not copied yet; null
-        blocks (a sliding window's past) are neither read nor written."""
+    def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[str]]]:
+        """(group, slice, block ids, keys) of each group's slices not copied yet; null blocks
+        (a sliding window's past) are neither read nor written."""
         out = []
         for g, (group, ids) in enumerate(zip(self.layout.groups, job.spec.block_ids, strict=True)):
-            pairs = [
-                (b, self.layout.group_key(h, group))
-                for b, h in zip(ids, job.spec.hashes, strict=True)
-                if group.holds(b) and (g, b) not in job.copied
-            ]
-            if pairs:
-                out.append((g, [b for b, _ in pairs], [k for _, k in pairs]))
+            for k in range(len(self._slices[g]) if self._slices else 1):
+                pairs = [
+                    (b, self.layout.group_key(h, group))
+                    for b, h in zip(ids, job.spec.hashes, strict=True)
+                    if group.holds(b) and (g, k, b) not in job.copied
+                ]
+                if pairs:
+                    out.append((g, k, [b for b, _ in pairs], [key for _, key in pairs]))
         return out
 
     def _receive(self, job: _LoadJob) -> None:
-        """Receive and copy in chunk by chunk, group by group, what is not copied yet; stops
-        as soon as the load was reported."""
-        for g, block_ids, keys in self._uncopied(job):
-            chunks = self._movers[g].receive(
+        """Receive and copy in chunk by chunk, slice by slice, what is not copied yet; stops as
+        soon as the load was reported."""
+        for g, k, block_ids, keys in self._uncopied(job):
+            chunks = self._slices[g][k].mover.receive(
                 block_ids, keys, timeout_s=max(0.0, job.deadline - time.monotonic())
             )
             try:
                 for chunk in chunks:
-                    if not self._copy_in(job, g, chunk):
+                    if not self._copy_in(job, g, k, chunk):
                         return
             finally:
                 chunks.close()  # releases the staging buffer at once
 
-    def _copy_in(self, job: _LoadJob, group: int, chunk: LoadChunk) -> bool:
+    def _copy_in(self, job: _LoadJob, group: int, head_slice: int, chunk: LoadChunk) -> bool:
         with job.lock:
             if job.reported:  # the deadline passed: these blocks are no longer ours
                 return False
             copied, nbytes = chunk.copy_in()  # synchronous: done when it returns
-            job.copied.update((group, b) for b in copied)
+            job.copied.update((group, head_slice, b) for b in copied)
             job.nbytes += nbytes
         if chunk.misfits:
             self._warn(
@@ -332,11 +359,13 @@ class RedisConnectorWorker:
                     # failure per request (and recomputes all of it)
                     self._failed_loads.add(spec.req_id)
                 else:
-                    self._failed_block_ids.update(b for _, ids, _ in failed for b in ids)
+                    self._failed_block_ids.update(b for _, _, ids, _ in failed for b in ids)
                 self._finished_loads.add(spec.req_id)
         # vLLM recomputes from the first failed block on: only the blocks before it count
         total = len(spec.hashes)
-        first_failed = min((spec.block_ids[g].index(ids[0]) for g, ids, _ in failed), default=total)
+        first_failed = min(
+            (spec.block_ids[g].index(ids[0]) for g, _, ids, _ in failed), default=total
+        )
         loaded = 0 if failed and self.layout.fails_per_request else first_failed
         self.stats.add(
             loads=1,
@@ -414,11 +443,18 @@ class RedisConnectorWorker:
                 self._stage_group(g, items)
 
     def _stage_group(self, group: int, items: list[SaveItem]) -> None:
+        """Stage ``items`` of every head slice this rank writes of ``group`` (none: another
+        rank holding the same heads writes them)."""
+        for k, sm in enumerate(self._slices[group]):
+            if sm.writes:
+                self._stage_slice(group, k, items)
+
+    def _stage_slice(self, group: int, head_slice: int, items: list[SaveItem]) -> None:
         chunks: list[SaveChunk] = []
         shed = items  # Redis is down or hung (or the KV cache asleep): do not even copy
         if self.store.available and not self._asleep:
             try:
-                chunks, shed = self._movers[group].stage_saves(items)
+                chunks, shed = self._slices[group][head_slice].mover.stage_saves(items)
             except Exception:  # the step goes on; these blocks are not saved (and counted)
                 logger.exception("copying %d block(s) out for saving failed", len(items))
         if shed:
@@ -435,14 +471,14 @@ class RedisConnectorWorker:
             with self._lock:
                 for owner in chunk.owners:
                     self._saves[owner].pending += 1
-            self._track(self._save_io.submit(self._write, group, chunk), "a save")
+            self._track(self._save_io.submit(self._write, group, head_slice, chunk), "a save")
 
-    def _write(self, group: int, chunk: SaveChunk) -> None:
+    def _write(self, group: int, head_slice: int, chunk: SaveChunk) -> None:
         t0 = time.perf_counter()
         ok = False
         nbytes = 0
         try:
-            nbytes = self._movers[group].write(chunk)
+            nbytes = self._slices[group][head_slice].mover.write(chunk)
             ok = True
         except KVStoreError as exc:
             self._redis_error(
@@ -464,7 +500,9 @@ class RedisConnectorWorker:
                         track.pending -= 1
                         if ok:
                             track.ok.update(
-                                (group, i.position) for i in chunk.items if i.owner == owner
+                                (group, head_slice, i.position)
+                                for i in chunk.items
+                                if i.owner == owner
                             )
             self.stats.add(
                 saves=1,
@@ -488,13 +526,19 @@ class RedisConnectorWorker:
     def _publish(self, req_id: str, track: _SaveTrack) -> None:
         commit = track.commit
         assert commit is not None
-        # the longest prefix a consumer can load: every needed block of every group written
+        written = [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
+        # the longest prefix a consumer can load: every needed block of every group written,
+        # in every slice this rank writes (each slice's record is this rank's to publish)
         n = self.layout.usable_prefix(
-            lambda g, p: (g, p) in track.ok, commit.present_blocks, commit.num_blocks
+            lambda g, p: all((g, k, p) in track.ok for k in written[g]),
+            commit.present_blocks,
+            commit.num_blocks,
         )
+        stores = [sm.store for sm in self._slices[0] if sm.writes] if self._slices else []
         try:
-            self.store.publish_handoff(commit.handoff, n)
-            self.stats.add(handoffs_published=1)
+            for store in stores:  # (none: another rank holding these heads writes them)
+                store.publish_handoff(commit.handoff, n)
+                self.stats.add(handoffs_published=1)
         except KVStoreError as exc:
             self._redis_error(
                 exc,
@@ -581,6 +625,6 @@ class RedisConnectorWorker:
             logger.warning(
                 "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
-        for pool in (self._load_io, self._save_io, self._cleanup_io):
+        for pool in (self._load_io, self._save_io):
             pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

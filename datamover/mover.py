@@ -23,6 +23,10 @@ Loads (``receive`` then ``LoadChunk.copy_in``, on a loader thread):
 
 Memory: saves and loads each get half of ``max_inflight_bytes`` of host staging (at least two
 chunks of one block each way); CUDA adds ``device_chunks`` chunks of device scratch per side.
+
+A stored value may hold more rows of the block's first dimension than the cache does
+(``value_rows``: e.g. all the KV heads of a slice, of which this cache holds some): loads then
+receive the whole value and scatter only the cache's rows. Such a mover only loads.
 """
 
 from __future__ import annotations
@@ -94,13 +98,22 @@ class BlockMover:
         connections: int = 4,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         device_chunks: int = 2,
+        value_rows: tuple[int, int, int] | None = None,
     ) -> None:
+        """``value_rows`` = (rows, first, end): a stored value's block has ``rows`` rows in
+        its first dimension, of which this cache holds ``[first, end)`` (default: all)."""
         self.kv = PagedKV(caches)
         self.store = store
         self.connections = max(1, connections)
-        self.entries, self.raw_bytes = plan_entries(
-            self.kv.names, self.kv.dtype, self.kv.block_shape
-        )
+        rows = self.kv.block_shape[0]
+        self.value_rows = value_rows or (rows, 0, rows)
+        if (
+            self.value_rows[2] - self.value_rows[1] != rows
+            or self.value_rows[2] > self.value_rows[0]
+        ):
+            raise ValueError(f"value_rows {value_rows} do not fit a cache block of {rows} rows")
+        self.value_shape = (self.value_rows[0], *self.kv.block_shape[1:])
+        self.entries, self.raw_bytes = plan_entries(self.kv.names, self.kv.dtype, self.value_shape)
         probe = frame_parts(
             self.entries,
             [bytes(self.raw_bytes)],
@@ -135,6 +148,11 @@ class BlockMover:
             self._load_scratch = StagingPool(load_chunk, max(1, device_chunks), device=dev)
 
     @property
+    def whole_values(self) -> bool:
+        """A stored value is exactly a cache block (so this mover may save too)."""
+        return self.value_shape == self.kv.block_shape
+
+    @property
     def staging_bytes(self) -> int:
         """Host staging allocated, loads and saves together."""
         return (
@@ -148,6 +166,8 @@ class BlockMover:
         and the items shed for want of staging (the tail: later positions go first). Never
         waits for a copy or for Redis. If a gather fails, every staging buffer this call took
         is released (after the copies already queued into them) and the error is raised."""
+        if not self.whole_values:
+            raise ValueError("this mover holds part of each stored value: it cannot save")
         chunks: list[SaveChunk] = []
         n = self.chunk_blocks
         for start in range(0, len(items), n):
@@ -258,8 +278,7 @@ class BlockMover:
 
     def _fits(self, value: Mapping[str, torch.Tensor]) -> bool:
         return tuple(value) == self.kv.names and all(
-            tuple(t.shape) == self.kv.block_shape and t.dtype == self.kv.dtype
-            for t in value.values()
+            tuple(t.shape) == self.value_shape and t.dtype == self.kv.dtype for t in value.values()
         )
 
     def _payload_offset(self, row: torch.Tensor, value: Mapping[str, torch.Tensor]) -> int | None:
@@ -267,8 +286,9 @@ class BlockMover:
         value was received in place, uncompressed); else None."""
         base = row.data_ptr()
         first = next(iter(value.values())).data_ptr() - base
+        layer_bytes = self.raw_bytes // len(self.kv.names)
         for layer, t in enumerate(value.values()):
-            at = first + layer * self.kv.layer_bytes
+            at = first + layer * layer_bytes
             if t.data_ptr() - base != at or not t.is_contiguous():
                 return None
         return first if first >= 0 and first + self.raw_bytes <= row.numel() else None
@@ -302,10 +322,11 @@ class BlockMover:
     ) -> None:
         """Scatter rows ``keep`` of a staging buffer whose payloads all start at ``offset``."""
         n = rows.shape[0]
-        shape = (n, len(self.kv.names), *self.kv.block_shape)
+        shape = (n, len(self.kv.names), *self.value_shape)
         if not self.kv.on_cuda:
             src = rows[:, offset : offset + self.raw_bytes].view(self.kv.dtype).view(shape)
-            self.kv.scatter(ids, src if len(keep) == n else src[torch.tensor(keep)])
+            src = self._cached_rows(src if len(keep) == n else src[torch.tensor(keep)])
+            self.kv.scatter(ids, src)
             return
         scratch = self._load_scratch.acquire()
         assert scratch is not None  # acquire() without a timeout waits
@@ -317,16 +338,21 @@ class BlockMover:
                 src = on_device.view(self.kv.dtype).view(shape)
                 if len(keep) != n:
                     src = src[torch.tensor(keep, device=self.kv.device)]
-                self.kv.scatter(ids.to(self.kv.device, non_blocking=True), src)
+                self.kv.scatter(ids.to(self.kv.device, non_blocking=True), self._cached_rows(src))
             self._load_stream.synchronize()  # one synchronisation per chunk
         finally:
             self._load_scratch.release(scratch)
 
+    def _cached_rows(self, src: torch.Tensor) -> torch.Tensor:
+        """``[n, layers, *value_shape]`` narrowed to the rows this cache holds (a view)."""
+        _, first, end = self.value_rows
+        return src if self.whole_values else src.narrow(2, first, end - first)
+
     def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         if not self.kv.on_cuda:
-            self.kv.scatter(ids, src)
+            self.kv.scatter(ids, self._cached_rows(src))
             return
         with torch.cuda.stream(self._load_stream):
             on_device = src.to(self.kv.device, non_blocking=True)
-            self.kv.scatter(ids.to(self.kv.device, non_blocking=True), on_device)
+            self.kv.scatter(ids.to(self.kv.device, non_blocking=True), self._cached_rows(on_device))
         self._load_stream.synchronize()

@@ -4,7 +4,7 @@ stored can be listed and checked later without the model.
     <prefix>:<namespace>:<fingerprint>:doc:<document id>  ->  JSON
 
 A record holds the document's name, its token count, its chain of block hashes, the
-fingerprints (one per tensor-parallel rank) its blocks were stored under, the model, a hash of
+fingerprints (one per slice of the KV heads) its blocks were stored under, the model, a hash of
 its text and when it was stored. The id is the chain's last hash: the same text rendered the
 same way has one record. A record outlives its blocks by a minute, so ``volatile-ttl`` evicts
 blocks before the record that describes them.

@@ -62,7 +62,7 @@ class KeySpace:
         return f"{self._base(fingerprint)}:{check_name('a block hash', block_hash)}"
 
     def fingerprints(self, given: Sequence[str] | None) -> list[str]:
-        """``given`` (e.g. one per tensor-parallel rank), or this space's own fingerprint."""
+        """``given`` (e.g. one per slice of a model's KV heads), or this space's own fingerprint."""
         return list(given) if given else [self.fingerprint]
 
     def blocks(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:

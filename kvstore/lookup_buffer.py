@@ -147,12 +147,22 @@ class LookupBuffer:
             on_unavailable=self._transport.relearn,
         )
         self.breaker = self.guard.breaker
+        self._read_connections = read_connections
+        self._io_threads = io_threads
+        self._executor: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._owner: LookupBuffer | None = None  # set on a view made by for_fingerprint
+        self._bind_keys()
+
+    def _bind_keys(self) -> None:
+        """(Re)build the parts that name keys or check values' fingerprints, over the shared
+        transport, guard and counters."""
         self._inventory = Inventory(self._transport, self.guard, self.keys, self.ttl)
         self._claims = Claimer(
             self._transport,
             self.guard,
             exists=self._inventory.exists,
-            max_value_bytes=max_value_bytes,
+            max_value_bytes=self.max_value_bytes,
             on_retry=lambda: self._counters.add(redirects=1),
         )
         self._reader = Reader(
@@ -161,8 +171,8 @@ class LookupBuffer:
             self._claims,
             self._counters,
             fingerprint=self.fingerprint,
-            max_value_bytes=max_value_bytes,
-            connections=read_connections,
+            max_value_bytes=self.max_value_bytes,
+            connections=self._read_connections,
         )
         self._writer = Writer(
             self._transport,
@@ -170,13 +180,24 @@ class LookupBuffer:
             self.keys,
             self.ttl,
             self._counters,
-            compression=compression,
-            max_value_bytes=max_value_bytes,
+            compression=self.compression,
+            max_value_bytes=self.max_value_bytes,
         )
         self._handoffs = HandoffRecords(self._transport, self.guard, self.keys, self.ttl)
-        self._io_threads = io_threads
-        self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
+
+    def for_fingerprint(self, fingerprint: str) -> LookupBuffer:
+        """A view of this buffer whose keys and values are under ``fingerprint`` (e.g. another
+        slice of a model's KV heads) in the same namespace: the same connections, circuit
+        breaker and counters, no new sockets. Closing the view does nothing; close this one."""
+        if fingerprint == self.fingerprint:
+            return self
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view.keys = KeySpace(self.key_prefix, self.namespace, fingerprint)
+        view.fingerprint = view.keys.fingerprint
+        view._owner = self._owner or self
+        view._bind_keys()
+        return view
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -271,6 +292,8 @@ class LookupBuffer:
     def close(self) -> None:
         """Stop the breaker's probe and the threads, and close the connections of the clients
         ``from_url`` made (a client passed in is its owner's to close)."""
+        if self._owner is not None:  # a view (for_fingerprint): its owner holds everything
+            return
         self.guard.stop()
         with self._lock:
             executor, self._executor = self._executor, None
@@ -418,10 +441,13 @@ class LookupBuffer:
         return self._pool().submit(self.insert_many, items, metadata)
 
     def _pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvstore")
-            return self._executor
+        owner = self._owner or self  # a view's tasks run on its owner's threads
+        with owner._lock:
+            if owner._executor is None:
+                owner._executor = ThreadPoolExecutor(
+                    owner._io_threads, thread_name_prefix="kvstore"
+                )
+            return owner._executor
 
     # ------------------------------------------------------------------ reads
     def select(
@@ -495,8 +521,8 @@ class LookupBuffer:
     ) -> int:
         """How many leading blocks of ``hashes`` are present, in one round trip.
 
-        With ``fingerprints`` (e.g. one per tensor-parallel rank) a block counts only when it is
-        present under every fingerprint. An empty ``hashes`` gives 0.
+        With ``fingerprints`` (e.g. one per slice of a model's KV heads) a block counts only
+        when it is present under every fingerprint. An empty ``hashes`` gives 0.
         """
         return self._inventory.longest_prefixes([hashes], fingerprints)[0]
 

@@ -142,10 +142,10 @@ class SimEngine:
         real_copy_in = worker._copy_in
         tls = self._tls
 
-        def copy_in(job: Any, group: int, chunk: Any) -> bool:
+        def copy_in(job: Any, group: int, head_slice: int, chunk: Any) -> bool:
             tls.req_id = job.spec.req_id
             try:
-                return real_copy_in(job, group, chunk)
+                return real_copy_in(job, group, head_slice, chunk)
             finally:
                 tls.req_id = None
 
@@ -158,7 +158,7 @@ class SimEngine:
             return scatter
 
         worker._copy_in = copy_in  # type: ignore[method-assign]
-        for mover in worker._movers:
+        for mover in worker.movers:
             mover.kv.scatter = checked(mover.kv.scatter)  # type: ignore[method-assign]
 
     def _check_writes(self, req_id: str | None, block_ids: list[int]) -> None:

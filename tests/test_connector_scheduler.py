@@ -94,6 +94,14 @@ def hand_off(
     return params, chain
 
 
+def until(pred: Any, timeout_s: float = 30) -> None:
+    """Wait for a background call's effect (a generous bound, for a busy machine)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.01)
+
+
 def meta_of(out: Any) -> RedisConnectorMetadata:
     meta = out.kv_connector_metadata
     assert isinstance(meta, RedisConnectorMetadata)
@@ -127,14 +135,38 @@ def test_consumer_loads_a_handoff_asynchronously_and_never_the_last_token(
     meta = meta_of(out)
     assert [(s.req_id, s.hashes) for s in meta.loads] == [("r1", chain[:3])]
     assert [len(ids) for ids in meta.loads[0].block_ids] == [3] and 0 < meta.loads[0].timeout_s <= 3
-    assert meta.loads[0].drop_hashes == chain  # consume mode: the whole chain goes after
+    assert meta.loads[0].claim == "feed1234"  # the worker claims it before it reads
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert out.num_scheduled_tokens == {}
-    # the worker reports the load done; the request then runs from the loaded prefix
+    store = store_for(sched)
+    assert store.longest_prefix(chain) == 4  # nothing goes while a rank may still read it
+    # every rank reports the load done; the request then runs from the loaded prefix ...
     sched.update_from_output(out, runner_output([], recving={"r1"}))
     out2 = sched.schedule()
     assert out2.num_scheduled_tokens == {"r1": BS}
     assert [r.num_computed_tokens for r in out2.scheduled_new_reqs] == [3 * BS]
+    # ... and the whole handed-off chain, the unloaded last block too, and its record go
+    until(lambda: store.contains(chain) == [False] * 4)
+    until(lambda: fake_redis.exists(store.keys.handoff("feed1234")) == 0)
+
+
+def test_a_consumed_handoff_is_deleted_once_loaded_even_when_its_request_was_aborted(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    sched = make_scheduler(tiny_model, "kv_consumer")
+    tokens = prompt(4 * BS + 1)
+    params, chain = hand_off(sched, tokens, 4, commit=4)
+    req = make_request("r1", tokens, params)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert [s.req_id for s in meta_of(out).loads] == ["r1"]
+    sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED)  # aborted while loading
+    store = store_for(sched)
+    time.sleep(0.2)
+    assert store.longest_prefix(chain) == 4  # its load may still be reading
+    sched.update_from_output(out, runner_output([], recving={"r1"}))
+    until(lambda: store.contains(chain) == [False] * 4)
+    assert fake_redis.exists(store.keys.handoff("feed1234")) == 0
 
 
 def test_consume_mode_without_a_handoff_never_asks_redis(
@@ -412,6 +444,10 @@ def test_redis_down_degrades_to_recompute(
     sched.add_request(make_request("r", tokens))
     out = sched.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r": 4 * BS + 1}
+    # marking the handoff runs in the background and counts its failure in a done callback,
+    # which runs on the executor's one thread after waiters on the call have woken: a no-op
+    # queued behind it finishes only after that callback (CI once read the count before it)
+    connector_of(sched)._background_io.submit(lambda: None).result(30)
     # the lookup, and marking the handoff of the blocks it then saves (kv_both)
     assert connector_of(sched).take_stats()["redis_errors"] == 2
 
@@ -454,6 +490,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
             "last_hash": chain[4],
             "namespace": "vllm",
             "block_size": BS,
+            "store_tp_size": 1,
             "opened": True,
         }
     }
@@ -483,7 +520,7 @@ def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
     sched.add_request(req)
     out = sched.schedule()
     load = meta_of(out).loads
-    assert [(s.hashes, s.drop_hashes) for s in load] == [(hashes[:3], [])]
+    assert [(s.hashes, s.claim) for s in load] == [(hashes[:3], None)]
     sched.update_from_output(out, runner_output([], recving={"s"}))
     out = sched.schedule()
     saves = [h for s in meta_of(out).saves for h in s.hashes]

@@ -8,7 +8,9 @@ loads, says so once at startup, and its outputs are a connector-less server's, b
 
 Engines, each pinned to one core: ``plain`` (no connector) and ``saver`` (share mode, an empty
 Redis) run the same prompts side by side; then ``again``, a fresh share-mode instance, runs them
-with every block in Redis.
+with every block in Redis. ``saver2``, at TP 2 (a core per rank), saves the same prompts into
+another empty Redis: MLA's latent is the same on every rank, so it is stored once, under the
+same keys and in the same bytes as at TP 1.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from testing.redis_server import RedisServer
 
@@ -57,7 +60,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory, mla_model: Path) -> dict[str,
         out["plain"], out["saver"] = finish(plain), finish(saver)
         out["saver_log"] = saver[0].log.read_text(errors="replace")
         out["again"] = finish(start_engine(tmp, "again", mla_model, phases, core=0, **RUN, **share))
+        out["stored"] = stored_blocks(server.url)
+    with RedisServer() as server:
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        out["saver2"] = finish(
+            start_engine(tmp, "saver2", mla_model, phases, core="0|1", tp=2, **RUN, **share)
+        )
+        out["stored2"] = stored_blocks(server.url)
     return out
+
+
+def stored_blocks(url: str) -> dict[str, int]:
+    """Each block key (``kv:vllm:<fingerprint>:<hash>``) and its stored bytes."""
+    client = redis.Redis.from_url(url)
+    keys = [k for k in client.scan_iter("kv:vllm:*", count=1000) if k.count(b":") == 3]
+    sizes = {k.decode(): int(client.strlen(k)) for k in keys}
+    client.close()
+    return sizes
 
 
 def test_the_model_tells_prompts_apart(runs: dict[str, Any]) -> None:
@@ -84,3 +103,20 @@ def test_a_cpu_mla_engine_saves_says_it_never_loads_and_answers_as_without_the_c
         > saved["vllm:redis_kv_blocks_saved"] * 2 * BLOCK * 576 * 4
     )
     assert runs["again"]["metrics"].get("vllm:redis_kv_blocks_loaded", 0) == 0
+
+
+def test_the_latent_is_stored_once_at_tp2_under_the_keys_and_bytes_of_tp1(
+    runs: dict[str, Any],
+) -> None:
+    tp1, tp2 = runs["stored"], runs["stored2"]
+    assert len({k.split(":")[2] for k in tp2}) == 1  # one fingerprint, not one per rank
+    # 43 full blocks per prompt, the first 40 shared: 46 values, once each
+    assert len(tp1) == len(tp2) == 2 * (700 // BLOCK) - 640 // BLOCK
+    assert set(tp2) == set(tp1)  # the same keys: TP 1 and TP 2 instances share them
+    # the same bytes per token (a header is as long whenever it was written)
+    assert sum(tp2.values()) == sum(tp1.values())
+    saved2 = runs["saver2"]["metrics"]
+    assert (
+        saved2["vllm:redis_kv_blocks_saved"]
+        == runs["saver"]["metrics"]["vllm:redis_kv_blocks_saved"]
+    )

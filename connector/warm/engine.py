@@ -22,7 +22,7 @@ class StoreLayout:
 
     namespace: str
     block_size: int
-    fingerprints: list[str]  # one per tensor-parallel rank
+    fingerprints: list[str]  # one per stored KV-head slice (store_tp_size)
     model_id: str
 
 
