@@ -24,7 +24,9 @@ import pytest
 
 from .e2e_helpers import plain_saver_loader, tokens
 
-pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
+# the default release only (CI time): the connector's side of it -- a producer's and a loader's
+# outputs bit-identical to a connector-less engine's -- is test_e2e_connector's on every release
+pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
 PREFIX = tokens(640, 1)
 FIRST = {"first": PREFIX + tokens(60, 2)}
