@@ -8,6 +8,14 @@ only the blocks vLLM allocated for it: a sliding-window group gets real blocks o
 window before the hit's end (the rest are vLLM's null block, which is never read or written).
 A model with one group keeps the keys and fingerprint it always had.
 
+State groups (Mamba, gated delta-net; vLLM's "align" cache mode): a state group's block at
+position ``p`` is the layer's recurrent state after exactly ``(p + 1) * block_size`` tokens, and
+only the states vLLM commits at chunk ends exist. Such a block is saved only when vLLM offers it
+(``boundary_state_offloads``, never read from the block table by position), and a hit of ``n``
+blocks needs every full-attention block before ``n`` and each state group's block at ``n - 1``
+alone -- a windowed group whose window is one block. A state is cut by TP rank, not by KV head,
+so a model with state groups stores every group rank by rank (``store_tp_size`` = TP size).
+
 Tensor parallelism: the stored unit is a *head slice*. The model's KV heads are cut into
 ``store_tp_size`` equal slices (default: this instance's TP size, at most the number of KV
 heads), and slice ``j`` of every block is one value under its own fingerprint (the fingerprint a
@@ -39,8 +47,12 @@ LAYOUT_VERSION = "logical-HNC/1"
 
 
 # vLLM's null block: a placeholder in a group's block table for positions that group does not
-# keep (a sliding window's past). Never read from, never written to.
+# keep (a sliding window's past, a state group's skipped states). Never read from, never written
+# to.
 NULL_BLOCK_ID = 0
+# A position a save or load names no block of a group at (a state saved alone, or the
+# attention blocks of a step in a state group's place): skipped like the null block.
+NO_BLOCK = -1
 
 
 @dataclass(frozen=True)
@@ -48,17 +60,37 @@ class KVGroup:
     """One KV-cache group: layers sharing one block table, stored as one value per block."""
 
     index: int  # its place in vLLM's ``kv_cache_groups``: block ids come in this order
-    kind: str  # "full", "sliding_window=<tokens>", "chunked_local=<tokens>"
+    # "full", "sliding_window=<tokens>", "chunked_local=<tokens>", "state=<mamba type>"
+    kind: str
     layer_names: tuple[str, ...]
+    # the per-layer block vLLM presents, [num_kv_heads, block_size, head_size] of ``dtype``;
+    # a state group's is [1, 1, state bytes] of int8
     num_kv_heads: int
     head_size: int
     dtype: str
+    # a state group's states, what changes their bytes: shapes and dtypes, in the order the
+    # layer packs them into its page (a conv state's orientation is in its shape)
+    state: str = ""
 
     def holds(self, block_id: int) -> bool:
-        """Whether ``block_id`` is a block of this group's own: a windowed group's block table
-        holds vLLM's null block where the window has passed (never read, never written; a
-        full-attention group never holds it)."""
+        """Whether ``block_id`` is a block of this group's own: a windowed or state group's
+        block table holds vLLM's null block where the window has passed or no state is kept
+        (never read, never written; a full-attention group never holds it), and a spec may
+        name no block of a group at a position (``NO_BLOCK``)."""
+        if block_id == NO_BLOCK:
+            return False
         return self.kind == "full" or block_id != NULL_BLOCK_ID
+
+    @property
+    def is_state(self) -> bool:
+        """A Mamba / gated delta-net group: one recurrent state per block, not tokens' KV."""
+        return self.kind.startswith("state=")
+
+    @property
+    def block_tokens(self) -> int | None:
+        """The second dimension of its per-layer block: None for the layout's block size, 1
+        for a state group (one state per block)."""
+        return 1 if self.is_state else None
 
     def first_needed(self, blocks: int, block_size: int) -> int:
         """The first chain position a hit of ``blocks`` leading blocks needs from this group:
@@ -67,6 +99,8 @@ class KVGroup:
         and recompute)."""
         kind, _, size = self.kind.partition("=")
         tokens = blocks * block_size
+        if kind == "state":  # the state after the hit's last block, nothing before
+            return max(0, blocks - 1)
         if kind == "sliding_window":
             return max(0, tokens - int(size) + 1) // block_size
         if kind == "chunked_local":
@@ -75,8 +109,9 @@ class KVGroup:
 
     @property
     def windowed(self) -> bool:
-        """Its block table holds the null block where tokens no longer count."""
-        return self.kind.startswith(("sliding_window=", "chunked_local="))
+        """Its block table holds the null block where tokens no longer count (a state group:
+        every block but the hit's last)."""
+        return self.kind.startswith(("sliding_window=", "chunked_local=", "state="))
 
 
 @dataclass(frozen=True)
@@ -101,17 +136,21 @@ class UnsupportedModelError(ValueError):
 
 
 def _group_kind(spec: object) -> str | None:
-    """What a group keeps, or None for a group the connector cannot store. A group's block at
-    chain position p must hold the KV of tokens [p * block_size, (p + 1) * block_size)."""
+    """What a group keeps, or None for a group the connector cannot store. An attention
+    group's block at chain position p must hold the KV of tokens [p * block_size, (p + 1) *
+    block_size); a state group's, the state after (p + 1) * block_size tokens."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
+    if isinstance(spec, MambaSpec):
+        return f"state={_mamba_type(spec)}"
     if not isinstance(spec, AttentionSpec) or not getattr(spec, "prefix_cacheable", True):
-        return None  # state (Mamba, GDN) or a ring buffer: blocks are not token positions
+        return None  # a ring buffer or another kind of state: blocks are not token positions
     if isinstance(spec, SlidingWindowSpec):
         return f"sliding_window={int(spec.sliding_window)}"
     if isinstance(spec, ChunkedLocalAttentionSpec):
@@ -119,6 +158,44 @@ def _group_kind(spec: object) -> str | None:
     if isinstance(spec, FullAttentionSpec):
         return "full"  # (with the hybrid allocator off, window layers keep every block too)
     return type(spec).__name__
+
+
+def _mamba_type(spec: Any) -> str:
+    """The state's kind by vLLM's enum name ("GDN_ATTN", "MAMBA2", ...), not its value (a class
+    path that may move between releases)."""
+    kind = getattr(spec, "mamba_type", "MAMBA2")
+    return str(getattr(kind, "name", kind))
+
+
+def _state_group(index: int, names: tuple[str, ...], spec: Any) -> KVGroup:
+    """A Mamba / gated delta-net group, or UnsupportedModelError saying what to change: its
+    states must be vLLM's align-mode snapshots (one per block boundary), with no speculative
+    scratch states in its pages."""
+    where = f"KV-cache group {index} ({_mamba_type(spec)} state, layers {list(names)[:3]}...)"
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedModelError(
+            f"RedisConnector stores {where} only in vLLM's 'align' Mamba cache mode (states at "
+            f"block boundaries), not {mode!r}: keep prefix caching on (the default) or set "
+            "--mamba-cache-mode align, or serve without --kv-transfer-config."
+        )
+    if int(getattr(spec, "num_speculative_blocks", 0)):
+        raise UnsupportedModelError(
+            f"RedisConnector cannot store {where} with speculative decoding (its pages hold "
+            "scratch states that move in place): serve without --speculative-config, or "
+            "without --kv-transfer-config."
+        )
+    shapes = [list(map(int, shape)) for shape in spec.shapes]
+    dtypes = [str(d).replace("torch.", "") for d in spec.dtypes]
+    return KVGroup(
+        index=index,
+        kind=f"state={_mamba_type(spec)}",
+        layer_names=names,
+        num_kv_heads=1,
+        head_size=int(spec.state_content_size_bytes),
+        dtype="int8",
+        state=json.dumps({"shapes": shapes, "dtypes": dtypes}, sort_keys=True),
+    )
 
 
 @dataclass(frozen=True)
@@ -229,8 +306,9 @@ class KVLayout:
 
     @property
     def hybrid(self) -> bool:
-        """Several KV-cache groups: keys carry the group, loads fail per request."""
-        return len(self.groups) > 1
+        """Several KV-cache groups, or a state group: keys and the fingerprint name the groups
+        (a model with one attention group keeps the keys and fingerprint it always had)."""
+        return len(self.groups) > 1 or self.groups[0].is_state
 
     def group_key(self, block_hash: str, group: KVGroup) -> str:
         """The name of ``group``'s block at the position ``block_hash`` names."""
@@ -283,20 +361,24 @@ class KVLayout:
         for index, group in enumerate(kv_cache_config.kv_cache_groups):
             if not getattr(group, "enable_kv_transfer", True):
                 continue  # vLLM rebuilds it from another group after a load
-            spec: Any = group.kv_cache_spec  # an attention spec, once _group_kind says so
+            spec: Any = group.kv_cache_spec  # an attention or state spec, once kind says so
             kind = _group_kind(spec)
+            names = tuple(group.layer_names)
             if kind is None:
                 raise UnsupportedModelError(
                     f"RedisConnector cannot store KV-cache group {index} "
-                    f"({type(spec).__name__}, layers {list(group.layer_names)[:3]}...): "
-                    "state (Mamba, gated delta-net) and other non-attention groups are not "
-                    "supported yet. Serve this model without --kv-transfer-config."
+                    f"({type(spec).__name__}, layers {list(names)[:3]}...): its blocks are "
+                    "neither tokens' KV nor block-boundary states. Serve this model without "
+                    "--kv-transfer-config."
                 )
+            if kind.startswith("state="):
+                groups.append(_state_group(index, names, spec))
+                continue
             groups.append(
                 KVGroup(
                     index=index,
                     kind=kind,
-                    layer_names=tuple(group.layer_names),
+                    layer_names=names,
                     num_kv_heads=int(spec.num_kv_heads),
                     head_size=int(spec.head_size),
                     dtype=str(spec.dtype).replace("torch.", ""),
@@ -312,10 +394,20 @@ class KVLayout:
                 f"RedisConnector needs one block size for every KV-cache group, got "
                 f"{sorted(block_sizes)}"
             )
-        first = groups[0]
+        # the fields a one-group model's fingerprint always had: its first attention group's
+        first = next((g for g in groups if not g.is_state), groups[0])
         model_config = vllm_config.model_config
         tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         total_heads = total_kv_heads(vllm_config, first.num_kv_heads, tp_size)
+        if any(g.is_state for g in groups):
+            # a state is cut by rank, not by KV head: every rank stores its own slice
+            if store_tp_size not in (None, tp_size):
+                raise UnsupportedModelError(
+                    f"store_tp_size {store_tp_size}: a model with Mamba / gated delta-net "
+                    f"state groups is stored rank by rank (TP {tp_size}); leave store_tp_size "
+                    "unset"
+                )
+            total_heads, store_tp_size = first.num_kv_heads * tp_size, tp_size
         return cls(
             model_id=model_id or str(model_config.model),
             block_size=block_sizes.pop(),
@@ -363,6 +455,7 @@ class KVLayout:
                     self.slice_heads(g.num_kv_heads),
                     g.head_size,
                     g.dtype,
+                    *([g.state] if g.is_state else []),  # attention groups keep their fields
                 ]
                 for g in self.groups
             ]

@@ -26,8 +26,9 @@ class LoadSpec:
 @dataclass
 class SaveSpec:
     """Save the KV of ``block_ids[g][i]`` of each KV-cache group ``g`` under position
-    ``hashes[i]`` once this step's forward is done (a null block id is skipped); ``hashes[0]``
-    is block ``first_position`` of the request's chain ``handoff``."""
+    ``hashes[i]`` once this step's forward is done (a null block id, or ``NO_BLOCK`` -- a
+    state group's place in an attention save, the attention groups' in a state's -- is
+    skipped); ``hashes[0]`` is block ``first_position`` of the request's chain ``handoff``."""
 
     req_id: str
     block_ids: list[list[int]]

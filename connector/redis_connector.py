@@ -182,6 +182,19 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                 f"{self.layout.ranks_with_distinct_heads} (dividing the model's "
                 f"{self.layout.total_kv_heads} KV heads), or kv_role kv_consumer here."
             )
+        block_size = int(vllm_config.cache_config.block_size or 0)
+        states = any(g.is_state for g in self.layout.groups)
+        if states and role == KVConnectorRole.SCHEDULER and block_size != self.layout.block_size:
+            # vLLM's align split ends prefill chunks at cache_config.block_size multiples: at
+            # other sizes few chunk ends are state-block boundaries, so few states are saved
+            logger.warning(
+                "RedisConnector: vLLM keeps a state every %d tokens but splits prefills at "
+                "--block-size %d, so few states are committed (or stored in Redis). Start vLLM "
+                "with --block-size %d.",
+                self.layout.block_size,
+                block_size,
+                self.layout.block_size,
+            )
         if self.rc.loads and getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
             logger.warning(
                 "kv_load_failure_policy is %r: a block missing from Redis will fail the request. "

@@ -77,7 +77,7 @@ from kvstore.keys import NAME_RE
 from .chains import RequestChains
 from .config import TRANSFER_PARAMS_KEY, RedisConnectorConfig
 from .drops import HandoffDrops
-from .layout import KVLayout
+from .layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
 from .logs import FailureCounts
 from .lookups import Lookup, LookupBatcher, LookupResult
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
@@ -143,6 +143,8 @@ class _RequestState:
     save_start: int | None = None  # saved_blocks when the first save was planned
     opening: Future[None] | None = None  # the "pending" record being written
     preemptions: int = 0
+    # (group, chain position) of the states saved from vLLM's offers (state groups)
+    states_saved: set[tuple[int, int]] = field(default_factory=set)
 
     @property
     def same_chain(self) -> bool:
@@ -183,6 +185,9 @@ class RedisConnectorScheduler:
         self._consumed: dict[str, tuple[Handoff, list[str]]] = {}
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
+        # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
+        self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
+        self._groups = range(len(layout.groups))
 
     def loads_handoff(self, request: Request) -> bool:
         """Whether this request's Redis hits come from a producer's handoff (else: the shared
@@ -565,27 +570,84 @@ class RedisConnectorScheduler:
             full = min(
                 done // self.block_size,
                 len(st.save_hashes),
-                min((len(ids) for ids in st.block_ids), default=0),
+                self._positional_blocks(st),
             )
             if full > st.saved_blocks:
-                if st.save_start is None:
-                    st.save_start = st.saved_blocks
-                    # a consumer that finds this before the commit record knows to wait
-                    st.opening = self._background_io.submit(
-                        self.store.open_handoff, st.save_handoff, self.fingerprints
-                    )
-                    st.opening.add_done_callback(self._log_background_failure)
+                self._open_saves(st)
                 meta.saves.append(
                     SaveSpec(
                         req_id=req_id,
-                        block_ids=[ids[st.saved_blocks : full] for ids in st.block_ids],
+                        # a state group's blocks are saved only when vLLM offers them
+                        block_ids=[
+                            [NO_BLOCK] * (full - st.saved_blocks)
+                            if g.is_state
+                            else ids[st.saved_blocks : full]
+                            for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
+                        ],
                         hashes=st.save_hashes[st.saved_blocks : full],
                         first_position=st.saved_blocks,
                         handoff=st.save_handoff,
                     )
                 )
                 st.saved_blocks = full
+        if self._state_groups:
+            meta.saves += self._state_saves(scheduler_output)
         return meta
+
+    def _positional_blocks(self, st: _RequestState) -> int:
+        """The blocks every attention group's table holds (a state group's table is as long
+        as the sequence, and is not read by position)."""
+        if not st.block_ids:
+            return 0
+        groups = zip(self.layout.groups, st.block_ids, strict=True)
+        return min((len(ids) for g, ids in groups if not g.is_state), default=0)
+
+    def _open_saves(self, st: _RequestState) -> None:
+        """A request's first save: write its "pending" record, so a consumer that finds the
+        blocks before the commit record knows to wait."""
+        if st.save_start is None:
+            st.save_start = st.saved_blocks
+            st.opening = self._background_io.submit(
+                self.store.open_handoff, st.save_handoff, self.fingerprints
+            )
+            st.opening.add_done_callback(self._log_background_failure)
+
+    def _state_saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
+        """The states vLLM committed this step at block boundaries (align mode), each saved at
+        its chain position from the exact block vLLM names: a state table is rewritten in
+        place, so no other block of it is safe to read. Only positions of the request's prompt
+        chain, not in Redis already (a loaded state is offered again once cached) nor saved."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        specs = []
+        for req_id, entries in offers.items():
+            st = self._reqs.get(req_id)
+            if st is None or st.phase is not Phase.RUNNING:
+                continue
+            for engine_group, block_id, boundary in entries:
+                g = self._state_groups.get(engine_group)
+                p = boundary // self.block_size - 1
+                if (
+                    g is None
+                    or block_id == NULL_BLOCK_ID
+                    or boundary % self.block_size
+                    or not 0 <= p < len(st.save_hashes)
+                    or (st.same_chain and p < st.present_blocks)
+                    or (g, p) in st.states_saved
+                ):
+                    continue
+                st.states_saved.add((g, p))
+                self._open_saves(st)
+                specs.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        block_ids=[[block_id if i == g else NO_BLOCK] for i in self._groups],
+                        hashes=[st.save_hashes[p]],
+                        first_position=p,
+                        handoff=st.save_handoff,
+                    )
+                )
+        return specs
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted, in any state. A producer returns the handoff a consumer waits

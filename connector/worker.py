@@ -196,10 +196,14 @@ class RedisConnectorWorker:
         for name, t in caches.items():
             if tuple(t.shape[1:]) != shape or t.dtype != first.dtype:
                 raise ValueError(f"RedisConnector: layer {name} has a different KV block shape")
-        if shape[:2] != (group.num_kv_heads, self.layout.block_size):
+        tokens = group.block_tokens or self.layout.block_size
+        if shape[:2] != (group.num_kv_heads, tokens) or (
+            group.is_state and shape[2:] != (group.head_size,)
+        ):
             raise ValueError(
                 f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
-                f"[blocks, {group.num_kv_heads}, {self.layout.block_size}, content]"
+                f"[blocks, {group.num_kv_heads}, {tokens}, "
+                f"{group.head_size if group.is_state else 'content'}]"
             )
         return caches
 

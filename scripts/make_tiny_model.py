@@ -17,6 +17,11 @@ the sliding-window layers KV-cache groups of their own.
 ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64 per token, the dims vLLM's CPU kernel takes),
 through transformers' own model class, randomly initialised from the seed (not checked by the
 Llama reference forward below).
+
+``--family qwen3_next`` writes a Qwen3-Next (a gated delta-net hybrid: three linear-attention
+layers, whose KV cache is a recurrent state, then one full-attention layer; a few experts),
+also through transformers' class. vLLM's CPU build runs it in bf16 only, with linear-attention
+head dims of 128 (smaller ones are refused).
 """
 
 from __future__ import annotations
@@ -149,6 +154,43 @@ def write_deepseek_v2(out_dir: Path, *, layers: int, hidden: int, seed: int, dty
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def write_qwen3_next(out_dir: Path, *, layers: int, seed: int, dtype: str) -> None:
+    """A Qwen3-Next: every fourth layer full attention, the others gated delta-net."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        vocab_size=384,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,  # vLLM's CPU kernel refuses smaller ones
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=4096,
+        bos_token_id=0,
+        eos_token_id=1,
+        tie_word_embeddings=False,
+        # large-ish init (not 0.02) so logits are peaked and depend on the whole context
+        initializer_range=0.2,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(cfg)
+    torch.nn.Module.to(model, _DTYPES[dtype])
+    model.save_pretrained(out_dir, safe_serialization=True)
+
+
 def make_model(
     out_dir: Path,
     *,
@@ -192,6 +234,8 @@ def make_model(
         ]
     if family == "deepseek_v2":
         write_deepseek_v2(out_dir, layers=layers, hidden=hidden, seed=seed, dtype=dtype)
+    elif family == "qwen3_next":
+        write_qwen3_next(out_dir, layers=layers, seed=seed, dtype=dtype)
     else:
         weights = make_weights(cfg, seed, _DTYPES[dtype])
         prompts = ["The quick brown fox", "Redis keeps the cache", "0123456789"]
@@ -238,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--sliding-window", type=int, default=None, help="odd layers see only this many tokens"
     )
-    ap.add_argument("--family", choices=["llama", "deepseek_v2"], default="llama")
+    ap.add_argument("--family", choices=["llama", "deepseek_v2", "qwen3_next"], default="llama")
     args = ap.parse_args(argv)
     path = make_model(
         args.out_dir,

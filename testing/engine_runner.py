@@ -35,6 +35,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     ap.add_argument(
+        "--block-size",
+        type=int,
+        help="vLLM's --block-size (a Mamba / GDN hybrid's state block size: vLLM splits "
+        "prefills at multiples of it)",
+    )
+    ap.add_argument("--max-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens")
+    ap.add_argument(
         "--gate",
         action="append",
         default=[],
@@ -70,6 +77,8 @@ def main() -> None:
         kv_transfer_config=kv,
         disable_log_stats=False,
         tensor_parallel_size=args.tp,
+        **({"block_size": args.block_size} if args.block_size else {}),
+        **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}),
     )
     with open(args.prompts) as f:
         phases = json.load(f)

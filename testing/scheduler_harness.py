@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -36,6 +37,33 @@ from connector.redis_connector import RedisConnector
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+# state layers (``make_configs(state_layers=n)``): each a gated delta-net layer with a KV-cache
+# group of its own, as vLLM gives Qwen3-Next's; a state is a bf16 conv state and an fp32
+# recurrent state packed into one page, padded as vLLM pads it to an attention page
+STATE_LAYERS = [f"model.layers.{2 + i}.linear_attn" for i in range(4)]
+STATE_SHAPES = ((3, 24), (2, 8, 8))
+STATE_DTYPES = (torch.bfloat16, torch.float32)
+STATE_BYTES = 3 * 24 * 2 + 2 * 8 * 8 * 4  # 656
+STATE_PAGE = 1024
+
+
+def state_spec(
+    mode: str = "align", speculative_blocks: int = 0, mamba_type: str = "GDN_ATTN"
+) -> MambaSpec:
+    """A gated delta-net layer's state spec, as vLLM builds it for Qwen3-Next (or, with
+    ``mamba_type="MAMBA2"``, a Mamba2 layer's of the same geometry)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    return MambaSpec(
+        block_size=BS,
+        shapes=STATE_SHAPES,
+        dtypes=STATE_DTYPES,
+        page_size_padded=STATE_PAGE,
+        mamba_type=MambaAttentionBackendEnum[mamba_type],
+        mamba_cache_mode=mode,
+        num_speculative_blocks=speculative_blocks,
+    )
+
 
 init_none_hash(sha256)
 
@@ -52,12 +80,14 @@ def make_configs(
     failure_policy: Literal["recompute", "fail"] = "recompute",
     sliding_window: int | None = None,
     sliding_only: bool = False,
+    state_layers: int = 0,
     **extra: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
     (``num_blocks`` blocks); with ``sliding_window``, its second layer sees only that many
     tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator (with
-    ``sliding_only``, both layers slide: one windowed group). ``extra``
+    ``sliding_only``, both layers slide: one windowed group); with ``state_layers``, that many
+    gated delta-net layers follow, one state group each, in vLLM's align cache mode. ``extra``
     (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
     1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
@@ -99,6 +129,10 @@ def make_configs(
                 LAYERS[1:], SlidingWindowSpec(**geometry, sliding_window=sliding_window)
             ),
         ]
+    if state_layers:
+        vllm_config.cache_config.mamba_cache_mode = "align"
+        vllm_config.cache_config.mamba_block_size = BS
+        groups += [KVCacheGroupSpec([name], state_spec()) for name in STATE_LAYERS[:state_layers]]
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
@@ -116,8 +150,19 @@ def make_worker_connector(
     )
     conn = RedisConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     caches = {name: torch.zeros(num_blocks, 2, BS, 128) for name in LAYERS}
+    for name in STATE_LAYERS[: extra.get("state_layers", 0)]:
+        caches[name] = state_pages(num_blocks)
     conn.register_kv_caches(caches)
     return conn, caches
+
+
+def state_pages(num_blocks: int) -> torch.Tensor:
+    """A state layer's cache as vLLM's model runner presents it: ``[blocks, 1, 1, state
+    bytes]`` of int8, a view whose blocks lie a padded page apart."""
+    raw = torch.zeros(num_blocks * STATE_PAGE, dtype=torch.int8)
+    return raw.as_strided(
+        (num_blocks, 1, 1, STATE_BYTES), (STATE_PAGE, STATE_BYTES, STATE_BYTES, 1)
+    )
 
 
 def run_worker_step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:

@@ -58,6 +58,8 @@ def start_engine(
     dtype: str | None = None,
     max_tokens: int | None = None,
     tp: int = 1,
+    block_size: int | None = None,
+    max_batched_tokens: int | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -78,6 +80,10 @@ def start_engine(
         cmd += ["--max-tokens", str(max_tokens)]
     if tp > 1:
         cmd += ["--tp", str(tp)]
+    if block_size:
+        cmd += ["--block-size", str(block_size)]
+    if max_batched_tokens:
+        cmd += ["--max-batched-tokens", str(max_batched_tokens)]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out

@@ -6,8 +6,7 @@ What must hold: each group's block at a position is its own value (``<hash>.g<in
 reads only the blocks vLLM allocated (a sliding window's past holds vLLM's null block, which is
 never read or written); a load that fails in any group fails its request as a whole (block ids
 are unique only within a group, so vLLM takes a hybrid model's failures per request); a model
-with one group keeps its keys and fingerprint; a group the connector cannot store is refused at
-startup, naming it."""
+with one group keeps its keys and fingerprint. (State groups: test_state_groups.py.)"""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-from connector.layout import KVLayout, UnsupportedModelError
+from connector.layout import KVLayout
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector, SupportsHMA
 from kvstore import LookupBuffer, chain_hashes
@@ -119,18 +117,6 @@ def test_groups_are_named_in_keys_and_fingerprint_and_one_group_keeps_its_own(
     assert [hybrid.group_key("ab", g) for g in hybrid.groups] == ["ab.g0", "ab.g1"]
     assert hybrid.keys_of(["a", "b"]) == ["a.g0", "a.g1", "b.g0", "b.g1"]
     assert hybrid.fingerprint(0) != dense.fingerprint(0)
-
-
-def test_a_state_group_is_refused_at_startup_naming_it(tiny_model: Path) -> None:
-    vllm_config, config = make_configs(tiny_model, "kv_both", url=URL)
-    mamba = MambaSpec(block_size=BS, shapes=((4, 4),), dtypes=(torch.float32,))
-    with_state = KVCacheConfig(
-        num_blocks=10,
-        kv_cache_tensors=[],
-        kv_cache_groups=[*config.kv_cache_groups, KVCacheGroupSpec(["mixer"], mamba)],
-    )
-    with pytest.raises(UnsupportedModelError, match=r"MambaSpec.*without --kv-transfer-config"):
-        KVLayout.from_vllm(vllm_config, with_state, None)
 
 
 # ---------------------------------------------------------------------------------- scheduler
