@@ -183,6 +183,9 @@ class RedisConnectorScheduler:
         # consume mode: request -> the handoff it is loading, dropped (claimed for it again and
         # deleted) once every rank has finished loading: several ranks may read one value
         self._consumed: dict[str, tuple[Handoff, list[str]]] = {}
+        # request -> [first, end, first failed] chain positions of its load, counted once vLLM
+        # reports it finished on every rank (a worker's own count would add up over TP ranks)
+        self._load_outcomes: dict[str, list[int]] = {}
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
         # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
@@ -459,6 +462,7 @@ class RedisConnectorScheduler:
         if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
+        self._load_outcomes[rid] = [start, end, end]
         claim = None
         if self._owns_handoff(st):
             assert st.handoff is not None
@@ -504,19 +508,28 @@ class RedisConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for block_id in output.invalid_block_ids or ():
             owner = self._load_blocks.get(block_id)
-            st = self._reqs.get(owner[0]) if owner else None
-            if owner and st is not None and st.same_chain:
+            if owner is None:
+                continue
+            outcome = self._load_outcomes.get(owner[0])
+            if outcome is not None:  # vLLM recomputes from the first failed block on
+                outcome[2] = min(outcome[2], owner[1])
+            st = self._reqs.get(owner[0])
+            if st is not None and st.same_chain:
                 # share mode: save the recomputed block again, so the bad value is replaced
                 st.saved_blocks = min(st.saved_blocks, owner[1])
                 st.present_blocks = min(st.present_blocks, owner[1])
         for req_id in getattr(output, "failed_recving", None) or ():
             # a load failed as a whole (several groups, or a windowed one): vLLM recomputes the
             # whole prompt
+            outcome = self._load_outcomes.get(req_id)
+            if outcome is not None:
+                outcome[2] = outcome[0]
             st = self._reqs.get(req_id)
             if st is not None and st.same_chain:  # share mode: save what was not loaded again
                 st.saved_blocks = min(st.saved_blocks, st.load_range[0])
                 st.present_blocks = min(st.present_blocks, st.load_range[0])
         for req_id in output.finished_recving or ():
+            self._count_load(req_id)
             st = self._reqs.get(req_id)
             if st is not None and st.phase is Phase.LOADING:
                 st.phase = Phase.RUNNING
@@ -525,6 +538,20 @@ class RedisConnectorScheduler:
             if consumed is not None:  # every rank is done with it (aborted or not): delete it
                 handoff, keys = consumed
                 self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+
+    def _count_load(self, req_id: str) -> None:
+        """A load vLLM reports finished on every rank: what it delivered, once per request."""
+        outcome = self._load_outcomes.pop(req_id, None)
+        if outcome is None:
+            return
+        start, end, failed = outcome
+        self.stats.add(
+            loads=1,
+            blocks_loaded=failed - start,
+            tokens_loaded=(failed - start) * self.block_size,
+            blocks_load_failed=end - failed,
+            tokens_load_failed=(end - failed) * self.block_size,
+        )
 
     def _release(self, req_id: str, st: _RequestState) -> None:
         """Forget the blocks this request was loading (share mode: others stop waiting)."""

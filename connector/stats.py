@@ -24,7 +24,8 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_loaded": (
         "vllm:redis_kv_blocks_loaded",
-        "KV blocks loaded from Redis and used (a load's blocks before its first failed one)",
+        "KV blocks loaded from Redis and used (a load's blocks before its first failed one; "
+        "once per request, whatever the TP size)",
     ),
     "tokens_loaded": (
         "vllm:redis_kv_tokens_loaded",
@@ -51,16 +52,22 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_blocks_shed",
         "KV block values not saved because staging was full or Redis was unavailable",
     ),
-    "bytes_loaded": ("vllm:redis_kv_bytes_loaded", "Bytes of KV loaded from Redis"),
+    "bytes_loaded": (
+        "vllm:redis_kv_bytes_loaded",
+        "Bytes of KV loaded from Redis (every TP rank's)",
+    ),
     "bytes_saved": ("vllm:redis_kv_bytes_saved", "Bytes of KV written to Redis"),
-    "loads": ("vllm:redis_kv_loads", "Load jobs (one per request)"),
+    "loads": (
+        "vllm:redis_kv_loads",
+        "Loads (one per request, counted once every TP rank has finished it)",
+    ),
     "loads_expired": (
         "vllm:redis_kv_loads_expired",
-        "Load jobs cut off by the request's deadline (their blocks were recomputed)",
+        "Loads cut off by the request's deadline, per TP rank (their blocks were recomputed)",
     ),
     "loads_cancelled": (
         "vllm:redis_kv_loads_cancelled",
-        "Load jobs cancelled because vLLM put the KV cache to sleep (their blocks were recomputed)",
+        "Loads cancelled because vLLM put the KV cache to sleep, per TP rank (recomputed)",
     ),
     "saves": (
         "vllm:redis_kv_saves",

@@ -365,21 +365,10 @@ class RedisConnectorWorker:
                 else:
                     self._failed_block_ids.update(b for _, _, ids, _ in failed for b in ids)
                 self._finished_loads.add(spec.req_id)
-        # vLLM recomputes from the first failed block on: only the blocks before it count
-        total = len(spec.hashes)
-        first_failed = min(
-            (spec.block_ids[g].index(ids[0]) for g, _, ids, _ in failed), default=total
-        )
-        loaded = 0 if failed and self.layout.fails_per_request else first_failed
+        # what the request got is counted by the scheduler side, once vLLM has heard from
+        # every rank; a rank counts its own bytes and its own load's fate
         self.stats.add(
-            loads=1,
-            loads_expired=int(expired),
-            loads_cancelled=int(cancelled),
-            blocks_loaded=loaded,
-            tokens_loaded=loaded * self.layout.block_size,
-            blocks_load_failed=total - loaded,
-            tokens_load_failed=(total - loaded) * self.layout.block_size,
-            bytes_loaded=job.nbytes,
+            loads_expired=int(expired), loads_cancelled=int(cancelled), bytes_loaded=job.nbytes
         )
         self.stats.observe("load_seconds", time.perf_counter() - job.started)
         if expired:

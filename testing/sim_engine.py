@@ -119,6 +119,9 @@ class SimEngine:
         # req id -> (latest moment its load may still run, the load's block ids)
         self._load_deadlines: dict[str, float] = {}
         self._tls = threading.local()
+        # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
+        # ``take_stats`` hands them to a test)
+        self._reported: dict[str, int] = {}
         self._instrument()
 
     def __repr__(self) -> str:  # in a failing fuzz example's steps
@@ -247,6 +250,10 @@ class SimEngine:
             outputs = self.sched.update_from_output(out, runner)
             self._refresh_owners()
         for eco in outputs.values():
+            reported = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for key, value in (reported or {}).items():
+                if isinstance(value, int):  # (not the latency histograms)
+                    self._reported[key] = self._reported.get(key, 0) + value
             for o in eco.outputs:
                 if o.finished:
                     result.finished.add(o.request_id)
@@ -254,6 +261,15 @@ class SimEngine:
                     self.finished_params[o.request_id] = o.kv_transfer_params
                     self.finish_reasons[o.request_id] = str(o.finish_reason)
         return result
+
+    def take_stats(self) -> dict[str, int]:
+        """Counters both sides reported since the last call: the scheduler side's as vLLM
+        reported them, and the worker's."""
+        out, self._reported = self._reported, {}
+        for key, value in self.worker.stats.take().items():
+            if isinstance(value, int):
+                out[key] = out.get(key, 0) + value
+        return out
 
     def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
         """(request id, tokens computed before this step, tokens scheduled now)."""

@@ -392,10 +392,45 @@ def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.Fa
     out = sched.schedule()
     (block_ids,) = meta_of(out).loads[0].block_ids
     # the worker found block 2 corrupt: it reports it with the finished load
-    sched.update_from_output(out, runner_output([], recving={"r"}, invalid={block_ids[2]}))
+    outputs = sched.update_from_output(
+        out, runner_output([], recving={"r"}, invalid={block_ids[2]})
+    )
     out2 = sched.schedule()
     assert [r.num_computed_tokens for r in out2.scheduled_new_reqs] == [2 * BS]
     assert out2.num_scheduled_tokens == {"r": 2 * BS + 1}
+    # counted once, as vLLM heard it from every rank: blocks 0 and 1 loaded; block 3 arrived,
+    # but vLLM recomputes from block 2 on
+    stats = reported(outputs)
+    assert (stats["loads"], stats["blocks_loaded"], stats["blocks_load_failed"]) == (1, 2, 2)
+    assert (stats["tokens_loaded"], stats["tokens_load_failed"]) == (2 * BS, 2 * BS)
+
+
+def reported(outputs: Any) -> dict[str, Any]:
+    """The connector counters vLLM reported with a step's outputs."""
+    out: dict[str, Any] = {}
+    for eco in outputs.values():
+        if eco.scheduler_stats is not None:
+            out.update(eco.scheduler_stats.kv_connector_stats or {})
+    return out
+
+
+def test_a_load_failed_on_one_rank_reported_before_it_finished_is_counted_once(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """With TP, vLLM unions the ranks' failed blocks each step and reports a load finished once
+    every rank has: a failure may come a step before the finish, and the counters (which each
+    rank used to add, TP times) come from the scheduler side, once."""
+    sched = make_scheduler(tiny_model, "kv_consumer")
+    tokens = prompt(4 * BS + 1)
+    params, _ = hand_off(sched, tokens, 4, commit=4)
+    sched.add_request(make_request("r", tokens, params))
+    out = sched.schedule()
+    (block_ids,) = meta_of(out).loads[0].block_ids
+    first = sched.update_from_output(out, runner_output([], invalid={block_ids[3]}))  # rank 1
+    assert "loads" not in reported(first)  # rank 0 is still loading
+    out = sched.schedule()
+    stats = reported(sched.update_from_output(out, runner_output([], recving={"r"})))
+    assert (stats["loads"], stats["blocks_loaded"], stats["blocks_load_failed"]) == (1, 3, 1)
 
 
 def test_share_mode_saves_a_block_again_when_its_load_failed(

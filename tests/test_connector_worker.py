@@ -194,9 +194,10 @@ def test_missing_and_corrupt_blocks_are_reported_and_the_request_still_finishes(
     dst.start_load_kv(load("d", [10, 11, 12, 13], hashes))
     wait_loaded(dst, "d")
     assert dst.get_block_ids_with_load_errors() == {11, 13}
+    # what the request got is the scheduler side's to count (once for all TP ranks): the
+    # worker counts only its own bytes
     stats = dst.take_stats()
-    # vLLM recomputes from block 11 on, so block 12 counts as failed although it arrived
-    assert stats["blocks_loaded"] == 1 and stats["blocks_load_failed"] == 3
+    assert "blocks_loaded" not in stats and 0 < stats["bytes_loaded"] < 4 * dst.movers[0].raw_bytes
 
 
 def test_redis_down_fails_the_blocks_not_the_engine() -> None:
@@ -350,7 +351,7 @@ def test_a_load_whose_thread_is_still_reporting_at_its_deadline_is_reported_then
     real_add = dst.stats.add
 
     def stalled_add(**counts: int) -> None:
-        if counts.get("loads") and threading.current_thread() is not threading.main_thread():
+        if "bytes_loaded" in counts and threading.current_thread() is not threading.main_thread():
             inside.set()
             release.wait(10)  # the load thread, descheduled mid-report
         real_add(**counts)

@@ -518,7 +518,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.final_checks()
             count("examples")
             for e in self.engines:
-                for side in (e.worker.stats.take(),):  # (vLLM takes the scheduler side's)
+                for side in (e.take_stats(),):
                     for key in (
                         "blocks_loaded",
                         "blocks_saved",

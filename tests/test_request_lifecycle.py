@@ -97,7 +97,7 @@ def until(pred: Any, engine: SimEngine, steps: int = 400) -> None:
 
 
 def loaded_blocks(engine: SimEngine) -> int:
-    return int(engine.worker.stats.take().get("blocks_loaded", 0))
+    return int(engine.take_stats().get("blocks_loaded", 0))
 
 
 # ---------------------------------------------------------------------- defect 1
@@ -418,9 +418,9 @@ def test_a_corrupt_block_is_recomputed_once_and_saved_again(
         loads += reader.step().output.kv_connector_metadata.loads
         time.sleep(0.002)
     assert [len(s.block_ids[0]) for s in loads] == [5]  # one load, never retried
-    saves = reader.worker.stats.take()
+    stats = reader.take_stats()
     # blocks 3 and 4 arrived, but vLLM recomputes from block 2 on: they count as failed
-    assert saves["blocks_loaded"] == 2 and saves["blocks_load_failed"] == 3
+    assert stats["blocks_loaded"] == 2 and stats["blocks_load_failed"] == 3
     reader.settle()
     third = engines()
     third.add("t", tokens)
