@@ -30,6 +30,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -147,8 +148,13 @@ def write_deepseek_v2(out_dir: Path, *, layers: int, hidden: int, seed: int, dty
         # large-ish init (not 0.02) so logits are peaked and depend on the whole context
         initializer_range=0.2,
     )
+    save_random(DeepseekV2ForCausalLM, cfg, out_dir, seed=seed, dtype=dtype)
+
+
+def save_random(model_class: Any, cfg: Any, out_dir: Path, *, seed: int, dtype: str) -> None:
+    """A transformers model of ``cfg``, initialised from ``seed``, saved in ``dtype``."""
     torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(cfg)
+    model = model_class(cfg)
     # (transformers wraps .to in a decorator mypy cannot follow)
     torch.nn.Module.to(model, _DTYPES[dtype])
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -185,10 +191,7 @@ def write_qwen3_next(out_dir: Path, *, layers: int, seed: int, dtype: str) -> No
         # large-ish init (not 0.02) so logits are peaked and depend on the whole context
         initializer_range=0.2,
     )
-    torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(cfg)
-    torch.nn.Module.to(model, _DTYPES[dtype])
-    model.save_pretrained(out_dir, safe_serialization=True)
+    save_random(Qwen3NextForCausalLM, cfg, out_dir, seed=seed, dtype=dtype)
 
 
 def make_model(

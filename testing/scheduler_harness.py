@@ -4,6 +4,7 @@ connector unit tests drive it. Used by the scheduler tests and scripts/admission
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -171,6 +172,18 @@ def run_worker_step(conn: RedisConnector, meta: RedisConnectorMetadata) -> None:
     conn.start_load_kv(None)  # type: ignore[arg-type]
     conn.wait_for_save()
     conn.clear_connector_metadata()
+
+
+def transfer_results(conn: RedisConnector, req: str, timeout_s: float = 60) -> Any:
+    """A worker-role connector's report (``get_transfer_results``) once ``req`` has finished
+    loading; fails after ``timeout_s`` (a generous bound: the load is the event waited on)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = conn.get_transfer_results(set())
+        if req in results.finished_recving:
+            return results
+        time.sleep(0.01)
+    raise AssertionError(f"{req} never finished loading")
 
 
 def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:

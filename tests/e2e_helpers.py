@@ -136,3 +136,55 @@ def plain_saver_loader(
         loads = one_per_phase(sharing, list(sharing))
         out["loader"] = finish(start_engine(tmp, "loader", model, loads, **run, **share))
     return out
+
+
+def family_runs(
+    tmp: Path,
+    model: Path,
+    first: dict[str, list[int]],
+    sharing: dict[str, list[int]],
+    **run: Any,
+) -> dict[str, Any]:
+    """One model family end to end, against one Redis, one prompt per phase:
+    - ``plain``: no connector; every prompt, then all of them again (warm: their prefix from
+      vLLM's local cache, under ``<id>#2``);
+    - ``prod``: a consume-mode ``kv_producer`` (namespace ``pd``) runs every prompt, beside it;
+    - ``saver``: share mode, an empty pool; ``loader``: a fresh share-mode instance given only
+      ``sharing``; beside it ``cons``, a ``kv_consumer`` given every prompt and the producer's
+      ``kv_transfer_params``.
+    Also ``saver_log``, ``keys`` (Redis's keys after the saver), ``pd_keys`` (after the
+    producer) and ``pd_keys_after_decode`` (after the consumer)."""
+    import redis
+
+    from testing.redis_server import RedisServer
+
+    everything = {**first, **sharing}
+    phases = one_per_phase(everything, list(everything))
+    out: dict[str, Any] = {}
+    beside = {**run, "core": 1}
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+
+        def keys(pattern: str = "*") -> list[str]:
+            return sorted(k.decode() for k in client.scan_iter(pattern, count=1000))
+
+        pd = {"url": server.url, "extra": {"namespace": "pd"}}
+        plain = start_engine(tmp, "plain", model, phases * 2, **run)
+        prod = start_engine(tmp, "prod", model, phases, **beside, **pd, role="kv_producer")
+        out["plain"], out["prod"] = finish(plain), finish(prod)
+        out["pd_keys"] = keys("kv:pd:*")
+        params = {k: v["kv_transfer_params"] for k, v in out["prod"]["prompts"].items()}
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        saver = start_engine(tmp, "saver", model, phases, **run, **share)
+        out["saver"] = finish(saver)
+        out["saver_log"] = saver[0].log.read_text(errors="replace")
+        out["keys"] = keys()
+        loads = one_per_phase(sharing, list(sharing))
+        loader = start_engine(tmp, "loader", model, loads, **run, **share)
+        cons = start_engine(
+            tmp, "cons", model, phases, **beside, **pd, role="kv_consumer", params=params
+        )
+        out["loader"], out["cons"] = finish(loader), finish(cons)
+        out["pd_keys_after_decode"] = keys("kv:pd:*")
+        client.close()
+    return out

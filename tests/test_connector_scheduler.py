@@ -384,13 +384,20 @@ def test_params_that_do_not_match_are_ignored_with_one_warning(
     assert connector_of(sched).stats.take()["transfer_params_ignored"] == 3
 
 
-def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
+def loading_handoff(tiny_model: Path) -> tuple[Any, Any, list[int]]:
+    """A consumer loading a 4-block handoff for request "r": the scheduler, the step that
+    planned the load, and the block ids it loads into."""
     sched = make_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     sched.add_request(make_request("r", tokens, params))
     out = sched.schedule()
     (block_ids,) = meta_of(out).loads[0].block_ids
+    return sched, out, block_ids
+
+
+def test_failed_blocks_are_recomputed(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
+    sched, out, block_ids = loading_handoff(tiny_model)
     # the worker found block 2 corrupt: it reports it with the finished load
     outputs = sched.update_from_output(
         out, runner_output([], recving={"r"}, invalid={block_ids[2]})
@@ -420,12 +427,7 @@ def test_a_load_failed_on_one_rank_reported_before_it_finished_is_counted_once(
     """With TP, vLLM unions the ranks' failed blocks each step and reports a load finished once
     every rank has: a failure may come a step before the finish, and the counters (which each
     rank used to add, TP times) come from the scheduler side, once."""
-    sched = make_scheduler(tiny_model, "kv_consumer")
-    tokens = prompt(4 * BS + 1)
-    params, _ = hand_off(sched, tokens, 4, commit=4)
-    sched.add_request(make_request("r", tokens, params))
-    out = sched.schedule()
-    (block_ids,) = meta_of(out).loads[0].block_ids
+    sched, out, block_ids = loading_handoff(tiny_model)
     first = sched.update_from_output(out, runner_output([], invalid={block_ids[3]}))  # rank 1
     assert "loads" not in reported(first)  # rank 0 is still loading
     out = sched.schedule()

@@ -23,11 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from testing.redis_server import RedisServer
-
-from .e2e_helpers import ROOT, finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import ROOT, family_runs, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -61,36 +58,7 @@ def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, sliding_model: Path) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("sliding")
-    everything = {**FIRST, **SHARING}
-    phases = one_per_phase(everything, list(everything))
-    out: dict[str, Any] = {}
-    with RedisServer() as server:
-        plain = start_engine(tmp, "plain", sliding_model, phases * 2, **RUN)
-        pd = {"url": server.url, "extra": {"namespace": "pd"}}
-        prod = start_engine(
-            tmp, "prod", sliding_model, phases, **{**RUN, "core": 1}, **pd, role="kv_producer"
-        )
-        out["plain"], out["prod"] = finish(plain), finish(prod)
-        params = {k: v["kv_transfer_params"] for k, v in out["prod"]["prompts"].items()}
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
-        saver = start_engine(tmp, "saver", sliding_model, phases, **RUN, **share)
-        out["saver"] = finish(saver)
-        out["saver_log"] = saver[0].log.read_text(errors="replace")
-        client = redis.Redis.from_url(server.url)
-        out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
-        client.close()
-        loads = one_per_phase(SHARING, list(SHARING))
-        loader = start_engine(tmp, "loader", sliding_model, loads, **RUN, **share)
-        cons = start_engine(
-            tmp, "cons", sliding_model, phases, **{**RUN, "core": 1}, **pd, role="kv_consumer",
-            params=params,
-        )  # fmt: skip
-        out["loader"], out["cons"] = finish(loader), finish(cons)
-        client = redis.Redis.from_url(server.url)
-        out["pd_keys_after_decode"] = sorted(k.decode() for k in client.scan_iter("kv:pd:*"))
-        client.close()
-    return out
+    return family_runs(tmp_path_factory.mktemp("sliding"), sliding_model, FIRST, SHARING, **RUN)
 
 
 def test_the_hybrid_kv_cache_manager_stays_on(runs: dict[str, Any]) -> None:

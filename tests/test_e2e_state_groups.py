@@ -27,11 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
-from testing.redis_server import RedisServer
-
-from .e2e_helpers import ROOT, finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import ROOT, family_runs, tokens
 
 # vLLM's CPU gated delta-net kernels are checked on the default release; the other releases
 # run the connector's state groups at the scheduler and worker level (test_state_groups.py)
@@ -69,35 +66,7 @@ def gdn_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, gdn_model: Path) -> dict[str, Any]:
-    tmp = tmp_path_factory.mktemp("state")
-    everything = {**FIRST, **SHARING}
-    phases = one_per_phase(everything, list(everything))
-    out: dict[str, Any] = {}
-    with RedisServer() as server:
-        plain = start_engine(tmp, "plain", gdn_model, phases * 2, **RUN)
-        pd = {"url": server.url, "extra": {"namespace": "pd"}}
-        prod = start_engine(
-            tmp, "prod", gdn_model, phases, **{**RUN, "core": 1}, **pd, role="kv_producer"
-        )
-        out["plain"], out["prod"] = finish(plain), finish(prod)
-        params = {k: v["kv_transfer_params"] for k, v in out["prod"]["prompts"].items()}
-        client = redis.Redis.from_url(server.url)
-        out["pd_keys"] = sorted(k.decode() for k in client.scan_iter("kv:pd:*"))
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
-        saver = start_engine(tmp, "saver", gdn_model, phases, **RUN, **share)
-        out["saver"] = finish(saver)
-        out["saver_log"] = saver[0].log.read_text(errors="replace")
-        out["keys"] = sorted(k.decode() for k in client.scan_iter("kv:vllm:*"))
-        loads = one_per_phase(SHARING, list(SHARING))
-        loader = start_engine(tmp, "loader", gdn_model, loads, **RUN, **share)
-        cons = start_engine(
-            tmp, "cons", gdn_model, phases, **{**RUN, "core": 1}, **pd, role="kv_consumer",
-            params=params,
-        )  # fmt: skip
-        out["loader"], out["cons"] = finish(loader), finish(cons)
-        out["pd_keys_after_decode"] = sorted(k.decode() for k in client.scan_iter("kv:pd:*"))
-        client.close()
-    return out
+    return family_runs(tmp_path_factory.mktemp("state"), gdn_model, FIRST, SHARING, **RUN)
 
 
 def same(got: dict, want: dict) -> bool:
@@ -118,7 +87,7 @@ def test_the_state_groups_are_stored_not_refused(runs: dict[str, Any]) -> None:
 def test_the_prefix_is_saved_as_its_attention_blocks_and_one_state_per_group(
     runs: dict[str, Any],
 ) -> None:
-    blocks = [k for k in runs["keys"] if ".g" in k]
+    blocks = [k for k in runs["keys"] if k.startswith("kv:vllm:") and ".g" in k]
     by_group: dict[str, set[str]] = {}
     for k in blocks:
         position, group = k.rsplit(":", 1)[1].split(".")

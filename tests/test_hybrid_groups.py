@@ -10,7 +10,6 @@ with one group keeps its keys and fingerprint. (State groups: test_state_groups.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from testing.scheduler_harness import (
     make_worker_connector,
     run_worker_step,
     runner_output,
+    transfer_results,
 )
 
 pytestmark = [
@@ -204,17 +204,6 @@ def test_saves_carry_each_groups_blocks(tiny_model: Path, fake_redis: fakeredis.
 
 def hybrid_worker(tiny_model: Path, num_blocks: int = 8) -> tuple[RedisConnector, dict]:
     return make_worker_connector(tiny_model, URL, num_blocks, sliding_window=WINDOW)
-
-
-def transfer_results(conn: RedisConnector, req: str, timeout_s: float = 10) -> Any:
-    """The worker's report once ``req`` has finished loading."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = conn.get_transfer_results(set())
-        if req in results.finished_recving:
-            return results
-        time.sleep(0.01)
-    raise AssertionError(f"{req} never finished loading")
 
 
 def test_each_group_saves_and_loads_its_own_blocks_and_null_blocks_are_never_touched(

@@ -41,6 +41,7 @@ from testing.scheduler_harness import (
     run_worker_step,
     runner_output,
     state_spec,
+    transfer_results,
 )
 
 pytestmark = [
@@ -233,14 +234,21 @@ def seed(layout: KVLayout, hashes: list[str], blocks: int, states: set[int]) -> 
     store.close()
 
 
+def seeded(tiny_model: Path, tokens: list[int], blocks: int, states: set[int]) -> Any:
+    """A share-mode scheduler with a prompt's first ``blocks`` attention blocks and the states
+    at ``states`` in the store, that prompt added as request "r"; its chain too."""
+    sched = scheduler(tiny_model)
+    hashes = chain_hashes(tokens, BS)
+    seed(sched.connector.layout, hashes, blocks, states)
+    req = make_request("r", tokens)
+    sched.add_request(req)
+    return sched, req, hashes
+
+
 def test_a_consumer_loads_the_attention_blocks_and_the_one_state_at_the_hits_end(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = scheduler(tiny_model)
-    tokens = prompt(6 * BS + 1)
-    hashes = chain_hashes(tokens, BS)
-    seed(sched.connector.layout, hashes, 6, states={1, 3})
-    sched.add_request(make_request("r", tokens))
+    sched, _, hashes = seeded(tiny_model, prompt(6 * BS + 1), 6, states={1, 3})
     (load,) = meta_of(sched.schedule()).loads
     assert load.hashes == hashes[:4]
     attention, *states = load.block_ids
@@ -253,12 +261,7 @@ def test_a_consumer_loads_the_attention_blocks_and_the_one_state_at_the_hits_end
 def test_a_loaded_state_offered_again_is_not_saved_again(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = scheduler(tiny_model)
-    tokens = prompt(5 * BS + 3)
-    hashes = chain_hashes(tokens, BS)
-    seed(sched.connector.layout, hashes, 2, states={1})
-    req = make_request("r", tokens)
-    sched.add_request(req)
+    sched, req, hashes = seeded(tiny_model, prompt(5 * BS + 3), 2, states={1})
     out = sched.schedule()
     (load,) = meta_of(out).loads
     assert load.hashes == hashes[:2]
@@ -290,16 +293,6 @@ def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
             pages(t).copy_(torch.randint(-128, 128, pages(t).shape, generator=gen).to(torch.int8))
         else:
             t.copy_(torch.randn(t.shape, generator=gen))
-
-
-def transfer_results(conn: RedisConnector, req: str, timeout_s: float = 30) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        results = conn.get_transfer_results(set())
-        if req in results.finished_recving:
-            return results
-        time.sleep(0.01)
-    raise AssertionError(f"{req} never finished loading")
 
 
 def test_states_round_trip_bit_exact_writing_only_their_bytes(
