@@ -24,6 +24,8 @@ heads (several when ``store_tp_size`` is a multiple of its TP size) and reads th
 cover its heads, taking only its part of a larger one. So instances of different TP sizes that
 set the same ``store_tp_size`` share blocks, and KV heads that several ranks hold -- GQA with
 more ranks than KV heads, and MLA's one latent -- are stored once, by the first of those ranks.
+Left unset, ``store_tp_size`` shares nothing across TP sizes (``tp_scope``): KV computed at
+another TP size is not bit-identical.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore import layout_fingerprint
@@ -179,6 +181,14 @@ def _state_group(index: int, names: tuple[str, ...], spec: Any) -> KVGroup:
             f"block boundaries), not {mode!r}: keep prefix caching on (the default) or set "
             "--mamba-cache-mode align, or serve without --kv-transfer-config."
         )
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    if "kv_connector_block_state" not in getattr(SchedulerOutput, "__dataclass_fields__", {}):
+        raise UnsupportedModelError(
+            f"RedisConnector cannot store {where}: this vLLM does not tell a connector which "
+            "block holds each committed state (SchedulerOutput.kv_connector_block_state). "
+            "Serve it without --kv-transfer-config, or on vLLM 0.30 to 0.33."
+        )
     if int(getattr(spec, "num_speculative_blocks", 0)):
         raise UnsupportedModelError(
             f"RedisConnector cannot store {where} with speculative decoding (its pages hold "
@@ -230,6 +240,11 @@ class KVLayout:
     # how many head slices a block is stored as (see the module docstring); 0: the default,
     # min(tp_size, total_kv_heads)
     store_tp_size: int = 0
+    # store_tp_size was set (not the default): instances of other TP sizes that set it too
+    # read these blocks. Left unset, an instance's blocks are its own TP size's: KV computed at
+    # another TP size differs in the last bits (other partial sums), so loading it would not
+    # answer as a connector-less server of this size does.
+    tp_shared: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -239,9 +254,17 @@ class KVLayout:
             object.__setattr__(self, "groups", (only,))
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads * self.tp_size)
+        object.__setattr__(self, "tp_shared", bool(self.store_tp_size))
         if not self.store_tp_size:
             object.__setattr__(self, "store_tp_size", min(self.tp_size, self.total_kv_heads))
         self._check_slices()
+
+    @property
+    def tp_scope(self) -> int | None:
+        """The TP size this instance's blocks are kept apart for (in the fingerprint and the
+        handoff params), or None when the slices alone say so: ``store_tp_size`` was set, or
+        it is this TP size (the keys a rank always had)."""
+        return None if self.tp_shared or self.tp_size == self.store_tp_size else self.tp_size
 
     def _check_slices(self) -> None:
         h, t, s = self.total_kv_heads, self.tp_size, self.store_tp_size
@@ -446,6 +469,8 @@ class KVLayout:
             "tp_rank": head_slice,
             "tp_size": s,
         }
+        if self.tp_scope is not None:  # replicated heads (GQA at TP > heads, MLA) at TP t
+            fields["instance_tp_size"] = self.tp_scope
         if self.hybrid:  # a one-group model keeps the fingerprint it always had
             fields["groups"] = [
                 [

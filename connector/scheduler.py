@@ -191,6 +191,7 @@ class RedisConnectorScheduler:
         # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
         self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
         self._groups = range(len(layout.groups))
+        self._attention = any(not g.is_state for g in layout.groups)
 
     def loads_handoff(self, request: Request) -> bool:
         """Whether this request's Redis hits come from a producer's handoff (else: the shared
@@ -257,6 +258,12 @@ class RedisConnectorScheduler:
                 f"store_tp_size {ours.get('store_tp_size')!r} is not "
                 f"{self.layout.store_tp_size}: set the same store_tp_size on producer and "
                 "consumer to share blocks across TP sizes"
+            )
+        elif ours.get("tp_scope", self.layout.tp_scope) != self.layout.tp_scope:
+            problem = (
+                f"tp_scope: the producer's blocks are for TP {ours.get('tp_scope')!r}, this "
+                f"instance runs TP {self.layout.tp_size} (KV computed at another TP size is not "
+                "bit-identical; set the same store_tp_size on both to share it anyway)"
             )
         else:
             handoff_id, n = ours.get("handoff"), ours.get("num_blocks")
@@ -665,6 +672,8 @@ class RedisConnectorScheduler:
                     continue
                 st.states_saved.add((g, p))
                 self._open_saves(st)
+                if not self._attention:  # a model of states alone: its chain is its states'
+                    st.saved_blocks = max(st.saved_blocks, p + 1)
                 specs.append(
                     SaveSpec(
                         req_id=req_id,
@@ -689,10 +698,12 @@ class RedisConnectorScheduler:
         self._release(request.request_id, st)
         if not loading:
             self._drop_handoff(st)  # not loaded, and never will be: claim and delete it
-        if not self.config.saves or st.saved_blocks == 0:
+        if not self.config.saves or (st.saved_blocks == 0 and st.save_start is None):
             return False, None
         n = st.saved_blocks
         holds = st.save_start is not None and not loading
+        # a commit even for 0 blocks once a save was planned (a state offered before any
+        # attention block of the request was saved): the worker forgets the request only then
         self._pending_commits.append(
             CommitSpec(
                 req_id=request.request_id,
@@ -702,6 +713,8 @@ class RedisConnectorScheduler:
                 holds_blocks=holds,
             )
         )
+        if n == 0:
+            return holds, None
         params = {
             TRANSFER_PARAMS_KEY: {
                 "handoff": st.save_handoff,
@@ -710,8 +723,10 @@ class RedisConnectorScheduler:
                 "last_hash": st.save_hashes[n - 1],
                 "namespace": self.config.namespace,
                 "block_size": self.block_size,
-                # how blocks are cut into KV-head slices: the consumer must read them so
+                # how blocks are cut into KV-head slices: the consumer must read them so; and
+                # the TP size they are kept apart for, if any
                 "store_tp_size": self.layout.store_tp_size,
+                "tp_scope": self.layout.tp_scope,
                 # whether the "pending" record was in Redis before this answer: if not, the
                 # consumer waits for a record that is not there yet instead of taking it for
                 # evicted (a one-step prefill answers before its background write lands)

@@ -571,6 +571,12 @@ class RedisConnectorWorker:
 
         fut.add_done_callback(done)
 
+    def tracked_requests(self) -> set[str]:
+        """Requests whose loads or saves this worker still tracks: none once every request has
+        finished and its saves were acknowledged (anything else is a leak)."""
+        with self._lock:
+            return set(self._jobs) | set(self._saves)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished saves, finished loads): ``take_transfer_results`` without the failed."""
         saves, loads, _ = self.take_transfer_results()

@@ -82,13 +82,15 @@ def make_configs(
     sliding_window: int | None = None,
     sliding_only: bool = False,
     state_layers: int = 0,
+    attention: bool = True,
     **extra: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
     (``num_blocks`` blocks); with ``sliding_window``, its second layer sees only that many
     tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator (with
     ``sliding_only``, both layers slide: one windowed group); with ``state_layers``, that many
-    gated delta-net layers follow, one state group each, in vLLM's align cache mode. ``extra``
+    gated delta-net layers follow, one state group each, in vLLM's align cache mode (with
+    ``attention=False``, the model is those alone: a Mamba model). ``extra``
     (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
     1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
@@ -133,7 +135,8 @@ def make_configs(
     if state_layers:
         vllm_config.cache_config.mamba_cache_mode = "align"
         vllm_config.cache_config.mamba_block_size = BS
-        groups += [KVCacheGroupSpec([name], state_spec()) for name in STATE_LAYERS[:state_layers]]
+        states = [KVCacheGroupSpec([name], state_spec()) for name in STATE_LAYERS[:state_layers]]
+        groups = groups + states if attention else states
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
     )
@@ -227,6 +230,15 @@ def make_request(
         prompt_is_token_ids=prompt_is_token_ids,
         block_hasher=get_request_block_hasher(BS, sha256),  # vLLM's own local prefix cache
     )
+
+
+def model_output(reqs: list[Request], **kw: Any) -> ModelRunnerOutput:
+    """``runner_output`` for a step that ran ``reqs``, with a token sampled only for those whose
+    prompt is now computed: vLLM discards a partial prefill's sample (call it after
+    ``schedule()``, which counts the step's tokens as computed)."""
+    out = runner_output(reqs, **kw)
+    out.sampled_token_ids = [[5] if r.num_computed_tokens >= r.num_tokens else [] for r in reqs]
+    return out
 
 
 def runner_output(

@@ -233,10 +233,11 @@ class SimEngine:
             self._load_deadlines[spec.req_id] = time.monotonic() + spec.timeout_s
         conn.wait_for_save()
         asked = time.monotonic()
-        sending, recving = conn.get_finished(out.finished_req_ids)
+        results = conn.get_transfer_results(out.finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
         conn.clear_connector_metadata()
-        recving, sending = set(recving or ()), set(sending or ())
+        recving, sending = set(results.finished_recving), set(results.finished_sending)
+        failed = set(getattr(results, "failed_recving", ()) or ())
         for rid in recving:
             self._load_deadlines.pop(rid, None)
         for rid, until in self._load_deadlines.items():
@@ -246,6 +247,9 @@ class SimEngine:
                 )
         result = StepResult(out, recving=recving, sending=sending, invalid=set(invalid))
         runner = self._runner_output(out, recving, sending, set(invalid))
+        if failed:  # loads failed as a whole (several KV-cache groups, or a windowed one)
+            assert runner.kv_connector_output is not None
+            runner.kv_connector_output.failed_recving = failed
         with self.world:
             outputs = self.sched.update_from_output(out, runner)
             self._refresh_owners()
@@ -370,8 +374,9 @@ class SimEngine:
             "scheduler requests": sched._reqs,
             "scheduler loads": sched._loading,
             "scheduler load blocks": sched._load_blocks,
-            "worker loads": worker._jobs,
-            "worker saves": worker._saves,
+            "scheduler load outcomes": sched._load_outcomes,
+            "scheduler consumed handoffs": sched._consumed,
+            "worker loads and saves": {r: True for r in worker.tracked_requests()},
         }
         return [f"{what}: {sorted(map(str, v))[:5]}" for what, v in held.items() if v]
 

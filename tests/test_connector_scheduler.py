@@ -362,7 +362,14 @@ def test_a_handoff_is_taken_once(tiny_model: Path, fake_redis: fakeredis.FakeRed
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("namespace", "other"), ("block_size", 32), ("last_hash", "0" * 32), ("num_blocks", 99)],
+    [
+        ("namespace", "other"),
+        ("block_size", 32),
+        ("last_hash", "0" * 32),
+        ("num_blocks", 99),
+        ("store_tp_size", 2),  # the producer cut blocks into other head slices
+        ("tp_scope", 4),  # the producer computed them at another TP size
+    ],
 )
 def test_params_that_do_not_match_are_ignored_with_one_warning(
     tiny_model: Path,
@@ -528,6 +535,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
             "namespace": "vllm",
             "block_size": BS,
             "store_tp_size": 1,
+            "tp_scope": None,
             "opened": True,
         }
     }

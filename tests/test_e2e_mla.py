@@ -9,8 +9,8 @@ loads, says so once at startup, and its outputs are a connector-less server's, b
 Engines, each pinned to one core: ``plain`` (no connector) and ``saver`` (share mode, an empty
 Redis) run the same prompts side by side; then ``again``, a fresh share-mode instance, runs them
 with every block in Redis. ``saver2``, at TP 2 (a core per rank), saves the same prompts into
-another empty Redis: MLA's latent is the same on every rank, so it is stored once, under the
-same keys and in the same bytes as at TP 1.
+another empty Redis with ``store_tp_size: 1``: MLA's latent is the same on every rank, so it is
+stored once, under the same keys and in the same bytes as at TP 1.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory, mla_model: Path) -> dict[str,
         out["again"] = finish(start_engine(tmp, "again", mla_model, phases, core=0, **RUN, **share))
         out["stored"] = stored_blocks(server.url)
     with RedisServer() as server:
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        # store_tp_size set: the latent is shared with TP 1 (left unset, a TP 2 instance keeps
+        # its blocks apart from other TP sizes': their KV differs in the last bits)
+        share = {
+            "role": "kv_both",
+            "url": server.url,
+            "extra": {"mode": "share", "store_tp_size": 1},
+        }
         out["saver2"] = finish(
             start_engine(tmp, "saver2", mla_model, phases, core="0|1", tp=2, **RUN, **share)
         )

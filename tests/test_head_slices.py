@@ -92,9 +92,25 @@ def test_heads_several_ranks_hold_are_written_once() -> None:
     ]
     assert [slices(gqa, r)[0][0] for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     mla = layout(tp=4, heads=1)  # one latent, on every rank
-    assert mla.all_fingerprints() == layout(tp=1, heads=1).all_fingerprints()  # TP-independent
+    assert len(mla.all_fingerprints()) == 1
     assert [[s.index for s in mla.slices_written(r)] for r in range(4)] == [[0], [], [], []]
     assert all(slices(mla, r) == [(0, (0, 1), (0, 1))] for r in range(4))
+
+
+@pytest.mark.parametrize(("heads", "tp_a", "tp_b"), [(2, 2, 4), (8, 8, 16), (1, 1, 8), (4, 1, 2)])
+def test_tp_sizes_share_blocks_only_when_store_tp_size_is_set(
+    heads: int, tp_a: int, tp_b: int
+) -> None:
+    """KV computed at another TP size is not bit-identical (other partial sums): left at its
+    default, store_tp_size keeps each TP size's blocks apart, even where the slices would match
+    (GQA at TP >= heads, MLA's one latent); set alike, it shares them."""
+    a, b = layout(tp_a, heads=heads), layout(tp_b, heads=heads)
+    assert not set(a.all_fingerprints()) & set(b.all_fingerprints())
+    s = min(tp_a, heads)
+    a, b = layout(tp_a, s, heads=heads), layout(tp_b, s, heads=heads)
+    assert a.all_fingerprints() == b.all_fingerprints()
+    # and a rank of an instance at TP store_tp_size keeps its keys either way
+    assert layout(s, s, heads=heads).all_fingerprints() == layout(s, heads=heads).all_fingerprints()
 
 
 def test_a_store_tp_size_that_does_not_divide_the_heads_is_refused() -> None:
@@ -192,15 +208,15 @@ def test_mla_latent_is_stored_once_at_any_tp_size_and_read_by_every_rank() -> No
     client = fakeredis.FakeRedis()
     model = whole_model_kv(heads=1)
     hashes = chain_hashes(list(range(2 * N)), N)
-    for rank in range(4):  # every rank holds the same latent
-        src, kv = make_rank(client, 4, rank, heads=1)
+    for rank in range(4):  # every rank holds the same latent (shared with other TP sizes)
+        src, kv = make_rank(client, 4, rank, store_tp=1, heads=1)
         for name in LAYERS:
             kv[name].copy_(model[name])
         save(src, [3, 4], hashes)
     assert len(client.keys("kv:w:*:[0-9a-f]*")) == 2  # once, not once per rank
     for tp in (1, 2):
         for rank in range(tp):
-            dst, kv = make_rank(client, tp, rank, heads=1)
+            dst, kv = make_rank(client, tp, rank, store_tp=1, heads=1)
             assert load(dst, [0, 1], hashes) == set()
             for name in LAYERS:
                 assert torch.equal(kv[name][[0, 1]], model[name][[3, 4]])

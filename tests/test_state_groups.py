@@ -23,7 +23,9 @@ import torch
 pytest.importorskip("vllm")
 
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import RequestStatus
 
+from connector.chains import handoff_salt
 from connector.layout import NO_BLOCK, KVLayout, UnsupportedModelError
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector, SupportsHMA
@@ -38,6 +40,7 @@ from testing.scheduler_harness import (
     make_request,
     make_scheduler,
     make_worker_connector,
+    model_output,
     run_worker_step,
     runner_output,
     state_spec,
@@ -85,7 +88,7 @@ def run_steps(sched: Any, req: Any, steps: int = 8) -> list[SaveSpec]:
         if not out.num_scheduled_tokens:
             break
         saves += meta_of(out).saves
-        sched.update_from_output(out, runner_output([req]))
+        sched.update_from_output(out, model_output([req]))
     return saves
 
 
@@ -166,6 +169,19 @@ def test_state_groups_vllm_cannot_hand_over_are_refused_at_startup_saying_what_t
     )
     with pytest.raises(UnsupportedModelError, match=match):
         KVLayout.from_vllm(vllm_config, with_state, None)
+
+
+def test_state_groups_are_refused_on_a_vllm_that_does_not_name_committed_states(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without vLLM's offers no state would ever be saved (and no hit ever made): refused."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    fields = dict(SchedulerOutput.__dataclass_fields__)
+    fields.pop("kv_connector_block_state")
+    monkeypatch.setattr(SchedulerOutput, "__dataclass_fields__", fields)
+    with pytest.raises(UnsupportedModelError, match="kv_connector_block_state"):
+        layout_for(tiny_model, state_layers=STATES)
 
 
 def test_a_state_model_is_stored_rank_by_rank(tiny_model: Path) -> None:
@@ -435,3 +451,131 @@ def test_each_tensor_parallel_rank_stores_and_loads_its_own_state(
         assert torch.equal(kv[state_layer][6], saved[r][state_layer][3]), r
         assert torch.equal(kv[LAYERS[0]][[4, 5]], saved[r][LAYERS[0]][[1, 2]]), r
         worker.shutdown()
+
+
+def finish_request(sched: Any, worker: RedisConnector, req: Any) -> dict | None:
+    """Run ``req`` through vLLM's scheduler and the worker until it finishes and its commit
+    has reached the worker; its kv_transfer_params."""
+    params = None
+    for _ in range(20):
+        out = sched.schedule()
+        run_worker_step(worker, meta_of(out))
+        for eco in sched.update_from_output(out, model_output([req])).values():
+            for o in eco.outputs:
+                if o.finished:
+                    params = o.kv_transfer_params
+        if not sched.has_requests():
+            break
+    run_worker_step(worker, meta_of(sched.schedule()))  # carries the commit
+    assert worker.connector_worker is not None
+    assert worker.connector_worker.shutdown_pending(timeout_s=60) == 0
+    return params
+
+
+def test_a_model_of_states_alone_hands_off_its_states(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A Mamba model (no attention layer): its chain is its states'. A producer's commit and
+    params cover the states it saved, its worker forgets the request, and a consumer loads the
+    state at the hit's end alone."""
+    pure = {"state_layers": STATES, "attention": False, "max_batched": 2 * BS}
+    sched = make_scheduler(tiny_model, "kv_producer", url=URL, **pure)
+    producer, kv = make_worker_connector(tiny_model, URL, 64, role="kv_producer", **pure)
+    fill(kv, 4)
+    req = make_request("p", prompt(5 * BS + 3), max_tokens=1)
+    sched.add_request(req)
+    params = finish_request(sched, producer, req)
+    assert params is not None and params["redis_kv"]["num_blocks"] == 5  # states at 1, 3, 4
+    assert producer.connector_worker.tracked_requests() == set()  # type: ignore[union-attr]
+    records = [k for k in fake_redis.scan_iter("kv:vllm:*:handoff:*")]
+    assert [fake_redis.get(k) for k in records] == [b"5"]  # committed, not left "pending"
+
+    consumer = make_scheduler(tiny_model, "kv_consumer", url=URL, **pure)
+    consumer.add_request(make_request("c", prompt(5 * BS + 3), params))
+    for _ in range(50):
+        loads = meta_of(consumer.schedule()).loads
+        if loads:
+            break
+        time.sleep(0.01)
+    (load,) = loads
+    assert len(load.hashes) == 5
+    for ids in load.block_ids:
+        assert ids[:4] == [NULL] * 4 and ids[4] != NULL
+    for s in (sched, consumer):
+        s.connector.shutdown()
+    producer.shutdown()
+
+
+def test_a_state_saved_before_any_attention_block_is_committed_when_its_request_ends(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """A kv_both instance in consume mode loads a producer's handoff; when vLLM takes the
+    finished load it caches the loaded state and offers it again, in a step that schedules
+    nothing of the request (20 decoding requests leave 12 tokens of a 32-token budget, and the
+    align split ends a prefill chunk only on a block boundary). The connector saves that state
+    under the request's own chain; the request is then aborted. Its saves must still be
+    committed: the worker forgets it, and no "pending" record is left behind."""
+    cfg: dict[str, Any] = {
+        "state_layers": STATES,
+        "mode": "consume",
+        "max_batched": 2 * BS,
+        "max_num_seqs": 32,
+    }
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, **cfg)
+    worker, _ = make_worker_connector(tiny_model, URL, 1000, role="kv_both", **cfg)
+    layout = sched.connector.layout
+    decoding = [make_request(f"d{i}", [3 + i] * 5, max_tokens=500) for i in range(20)]
+    for r in decoding:
+        sched.add_request(r)
+
+    def step(recving: set[str] | None = None) -> Any:
+        out = sched.schedule()
+        run_worker_step(worker, meta_of(out))
+        ran = [r for r in decoding if r.request_id in out.num_scheduled_tokens]
+        sched.update_from_output(out, runner_output(ran, recving=recving))
+        return out
+
+    for _ in range(3):
+        step()
+    # a producer's handoff of 3 blocks: attention, and the states after block 2
+    tokens = prompt(3 * BS + 20)
+    chain = chain_hashes(tokens, BS, handoff_salt("", "feed1234"))
+    seed(layout, chain, 3, states={2})
+    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
+    store.publish_handoff("feed1234", 3)
+    store.close()
+    params = {
+        "redis_kv": {
+            "handoff": "feed1234",
+            "scope": "handoff",
+            "num_blocks": 3,
+            "last_hash": chain[2],
+            "namespace": "vllm",
+            "block_size": BS,
+        }
+    }
+    sched.add_request(make_request("b", tokens, params=params))
+    loading = offered = False
+    for _ in range(100):
+        out = sched.schedule()
+        meta = meta_of(out)
+        offered = any(s.req_id == "b" for s in meta.saves) and "b" not in out.num_scheduled_tokens
+        run_worker_step(worker, meta)
+        recving = {"b"} if any(s.req_id == "b" for s in meta.loads) else None
+        loading = loading or bool(recving)
+        ran = [r for r in decoding if r.request_id in out.num_scheduled_tokens]
+        sched.update_from_output(out, runner_output(ran, recving=recving))
+        if offered:
+            break
+        time.sleep(0.01)
+    assert loading and offered, "the loaded state was saved in a step that ran nothing of b"
+    sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    for _ in range(3):  # the next steps carry the commit to the worker
+        step()
+    assert worker.connector_worker is not None
+    assert worker.connector_worker.shutdown_pending(timeout_s=60) == 0
+    assert "b" not in worker.connector_worker.tracked_requests()
+    records = [fake_redis.get(k) for k in fake_redis.scan_iter("kv:vllm:*:handoff:*")]
+    assert b"pending" not in records
+    worker.shutdown()
+    sched.connector.shutdown()
