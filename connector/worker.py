@@ -185,6 +185,12 @@ class RedisConnectorWorker:
                 )
 
     @property
+    def movers_by_group(self) -> list[list[BlockMover]]:
+        """Each KV-cache group's data movers (the layout's group order), head slice by head
+        slice (for tools and tests)."""
+        return [[sm.mover for sm in movers] for movers in self._slices]
+
+    @property
     def movers(self) -> list[BlockMover]:
         """Every data mover, group by group, head slice by head slice (for tools and tests)."""
         return [sm.mover for movers in self._slices for sm in movers]

@@ -109,7 +109,7 @@ class SimEngine:
         # Held while vLLM's scheduler changes block ownership and while the connector writes a
         # block: each write is checked against the ownership of that moment.
         self.world = threading.RLock()
-        self.owners: dict[int, set[str]] = {}
+        self.owners: dict[int, set[tuple[str, int]]] = {}
         self.write_violations: list[str] = []
         self.value_violations: list[str] = []
         self.deadline_violations: list[str] = []
@@ -152,25 +152,31 @@ class SimEngine:
             finally:
                 tls.req_id = None
 
-        def checked(real_scatter: Any) -> Any:
+        def checked(real_scatter: Any, group: int) -> Any:
             def scatter(ids: torch.Tensor, src: torch.Tensor) -> None:
                 with self.world:
-                    self._check_writes(getattr(tls, "req_id", None), ids.tolist())
+                    self._check_writes(getattr(tls, "req_id", None), group, ids.tolist())
                     real_scatter(ids, src)
 
             return scatter
 
         worker._copy_in = copy_in  # type: ignore[method-assign]
-        for mover in worker.movers:
-            mover.kv.scatter = checked(mover.kv.scatter)  # type: ignore[method-assign]
+        for layout_group, movers in enumerate(worker.movers_by_group):
+            group = worker.layout.groups[layout_group].index
+            for mover in movers:
+                mover.kv.scatter = checked(mover.kv.scatter, group)  # type: ignore[method-assign]
 
-    def _check_writes(self, req_id: str | None, block_ids: list[int]) -> None:
+    def _check_writes(self, req_id: str | None, group: int, block_ids: list[int]) -> None:
+        """A load's write into ``block_ids`` of vLLM's KV-cache group ``group``: the blocks
+        must be that request's alone, in that group (block ids are unique in vLLM's one block
+        pool, which every group's pages overlay), while it waits for them."""
         req = self.sched.requests.get(req_id) if req_id else None
         for b in block_ids:
             owners = self.owners.get(b, set())
-            if req is None or owners != {req_id}:
+            if req is None or owners != {(req_id, group)}:
                 self.write_violations.append(
-                    f"block {b} written for {req_id} while vLLM gives it to {sorted(owners)}"
+                    f"group {group} block {b} written for {req_id} while vLLM gives it to "
+                    f"{sorted(owners)}"
                 )
             elif not (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished()):
                 self.write_violations.append(
@@ -178,12 +184,15 @@ class SimEngine:
                 )
 
     def _refresh_owners(self) -> None:
-        """Block id -> requests holding it, from vLLM's block tables (under ``world``)."""
-        owners: dict[int, set[str]] = {}
+        """Block id -> (request, group) holding it, from vLLM's block tables (under
+        ``world``); the null block is no one's."""
+        owners: dict[int, set[tuple[str, int]]] = {}
         manager = self.sched.kv_cache_manager
         for rid in self.sched.requests:
-            for b in manager.get_block_ids(rid)[0]:
-                owners.setdefault(b, set()).add(rid)
+            for group, ids in enumerate(manager.get_block_ids(rid)):
+                for b in ids:
+                    if b != 0:
+                        owners.setdefault(b, set()).add((rid, group))
         self.owners = owners
 
     # ------------------------------------------------------------------ requests

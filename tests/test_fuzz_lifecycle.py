@@ -7,7 +7,8 @@ failures (a small KV cache), loads and saves that are slow, fail, or meet corrup
 values, blocks evicted, a store that goes away and comes back (the breaker), the KV cache put
 to sleep and woken, vLLM's prefix cache reset. Share mode runs two instances on one pool;
 consume mode a producer and two consumers, with handoffs delivered to one consumer or to both
-(a retried request).
+(a retried request). Both also run on a gated delta-net hybrid (``testing.state_sim``: states
+saved from vLLM's offers, one state per hit, every state the stand-in model reads checked).
 
 After every step: vLLM raised nothing (a double free, an unknown request reported, ... are
 assertions inside vLLM); the connector wrote no block vLLM had freed or given to another
@@ -61,6 +62,7 @@ from kvstore.keys import parse_key
 from testing.redis_server import RedisServer
 from testing.scheduler_harness import BS
 from testing.sim_engine import SimEngine
+from testing.state_sim import StateSimEngine
 
 pytestmark = [pytest.mark.vllm]
 
@@ -282,6 +284,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     model: Path
     store_factory: Callable[[], Any]
     mode = "share"
+    engine: type[SimEngine] = SimEngine  # StateSimEngine: a gated delta-net hybrid
 
     def __init__(self) -> None:
         super().__init__()
@@ -295,7 +298,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.answers: list[str] = []  # deadline violations of lookup answers
 
     def make(self, role: str) -> SimEngine:
-        e = SimEngine(self.model, role, self.store.url, **ENGINE, **CONNECTOR)  # type: ignore[arg-type]
+        e = self.engine(self.model, role, self.store.url, **ENGINE, **CONNECTOR)  # type: ignore[arg-type]
         for store in (e.connector.scheduler.store, e.worker.store):
             self.slow.wrap(store)
             self.claims.wrap(store)
@@ -518,6 +521,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.final_checks()
             count("examples")
             for e in self.engines:
+                if isinstance(e, StateSimEngine):
+                    count("state reads", e.state_reads)
                 for side in (e.take_stats(),):
                     for key in (
                         "blocks_loaded",
@@ -710,6 +715,19 @@ class ConsumeMachine(LifecycleMachine):
         )
 
 
+class StateShareMachine(ShareMachine):
+    """Share mode on a gated delta-net hybrid: states saved from vLLM's offers, one state per
+    hit (``testing.state_sim``: every state the stand-in model reads is checked)."""
+
+    engine = StateSimEngine
+
+
+class StateConsumeMachine(ConsumeMachine):
+    """Consume mode on a gated delta-net hybrid."""
+
+    engine = StateSimEngine
+
+
 def run(machine: type[LifecycleMachine], model: Path, store_factory: Callable[[], Any]) -> None:
     machine.model = model
     machine.store_factory = staticmethod(store_factory)  # type: ignore[assignment]
@@ -747,6 +765,16 @@ def fuzz_redis() -> Iterator[RedisServer]:
 @pytest.mark.parametrize("machine", [ShareMachine, ConsumeMachine], ids=["share", "consume"])
 def test_fuzz_on_fakeredis(tiny_model: Path, machine: type[LifecycleMachine]) -> None:
     run(machine, tiny_model, FakeStore)
+
+
+@pytest.mark.parametrize(
+    "machine", [StateShareMachine, StateConsumeMachine], ids=["share", "consume"]
+)
+def test_fuzz_state_groups_on_fakeredis(tiny_model: Path, machine: type[LifecycleMachine]) -> None:
+    """The same interleavings on a model with two state groups: saves from vLLM's offers,
+    one-state hits, loads failed per request; every state the stand-in model reads checked."""
+    run(machine, tiny_model, FakeStore)
+    assert TALLY.get("state reads", 0) > 0
 
 
 @pytest.mark.redis
