@@ -323,6 +323,8 @@ class LookupBuffer:
 
     @property
     def read_depth(self) -> int:
+        """Replies in flight per connection on reads of large values; values smaller than
+        1 MiB / ``read_depth`` keep up to 1 MiB in flight (``transport.READ_BYTES_IN_FLIGHT``)."""
         return self._transport.read_depth
 
     @property
