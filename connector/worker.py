@@ -196,6 +196,12 @@ class RedisConnectorWorker:
         return [sm.mover for movers in self._slices for sm in movers]
 
     def _group_caches(self, group: KVGroup) -> dict[str, torch.Tensor]:
+        """The group's per-layer caches as ``[blocks, heads, ...]`` views, one row per block
+        vLLM's scheduler names. A cache vLLM split into kernel blocks (its attention kernel
+        takes smaller blocks than the manager's: ``prepare_kernel_block_sizes``) holds block
+        ``b`` in kernel blocks ``[b * r, (b + 1) * r)``: viewed as ``[blocks, heads, r, kernel
+        tokens, content]``, a block's bytes are its logical ``[heads, tokens, content]`` ones,
+        so split and unsplit instances store the same values."""
         caches = {name: self._kv[name] for name in group.layer_names}
         first = next(iter(caches.values()))
         shape = tuple(first.shape[1:])
@@ -203,14 +209,24 @@ class RedisConnectorWorker:
             if tuple(t.shape[1:]) != shape or t.dtype != first.dtype:
                 raise ValueError(f"RedisConnector: layer {name} has a different KV block shape")
         tokens = group.block_tokens or self.layout.block_size
-        if shape[:2] != (group.num_kv_heads, tokens) or (
-            group.is_state and shape[2:] != (group.head_size,)
+        split = tokens // shape[1] if len(shape) == 3 and shape[1] and tokens % shape[1] == 0 else 0
+        if (
+            shape[0] != group.num_kv_heads
+            or not split
+            or first.shape[0] % split
+            or (group.is_state and shape[1:] != (1, group.head_size))
         ):
             raise ValueError(
                 f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
                 f"[blocks, {group.num_kv_heads}, {tokens}, "
-                f"{group.head_size if group.is_state else 'content'}]"
+                f"{group.head_size if group.is_state else 'content'}] (or kernel blocks of a "
+                "whole fraction of its tokens)"
             )
+        if split > 1:
+            caches = {
+                name: t.unflatten(0, (t.shape[0] // split, split)).transpose(1, 2)
+                for name, t in caches.items()
+            }
         return caches
 
     def unregister_kv_caches(self) -> None:

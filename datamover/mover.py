@@ -26,11 +26,15 @@ chunks of one block each way); CUDA adds ``device_chunks`` chunks of device scra
 
 A stored value may hold more rows of the block's first dimension than the cache does
 (``value_rows``: e.g. all the KV heads of a slice, of which this cache holds some): loads then
-receive the whole value and scatter only the cache's rows. Such a mover only loads.
+receive the whole value and scatter only the cache's rows. Such a mover only loads. A cache
+whose blocks are split into kernel blocks (``[rows, r, tokens / r, content]`` per block) stores
+and loads them as ``[rows, tokens, content]``: the same bytes, so it shares values with an
+unsplit cache.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,7 +116,13 @@ class BlockMover:
             or self.value_rows[2] > self.value_rows[0]
         ):
             raise ValueError(f"value_rows {value_rows} do not fit a cache block of {rows} rows")
-        self.value_shape = (self.value_rows[0], *self.kv.block_shape[1:])
+        # a block split into kernel blocks ([rows, r, tokens / r, content]) is stored as the
+        # block it is: [rows, tokens, content] (the same bytes, in the same order)
+        inner = self.kv.block_shape[1:]
+        if len(inner) > 2:
+            inner = (math.prod(inner[:-1]), inner[-1])
+        self.value_shape = (self.value_rows[0], *inner)
+        self._cache_rows_shape = (rows, *inner)
         self.entries, self.raw_bytes = plan_entries(self.kv.names, self.kv.dtype, self.value_shape)
         probe = frame_parts(
             self.entries,
@@ -149,8 +159,8 @@ class BlockMover:
 
     @property
     def whole_values(self) -> bool:
-        """A stored value is exactly a cache block (so this mover may save too)."""
-        return self.value_shape == self.kv.block_shape
+        """A stored value is exactly a cache block's bytes (so this mover may save too)."""
+        return self.value_shape == self._cache_rows_shape
 
     @property
     def staging_bytes(self) -> int:
@@ -344,9 +354,14 @@ class BlockMover:
             self._load_scratch.release(scratch)
 
     def _cached_rows(self, src: torch.Tensor) -> torch.Tensor:
-        """``[n, layers, *value_shape]`` narrowed to the rows this cache holds (a view)."""
+        """``[n, layers, *value_shape]`` narrowed to the rows this cache holds, in the cache's
+        block shape (a view: narrowing rows, splitting the token axis into kernel blocks)."""
         _, first, end = self.value_rows
-        return src if self.whole_values else src.narrow(2, first, end - first)
+        if not self.whole_values:
+            src = src.narrow(2, first, end - first)
+        if len(self.kv.block_shape) > len(self.value_shape):
+            src = src.unflatten(3, self.kv.block_shape[1:-1])
+        return src
 
     def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         if not self.kv.on_cuda:

@@ -31,20 +31,37 @@ def layout(dtype: torch.dtype = torch.float32) -> KVLayout:
     return KVLayout("m", N, H, 64, str(dtype).replace("torch.", ""), LAYERS, 1)
 
 
-def shared_kv_buffer(physical: str, device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def shared_kv_buffer(
+    physical: str, device: str, dtype: torch.dtype, kernel_split: int = 1
+) -> dict[str, torch.Tensor]:
     """Every layer's logical ``[B, H, N, C]`` view into one buffer whose dimensions lie in the
     ``physical`` order (a permutation of L, B, H, N, C), as vLLM 0.33's KV-cache layouts can
-    present them: ``LBHNC`` is one plain tensor per layer, ``BLHNC`` is block-first."""
-    sizes = {"L": len(LAYERS), "B": BLOCKS, "H": H, "N": N, "C": C}
+    present them: ``LBHNC`` is one plain tensor per layer, ``BLHNC`` is block-first. With
+    ``kernel_split`` r, each block is r kernel blocks of N / r tokens, as vLLM presents a cache
+    whose attention kernel takes smaller blocks: ``[B * r, H, N / r, C]``."""
+    r = kernel_split
+    sizes = {"L": len(LAYERS), "B": BLOCKS * r, "H": H, "N": N // r, "C": C}
     buffer = torch.zeros([sizes[d] for d in physical], device=device, dtype=dtype)
     logical = buffer.permute([physical.index(d) for d in "LBHNC"])
     return {name: logical[i] for i, name in enumerate(LAYERS)}
+
+
+def blocks_of(caches: dict[str, torch.Tensor], ids: list[int]) -> dict[str, torch.Tensor]:
+    """Blocks ``ids`` of each layer as ``[len(ids), H, N, C]``, from unsplit or kernel-split
+    caches (block b is kernel blocks ``[b * r, (b + 1) * r)``)."""
+    out = {}
+    for name, t in caches.items():
+        r = N // t.shape[2]
+        kernel = t.unflatten(0, (t.shape[0] // r, r))[ids]  # [n, r, H, N / r, C]
+        out[name] = kernel.transpose(1, 2).reshape(len(ids), H, N, C)
+    return out
 
 
 def make_worker(
     client: fakeredis.FakeRedis,
     *,
     physical: str = "LBHNC",
+    kernel_split: int = 1,
     device: str = "cpu",
     max_inflight_bytes: int = 64 << 20,
     mode: str = "share",
@@ -62,7 +79,7 @@ def make_worker(
         client, namespace="w", fingerprint=layout(dtype).fingerprint(0), compression=compression
     )
     worker = RedisConnectorWorker(cfg, layout(dtype), store)
-    caches = shared_kv_buffer(physical, device, dtype)
+    caches = shared_kv_buffer(physical, device, dtype, kernel_split)
     worker.register_kv_caches(caches)
     return worker, caches
 
@@ -160,6 +177,39 @@ def test_blocks_move_bit_exact_between_every_kv_layout_and_the_plain_one(
         move_and_check(physical, "LBHNC", torch.float32)
     else:
         move_and_check("LBHNC", physical, torch.float32)
+
+
+@pytest.mark.parametrize("physical", ["LBHNC", "LBNHC", "BLHNC"])
+@pytest.mark.parametrize(("src_split", "dst_split"), [(4, 1), (1, 2), (2, 4)])
+def test_blocks_move_bit_exact_between_caches_split_into_kernel_blocks(
+    physical: str, src_split: int, dst_split: int
+) -> None:
+    """vLLM splits a block into kernel blocks where its attention kernel takes smaller ones
+    (``[blocks * r, H, N / r, C]``, block b in kernel blocks ``[b * r, (b + 1) * r)``): the
+    stored value is the block's logical ``[H, N, C]`` either way, so split and unsplit
+    instances share blocks, and a load writes the block's kernel blocks and nothing else."""
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client, kernel_split=src_split)
+    dst, dst_kv = make_worker(client, physical=physical, kernel_split=dst_split)
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(3 * N)), N)
+    save(src, "p", [5, 9, 2], hashes)
+    dst.start_load_kv(load("d", [1, 2, 3], hashes))
+    wait_loaded(dst, "d")
+    assert dst.get_block_ids_with_load_errors() == set()
+    want, got = blocks_of(src_kv, [5, 9, 2]), blocks_of(dst_kv, [1, 2, 3])
+    others = blocks_of(dst_kv, [b for b in range(BLOCKS) if b not in (1, 2, 3)])
+    for name in LAYERS:
+        assert torch.equal(got[name], want[name]), name
+        assert int(others[name].count_nonzero()) == 0
+
+
+def test_a_cache_whose_blocks_do_not_split_evenly_is_refused_at_registration() -> None:
+    client = fakeredis.FakeRedis()
+    worker, _ = make_worker(client)
+    odd = {name: torch.zeros(BLOCKS, H, N - 4, C) for name in LAYERS}  # 12 of 16 tokens
+    with pytest.raises(ValueError, match="unexpected per-layer KV view"):
+        worker.register_kv_caches(odd)
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
