@@ -101,7 +101,7 @@ class LookupBuffer:
         control_client: redis.Redis | None = None,
         breaker_failures: int = 3,
         breaker_probe_s: float = 0.5,
-        read_depth: int = READ_DEPTH,
+        read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
     ) -> None:
         if compression not in CODECS:
@@ -116,7 +116,7 @@ class LookupBuffer:
             raise InvalidArgumentError("max_value_bytes must be positive")
         if fingerprint is not None and layout is not None:
             raise InvalidArgumentError("give fingerprint or layout, not both")
-        if read_depth < 1 or read_connections < 1:
+        if (read_depth is not None and read_depth < 1) or read_connections < 1:
             raise InvalidArgumentError("read_depth and read_connections must be >= 1")
         self.keys = KeySpace(key_prefix, namespace, fingerprint or layout_fingerprint(layout))
         self.namespace = namespace
@@ -223,7 +223,7 @@ class LookupBuffer:
         io_threads: int = 4,
         breaker_failures: int = 3,
         breaker_probe_s: float = 0.5,
-        read_depth: int = READ_DEPTH,
+        read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
         check: bool = True,
     ) -> LookupBuffer:
@@ -322,9 +322,10 @@ class LookupBuffer:
         return self.ttl.ttl_ms
 
     @property
-    def read_depth(self) -> int:
-        """Replies in flight per connection on reads of large values; values smaller than
-        1 MiB / ``read_depth`` keep up to 1 MiB in flight (``transport.READ_BYTES_IN_FLIGHT``)."""
+    def read_depth(self) -> int | None:
+        """Replies in flight per connection on reads, as given; None (the default): by the
+        values' size, ``READ_DEPTH`` for large ones and up to 1 MiB of smaller ones
+        (``transport.READ_BYTES_IN_FLIGHT``)."""
         return self._transport.read_depth
 
     @property

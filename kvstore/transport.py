@@ -27,11 +27,11 @@ from .connection import close_client, error_code
 from .shards import REDIRECTED, Shards, is_redirect
 from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buffers
 
-# Replies in flight per connection on reads: at least READ_DEPTH, and for smaller values as many
-# as fit in READ_BYTES_IN_FLIGHT (64 KiB values: 16). Chosen from scripts/bench_paths.py --sweep
-# across value sizes: large values read fastest 2 to 4 deep, small ones with the batch
-# pipelined (one syscall and round trip per value cost more than the bytes); see
-# docs/benchmarks.md, "How reads are shaped".
+# Replies in flight per connection on reads, unless the caller sets read_depth: at least
+# READ_DEPTH, and for smaller values as many as fit in READ_BYTES_IN_FLIGHT (64 KiB values: 16).
+# Chosen from scripts/bench_paths.py --sweep across value sizes: large values read fastest 2 to
+# 4 deep, small ones with the batch pipelined (one syscall and round trip per value cost more
+# than the bytes); see docs/benchmarks.md, "How reads are shaped".
 READ_DEPTH = 4
 READ_BYTES_IN_FLIGHT = 1 << 20
 
@@ -52,7 +52,7 @@ class Transport:
         client: redis.Redis,
         control: redis.Redis | None = None,
         *,
-        read_depth: int = READ_DEPTH,
+        read_depth: int | None = None,
         threads: int = 8,
         on_redirect: Callable[[], None] = lambda: None,
         recycle_bytes: int = RECYCLE_BYTES,
@@ -63,6 +63,7 @@ class Transport:
         # the control calls' fan-out has threads of its own: a lookup never waits behind value
         # transfers queued for a slow master (its relearning is done by self.shards)
         self._control_shards = Shards(self.control, threads=threads, name="kvstore-control")
+        # None: by the values' size (READ_DEPTH, more for small values); else exactly this
         self.read_depth = read_depth
         # where replies that are not received into the caller's buffers land (buffer_pool.py)
         self.buffers = BufferPool(recycle_bytes)
@@ -126,9 +127,10 @@ class Transport:
     ) -> list[Any]:
         """Send ``commands`` (each ``(name, key, ...)`` with a bulk-string reply) and receive
         each reply into its destination, at most ``read_depth`` replies in flight per
-        connection. Per command: the length received into a view, the new buffer, None for a
-        missing key, ``wire.Oversize`` for a value larger than its destination (drained, never
-        allocated), or -1 for a key of another type.
+        connection (unset: ``READ_DEPTH``, or 1 MiB of smaller values). Per command: the length
+        received into a view, the new buffer, None for a missing key, ``wire.Oversize`` for a
+        value larger than its destination (drained, never allocated), or -1 for a key of
+        another type.
 
         ``each(index, reply)``, when given, is applied to every reply on the thread that
         received it, as soon as it is received, and its result is returned in the reply's
@@ -165,8 +167,8 @@ class Transport:
             reader = ReplyReader(sock) if sock is not None else None
             sent = 0
             for i, (index, _, dest) in enumerate(work):
-                depth = self.read_depth
-                if value_bytes:
+                depth = self.read_depth or READ_DEPTH
+                if value_bytes and self.read_depth is None:
                     depth = max(depth, READ_BYTES_IN_FLIGHT // value_bytes)
                 upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
                 if upto > sent:

@@ -133,3 +133,29 @@ def test_a_refused_write_is_a_typed_error_and_the_connection_stays_usable(
         admin.config_set("maxmemory", "0")
     store.insert_parts([(hashes[0], value_parts(store, hashes[0], 0))])
     assert store.select(hashes[:1])[0] is not None
+
+
+@pytest.mark.parametrize(("read_depth", "in_flight"), [(None, 15), (1, 1), (4, 4)])
+def test_small_values_are_pipelined_unless_a_read_depth_is_set(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, read_depth: int | None, in_flight: int
+) -> None:
+    """Unset, reads keep 1 MiB of small values in flight (15 destinations of 68 KiB); a
+    read_depth set by the caller is kept exactly (what bench_paths --sweep measures). With d
+    in flight, 16 GETs take one send of d, then one send per reply received."""
+    store = LookupBuffer.from_url(
+        redis_url, namespace="depth", layout={"m": "depth"}, read_depth=read_depth
+    )
+    hashes = chain_hashes(list(range(16 * 16)), 16)
+    store.insert_many([(h, {"kv": torch.zeros(16 << 10)}) for h in hashes])  # 64 KiB each
+    counted: list[int] = []
+    real = redis.connection.Connection.send_packed_command
+
+    def send(self: redis.connection.Connection, command: object, check_health: bool = True) -> None:
+        counted.append(1)
+        real(self, command, check_health)
+
+    monkeypatch.setattr(redis.connection.Connection, "send_packed_command", send)
+    got = store.select_into(hashes, buffers(16, (64 << 10) + 4096), connections=1)
+    assert all(v is not None for v in got)
+    assert len(counted) == 1 + 16 - in_flight
+    store.close()
