@@ -35,6 +35,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from connector.metadata import RedisConnectorMetadata
 from connector.redis_connector import RedisConnector
+from kvstore import LookupBuffer
 
 BS = 16
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -187,6 +188,17 @@ def transfer_results(conn: RedisConnector, req: str, timeout_s: float = 60) -> A
             return results
         time.sleep(0.01)
     raise AssertionError(f"{req} never finished loading")
+
+
+def committed_blocks(conn: RedisConnector, url: str, handoff: str, hashes: list[str]) -> int | None:
+    """What the commit record of ``handoff`` (chain ``hashes``) that ``conn``'s layout
+    publishes says: the blocks a consumer may load, or None while there is none."""
+    layout = conn.layout
+    store = LookupBuffer.from_url(url, namespace="vllm", fingerprint=layout.fingerprint(0))
+    try:
+        return store.read_handoff(handoff, layout.keys_of(hashes)).committed
+    finally:
+        store.close()
 
 
 def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:

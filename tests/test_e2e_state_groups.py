@@ -21,14 +21,12 @@ blocks):
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .e2e_helpers import ROOT, family_runs, tokens
+from .e2e_helpers import family_runs, make_model, tokens
 
 # vLLM's CPU gated delta-net kernels are checked on the default release; the other releases
 # run the connector's state groups at the scheduler and worker level (test_state_groups.py)
@@ -45,23 +43,8 @@ STATE_GROUPS = 3
 
 @pytest.fixture(scope="module")
 def gdn_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("models") / "tiny-qwen3-next"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "make_tiny_model.py"),
-            str(out),
-            "--family",
-            "qwen3_next",
-            "--layers",
-            "4",
-            "--dtype",
-            "bfloat16",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return out
+    options = ("--family", "qwen3_next", "--layers", "4", "--dtype", "bfloat16")
+    return make_model(tmp_path_factory, "tiny-qwen3-next", *options)
 
 
 @pytest.fixture(scope="module")

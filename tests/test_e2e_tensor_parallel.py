@@ -27,7 +27,7 @@ import redis
 
 from testing.redis_server import RedisServer
 
-from .e2e_helpers import finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import PATIENT, finish, one_per_phase, start_engine, tokens
 
 # the ranks' side of vLLM is what every other end-to-end test checks on each release
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
@@ -67,7 +67,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str
         share = {
             "role": "kv_both",
             "url": server.url,
-            "extra": {"mode": "share", "store_tp_size": 2},
+            "extra": {"mode": "share", "store_tp_size": 2, **PATIENT},
         }
         client = redis.Redis.from_url(server.url)
         out["saver1"] = engine("saver1", ["A+a1"], TP1, **share)

@@ -28,6 +28,7 @@ from kvstore import LookupBuffer, chain_hashes
 from testing.scheduler_harness import (
     BS,
     LAYERS,
+    committed_blocks,
     make_configs,
     make_request,
     make_scheduler,
@@ -237,9 +238,7 @@ def test_each_group_saves_and_loads_its_own_blocks_and_null_blocks_are_never_tou
         for b in set(range(cache.shape[0])) - written:
             assert torch.equal(cache[b], before[name][b]), (name, b)
     # the commit record covers all three: a 3-block hit needs the window's blocks 1 and 2 only
-    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=src.layout.fingerprint(0))
-    assert store.read_handoff("hp", src.layout.keys_of(hashes)).committed == 3
-    store.close()
+    assert committed_blocks(src, URL, "hp", hashes) == 3
     src.shutdown()
     dst.shutdown()
 

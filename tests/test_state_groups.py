@@ -36,6 +36,7 @@ from testing.scheduler_harness import (
     STATE_BYTES,
     STATE_LAYERS,
     STATE_PAGE,
+    committed_blocks,
     make_configs,
     make_request,
     make_scheduler,
@@ -345,10 +346,8 @@ def test_states_round_trip_bit_exact_writing_only_their_bytes(
         assert torch.equal(now[dst_block, STATE_BYTES:], before[name][dst_block, STATE_BYTES:])
         others = [b for b in range(now.shape[0]) if b != dst_block]
         assert torch.equal(now[others], before[name][others]), name
-    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=src.layout.fingerprint(0))
     # the commit record: a consumer can load all 3 blocks (the states after block 2 are there)
-    assert store.read_handoff("hp", src.layout.keys_of(hashes)).committed == 3
-    store.close()
+    assert committed_blocks(src, URL, "hp", hashes) == 3
     src.shutdown()
     dst.shutdown()
 
@@ -367,9 +366,7 @@ def test_a_commit_record_ends_at_the_last_state_saved(
     run_worker_step(src, RedisConnectorMetadata(saves=saves))
     run_worker_step(src, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 5, 0)]))
     assert src.worker.shutdown_pending(timeout_s=60) == 0
-    store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=src.layout.fingerprint(0))
-    assert store.read_handoff("hp", src.layout.keys_of(hashes)).committed == 2
-    store.close()
+    assert committed_blocks(src, URL, "hp", hashes) == 2
     src.shutdown()
 
 
