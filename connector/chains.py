@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from kvstore import chain_hashes
+from kvstore.keys import at_generation
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -78,8 +79,10 @@ class RequestChains:
     """A request's prompt as Redis names it: its salt, its token ids and per-block extras, and
     the chains built from them (the shared one, or one private to a handoff)."""
 
-    def __init__(self, request: Request, block_size: int) -> None:
+    def __init__(self, request: Request, block_size: int, generation: int = 0) -> None:
         self.block_size = block_size
+        # the namespace's generation the chains are named in (``kvstore.generations``)
+        self.generation = generation
         self.salt = request_salt(request)
         tokens = request.prompt_token_ids
         if tokens is None:  # a prompt of embeddings only: placeholder ids, told apart by extras
@@ -89,14 +92,19 @@ class RequestChains:
 
     def shared(self) -> list[str]:
         """The content chain: what share mode saves and loads."""
-        return chain_hashes(self.tokens, self.block_size, self.salt, block_extras=self.extras)
+        hashes = chain_hashes(self.tokens, self.block_size, self.salt, block_extras=self.extras)
+        return self._named(hashes)
+
+    def _named(self, hashes: list[str]) -> list[str]:
+        return [at_generation(h, self.generation) for h in hashes] if self.generation else hashes
 
     def handoff(self, handoff_id: str, num_blocks: int | None = None) -> list[str]:
         """The chain private to one handoff (consume mode), of its first ``num_blocks``."""
         n = len(self.tokens) if num_blocks is None else num_blocks * self.block_size
-        return chain_hashes(
+        hashes = chain_hashes(
             self.tokens[:n],
             self.block_size,
             handoff_salt(self.salt, handoff_id),
             block_extras=self.extras,
         )
+        return self._named(hashes)

@@ -77,6 +77,8 @@ class RedisConnectorConfig:
         """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
         ``kvstore.access.ACCESS``, checked at startup."""
         ops = ["ping"]
+        if side == "scheduler":
+            ops += ["generation"]  # blocks are named by the namespace's generation
         if side == "scheduler" and self.saves:
             ops += ["insert"]  # the "pending" handoff record
         if side == "scheduler" and self.loads:

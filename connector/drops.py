@@ -110,3 +110,7 @@ class HandoffDrops:
     def shutdown(self) -> None:
         self._closed.set()
         self._wake.set()
+
+    def join(self, timeout_s: float) -> None:
+        """Wait (bounded) for the thread's last round trip to end."""
+        self._thread.join(timeout_s)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore import layout_fingerprint
+from kvstore.presence import first_needed, usable_prefix, windowed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -95,25 +96,16 @@ class KVGroup:
         return 1 if self.is_state else None
 
     def first_needed(self, blocks: int, block_size: int) -> int:
-        """The first chain position a hit of ``blocks`` leading blocks needs from this group:
-        vLLM gives the positions before it the null block (its ``get_num_skipped_tokens``;
-        without speculative decoding's extra retained tokens, which only make a load fail
-        and recompute)."""
-        kind, _, size = self.kind.partition("=")
-        tokens = blocks * block_size
-        if kind == "state":  # the state after the hit's last block, nothing before
-            return max(0, blocks - 1)
-        if kind == "sliding_window":
-            return max(0, tokens - int(size) + 1) // block_size
-        if kind == "chunked_local":
-            return tokens // int(size) * int(size) // block_size
-        return 0
+        """The first chain position a hit of ``blocks`` leading blocks needs from this group
+        (``kvstore.presence.first_needed``; without speculative decoding's extra retained
+        tokens, which only make a load fail and recompute)."""
+        return first_needed(self.kind, blocks, block_size)
 
     @property
     def windowed(self) -> bool:
         """Its block table holds the null block where tokens no longer count (a state group:
         every block but the hit's last)."""
-        return self.kind.startswith(("sliding_window=", "chunked_local=", "state="))
+        return windowed(self.kind)
 
 
 @dataclass(frozen=True)
@@ -348,22 +340,10 @@ class KVLayout:
         """The longest hit (in leading blocks, ``start`` at least: those are vLLM's own) whose
         every needed block is present: ``present(g, p)`` says whether group ``g`` (an index
         into ``groups``) has position ``p``. A full group needs every position, a windowed
-        group only the window before the hit's end."""
-        for g, group in enumerate(self.groups):
-            if not group.windowed:  # every position up to the hit's end
-                p = start
-                while p < end and present(g, p):
-                    p += 1
-                end = p
-        windowed = [(g, group) for g, group in enumerate(self.groups) if group.windowed]
-        for n in range(end, start, -1):
-            if all(
-                present(g, p)
-                for g, group in windowed
-                for p in range(max(start, group.first_needed(n, self.block_size)), n)
-            ):
-                return n
-        return start
+        group only the window before the hit's end (``kvstore.presence.usable_prefix``, which
+        routers' presence questions use too)."""
+        kinds = [g.kind for g in self.groups]
+        return usable_prefix(kinds, self.block_size, present, start, end)
 
     def keys_of(self, hashes: list[str]) -> list[str]:
         """Every group's key at each position, position by position: a chain's leading keys

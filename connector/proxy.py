@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -77,6 +78,9 @@ class ProxyConfig:
     policy: str = "round_robin"
     timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
+    # the block-presence endpoint (``POST /kv/presence``): the store and the connector's layout
+    redis_url: str | None = None
+    layout_file: str | None = None
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
@@ -84,6 +88,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     decode = Pool("decode", cfg.decode, cfg.policy)
     timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
     state: dict[str, httpx.AsyncClient] = {}
+    presence = PresenceService(cfg.redis_url, cfg.layout_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -92,6 +97,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         )
         yield
         await state["client"].aclose()
+        presence.close()
 
     app = FastAPI(title="vllm-redis-proxy", lifespan=lifespan)
     app.state.pools = {"prefill": prefill, "decode": decode}
@@ -260,6 +266,39 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             return Response(r.content, status_code=r.status_code, media_type="application/json")
         return openai_error(502, "no decode server available", "backend_unavailable")
 
+    @app.post("/kv/presence")
+    async def kv_presence(request: Request) -> Response:
+        """Which leading blocks of a prompt are in Redis (``kvstore.presence``): body
+        ``{"token_ids": [...]}`` or ``{"prompt": "..."}`` (tokenized by a decode server)."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return openai_error(400, "the body must be JSON", "invalid_request_error")
+        token_ids = body.get("token_ids") if isinstance(body, dict) else None
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if token_ids is None and isinstance(prompt, str):
+            token_ids = await tokenize(prompt)
+            if isinstance(token_ids, Response):
+                return token_ids
+        if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+            return openai_error(
+                400, 'give "token_ids" (a list of ints) or "prompt" (a string)',
+                "invalid_request_error", "token_ids",
+            )  # fmt: skip
+        return await presence.answer(token_ids)
+
+    async def tokenize(prompt: str) -> list[int] | Response:
+        client = state["client"]
+        for url in decode.order():
+            try:
+                r = await client.post(url + "/tokenize", json={"prompt": prompt}, timeout=30)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return list(r.json().get("tokens", []))
+            return _passthrough_error(r.status_code, r.content, "decode", url)
+        return openai_error(502, "no decode server available to tokenize", "backend_unavailable")
+
     @app.get("/health")
     async def health() -> JSONResponse:
         client = state["client"]
@@ -281,6 +320,52 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         )
 
     return app
+
+
+class PresenceService:
+    """The proxy's block-presence answers: one ``LookupBuffer`` opened on first use."""
+
+    def __init__(self, redis_url: str | None, layout_file: str | None) -> None:
+        self._url = redis_url
+        self._layout_file = layout_file
+        self._store: Any = None
+        self._layout: Any = None
+        self._opening = threading.Lock()  # requests run in threads: one store, opened once
+
+    async def answer(self, token_ids: list[int]) -> Response:
+        from kvstore import InvalidArgumentError, InvalidURLError, KVStoreError
+
+        if not self._url or not self._layout_file:
+            return openai_error(
+                501,
+                "block presence needs the store: start the proxy with --redis-url and "
+                "--layout-file (the JSON the connector writes to $REDIS_KV_CONNECTOR_LAYOUT_FILE)",
+                "not_configured",
+            )
+        try:
+            found = await asyncio.to_thread(self._presence, token_ids)
+        except (InvalidArgumentError, InvalidURLError) as exc:  # the proxy's own configuration
+            return openai_error(500, str(exc), "not_configured")
+        except KVStoreError as exc:
+            return openai_error(503, f"Redis: {exc}", "store_unavailable")
+        return JSONResponse(found)
+
+    def _presence(self, token_ids: list[int]) -> dict[str, Any]:
+        from kvstore import LookupBuffer
+        from kvstore.presence import StoredLayout, prompt_presence
+
+        with self._opening:
+            if self._store is None:
+                assert self._url is not None and self._layout_file is not None
+                self._layout = StoredLayout.from_file(self._layout_file)
+                self._store = LookupBuffer.from_url(
+                    self._url, namespace=self._layout.namespace, check=False
+                )
+        return prompt_presence(self._store, self._layout, token_ids).as_dict()
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
 
 
 # Errors where the server sent no response at all on a connection: on a pooled keep-alive
@@ -367,11 +452,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--log-level", default="info")
+    ap.add_argument("--redis-url", help="the store, for POST /kv/presence")
+    ap.add_argument(
+        "--layout-file", help="the connector's layout JSON ($REDIS_KV_CONNECTOR_LAYOUT_FILE)"
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
-    cfg = ProxyConfig(args.prefill, args.decode, args.policy, args.timeout_s)
+    cfg = ProxyConfig(
+        args.prefill,
+        args.decode,
+        args.policy,
+        args.timeout_s,
+        redis_url=args.redis_url,
+        layout_file=args.layout_file,
+    )
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

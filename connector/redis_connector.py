@@ -397,6 +397,15 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         """SupportsHMA: the same for every group (the blocks to save were planned per step)."""
         return self.scheduler.request_finished(request)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (HTTP: ``POST
+        /reset_prefix_cache?reset_external=true``): invalidate the namespace's blocks for every
+        instance sharing it. vLLM calls it on the scheduler side; a worker has nothing to
+        reset (None)."""
+        if self.connector_scheduler is None:
+            return None
+        return self.connector_scheduler.reset_cache()
+
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """vLLM 0.32+ (its KV-zeroing skips these): a load restores every group stored."""
         return tuple(group.index for group in self.layout.groups)

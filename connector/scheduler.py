@@ -64,6 +64,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -72,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore import KVStoreError, LookupBuffer
+from kvstore.access import acl_rule
 from kvstore.keys import NAME_RE
 
 from .chains import RequestChains
@@ -92,6 +94,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("connector.scheduler")
 # How often a request waiting for a producer's commit record re-checks Redis.
 _POLL_INTERVAL_S = 0.01
+# an instance that does no lookups (a producer) reads the namespace's generation at most this
+# often, in the background: it names its saves in a reset's generation within about a second
+_GENERATION_REFRESH_S = 1.0
 
 
 def opened(fut: Future[None] | None) -> bool:
@@ -145,6 +150,16 @@ class _RequestState:
     preemptions: int = 0
     # (group, chain position) of the states saved from vLLM's offers (state groups)
     states_saved: set[tuple[int, int]] = field(default_factory=set)
+    generation: int = 0  # the namespace's generation its chains are named in
+
+    def renamable(self) -> bool:
+        """Nothing of it is in flight or planned yet: its chains may be named again."""
+        return (
+            self.phase is Phase.LOOKING_UP
+            and self.save_start is None
+            and self.load_range == (0, 0)
+            and (self.handoff is None or self.handoff.state == "waiting")
+        )
 
     @property
     def same_chain(self) -> bool:
@@ -192,6 +207,14 @@ class RedisConnectorScheduler:
         self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
         self._groups = range(len(layout.groups))
         self._attention = any(not g.is_state for g in layout.groups)
+        self._generation_read_at = 0.0
+        self._closing = threading.Event()
+        self._sweeps: list[threading.Thread] = []
+        try:  # best effort: lookups and a background refresh read it again
+            store.read_generation()
+            self._generation_read_at = time.monotonic()
+        except KVStoreError as exc:
+            logger.warning("Redis: could not read the namespace's generation yet: %s", exc)
 
     def loads_handoff(self, request: Request) -> bool:
         """Whether this request's Redis hits come from a producer's handoff (else: the shared
@@ -202,6 +225,10 @@ class RedisConnectorScheduler:
     # ------------------------------------------------------------------ request state
     def _state(self, request: Request) -> _RequestState:
         st = self._reqs.get(request.request_id)
+        if st is not None and st.generation != self.store.generation and st.renamable():
+            # the namespace was reset since its chains were named: name them again
+            del self._reqs[request.request_id]
+            st = None
         if st is not None:
             if request.num_preemptions != st.preemptions:
                 # preempted: it starts over with a fresh budget (a handoff it loaded or dropped
@@ -211,7 +238,8 @@ class RedisConnectorScheduler:
                 st.phase, st.lookup, st.next_poll = Phase.LOOKING_UP, None, 0.0
                 st.load_range = (0, 0)
             return st
-        chains = RequestChains(request, self.block_size)
+        generation = self.store.generation
+        chains = RequestChains(request, self.block_size, generation)
         save_handoff = uuid.uuid4().hex
         # the content chain: what share mode saves and loads, and what incoming params are
         # checked against (a consume-mode producer needs none of it)
@@ -232,6 +260,7 @@ class RedisConnectorScheduler:
             deadline=time.monotonic() + self.config.request_deadline_s(len(chains.tokens)),
             handoff=handoff,
             preemptions=request.num_preemptions,
+            generation=generation,
         )
         self._reqs[request.request_id] = st
         return st
@@ -258,6 +287,12 @@ class RedisConnectorScheduler:
                 f"store_tp_size {ours.get('store_tp_size')!r} is not "
                 f"{self.layout.store_tp_size}: set the same store_tp_size on producer and "
                 "consumer to share blocks across TP sizes"
+            )
+        elif ours.get("generation", 0) != chains.generation:
+            problem = (
+                f"generation: the producer saved in generation {ours.get('generation', 0)!r}, "
+                f"this instance names blocks in {chains.generation} (the namespace was reset "
+                "in between; nothing saved before a reset is loaded)"
             )
         elif ours.get("tp_scope", self.layout.tp_scope) != self.layout.tp_scope:
             problem = (
@@ -298,12 +333,25 @@ class RedisConnectorScheduler:
     def on_new_request(self, request: Request) -> None:
         """vLLM added a request: start its lookup now, so the answer is usually back before
         the request's first scheduling step asks for it."""
+        self._refresh_generation()
         st = self._state(request)
         end = self._max_blocks(st, request)
         if self.config.loads and end > 0 and self._lookupable(st) and self.store.available:
             self._start_lookup(st, 0, end)
 
+    def _refresh_generation(self) -> None:
+        """Read the namespace's generation in the background, at most every second (lookups
+        read it too, so this matters for an instance that only saves)."""
+        now = time.monotonic()
+        if now - self._generation_read_at < _GENERATION_REFRESH_S or not self.store.available:
+            return
+        self._generation_read_at = now
+        fut = self._background_io.submit(self.store.read_generation)
+        fut.add_done_callback(self._log_background_failure)
+
     def _lookupable(self, st: _RequestState) -> bool:
+        if st.generation != self.store.generation:
+            return False  # named before a reset, and no longer renamable: never load it
         if st.handoff is not None:
             return st.handoff.state == "waiting"
         return not self.config.consume  # consume mode loads only what was handed off to it
@@ -360,6 +408,8 @@ class RedisConnectorScheduler:
             self.stats.add(redis_errors=1)
             logger.exception("Redis lookup raised %r; recomputing", exc)
             return LookupResult(present=-1)
+        if result.generation != st.generation:
+            return None  # a reset: the request is named again and asks again (``_state``)
         if result.present < start and st.lookup_start < start:
             # it stopped before vLLM's local hit: the blocks after it are still unknown
             self._start_lookup(st, start, end)
@@ -727,6 +777,9 @@ class RedisConnectorScheduler:
                 # the TP size they are kept apart for, if any
                 "store_tp_size": self.layout.store_tp_size,
                 "tp_scope": self.layout.tp_scope,
+                # the namespace's generation its chain is named in (a reset between the two
+                # makes the consumer compute the prompt)
+                "generation": st.generation,
                 # whether the "pending" record was in Redis before this answer: if not, the
                 # consumer waits for a record that is not there yet instead of taking it for
                 # evicted (a one-step prefill answers before its background write lands)
@@ -753,6 +806,55 @@ class RedisConnectorScheduler:
                 exc,
             )
 
+    # ------------------------------------------------------------------ resets
+    def reset_cache(self) -> bool:
+        """Invalidate every block of the namespace (vLLM's ``reset_prefix_cache(
+        reset_connector=True)``, e.g. after a weight update): one atomic increment of its
+        generation. No instance looks up an older block again once it has seen the new
+        generation (with its next lookup); older blocks are unlinked in the background.
+        False when Redis refused or failed (vLLM then reports the reset failed)."""
+        try:
+            generation = self.store.reset()
+        except KVStoreError as exc:
+            self.stats.add(redis_errors=1)
+            logger.error(
+                "Redis: resetting namespace %r failed, so its blocks stay valid: %s (the ACL "
+                "needs: %s)",
+                self.config.namespace,
+                exc,
+                acl_rule(["reset", "sweep"]),
+            )
+            return False
+        self.stats.add(resets=1)
+        logger.info(
+            "Redis: namespace %r reset: blocks are now named in generation %d; unlinking "
+            "older ones in the background",
+            self.config.namespace,
+            generation,
+        )
+        self._start_sweep(generation)
+        return True
+
+    def _start_sweep(self, generation: int) -> None:
+        def sweep() -> None:
+            try:
+                n = self.store.sweep(generation, stop=self._closing.is_set)
+                logger.info("Redis: unlinked %d blocks from before generation %d", n, generation)
+            except Exception as exc:  # reported, never raised into a thread nobody joins
+                self.stats.add(redis_errors=1)
+                logger.warning(
+                    "Redis: unlinking blocks from before generation %d stopped (%s); they are "
+                    "never loaded, and expire with their TTL",
+                    generation,
+                    exc,
+                )
+
+        # its own thread: a long sweep never holds up the background calls lookups wait on;
+        # it stops at shutdown (``_closing``)
+        thread = threading.Thread(target=sweep, name="redis-kv-sweep", daemon=True)
+        self._sweeps.append(thread)
+        thread.start()
+
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()
         is_open = not self.store.available
@@ -766,7 +868,17 @@ class RedisConnectorScheduler:
         return data
 
     def shutdown(self) -> None:
+        self._closing.set()
         self._lookups.shutdown()
         self._background_io.shutdown(wait=False, cancel_futures=True)
         self._drops.shutdown()
+        # Close the connections only once no thread still uses them: closing under a running
+        # call breaks it midway (fakeredis even raises in the closing thread). Each call ends
+        # within the socket timeout, so this wait is bounded.
+        limit = self.config.socket_timeout_s + 1.0
+        self._lookups.join(limit)
+        self._drops.join(limit)
+        self._background_io.shutdown(wait=True)
+        for t in self._sweeps:
+            t.join(limit)
         self.store.close()

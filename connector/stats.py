@@ -93,6 +93,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "prompt) and were ignored",
     ),
     "redis_errors": ("vllm:redis_kv_redis_errors", "Redis operations that raised an error"),
+    "resets": (
+        "vllm:redis_kv_resets",
+        "Namespace resets this instance made (reset_prefix_cache with the connector): every "
+        "block saved before is never loaded again",
+    ),
     "breaker_opens": (
         "vllm:redis_kv_breaker_opens",
         "Times the circuit breaker stopped traffic to an unavailable Redis",

@@ -17,6 +17,7 @@ from .errors import (
     StorePermissionError,
     StoreTopologyError,
 )
+from .generations import Generations
 from .guard import Guard
 from .handoff import HandoffRecords
 from .keys import KeySpace
@@ -40,6 +41,10 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
     "block_info": ("STRLEN", "PTTL"),
     "renew": ("PEXPIRE", "PERSIST"),
+    # the namespace's generation: read with lookups, put back if it vanished (SET NX)
+    "generation": ("GET", "SET"),
+    "reset": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),  # kvstore reset, vLLM's reset_cache
+    "sweep": ("SCAN", "UNLINK"),  # unlinking an older generation's blocks
 }
 
 
@@ -82,6 +87,7 @@ def check_access(
     keys: KeySpace,
     claims: Claimer,
     handoffs: HandoffRecords,
+    generations: Generations,
 ) -> None:
     """Run each operation's commands once against a short-lived probe key; raises
     :class:`StorePermissionError` naming the first command refused."""
@@ -89,7 +95,7 @@ def check_access(
     unknown = set(ops) - set(ACCESS)
     if unknown:
         raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
-    if ("drop_select" in ops or "handoff_claim" in ops) and "insert" not in ops:
+    if ("drop_select" in ops or "handoff_claim" in ops or "reset" in ops) and "insert" not in ops:
         # the claim scripts only run their commands (SET, RENAME, ...) on a present key
         ops.append("insert")
     probe = keys.probe(uuid.uuid4().hex)
@@ -102,6 +108,7 @@ def check_access(
         "handoff_read": lambda: ctl.get(probe),
         "handoff_claim": lambda: handoffs.check_script(probe, _PROBE_TTL_MS),
         "drop_select": lambda: claims.check_scripts(probe),
+        "reset": lambda: generations.check_script(probe),
         "delete": lambda: ctl.unlink(probe),
     }
     # operations of several commands outside a script: each command probed on its own, so
@@ -116,16 +123,24 @@ def check_access(
             ("PERSIST", lambda: ctl.persist(probe)),
             ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),  # never left forever
         ],
+        "generation": [
+            ("GET", lambda: ctl.get(probe)),
+            ("SET", lambda: ctl.set(probe, b"0", nx=True, px=_PROBE_TTL_MS)),
+        ],
+        "sweep": [
+            ("SCAN", lambda: ctl.scan(0, match=probe, count=1)),
+            ("UNLINK", lambda: ctl.unlink(probe)),
+        ],
     }
     order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
-    order += ["block_info", "renew", "drop_select", "delete"]
+    order += ["block_info", "renew", "generation", "reset", "drop_select", "sweep", "delete"]
     assert set(order) == set(ACCESS), "every operation has a probe"
     for op in (o for o in order if o in ops):
         if op in commands:
             for command, step in commands[op]:
                 guard.call(command, step)
             continue
-        scripted = op in ("drop_select", "handoff_claim")
+        scripted = op in ("drop_select", "handoff_claim", "reset")
         command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
         try:
             guard.call(command, steps[op])

@@ -4,10 +4,15 @@
     kvstore --url ... inspect KEY [--json]
     kvstore --url ... stats [--json]
     kvstore --url ... flush --namespace NS [--yes]
+    kvstore --url ... reset --namespace NS [--no-sweep]
+    kvstore --url ... present --layout LAYOUT.json (--tokens 1,2,3 | --tokens-file F) [--json]
 
 Keys are walked with SCAN (never KEYS), so it is safe on a busy server. ``ls`` groups keys by
 namespace and layout fingerprint; ``inspect`` decodes a value's header and verifies its checksum;
-``flush`` deletes one namespace (never FLUSHALL) after confirmation.
+``flush`` deletes one namespace (never FLUSHALL) after confirmation; ``reset`` invalidates a
+namespace at once (a new generation; vLLM's ``reset_prefix_cache`` does the same) and unlinks
+the older blocks; ``present`` says which leading blocks of a prompt are stored, as a router
+would ask (``kvstore.presence``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from .connection import make_client, parse_url, translated_errors
-from .errors import CorruptValueError, KVStoreError
+from .errors import CorruptValueError, InvalidArgumentError, KVStoreError
 from .keys import DEFAULT_KEY_PREFIX, parse_key
 
 if TYPE_CHECKING:
@@ -292,6 +297,24 @@ def main(argv: list[str] | None = None) -> int:
     p_fl = sub.add_parser("flush", parents=[common], help="delete every key of one namespace")
     p_fl.add_argument("--namespace", required=True)
     p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p_rs = sub.add_parser(
+        "reset", parents=[common], help="invalidate a namespace's blocks at once (new generation)"
+    )
+    p_rs.add_argument("--namespace", required=True)
+    p_rs.add_argument(
+        "--no-sweep", action="store_true", help="leave older blocks to their TTL, unlink nothing"
+    )
+    p_pr = sub.add_parser(
+        "present", parents=[common], help="which leading blocks of a prompt are stored"
+    )
+    p_pr.add_argument(
+        "--layout",
+        required=True,
+        help="the JSON file the connector writes ($REDIS_KV_CONNECTOR_LAYOUT_FILE)",
+    )
+    tokens = p_pr.add_mutually_exclusive_group(required=True)
+    tokens.add_argument("--tokens", help="the prompt's token ids, comma-separated")
+    tokens.add_argument("--tokens-file", help="a JSON list of token ids ('-': standard input)")
     args = ap.parse_args(argv)
     from rich.console import Console  # after parsing: --help stays fast
     from rich.markup import escape  # messages and keys may hold "[...]": never markup
@@ -380,7 +403,69 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
         else:
             console.print(f"deleted {deleted} keys of namespace {args.namespace!r}")
         return 0
+    if args.cmd == "reset":
+        result = reset_namespace(args.url, args.prefix, args.namespace, sweep=not args.no_sweep)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            console.print(
+                f"namespace {args.namespace!r} is now in generation {result['generation']}; "
+                f"unlinked {result['unlinked']} older keys"
+            )
+        return 0
+    if args.cmd == "present":
+        found = present(args.url, args.prefix, args.layout, _token_ids(args))
+        if args.json:
+            print(json.dumps(found))
+        else:
+            blocks = found["blocks"]
+            console.print(
+                f"{sum(blocks)} of {len(blocks)} full blocks stored; a connector would load "
+                f"{found['loadable_blocks']} leading blocks ({found['loadable_tokens']} tokens), "
+                f"generation {found['generation']}"
+            )
+        return 0
     raise AssertionError(args.cmd)
+
+
+def _token_ids(args: argparse.Namespace) -> list[int]:
+    if args.tokens is not None:
+        text = "[" + args.tokens + "]"
+    elif args.tokens_file == "-":
+        text = sys.stdin.read()
+    else:
+        with open(args.tokens_file) as f:
+            text = f.read()
+    try:
+        ids = json.loads(text)
+    except ValueError:
+        ids = None
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise InvalidArgumentError("token ids must be a list of integers, e.g. --tokens 1,2,3")
+    return ids
+
+
+def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -> dict[str, Any]:
+    """A new generation for ``namespace`` (every instance stops loading older blocks with its
+    next lookup), then, unless told not to, the older blocks unlinked."""
+    from .lookup_buffer import LookupBuffer
+
+    with LookupBuffer.from_url(url, namespace=namespace, key_prefix=prefix, check=False) as buf:
+        generation = buf.reset()
+        unlinked = buf.sweep(generation) if sweep else 0
+    return {"namespace": namespace, "generation": generation, "unlinked": unlinked}
+
+
+def present(url: str, prefix: str, layout_file: str, token_ids: list[int]) -> dict[str, Any]:
+    """``kvstore.presence.prompt_presence`` of ``token_ids`` under the layout in the file."""
+    from .lookup_buffer import LookupBuffer
+    from .presence import StoredLayout, prompt_presence
+
+    layout = StoredLayout.from_file(layout_file)
+    with LookupBuffer.from_url(
+        url, namespace=layout.namespace, key_prefix=prefix, check=False
+    ) as buf:
+        return prompt_presence(buf, layout, token_ids).as_dict()
 
 
 if __name__ == "__main__":

@@ -152,25 +152,36 @@ class HandoffRecords:
     ) -> list[HandoffState]:
         """Every rank's record of each handoff and its chain's present leading blocks, in one
         round trip."""
-        fps = self._keys.fingerprints(fingerprints)
         if not handoffs:
             return []
+        fps = self._keys.fingerprints(fingerprints)
+        replies = self._guard.call(
+            "GET", lambda: self._transport.pipeline(lambda p: self.fill_read(p, handoffs, fps))
+        )
+        return self.parse_read(replies, handoffs, len(fps))[0]
 
-        def fill(pipe: Any) -> None:
-            for handoff_id, hashes in handoffs:
+    def fill_read(
+        self, pipe: Any, handoffs: Sequence[tuple[str, Sequence[str]]], fps: Sequence[str]
+    ) -> None:
+        """``read``'s commands, into a pipeline another caller sends (``survey``)."""
+        for handoff_id, hashes in handoffs:
+            for fp in fps:
+                pipe.get(self._keys.handoff(handoff_id, fp))
+            for h in hashes:
                 for fp in fps:
-                    pipe.get(self._keys.handoff(handoff_id, fp))
-                for h in hashes:
-                    for fp in fps:
-                        pipe.exists(self._keys.block(h, fp))
+                    pipe.exists(self._keys.block(h, fp))
 
-        replies = self._guard.call("GET", lambda: self._transport.pipeline(fill))
+    @staticmethod
+    def parse_read(
+        replies: Sequence[Any], handoffs: Sequence[tuple[str, Sequence[str]]], per_block: int
+    ) -> tuple[list[HandoffState], int]:
+        """The states ``fill_read``'s replies say, and how many replies they took."""
         out, at = [], 0
         for _, hashes in handoffs:
-            records = Records(replies[at : at + len(fps)])
-            at += len(fps)
-            span = len(hashes) * len(fps)
-            blocks = presence(replies[at : at + span], len(fps))
+            records = Records(replies[at : at + per_block])
+            at += per_block
+            span = len(hashes) * per_block
+            blocks = presence(replies[at : at + span], per_block)
             at += span
             present = next((i for i, b in enumerate(blocks) if not b), len(blocks))
             out.append(
@@ -178,7 +189,7 @@ class HandoffRecords:
                     records.committed, records.taken, present, records.pending, tuple(blocks)
                 )
             )
-        return out
+        return out, at
 
     def claim(
         self, handoff_id: str, fingerprints: Sequence[str] | None = None, *, owner: str = ""

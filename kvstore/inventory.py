@@ -55,14 +55,12 @@ class Inventory:
         """Per chain, per block, whether it is present under every fingerprint (one round
         trip)."""
         fps = self._keys.fingerprints(fingerprints)
-        keys = [self._keys.block(h, fp) for chain in chains for h in chain for fp in fps]
-        exists = self.exists(keys) if keys else []
-        out, at = [], 0
-        for chain in chains:
-            span = len(chain) * len(fps)
-            out.append(presence(exists[at : at + span], len(fps)))
-            at += span
-        return out
+        keys = self.presence_keys(chains, fps)
+        return split_presences(self.exists(keys) if keys else [], chains, len(fps))
+
+    def presence_keys(self, chains: Sequence[Sequence[str]], fps: Sequence[str]) -> list[str]:
+        """The keys whose ``EXISTS`` replies ``split_presences`` reads, in its order."""
+        return [self._keys.block(h, fp) for chain in chains for h in chain for fp in fps]
 
     def block_info(
         self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None
@@ -107,3 +105,16 @@ class Inventory:
     def delete(self, keys: Sequence[str]) -> int:
         """``UNLINK`` the keys; how many existed."""
         return self._guard.call("UNLINK", lambda: self._transport.unlink(keys))
+
+
+def split_presences(
+    exists: Sequence[Any], chains: Sequence[Sequence[str]], per_block: int
+) -> list[list[bool]]:
+    """Per chain, per block, whether its ``per_block`` EXISTS replies (one per fingerprint) of
+    ``Inventory.presence_keys`` are all 1."""
+    out, at = [], 0
+    for chain in chains:
+        span = len(chain) * per_block
+        out.append(presence(exists[at : at + span], per_block))
+        at += span
+    return out

@@ -6,6 +6,11 @@
     <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
     <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
     <prefix>:<namespace>:<fingerprint>:doc:<document id>         a warmed document's record
+    <prefix>:<namespace>:generation                              the namespace's generation
+
+A block's hash names its generation (``generations``): ``<hash>`` in generation 0, the names
+blocks always had, ``<hash>@<n>`` after the n-th reset (``<hash>@<n>.g<group>`` for a hybrid
+model's groups). Only block hashes may hold "@".
 
 Braces are Redis Cluster hash tags. A handoff id sits in them, so every tensor-parallel rank's
 commit record of one handoff lives in one slot. A claim ends with its block's whole key in them,
@@ -23,10 +28,13 @@ from .errors import InvalidArgumentError
 
 DEFAULT_KEY_PREFIX = "kv"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+BLOCK_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(@[0-9]+[A-Za-z0-9_.\-]*)?$")
+GENERATION_MARK = "@"
 CLAIM_MARKER = ":claim:"
 _HANDOFF = "handoff"
 _PROBE = "probe"
 _DOCUMENT = "doc"
+_GENERATION = "generation"
 
 
 def claim_key(block_key: str, claim_id: str) -> str:
@@ -40,6 +48,30 @@ def check_name(what: str, name: object) -> str:
             f"{what} must be a non-empty str of letters, digits, '_', '.', '-': got {name!r}"
         )
     return name
+
+
+def check_block_name(block_hash: object) -> str:
+    """A block hash: a name, with at most one generation mark ("@<n>") after its hash."""
+    if not isinstance(block_hash, str) or not BLOCK_NAME_RE.match(block_hash):
+        raise InvalidArgumentError(
+            "a block hash must be a non-empty str of letters, digits, '_', '.', '-' (and "
+            f"'@<generation>' after the hash): got {block_hash!r}"
+        )
+    return block_hash
+
+
+def at_generation(block_hash: str, generation: int) -> str:
+    """The name of ``block_hash``'s block saved in ``generation`` (unchanged in generation 0)."""
+    return f"{block_hash}{GENERATION_MARK}{generation}" if generation else block_hash
+
+
+def generation_of(block_name: str) -> int:
+    """The generation a block's name (``<hash>[@<n>][.g<group>]``) was saved in."""
+    _, mark, rest = block_name.partition(GENERATION_MARK)
+    if not mark:
+        return 0
+    digits = re.match(r"[0-9]+", rest)
+    return int(digits.group()) if digits else 0
 
 
 @dataclass(frozen=True)
@@ -59,7 +91,7 @@ class KeySpace:
         return f"{self.prefix}:{self.namespace}:{fingerprint or self.fingerprint}"
 
     def block(self, block_hash: str, fingerprint: str | None = None) -> str:
-        return f"{self._base(fingerprint)}:{check_name('a block hash', block_hash)}"
+        return f"{self._base(fingerprint)}:{check_block_name(block_hash)}"
 
     def fingerprints(self, given: Sequence[str] | None) -> list[str]:
         """``given`` (e.g. one per slice of a model's KV heads), or this space's own fingerprint."""
@@ -84,6 +116,15 @@ class KeySpace:
     def document(self, document_id: str, fingerprint: str | None = None) -> str:
         return f"{self._base(fingerprint)}:{_DOCUMENT}:{check_name('document id', document_id)}"
 
+    def generation(self) -> str:
+        """The namespace's generation counter (one for every fingerprint: a reset is the
+        namespace's)."""
+        return f"{self.prefix}:{self.namespace}:{_GENERATION}"
+
+    def namespace_pattern(self) -> str:
+        """The SCAN pattern of every key of this namespace, every fingerprint's."""
+        return f"{self.prefix}:{self.namespace}:*"
+
     def pattern(self, fingerprint: str | None = None) -> str:
         """The SCAN / redis-cli pattern of every key of this space."""
         return f"{self._base(fingerprint)}:*"
@@ -91,10 +132,15 @@ class KeySpace:
 
 @dataclass(frozen=True)
 class ParsedKey:
-    kind: str  # "block", "claim", "handoff", "probe", "document"
+    kind: str  # "block", "claim", "handoff", "probe", "document", "generation"
     namespace: str
-    fingerprint: str
+    fingerprint: str  # "" for the namespace's generation counter
     name: str  # the block hash, or the handoff / probe / document id
+
+    @property
+    def generation(self) -> int:
+        """The generation a block (or a claimed block) was saved in; 0 for other keys."""
+        return generation_of(self.name) if self.kind in ("block", "claim") else 0
 
 
 def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
@@ -106,6 +152,8 @@ def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
             return None
         return ParsedKey("claim", block.namespace, block.fingerprint, block.name)
     parts = key.split(":")
+    if len(parts) == 3 and parts[0] == prefix and parts[2] == _GENERATION:
+        return ParsedKey("generation", parts[1], "", "")
     if len(parts) < 4 or parts[0] != prefix:
         return None
     ns, fp, rest = parts[1], parts[2], parts[3:]

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -51,11 +51,13 @@ from .codec import CODECS, FORMAT_VERSION, lz4_block
 from .connection import StoreAddress, make_client, parse_url
 from .counters import Counters, StoreStats
 from .errors import InvalidArgumentError
+from .generations import Generations
 from .guard import Guard
 from .handoff import Claim, HandoffRecords, HandoffState
 from .inventory import BlockInfo, Inventory
 from .keys import DEFAULT_KEY_PREFIX, KeySpace
 from .reads import READ_CONNECTIONS, Reader
+from .survey import Survey, survey
 from .transport import READ_DEPTH, Transport
 from .ttl import ChainTtl
 from .writes import Writer
@@ -152,6 +154,8 @@ class LookupBuffer:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._owner: LookupBuffer | None = None  # set on a view made by for_fingerprint
+        # the namespace's: every fingerprint's view shares it
+        self._generations = Generations(self._transport, self.guard, self.keys)
         self._bind_keys()
 
     def _bind_keys(self) -> None:
@@ -354,9 +358,8 @@ class LookupBuffer:
         ``operations``: keys of :data:`ACCESS`. Raises :class:`StorePermissionError` (or the
         usual typed errors when the server cannot be reached).
         """
-        check_access(
-            operations, self._transport, self.guard, self.keys, self._claims, self._handoffs
-        )
+        parts = (self._claims, self._handoffs, self._generations)
+        check_access(operations, self._transport, self.guard, self.keys, *parts)
 
     # ------------------------------------------------------------------ keys
     def key_pattern(self, fingerprint: str | None = None) -> str:
@@ -557,6 +560,39 @@ class LookupBuffer:
         than its parent's as ``insert`` sets them (``PERSIST`` when the buffer has no TTL).
         Moves no data; returns how many keys' TTL changed (a missing key's never does)."""
         return self._inventory.renew(hashes, fingerprints)
+
+    def survey(
+        self,
+        chains: Sequence[Sequence[str]],
+        handoffs: Sequence[tuple[str, Sequence[str]]] = (),
+        fingerprints: Sequence[str] | None = None,
+    ) -> Survey:
+        """``presences`` of ``chains``, ``read_handoffs`` of ``handoffs`` and the namespace's
+        generation, all in one round trip."""
+        parts = (self._inventory, self._handoffs, self._generations)
+        return survey(self._transport, self.guard, self.keys, parts, chains, handoffs, fingerprints)
+
+    # ------------------------------------------------------------------ generations
+    @property
+    def generation(self) -> int:
+        """The namespace's generation as this buffer last read it (``read_generation``,
+        ``survey``) or made it (``reset``): name blocks with ``keys.at_generation``."""
+        return self._generations.known
+
+    def read_generation(self) -> int:
+        """Read the namespace's generation (one round trip)."""
+        return self._generations.read()
+
+    def reset(self) -> int:
+        """Invalidate every block of the namespace at once, every fingerprint's (O(1): one
+        atomic increment of its generation); returns the new generation. Readers that name
+        blocks by generation never look up an older block again; ``sweep`` reclaims them."""
+        return self._generations.bump()
+
+    def sweep(self, below: int | None = None, stop: Callable[[], bool] = lambda: False) -> int:
+        """UNLINK the namespace's blocks of generations before ``below`` (default: the known
+        generation) in bounded SCAN batches, never blocking the server; returns how many."""
+        return self._generations.sweep(self.generation if below is None else below, stop)
 
     def delete(self, hashes: Sequence[str], fingerprints: Sequence[str] | None = None) -> int:
         """Delete blocks (under each of ``fingerprints``, default this buffer's); returns how many

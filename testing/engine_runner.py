@@ -7,9 +7,10 @@ instances:
         [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json] \
         [--connector ExampleConnector --extra '{"shared_storage_path": "/tmp/kv"}']
 
-prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"}. out.json: per prompt
-id the greedy token ids, their logprobs, num_cached_tokens, kv_transfer_params and the phase's
-wall time (``elapsed_s``), plus the engine's connector metrics.
+prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"} or "reset" (vLLM's
+``reset_prefix_cache(reset_connector=True)``; out.json's "resets" lists what it returned).
+out.json: per prompt id the greedy token ids, their logprobs, num_cached_tokens,
+kv_transfer_params and the phase's wall time (``elapsed_s``), plus the engine's connector metrics.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def main() -> None:
         help="PHASE:PATH (repeatable): before that phase (0-based), create PATH.ready and wait "
         "for PATH to exist, so a test can inject a fault between phases",
     )
+    ap.add_argument(
+        "--layout-file", help="where the connector's scheduler writes its layout (JSON)"
+    )
     args = ap.parse_args()
+    if args.layout_file:  # read by the connector in the engine process, which inherits it
+        os.environ["REDIS_KV_CONNECTOR_LAYOUT_FILE"] = args.layout_file
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -96,6 +102,9 @@ def main() -> None:
                 if time.monotonic() - waited > 300:
                     raise SystemExit(f"gate {gates[n]} never opened")
                 time.sleep(0.05)
+        if phase == "reset":  # vLLM's reset_prefix_cache, the connector's store too
+            out.setdefault("resets", []).append(llm.reset_prefix_cache(reset_connector=True))
+            continue
         sps = []
         for p in phase:
             extra = {"kv_transfer_params": params[p["id"]]} if p["id"] in params else None

@@ -301,7 +301,7 @@ def test_a_failing_lookup_recomputes_instead_of_hanging(
     def failing(*a: object, **k: object) -> None:
         raise error
 
-    connector_of(sched).store.read_handoffs = failing
+    connector_of(sched).store.survey = failing
     sched.add_request(make_request("r", tokens, params))
     out = schedule_until_admitted(sched, "r", steps=5)
     assert out.num_scheduled_tokens == {"r": 4 * BS + 1}
@@ -536,6 +536,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
             "block_size": BS,
             "store_tp_size": 1,
             "tp_scope": None,
+            "generation": 0,
             "opened": True,
         }
     }

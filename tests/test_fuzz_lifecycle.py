@@ -240,7 +240,7 @@ class RealStore:
 class Slowness:
     """Delays every store call of the example's engines while on (a slow Redis)."""
 
-    METHODS = ("select_into", "insert_parts", "presences", "read_handoffs", "claim_handoff")
+    METHODS = ("select_into", "insert_parts", "survey", "read_handoffs", "claim_handoff")
 
     def __init__(self) -> None:
         self.delay_s = 0.0

@@ -54,7 +54,7 @@ def test_lookups_queued_while_one_is_out_share_one_round_trip() -> None:
     chains = [chain_hashes(list(range(i, i + 64)), 16) for i in range(40)]
     present = [i % 5 for i in range(40)]
     store = store_with(chains, present)
-    held = Held(store, "presences")
+    held = Held(store, "survey")
     batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer(), layout=DENSE)
     first = batcher.submit(chains[0], 0).future
     assert held.entered.wait(10)
@@ -85,7 +85,7 @@ def one_held_out(n: int, present: int) -> tuple[LookupBuffer, LookupBatcher, Hel
     """A one-thread batcher whose first lookup is held in Redis; the other chains not sent."""
     chains = [chain_hashes(list(range(i, i + 32)), 16) for i in range(n)]
     store = store_with(chains, [present] * n)
-    held = Held(store, "presences")
+    held = Held(store, "survey")
     batcher = LookupBatcher(store, ["f0"], threads=1, stats=StatsBuffer(), layout=DENSE)
     first = batcher.submit(chains[0], 0).future
     assert held.entered.wait(10)
@@ -136,7 +136,7 @@ def test_only_time_redis_has_a_lookup_counts_it_as_hung(
         deadline_s=30,
     )
     conn = sched.connector.scheduler  # type: ignore[union-attr]
-    held = Held(conn.store, "presences")
+    held = Held(conn.store, "survey")
     reqs = [make_request(f"r{i}", list(range(i, i + 49))) for i in range(3)]
     for r in reqs:  # the first round trip hangs in Redis; what is not in it waits in the queue
         sched.add_request(r)

@@ -222,7 +222,7 @@ def test_a_lookup_answer_survives_a_change_of_local_hits(
             "block_size": BS,
         }
     }
-    held = Gate(conn.store, "read_handoffs")
+    held = Gate(conn.store, "survey")
     req = make_request("r", tokens, params)
 
     def ask(local_blocks: int) -> tuple[int | None, bool]:
@@ -261,13 +261,13 @@ def test_one_step_waits_for_lookups_once_however_many_requests_arrive(
     monkeypatch.setattr(connector.scheduler, "wait", counting_wait)
     sched = make_scheduler(tiny_model, "kv_both", url=URL, lookup_wait_s=0.005)
     store = sched.connector.scheduler.store  # type: ignore[union-attr]
-    real_lookup = store.presences
+    real_lookup = store.survey
 
     def slow(*a: Any, **k: Any) -> Any:
         time.sleep(0.02)
         return real_lookup(*a, **k)
 
-    store.presences = slow
+    store.survey = slow
     for i in range(64):
         sched.add_request(make_request(f"r{i}", prompt(3 * BS + 1, seed=i)))
     sched.schedule()
@@ -352,7 +352,7 @@ def test_an_aborted_consumer_leaves_nothing_behind(engines: Any, when: str) -> N
     # (a lookup held at the gate must not be taken for a hung Redis on a slow machine)
     consumer = engines("kv_consumer", num_blocks=16, control_timeout_s=30)
     if when == "looking up":
-        held = gate(consumer.connector.scheduler.store, "read_handoffs")
+        held = gate(consumer.connector.scheduler.store, "survey")
     elif when == "answered":
         consumer.add("hog", prompt(10 * BS, seed=4), max_tokens=12)
         consumer.step()

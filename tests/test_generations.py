@@ -1,0 +1,116 @@
+"""Namespace resets (``kvstore.generations``): one increment invalidates every block, readers see
+it with their next lookup, the counter never goes back, and the sweep unlinks only older
+blocks. On fakeredis (fast) and on a real redis-server (the scripts and the ACL)."""
+
+from __future__ import annotations
+
+import fakeredis
+import pytest
+import redis
+import torch
+
+from kvstore import LookupBuffer, StorePermissionError
+from kvstore.access import acl_rule
+from kvstore.keys import at_generation, generation_of, parse_key
+from testing.redis_server import RedisServer
+
+
+def value() -> dict[str, torch.Tensor]:
+    return {"k": torch.arange(8, dtype=torch.float32)}
+
+
+def test_block_names_carry_their_generation_and_generation_0_keeps_the_old_names() -> None:
+    assert at_generation("abc", 0) == "abc"
+    assert at_generation("abc", 3) == "abc@3"
+    assert generation_of("abc") == 0 and generation_of("abc@3") == 3
+    assert generation_of("abc@12.g1") == 12
+    parsed = parse_key("kv:ns:fp:abc@2.g1")
+    assert parsed is not None and (parsed.kind, parsed.generation) == ("block", 2)
+    claim = parse_key("kv:ns:fp:abc@2:claim:xyz:{kv:ns:fp:abc@2}")
+    assert claim is not None and (claim.kind, claim.generation) == ("claim", 2)
+    counter = parse_key("kv:ns:generation")
+    assert counter is not None and counter.kind == "generation"
+
+
+def test_a_reset_renames_every_block_and_a_second_reader_sees_it_with_its_next_survey() -> None:
+    server = fakeredis.FakeServer()
+    a = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    b = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    a.insert("h1", value())
+    assert b.survey([["h1"]]).presences == [[True]]
+    assert a.reset() == 1 and a.generation == 1
+    assert b.generation == 0  # nothing read yet ...
+    seen = b.survey([[at_generation("h1", b.generation)]])
+    assert seen.generation == 1 and b.generation == 1  # ... the next lookup brings it
+    # named in the new generation, the old block is not found
+    assert b.survey([[at_generation("h1", b.generation)]]).presences == [[False]]
+
+
+def test_the_counter_never_goes_back_when_it_vanishes() -> None:
+    r = fakeredis.FakeRedis()
+    buf = LookupBuffer(r, namespace="ns", fingerprint="fp")
+    buf.reset()
+    buf.reset()
+    r.delete("kv:ns:generation")  # evicted or flushed
+    assert buf.read_generation() == 2
+    assert r.get("kv:ns:generation") == b"2"  # put back for everyone else
+    r.delete("kv:ns:generation")
+    assert buf.reset() == 3  # bumped from what this client knew, not from 0
+
+
+def test_the_sweep_unlinks_older_blocks_of_every_fingerprint_and_nothing_else() -> None:
+    r = fakeredis.FakeRedis()
+    buf = LookupBuffer(r, namespace="ns", fingerprint="fp")
+    other = buf.for_fingerprint("fp2")
+    buf.insert_many([("h1", value()), ("h2", value())])
+    other.insert("h1", value())
+    buf.open_handoff("hand")
+    r.set("kv:other:fp:h1", b"x")  # another namespace
+    gen = buf.reset()
+    buf.insert(at_generation("h1", gen), value())
+    assert buf.sweep() == 3
+    left = sorted(k.decode() for k in r.keys("*"))
+    assert left == [
+        "kv:ns:fp:h1@1",
+        "kv:ns:fp:handoff:{hand}",  # records expire on their own, within minutes
+        "kv:ns:generation",
+        "kv:other:fp:h1",
+    ]
+
+
+def test_a_sweep_stops_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvstore.generations as generations
+
+    monkeypatch.setattr(generations, "SWEEP_BATCH", 10)
+    r = fakeredis.FakeRedis()
+    buf = LookupBuffer(r, namespace="ns", fingerprint="fp")
+    buf.insert_many([(f"h{i}", value()) for i in range(35)])
+    buf.reset()
+    assert buf.sweep(stop=lambda: True) == 10  # one batch, then it stopped
+    assert buf.sweep() == 25
+
+
+@pytest.mark.redis
+def test_resets_run_on_a_real_server_under_the_documented_acl(
+    private_redis: RedisServer,
+) -> None:
+    admin = redis.Redis.from_url(private_redis.url)
+    rule = acl_rule(["ping", "generation", "lookup", "insert", "reset", "sweep"])
+    admin.execute_command("ACL", "SETUSER", "resetter", "reset", "on", ">pw", *rule.split())
+    url = f"redis://resetter:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
+        buf.check_access(["generation", "reset", "sweep"])
+        buf.insert("h1", value())
+        assert buf.reset() == 1
+        assert buf.sweep() == 1
+        assert buf.read_generation() == 1
+    # a user without the script commands is told which one is missing
+    admin.execute_command(
+        "ACL", "SETUSER", "plain", "reset", "on", ">pw", *acl_rule(["ping", "insert"]).split()
+    )
+    url = f"redis://plain:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
+        with pytest.raises(StorePermissionError):
+            buf.check_access(["reset"])
+        with pytest.raises(StorePermissionError):
+            buf.reset()
