@@ -17,7 +17,7 @@ import importlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
 
 from .config import RedisConnectorConfig
+from .events import KVEventsEmitter, StoredPrefixReports, events_wanted, hash_block_size
 from .layout import KVLayout
 from .logs import adopt_vllm_logging
 from .metadata import RedisConnectorMetadata
@@ -41,6 +42,7 @@ from .worker import RedisConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -244,14 +246,29 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             )
         self.connector_scheduler: RedisConnectorScheduler | None = None
         self.connector_worker: RedisConnectorWorker | None = None
+        # KV events for routers: share-mode blocks only (a handoff chain is one request's)
+        events = events_wanted(vllm_config) and self.rc.saves and not self.rc.consume
         if role == KVConnectorRole.SCHEDULER:
             note = cpu_threads_note(vllm_config.device_config.device_type, os.environ)
             if note:
                 logger.info(note)
-            self.connector_scheduler = RedisConnectorScheduler(self.rc, self.layout, store)
+            emitter = None
+            if events:
+                pc = vllm_config.parallel_config
+                emitter = KVEventsEmitter(
+                    self.layout.block_size,
+                    hash_block_size(vllm_config, kv_cache_config, self.layout.block_size),
+                    ranks=pc.tensor_parallel_size * pc.pipeline_parallel_size,
+                    namespace=self.rc.namespace,
+                )
+            self.connector_scheduler = RedisConnectorScheduler(
+                self.rc, self.layout, store, events=emitter
+            )
             write_layout_file(os.environ.get(LAYOUT_FILE_ENV), self.rc, self.layout)
         else:
-            self.connector_worker = RedisConnectorWorker(self.rc, self.layout, store, tp_rank)
+            self.connector_worker = RedisConnectorWorker(
+                self.rc, self.layout, store, tp_rank, report_stored=events
+            )
         logger.info(
             "RedisConnector %s: role=%s mode=%s store=%s keys=%s",
             role.name.lower(),
@@ -326,6 +343,12 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_kv_connector_kv_cache_events(self) -> StoredPrefixReports | None:
+        """This rank's confirmed saves since the last step, for the scheduler side's KV
+        events (``events.py``); None when there are none."""
+        reports = self.worker.take_stored_reports()
+        return StoredPrefixReports(reports) if reports else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self.connector_worker or self.connector_scheduler
         data = side.take_stats() if side is not None else {}
@@ -396,6 +419,10 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         """SupportsHMA: the same for every group (the blocks to save were planned per step)."""
         return self.scheduler.request_finished(request)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events for vLLM's publisher: blocks confirmed in Redis, resets."""
+        return self.scheduler.take_events()
 
     def reset_cache(self) -> bool | None:
         """vLLM's ``reset_prefix_cache(reset_connector=True)`` (HTTP: ``POST

@@ -86,10 +86,13 @@ from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from .stats import StatsBuffer
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from .events import KVEventsEmitter
 
 logger = logging.getLogger("connector.scheduler")
 # How often a request waiting for a producer's commit record re-checks Redis.
@@ -167,8 +170,15 @@ class _RequestState:
 
 
 class RedisConnectorScheduler:
-    def __init__(self, config: RedisConnectorConfig, layout: KVLayout, store: LookupBuffer) -> None:
+    def __init__(
+        self,
+        config: RedisConnectorConfig,
+        layout: KVLayout,
+        store: LookupBuffer,
+        events: KVEventsEmitter | None = None,
+    ) -> None:
         self.config = config
+        self.events = events  # KV events for routers, when vLLM publishes them
         self.layout = layout
         self.block_size = layout.block_size
         self.store = store
@@ -563,6 +573,8 @@ class RedisConnectorScheduler:
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        if self.events is not None:
+            self.events.reported(getattr(output, "kv_cache_events", None))
         for block_id in output.invalid_block_ids or ():
             owner = self._load_blocks.get(block_id)
             if owner is None:
@@ -752,6 +764,7 @@ class RedisConnectorScheduler:
             return False, None
         n = st.saved_blocks
         holds = st.save_start is not None and not loading
+        present = n if st.save_start is None else st.save_start
         # a commit even for 0 blocks once a save was planned (a state offered before any
         # attention block of the request was saved): the worker forgets the request only then
         self._pending_commits.append(
@@ -759,10 +772,12 @@ class RedisConnectorScheduler:
                 req_id=request.request_id,
                 handoff=st.save_handoff,
                 num_blocks=n,
-                present_blocks=n if st.save_start is None else st.save_start,
+                present_blocks=present,
                 holds_blocks=holds,
             )
         )
+        if self.events is not None and st.generation == self.store.generation:
+            self.events.watch(request, present, n)  # announced once the ranks confirm them
         if n == 0:
             return holds, None
         params = {
@@ -826,6 +841,8 @@ class RedisConnectorScheduler:
             )
             return False
         self.stats.add(resets=1)
+        if self.events is not None:
+            self.events.cleared()
         logger.info(
             "Redis: namespace %r reset: blocks are now named in generation %d; unlinking "
             "older ones in the background",
@@ -854,6 +871,10 @@ class RedisConnectorScheduler:
         thread = threading.Thread(target=sweep, name="redis-kv-sweep", daemon=True)
         self._sweeps.append(thread)
         thread.start()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events since the last call (vLLM publishes them every step)."""
+        return self.events.take() if self.events is not None else []
 
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()

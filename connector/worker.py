@@ -104,8 +104,13 @@ class RedisConnectorWorker:
         layout: KVLayout,
         store: LookupBuffer,
         tp_rank: int = 0,
+        report_stored: bool = False,
     ) -> None:
         self.config = config
+        # KV events: report each finished request's blocks confirmed in Redis (``events.py``)
+        self.report_stored = report_stored
+        self._stored_reports: list[tuple[str, int]] = []
+        self._reports_out: list[tuple[str, int]] = []  # taken with the finished saves
         self.layout = layout
         self.tp_rank = tp_rank
         self.store = store
@@ -419,13 +424,16 @@ class RedisConnectorWorker:
             for commit in commits:
                 track = self._saves.setdefault(commit.req_id, _SaveTrack())
                 track.commit = commit
-                if commit.holds_blocks:
+                if commit.holds_blocks and not self.report_stored:
                     # Every save of the request was staged before this commit arrived (metadata
                     # comes in order), so its blocks were copied out: vLLM may reuse them now,
                     # whatever Redis does. (An engine that holds finished requests' blocks
                     # keeps stepping; holding them until a hung Redis answers burned a core
                     # for seconds.) A request vLLM did not hold for us is never reported: it
-                    # may be gone already.
+                    # may be gone already. With KV events on, it is reported with its
+                    # confirmed blocks instead (``_maybe_publish``), so the step that frees it
+                    # carries its event: an engine with nothing left to run takes no further
+                    # step that could.
                     self._finished_saves.add(commit.req_id)
         for commit in commits:
             self._maybe_publish(commit.req_id)
@@ -530,25 +538,33 @@ class RedisConnectorWorker:
                 self._maybe_publish(owner)
 
     def _maybe_publish(self, req_id: str) -> None:
-        """Once a finished request has no write in flight, publish its commit record."""
+        """Once a finished request has no write in flight, publish its commit record (and
+        report its confirmed blocks for KV events: known now, whatever the record's fate)."""
         with self._lock:
             track = self._saves.get(req_id)
             if track is None or track.commit is None or track.pending or track.publishing:
                 return
             track.publishing = True
-        self._track(self._save_io.submit(self._publish, req_id, track), "a commit record")
-
-    def _publish(self, req_id: str, track: _SaveTrack) -> None:
+            n = self._confirmed_blocks(track, track.commit)
+            if self.report_stored:
+                self._stored_reports.append((req_id, n))
+                if track.commit.holds_blocks:
+                    self._finished_saves.add(req_id)
         commit = track.commit
-        assert commit is not None
+        self._track(self._save_io.submit(self._publish, req_id, commit, n), "a commit record")
+
+    def _confirmed_blocks(self, track: _SaveTrack, commit: CommitSpec) -> int:
+        """The longest prefix a consumer can load: every needed block of every group written,
+        in every slice this rank writes (each slice's record is this rank's to publish; a rank
+        writing none confirms the whole chain)."""
         written = [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
-        # the longest prefix a consumer can load: every needed block of every group written,
-        # in every slice this rank writes (each slice's record is this rank's to publish)
-        n = self.layout.usable_prefix(
+        return self.layout.usable_prefix(
             lambda g, p: all((g, k, p) in track.ok for k in written[g]),
             commit.present_blocks,
             commit.num_blocks,
         )
+
+    def _publish(self, req_id: str, commit: CommitSpec, n: int) -> None:
         stores = [sm.store for sm in self._slices[0] if sm.writes] if self._slices else []
         try:
             for store in stores:  # (none: another rank holding these heads writes them)
@@ -564,6 +580,13 @@ class RedisConnectorWorker:
         finally:
             with self._lock:
                 self._saves.pop(req_id, None)
+
+    def take_stored_reports(self) -> list[tuple[str, int]]:
+        """(request, leading blocks confirmed in Redis) of finished requests, for the scheduler
+        side's KV events: those ``take_transfer_results`` took (vLLM asks both every step)."""
+        with self._lock:
+            reports, self._reports_out = self._reports_out, []
+        return reports
 
     # ------------------------------------------------------------------ completion
     def _warn(self, cause: str, msg: str, n: int = 1, **fields: Any) -> None:
@@ -617,6 +640,9 @@ class RedisConnectorWorker:
             self._report_load(job, expired=True)
         with self._lock:
             saves, self._finished_saves = self._finished_saves, set()
+            # taken with the finished saves: a request is freed in the step carrying its report
+            self._reports_out += self._stored_reports
+            self._stored_reports = []
             loads, self._finished_loads = self._finished_loads, set()
             failed, self._failed_loads = self._failed_loads, set()
         return saves, loads, failed

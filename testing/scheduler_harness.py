@@ -13,6 +13,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
@@ -84,6 +85,7 @@ def make_configs(
     sliding_only: bool = False,
     state_layers: int = 0,
     attention: bool = True,
+    kv_events: bool = False,
     **extra: Any,
 ) -> tuple[VllmConfig, KVCacheConfig]:
     """A VllmConfig with RedisConnector and the KV-cache config of a 2-layer model
@@ -91,7 +93,8 @@ def make_configs(
     tokens and has a KV-cache group of its own, as under vLLM's hybrid allocator (with
     ``sliding_only``, both layers slide: one windowed group); with ``state_layers``, that many
     gated delta-net layers follow, one state group each, in vLLM's align cache mode (with
-    ``attention=False``, the model is those alone: a Mamba model). ``extra``
+    ``attention=False``, the model is those alone: a Mamba model); with ``kv_events``, vLLM
+    publishes KV events (to its null publisher: a test swaps in its own). ``extra``
     (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
     1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
@@ -115,6 +118,8 @@ def make_configs(
         device_config=DeviceConfig("cpu"),
     )
     vllm_config.cache_config.block_size = BS
+    if kv_events:
+        vllm_config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     geometry: dict[str, Any] = {
         "block_size": BS,
         "num_kv_heads": 2,

@@ -89,6 +89,19 @@ class StepResult:
     invalid: set[int] = field(default_factory=set)
 
 
+class _Recorder:
+    """Stands in for vLLM's KV-event publisher: keeps what it would send."""
+
+    def __init__(self, events: list[Any]) -> None:
+        self.events = events
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+
 class SimEngine:
     def __init__(
         self,
@@ -122,6 +135,9 @@ class SimEngine:
         # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
         # ``take_stats`` hands them to a test)
         self._reported: dict[str, int] = {}
+        # the KV events vLLM's publisher would send, in order (with ``kv_events=True``)
+        self.published: list[Any] = []
+        self.sched.kv_event_publisher = _Recorder(self.published)  # type: ignore[assignment]
         self._instrument()
 
     def __repr__(self) -> str:  # in a failing fuzz example's steps
@@ -338,11 +354,13 @@ class SimEngine:
             req = self.sched.requests[rid]
             sampled.append([SAMPLED_TOKEN] if computed + scheduled >= req.num_tokens else [])
         kv_out = None
-        if recving or sending or invalid:
+        events = self.worker_conn.get_kv_connector_kv_cache_events()
+        if recving or sending or invalid or events:
             kv_out = KVConnectorOutput(
                 finished_sending=sending or None,
                 finished_recving=recving or None,
                 invalid_block_ids=invalid,
+                kv_cache_events=events,
             )
         return ModelRunnerOutput(
             req_ids=[r[0] for r in rows],

@@ -297,8 +297,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.fates: list[tuple[SimEngine, str, str, int]] = []  # (engine, request, what, steps)
         self.answers: list[str] = []  # deadline violations of lookup answers
 
-    def make(self, role: str) -> SimEngine:
-        e = self.engine(self.model, role, self.store.url, **ENGINE, **CONNECTOR)  # type: ignore[arg-type]
+    def make(self, role: str, **kw: Any) -> SimEngine:
+        cfg = {**ENGINE, **CONNECTOR, **kw}
+        e = self.engine(self.model, role, self.store.url, **cfg)  # type: ignore[arg-type]
         for store in (e.connector.scheduler.store, e.worker.store):
             self.slow.wrap(store)
             self.claims.wrap(store)
@@ -548,7 +549,8 @@ class ShareMachine(LifecycleMachine):
     @initialize()
     def start(self) -> None:
         self.make("kv_both")
-        self.make("kv_both")
+        # KV events on: a finished request is freed only once its saves are confirmed
+        self.make("kv_both", kv_events=True)
 
     def __init__(self) -> None:
         super().__init__()
