@@ -9,9 +9,12 @@ instead of recomputing it.
 
     vllm-redis-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
-Several ``--prefill`` / ``--decode`` servers are balanced round-robin or by fewest requests in
-flight. A backend that is down or errs gives the client an OpenAI-style error with the right
-status (502/504, or the backend's own), never a hang; malformed requests get 400.
+Several ``--prefill`` / ``--decode`` servers are balanced round-robin, by fewest requests in
+flight, or cache-aware (``--policy cache_aware``: to the server whose GPU cache holds the longest
+prefix of the prompt, learned from the KV events it publishes -- ``--events URL=tcp://host:port``
+per server, see ``routing.py`` -- else the least loaded). A backend that is down or errs gives
+the client an OpenAI-style error with the right status (502/504, or the backend's own), never a
+hang; malformed requests get 400.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .routing import CacheAwareChooser, EventFeed, PrefixIndex
+
 logger = logging.getLogger("vllm_redis_proxy")
 
 
@@ -57,14 +62,17 @@ class Pool:
     urls: list[str]
     policy: str = "round_robin"
     in_flight: dict[str, int] = field(default_factory=dict)
+    chooser: CacheAwareChooser | None = None  # policy cache_aware
 
     def __post_init__(self) -> None:
         self.urls = [u.rstrip("/") for u in self.urls]
         self.in_flight = dict.fromkeys(self.urls, 0)
         self._rr = itertools.cycle(range(len(self.urls)))
 
-    def order(self) -> list[str]:
+    def order(self, token_ids: list[int] | None = None) -> list[str]:
         """Every server once, best first (later ones are fallbacks when one is down)."""
+        if self.chooser is not None:
+            return self.chooser.order(self.urls, token_ids)
         if self.policy == "least_loaded":
             return sorted(self.urls, key=lambda u: self.in_flight[u])
         start = next(self._rr)
@@ -81,11 +89,28 @@ class ProxyConfig:
     # the block-presence endpoint (``POST /kv/presence``): the store and the connector's layout
     redis_url: str | None = None
     layout_file: str | None = None
+    # policy cache_aware: server URL -> the ZMQ endpoint of its KV events
+    events: dict[str, str] = field(default_factory=dict)
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
     prefill = Pool("prefill", cfg.prefill, cfg.policy)
     decode = Pool("decode", cfg.decode, cfg.policy)
+    indexes: dict[str, PrefixIndex] = {}
+    feeds: list[EventFeed] = []
+    if cfg.policy == "cache_aware":
+        events = {u.rstrip("/"): e for u, e in cfg.events.items()}
+        for pool in (prefill, decode):
+            for url in pool.urls:
+                if url in events and url not in indexes:
+                    indexes[url] = PrefixIndex()
+            pool.chooser = CacheAwareChooser(indexes, pool.in_flight.__getitem__)
+        unknown = sorted(set(events) - set(indexes))
+        if unknown:
+            raise ValueError(
+                f"--events names servers that are neither --prefill nor --decode: {unknown}"
+            )
+
     timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
     state: dict[str, httpx.AsyncClient] = {}
     presence = PresenceService(cfg.redis_url, cfg.layout_file)
@@ -95,7 +120,10 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         state["client"] = httpx.AsyncClient(
             timeout=timeout, limits=httpx.Limits(max_connections=512)
         )
+        feeds.extend(EventFeed(cfg.events[u], index) for u, index in indexes.items())
         yield
+        for feed in feeds:
+            feed.close()
         await state["client"].aclose()
         presence.close()
 
@@ -103,7 +131,12 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     app.state.pools = {"prefill": prefill, "decode": decode}
 
     async def send(
-        pool: Pool, path: str, body: dict, req_id: str, stream: bool
+        pool: Pool,
+        path: str,
+        body: dict,
+        req_id: str,
+        stream: bool,
+        token_ids: list[int] | None = None,
     ) -> tuple[httpx.Response, Callable[[], Awaitable[None]]]:
         """POST to the first server of the pool that answers. A refused connection falls
         through to the next server; a pooled keep-alive connection the server had closed
@@ -114,7 +147,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         given back exactly once."""
         client = state["client"]
         last_error = "no server configured"
-        for url in pool.order():
+        for url in pool.order(token_ids):
             for attempt in (1, 2):
                 pool.in_flight[url] += 1
                 handed_off = False
@@ -189,15 +222,16 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     async def pipeline(body: dict, path: str, req_id: str, stream: bool) -> Response:
         """Prefill, then decode: everything up to the first byte of the answer."""
+        token_ids = await routing_tokens(body, path) if indexes else None
         try:
             resp, finish = await send(prefill, path, prefill_request(body), req_id + "-prefill",
-                                      stream=False)  # fmt: skip
+                                      stream=False, token_ids=token_ids)  # fmt: skip
             await finish()
             params = resp.json().get("kv_transfer_params")
             dec = dict(body)
             if params:
                 dec["kv_transfer_params"] = params
-            resp, finish = await send(decode, path, dec, req_id, stream=stream)
+            resp, finish = await send(decode, path, dec, req_id, stream=stream, token_ids=token_ids)
         except BackendError as err:
             return err.response
         headers = {"x-request-id": req_id}
@@ -277,7 +311,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         token_ids = body.get("token_ids") if isinstance(body, dict) else None
         prompt = body.get("prompt") if isinstance(body, dict) else None
         if token_ids is None and isinstance(prompt, str):
-            token_ids = await tokenize(prompt)
+            token_ids = await tokenize({"prompt": prompt})
             if isinstance(token_ids, Response):
                 return token_ids
         if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
@@ -287,11 +321,43 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             )  # fmt: skip
         return await presence.answer(token_ids)
 
-    async def tokenize(prompt: str) -> list[int] | Response:
+    async def routing_tokens(body: dict, path: str) -> list[int] | None:
+        """The prompt's token ids, to match against the servers' caches; None (route by load)
+        when they cannot be had."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, str):
+            tokens = await tokenize({"prompt": prompt})
+        elif path.endswith("/chat/completions") and isinstance(body.get("messages"), list):
+            tokens = await tokenize({"messages": body["messages"]})
+        else:
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+    @app.get("/kv/routing")
+    async def kv_routing() -> JSONResponse:
+        """What cache-aware routing knows: blocks indexed and event gaps per server."""
+        feed_of = {f.endpoint: f for f in feeds}
+        servers = {
+            url: {
+                "events": cfg.events.get(url),
+                "blocks": len(index),
+                "batches": feed_of[cfg.events[url]].batches
+                if cfg.events.get(url) in feed_of
+                else 0,
+                "gaps": feed_of[cfg.events[url]].gaps if cfg.events.get(url) in feed_of else 0,
+            }
+            for url, index in indexes.items()
+        }
+        routed = {p.role: p.chooser.routed_by_cache for p in (prefill, decode) if p.chooser}
+        return JSONResponse({"policy": cfg.policy, "servers": servers, "routed_by_cache": routed})
+
+    async def tokenize(payload: dict[str, Any]) -> list[int] | Response:
         client = state["client"]
         for url in decode.order():
             try:
-                r = await client.post(url + "/tokenize", json={"prompt": prompt}, timeout=30)
+                r = await client.post(url + "/tokenize", json=payload, timeout=30)
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
@@ -449,7 +515,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", action="append", required=True, help="decode server URL")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--policy", choices=["round_robin", "least_loaded"], default="round_robin")
+    ap.add_argument(
+        "--policy", choices=["round_robin", "least_loaded", "cache_aware"], default="round_robin"
+    )
+    ap.add_argument(
+        "--events",
+        action="append",
+        default=[],
+        metavar="URL=ENDPOINT",
+        help="cache_aware: a server's KV-event publisher, e.g. "
+        "http://127.0.0.1:8200=tcp://127.0.0.1:5557 (vLLM's --kv-events-config endpoint)",
+    )
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--redis-url", help="the store, for POST /kv/presence")
@@ -467,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         args.timeout_s,
         redis_url=args.redis_url,
         layout_file=args.layout_file,
+        events=dict(e.split("=", 1) for e in args.events),
     )
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -52,12 +52,16 @@ def main() -> None:
     ap.add_argument(
         "--layout-file", help="where the connector's scheduler writes its layout (JSON)"
     )
+    ap.add_argument(
+        "--kv-events-endpoint",
+        help="publish vLLM's KV events over ZMQ here (e.g. tcp://*:5557; vLLM binds a '*')",
+    )
     args = ap.parse_args()
     if args.layout_file:  # read by the connector in the engine process, which inherits it
         os.environ["REDIS_KV_CONNECTOR_LAYOUT_FILE"] = args.layout_file
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     kv = None
@@ -85,6 +89,11 @@ def main() -> None:
         tensor_parallel_size=args.tp,
         **({"block_size": args.block_size} if args.block_size else {}),
         **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}),
+        kv_events_config=KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events_endpoint
+        )
+        if args.kv_events_endpoint
+        else None,
     )
     with open(args.prompts) as f:
         phases = json.load(f)

@@ -76,6 +76,7 @@ def start_engine(
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
     layout_file: Path | None = None,
+    kv_events_endpoint: str | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -102,6 +103,8 @@ def start_engine(
         cmd += ["--max-batched-tokens", str(max_batched_tokens)]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
+    if kv_events_endpoint:
+        cmd += ["--kv-events-endpoint", kv_events_endpoint]
     if layout_file:
         cmd += ["--layout-file", str(layout_file)]
     return stack.spawn(name, cmd, tmp, env=engine_env(core)), out

@@ -1,21 +1,25 @@
-"""Resets and block presence on a real vLLM CPU engine: the presence API agrees with the blocks
-the engine saved and the loader then loads; after ``reset_prefix_cache(reset_connector=True)``
-the engine loads nothing saved before it, saves under the new generation, and a fresh instance
-loads those."""
+"""Resets, block presence and KV events on a real vLLM CPU engine: the presence API agrees with
+the blocks the engine saved and the loader then loads; after ``reset_prefix_cache(
+reset_connector=True)`` the engine loads nothing saved before it, saves under the new
+generation, and a fresh instance loads those. A subscriber decoding vLLM's ZMQ events with
+vLLM's own types sees BlockStored for the saved blocks and AllBlocksCleared for the reset."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import redis
+import zmq
 
 from kvstore import LookupBuffer
 from kvstore.keys import parse_key
 from kvstore.presence import StoredLayout, prompt_presence
-from testing.redis_server import RedisServer
+from testing.redis_server import RedisServer, free_port
 
 from .e2e_helpers import PATIENT, finish, release, start_engine, tokens, wait_at_gate
 
@@ -26,10 +30,41 @@ PROMPT = tokens(5 * BLOCK + 40, 11)  # 5 full blocks: a loader may load all 5
 SHARE = {"role": "kv_both", "extra": {"mode": "share", **PATIENT}}
 
 
+class Subscriber:
+    """A router's view: vLLM's published batches (topic, sequence, msgpack KVEventBatch),
+    decoded with vLLM's own types."""
+
+    def __init__(self, endpoint: str) -> None:
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self.events: list[Any] = []
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.connect(endpoint)
+        self._sock.setsockopt_string(zmq.SUBSCRIBE, "")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(100):
+                _, _, payload = self._sock.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+
+    def close(self) -> list[Any]:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(linger=0)
+        return self.events
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("presence")
     out: dict[str, Any] = {}
+    port = free_port()
+    subscriber = Subscriber(f"tcp://127.0.0.1:{port}")
     p = [{"id": "p", "prompt_token_ids": PROMPT}]
     q = [{"id": "q", "prompt_token_ids": PROMPT}]
     with RedisServer() as server:
@@ -38,7 +73,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         gate = tmp / "before-reset"
         saver = start_engine(
             tmp, "saver", tiny_model, [p, "reset", q], core=0, url=server.url, **SHARE,
-            gates={1: gate}, layout_file=layout_file,
+            gates={1: gate}, layout_file=layout_file, kv_events_endpoint=f"tcp://*:{port}",
         )  # fmt: skip
         wait_at_gate(gate)
         layout = StoredLayout.from_file(layout_file)
@@ -47,6 +82,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
             out["keys_before"] = sorted(k.decode() for k in client.scan_iter("kv:*"))
             release(gate)
             out["saver"] = finish(saver)
+            out["events"] = subscriber.close()
             out["after"] = prompt_presence(store, layout, PROMPT)
         out["keys_after"] = sorted(k.decode() for k in client.scan_iter("kv:*"))
         loader = start_engine(tmp, "loader", tiny_model, [p], core=1, url=server.url, **SHARE)
@@ -85,3 +121,25 @@ def test_a_fresh_instance_loads_what_was_saved_after_the_reset(run: dict[str, An
     loaded = run["loader"]["prompts"]["p"]
     assert loaded["num_cached_tokens"] == 5 * BLOCK
     assert loaded["token_ids"] == run["saver"]["prompts"]["p"]["token_ids"]
+
+
+def test_a_subscriber_sees_the_saved_blocks_and_the_reset(run: dict[str, Any]) -> None:
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockStored
+
+    events = run["events"]
+    redis_stored = [
+        (i, e) for i, e in enumerate(events) if isinstance(e, BlockStored) and e.medium == "CPU"
+    ]
+    gpu_hashes = [h for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+                  for h in e.block_hashes]  # fmt: skip
+    (at, first), *later = redis_stored
+    # the presence API agrees with the event: the 5 blocks it announced are loadable
+    assert len(first.block_hashes) == run["before"].loadable_blocks == 5
+    assert first.token_ids == PROMPT[: 5 * BLOCK] and first.block_size == BLOCK
+    assert first.parent_block_hash is None
+    # named by vLLM's block hashes: the same a router learns from the GPU cache's events
+    assert set(first.block_hashes) <= set(gpu_hashes)
+    cleared = [i for i, e in enumerate(events) if isinstance(e, AllBlocksCleared)]
+    assert cleared and at < cleared[0]
+    # after the reset, q's blocks (the same prompt) are saved anew and announced again
+    assert [(i > cleared[0], e.block_hashes) for i, e in later] == [(True, first.block_hashes)]

@@ -1,0 +1,175 @@
+"""Cache-aware routing for the proxy: which instance likely holds a prompt's prefix in its GPU
+cache, learned from the KV events each instance publishes (vLLM's ``--kv-events-config``
+ZMQ publisher), with least-loaded as the fallback. Redis covers the rest: an instance that
+misses in its GPU cache loads what the store has.
+
+An instance's index maps (parent block hash, block tokens) to the block's hash, so a prompt is
+matched by walking its blocks from the first: no need to recompute vLLM's hashes (which depend
+on its hash algorithm and seed). Only GPU-medium events count; the connector's own events
+(``medium="CPU"``, ``locality="REMOTE"``) name blocks every instance of the namespace can load,
+so they say nothing about where to route. The index is a hint: bounded (oldest blocks dropped
+first), and a missed event (a sequence gap) is counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_GPU_MEDIA = (None, "GPU")
+
+
+def decode_batch(payload: bytes) -> list[dict[str, Any]]:
+    """The events of one published ``KVEventBatch`` (msgpack: ``[ts, events, dp_rank]``, each
+    event a map tagged ``"type"``), decoded without vLLM: a router need not install it."""
+    batch = msgspec.msgpack.decode(payload)
+    events = batch[1] if isinstance(batch, list) and len(batch) > 1 else []
+    return [e for e in events if isinstance(e, dict) and "type" in e]
+
+
+def _key(h: Any) -> Hashable:
+    return bytes(h) if isinstance(h, (bytes, bytearray, list)) else h
+
+
+class PrefixIndex:
+    """One instance's GPU-cached blocks."""
+
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        self.max_blocks = max_blocks
+        self._hash_of: OrderedDict[tuple[Hashable, tuple[int, ...]], Hashable] = OrderedDict()
+        self._key_of: dict[Hashable, tuple[Hashable, tuple[int, ...]]] = {}
+        self.block_size = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._hash_of)
+
+    def apply(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        with self._lock:
+            if kind == "AllBlocksCleared":
+                self._hash_of.clear()
+                self._key_of.clear()
+            elif event.get("medium") not in _GPU_MEDIA:
+                return
+            elif kind == "BlockStored":
+                self._stored(event)
+            elif kind == "BlockRemoved":
+                for h in event["block_hashes"]:
+                    key = self._key_of.pop(_key(h), None)
+                    if key is not None:
+                        self._hash_of.pop(key, None)
+
+    def _stored(self, event: dict[str, Any]) -> None:
+        bs = int(event["block_size"])
+        self.block_size = bs
+        tokens = event["token_ids"]
+        parent = _key(event.get("parent_block_hash"))
+        for i, h in enumerate(event["block_hashes"]):
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            parent = _key(h)
+            self._hash_of[key] = parent
+            self._hash_of.move_to_end(key)
+            self._key_of[parent] = key
+        while len(self._hash_of) > self.max_blocks:
+            _, h = self._hash_of.popitem(last=False)
+            self._key_of.pop(h, None)
+
+    def cached_blocks(self, token_ids: Sequence[int]) -> int:
+        """How many leading blocks of ``token_ids`` the instance holds, as far as it said."""
+        bs = self.block_size
+        if not bs:
+            return 0
+        parent: Hashable = None
+        with self._lock:
+            for n in range(len(token_ids) // bs):
+                h = self._hash_of.get((parent, tuple(token_ids[n * bs : (n + 1) * bs])))
+                if h is None:
+                    return n
+                parent = h
+            return len(token_ids) // bs
+
+
+class EventFeed:
+    """Subscribes to one instance's ZMQ KV-event publisher and applies each batch to its
+    index, on a thread of its own. A gap in the sequence numbers (events dropped by a slow
+    subscriber, or published before it joined) is counted in ``gaps``."""
+
+    def __init__(self, endpoint: str, index: PrefixIndex, topic: str = "") -> None:
+        self.endpoint = endpoint
+        self.index = index
+        self.topic = topic
+        self.gaps = 0
+        self.batches = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+        try:
+            sock.connect(self.endpoint)
+            sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+            last = -1
+            while not self._stop.is_set():
+                if not sock.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if last >= 0 and seq != last + 1:
+                    self.gaps += 1
+                last = seq
+                for event in decode_batch(frames[2]):
+                    self.index.apply(event)
+                self.batches += 1
+        except Exception:  # reported: routing falls back to least-loaded for this instance
+            logger.exception("KV events from %s: the feed stopped", self.endpoint)
+        finally:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+
+class CacheAwareChooser:
+    """Orders a pool's servers for one prompt: the one holding the longest prefix first,
+    unless it is busier than the least-loaded by more than ``max_imbalance`` requests; ties
+    and misses go to the least loaded."""
+
+    def __init__(
+        self,
+        indexes: dict[str, PrefixIndex],
+        in_flight: Callable[[str], int],
+        max_imbalance: int = 4,
+    ) -> None:
+        self.indexes = indexes
+        self.in_flight = in_flight
+        self.max_imbalance = max_imbalance
+        self.routed_by_cache = 0
+
+    def order(self, urls: list[str], token_ids: Sequence[int] | None) -> list[str]:
+        by_load = sorted(urls, key=self.in_flight)
+        if not token_ids:
+            return by_load
+        cached = {
+            u: self.indexes[u].cached_blocks(token_ids) if u in self.indexes else 0 for u in urls
+        }
+        best = max(by_load, key=lambda u: cached[u])  # the least loaded among the best
+        if (
+            cached[best] == 0
+            or self.in_flight(best) - self.in_flight(by_load[0]) > self.max_imbalance
+        ):
+            return by_load
+        self.routed_by_cache += 1
+        return [best] + [u for u in by_load if u != best]
