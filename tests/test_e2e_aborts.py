@@ -25,7 +25,7 @@ from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.relay import DelayRelay
 
-from .e2e_helpers import tokens
+from .e2e_helpers import PATIENT, tokens
 
 # On the default vLLM only: the abort logic is checked against each release's own Scheduler by
 # test_request_lifecycle.py and the fuzzer; the storms on 0.30 and 0.31 (5 min) put CI over an hour
@@ -48,7 +48,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
         DelayRelay("127.0.0.1", redis_server.port, DELAY_S) as relay,
     ):
         try:
-            common = {"model": str(tiny_model), "redis_url": relay.url, "log_dir": logs}
+            # PATIENT: the last check asserts a load happened; on a loaded 2-core machine the
+            # default deadline (2 s + 1 s per 1,000 tokens, with every reply 40 ms late) passed
+            # and share2 recomputed everything (CI)
+            common = {"model": str(tiny_model), "redis_url": relay.url, "log_dir": logs,
+                      "extra_config": PATIENT}  # fmt: skip
 
             def server(name: str, role: str | None, core: int) -> stack.Proc:
                 return s.add(stack.vllm_server(name, port=free_port(), role=role, core=core,
