@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ class _Watched:
     request: Request
     first_block: int  # blocks before it were in Redis already (found, not saved)
     since: float
+    generation: int  # the namespace's when the request finished
     confirmed: list[int] = field(default_factory=list)  # one per rank that reported
 
 
@@ -89,8 +90,16 @@ class KVEventsEmitter:
     """Scheduler side: turns the ranks' reports into vLLM events, handed to vLLM's
     publisher by ``take``."""
 
-    def __init__(self, block_size: int, hash_block_size: int, ranks: int, namespace: str) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        hash_block_size: int,
+        ranks: int,
+        namespace: str,
+        generation: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.block_size = block_size
+        self.generation = generation  # the namespace's, as this instance last read it
         self.ranks = ranks
         self.namespace = namespace
         # vLLM hashes every hash_block_size tokens; one of our blocks ends at every ratio-th
@@ -114,8 +123,14 @@ class KVEventsEmitter:
     def watch(self, request: Request, first_block: int, num_blocks: int) -> None:
         """``request`` finished with blocks [first_block, num_blocks) of its chain to save:
         announce them once every rank confirms them."""
+        if getattr(request, "mm_features", None):
+            # our chain is salted with every image of the prompt, vLLM's hashes of the blocks
+            # before an image are not: its hashes would name blocks a load may not find
+            return
         if self._ratio and num_blocks > first_block:
-            self._watched[request.request_id] = _Watched(request, first_block, time.monotonic())
+            self._watched[request.request_id] = _Watched(
+                request, first_block, time.monotonic(), self.generation()
+            )
 
     def reported(self, reports: object) -> None:
         """The ranks' reports this step brought (``KVConnectorOutput.kv_cache_events``)."""
@@ -128,7 +143,8 @@ class KVEventsEmitter:
             watched.confirmed.append(confirmed)
             if len(watched.confirmed) >= self.ranks:
                 del self._watched[req_id]
-                self._announce(watched.request, watched.first_block, min(watched.confirmed))
+                if watched.generation == self.generation():  # else reset since: never loaded
+                    self._announce(watched.request, watched.first_block, min(watched.confirmed))
 
     def cleared(self) -> None:
         """The namespace was reset: every block of it is gone for loads. Blocks of requests

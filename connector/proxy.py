@@ -97,9 +97,11 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     prefill = Pool("prefill", cfg.prefill, cfg.policy)
     decode = Pool("decode", cfg.decode, cfg.policy)
     indexes: dict[str, PrefixIndex] = {}
-    feeds: list[EventFeed] = []
+    feeds: dict[str, EventFeed] = {}  # server URL -> its events' feed
+    events = {u.rstrip("/"): e for u, e in cfg.events.items()}
+    if events and cfg.policy != "cache_aware":
+        raise ValueError("--events is for --policy cache_aware")
     if cfg.policy == "cache_aware":
-        events = {u.rstrip("/"): e for u, e in cfg.events.items()}
         for pool in (prefill, decode):
             for url in pool.urls:
                 if url in events and url not in indexes:
@@ -120,9 +122,9 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         state["client"] = httpx.AsyncClient(
             timeout=timeout, limits=httpx.Limits(max_connections=512)
         )
-        feeds.extend(EventFeed(cfg.events[u], index) for u, index in indexes.items())
+        feeds.update({u: EventFeed(events[u], index) for u, index in indexes.items()})
         yield
-        for feed in feeds:
+        for feed in feeds.values():
             feed.close()
         await state["client"].aclose()
         presence.close()
@@ -324,6 +326,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     async def routing_tokens(body: dict, path: str) -> list[int] | None:
         """The prompt's token ids, to match against the servers' caches; None (route by load)
         when they cannot be had."""
+        if not any(len(index) for index in indexes.values()):
+            return None  # nothing learned yet: no /tokenize round trip
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
@@ -337,18 +341,18 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     @app.get("/kv/routing")
     async def kv_routing() -> JSONResponse:
-        """What cache-aware routing knows: blocks indexed and event gaps per server."""
-        feed_of = {f.endpoint: f for f in feeds}
+        """What cache-aware routing knows: blocks indexed and each feed's health per server."""
         servers = {
             url: {
-                "events": cfg.events.get(url),
-                "blocks": len(index),
-                "batches": feed_of[cfg.events[url]].batches
-                if cfg.events.get(url) in feed_of
-                else 0,
-                "gaps": feed_of[cfg.events[url]].gaps if cfg.events.get(url) in feed_of else 0,
+                "events": feed.endpoint,
+                "alive": feed.alive,
+                "blocks": len(feed.index),
+                "batches": feed.batches,
+                "gaps": feed.gaps,
+                "restarts": feed.restarts,
+                "undecodable": feed.undecodable,
             }
-            for url, index in indexes.items()
+            for url, feed in feeds.items()
         }
         routed = {p.role: p.chooser.routed_by_cache for p in (prefill, decode) if p.chooser}
         return JSONResponse({"policy": cfg.policy, "servers": servers, "routed_by_cache": routed})
@@ -361,7 +365,14 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             except httpx.HTTPError:
                 continue
             if r.status_code == 200:
-                return list(r.json().get("tokens", []))
+                try:
+                    tokens = r.json().get("tokens")
+                except (ValueError, AttributeError):  # not JSON, or not an object
+                    tokens = None
+                if isinstance(tokens, list):
+                    return tokens
+                return openai_error(502, f"decode server {url} answered /tokenize oddly",
+                                    "backend_error")  # fmt: skip
             return _passthrough_error(r.status_code, r.content, "decode", url)
         return openai_error(502, "no decode server available to tokenize", "backend_unavailable")
 
@@ -509,6 +520,14 @@ def _passthrough_error(status: int, content: bytes, role: str, url: str) -> Resp
     return openai_error(status, f"{role} server {url} answered {status}: {text}", "backend_error")
 
 
+def _server_endpoint(ap: argparse.ArgumentParser, arg: str) -> tuple[str, str]:
+    url, sep, endpoint = arg.partition("=")
+    if not sep or not url.startswith("http") or "://" not in endpoint:
+        ap.error(f"--events {arg!r}: give SERVER_URL=ENDPOINT, e.g. "
+                 "http://127.0.0.1:8200=tcp://127.0.0.1:5557")  # fmt: skip
+    return url, endpoint
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prefill", action="append", required=True, help="prefill server URL")
@@ -543,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         args.timeout_s,
         redis_url=args.redis_url,
         layout_file=args.layout_file,
-        events=dict(e.split("=", 1) for e in args.events),
+        events=dict(_server_endpoint(ap, e) for e in args.events),
     )
     uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
     return 0

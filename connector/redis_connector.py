@@ -258,8 +258,9 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                 emitter = KVEventsEmitter(
                     self.layout.block_size,
                     hash_block_size(vllm_config, kv_cache_config, self.layout.block_size),
-                    ranks=pc.tensor_parallel_size * pc.pipeline_parallel_size,
+                    ranks=pc.world_size,  # every worker vLLM aggregates outputs over
                     namespace=self.rc.namespace,
+                    generation=lambda: store.generation,
                 )
             self.connector_scheduler = RedisConnectorScheduler(
                 self.rc, self.layout, store, events=emitter

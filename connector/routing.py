@@ -3,12 +3,16 @@ cache, learned from the KV events each instance publishes (vLLM's ``--kv-events-
 ZMQ publisher), with least-loaded as the fallback. Redis covers the rest: an instance that
 misses in its GPU cache loads what the store has.
 
-An instance's index maps (parent block hash, block tokens) to the block's hash, so a prompt is
-matched by walking its blocks from the first: no need to recompute vLLM's hashes (which depend
-on its hash algorithm and seed). Only GPU-medium events count; the connector's own events
-(``medium="CPU"``, ``locality="REMOTE"``) name blocks every instance of the namespace can load,
-so they say nothing about where to route. The index is a hint: bounded (oldest blocks dropped
-first), and a missed event (a sequence gap) is counted, never fatal.
+An instance's index maps (parent block hash, block tokens, LoRA and extra keys) to the block's
+hash, so a plain-text prompt is matched by walking its blocks from the first: no need to
+recompute vLLM's hashes (which depend on its hash algorithm and seed). A prompt with a LoRA,
+a cache salt or images keys its blocks differently and is not matched (routed by load). Only
+GPU-medium events of the first KV-cache group count (a hybrid model's other groups have other
+block sizes); the connector's own events (``medium="CPU"``, ``locality="REMOTE"``) name blocks
+every instance of the namespace can load, so they say nothing about where to route. The index
+is a hint: bounded (oldest blocks dropped first); a missed event (a sequence gap) is counted, a
+publisher that restarted (its sequence went back) empties the index, and a message that does
+not decode is counted and skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +40,15 @@ def decode_batch(payload: bytes) -> list[dict[str, Any]]:
 
 
 def _key(h: Any) -> Hashable:
-    return bytes(h) if isinstance(h, (bytes, bytearray, list)) else h
+    """A hash or extra key as decoded from msgpack, made hashable (lists become tuples)."""
+    if isinstance(h, (bytes, bytearray)):
+        return bytes(h)
+    if isinstance(h, (list, tuple)):
+        return tuple(_key(x) for x in h)
+    return h
+
+
+_BlockKey = tuple[Hashable, tuple[int, ...], Hashable]  # (parent hash, tokens, LoRA + extras)
 
 
 class PrefixIndex:
@@ -44,8 +56,8 @@ class PrefixIndex:
 
     def __init__(self, max_blocks: int = 1_000_000) -> None:
         self.max_blocks = max_blocks
-        self._hash_of: OrderedDict[tuple[Hashable, tuple[int, ...]], Hashable] = OrderedDict()
-        self._key_of: dict[Hashable, tuple[Hashable, tuple[int, ...]]] = {}
+        self._hash_of: OrderedDict[_BlockKey, Hashable] = OrderedDict()
+        self._key_of: dict[Hashable, _BlockKey] = {}
         self.block_size = 0
         self._lock = threading.Lock()
 
@@ -58,30 +70,45 @@ class PrefixIndex:
             if kind == "AllBlocksCleared":
                 self._hash_of.clear()
                 self._key_of.clear()
-            elif event.get("medium") not in _GPU_MEDIA:
+            elif event.get("medium") not in _GPU_MEDIA or event.get("group_idx") not in (None, 0):
                 return
             elif kind == "BlockStored":
                 self._stored(event)
             elif kind == "BlockRemoved":
                 for h in event["block_hashes"]:
-                    key = self._key_of.pop(_key(h), None)
-                    if key is not None:
-                        self._hash_of.pop(key, None)
+                    self._forget(_key(h))
+
+    def _forget(self, h: Hashable) -> None:
+        key = self._key_of.pop(h, None)
+        if key is not None and self._hash_of.get(key) == h:  # not re-stored under another hash
+            del self._hash_of[key]
 
     def _stored(self, event: dict[str, Any]) -> None:
         bs = int(event["block_size"])
         self.block_size = bs
         tokens = event["token_ids"]
+        extras = event.get("extra_keys") or []
+        lora = event.get("lora_name")
         parent = _key(event.get("parent_block_hash"))
         for i, h in enumerate(event["block_hashes"]):
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            extra = _key(extras[i]) if i < len(extras) else None
+            key: _BlockKey = (parent, tuple(tokens[i * bs : (i + 1) * bs]), (lora, extra))
             parent = _key(h)
+            old = self._hash_of.get(key)
+            if old is not None and old != parent:
+                self._key_of.pop(old, None)
             self._hash_of[key] = parent
             self._hash_of.move_to_end(key)
             self._key_of[parent] = key
         while len(self._hash_of) > self.max_blocks:
-            _, h = self._hash_of.popitem(last=False)
-            self._key_of.pop(h, None)
+            oldest, h = self._hash_of.popitem(last=False)
+            if self._key_of.get(h) == oldest:
+                del self._key_of[h]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._hash_of.clear()
+            self._key_of.clear()
 
     def cached_blocks(self, token_ids: Sequence[int]) -> int:
         """How many leading blocks of ``token_ids`` the instance holds, as far as it said."""
@@ -91,7 +118,8 @@ class PrefixIndex:
         parent: Hashable = None
         with self._lock:
             for n in range(len(token_ids) // bs):
-                h = self._hash_of.get((parent, tuple(token_ids[n * bs : (n + 1) * bs])))
+                key: _BlockKey = (parent, tuple(token_ids[n * bs : (n + 1) * bs]), (None, None))
+                h = self._hash_of.get(key)
                 if h is None:
                     return n
                 parent = h
@@ -109,6 +137,8 @@ class EventFeed:
         self.topic = topic
         self.gaps = 0
         self.batches = 0
+        self.undecodable = 0
+        self.restarts = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-event-feed", daemon=True)
         self._thread.start()
@@ -123,19 +153,39 @@ class EventFeed:
                 if not sock.poll(100):
                     continue
                 frames = sock.recv_multipart()
-                if len(frames) != 3:
+                try:
+                    seq = int.from_bytes(frames[1], "big")
+                    events = decode_batch(frames[2])
+                    for event in events:
+                        self.index.apply(event)
+                except Exception as exc:  # one bad message never stops the feed
+                    self.undecodable += 1
+                    if self.undecodable & (self.undecodable - 1) == 0:  # 1, 2, 4, ...
+                        logger.warning(
+                            "KV events from %s: %d message(s) skipped, e.g. %r",
+                            self.endpoint,
+                            self.undecodable,
+                            exc,
+                        )
                     continue
-                seq = int.from_bytes(frames[1], "big")
-                if last >= 0 and seq != last + 1:
+                if last >= 0 and seq <= last:  # the publisher restarted: its cache is new
+                    self.restarts += 1
+                    self.index.clear()
+                    for event in events:
+                        self.index.apply(event)
+                elif last >= 0 and seq != last + 1:
                     self.gaps += 1
                 last = seq
-                for event in decode_batch(frames[2]):
-                    self.index.apply(event)
                 self.batches += 1
         except Exception:  # reported: routing falls back to least-loaded for this instance
             logger.exception("KV events from %s: the feed stopped", self.endpoint)
         finally:
+            self.index.clear()  # nothing more is learned: a frozen index would mislead
             sock.close(linger=0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def close(self) -> None:
         self._stop.set()

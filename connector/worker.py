@@ -61,6 +61,10 @@ logger = logging.getLogger("connector.worker")
 
 # A retry of a failed fetch is only worth it with this much of the deadline left.
 _RETRY_MIN_LEFT_S = 0.1
+# KV events on: how long vLLM keeps a finished request's blocks waiting for its writes to be
+# confirmed, so its event leaves with the step that frees it (writes take milliseconds; the
+# engine steps empty meanwhile, which is what a slow Redis must not prolong)
+_EVENT_HOLD_S = 0.2
 
 
 @dataclass
@@ -95,6 +99,8 @@ class _SaveTrack:
     pending: int = 0
     commit: CommitSpec | None = None
     publishing: bool = False
+    # KV events: vLLM holds the request's blocks for us until this moment at most (monotonic)
+    release_by: float | None = None
 
 
 class RedisConnectorWorker:
@@ -424,16 +430,20 @@ class RedisConnectorWorker:
             for commit in commits:
                 track = self._saves.setdefault(commit.req_id, _SaveTrack())
                 track.commit = commit
-                if commit.holds_blocks and not self.report_stored:
+                if not commit.holds_blocks:
+                    continue  # vLLM did not hold it for us: never reported, it may be gone
+                if self.report_stored:
+                    # KV events: freed with its confirmed blocks (``_maybe_publish``), so the
+                    # step that frees it carries its event (an engine with nothing left to run
+                    # takes no later step that could) -- but held _EVENT_HOLD_S at most: a slow
+                    # Redis must not keep the engine stepping; its event then comes later
+                    track.release_by = time.monotonic() + _EVENT_HOLD_S
+                else:
                     # Every save of the request was staged before this commit arrived (metadata
                     # comes in order), so its blocks were copied out: vLLM may reuse them now,
                     # whatever Redis does. (An engine that holds finished requests' blocks
                     # keeps stepping; holding them until a hung Redis answers burned a core
-                    # for seconds.) A request vLLM did not hold for us is never reported: it
-                    # may be gone already. With KV events on, it is reported with its
-                    # confirmed blocks instead (``_maybe_publish``), so the step that frees it
-                    # carries its event: an engine with nothing left to run takes no further
-                    # step that could.
+                    # for seconds.)
                     self._finished_saves.add(commit.req_id)
         for commit in commits:
             self._maybe_publish(commit.req_id)
@@ -548,7 +558,8 @@ class RedisConnectorWorker:
             n = self._confirmed_blocks(track, track.commit)
             if self.report_stored:
                 self._stored_reports.append((req_id, n))
-                if track.commit.holds_blocks:
+                if track.release_by is not None:
+                    track.release_by = None
                     self._finished_saves.add(req_id)
         commit = track.commit
         self._track(self._save_io.submit(self._publish, req_id, commit, n), "a commit record")
@@ -639,6 +650,10 @@ class RedisConnectorWorker:
         for job in expired:
             self._report_load(job, expired=True)
         with self._lock:
+            for req_id, track in self._saves.items():  # held as long as events may wait
+                if track.release_by is not None and now >= track.release_by:
+                    track.release_by = None
+                    self._finished_saves.add(req_id)
             saves, self._finished_saves = self._finished_saves, set()
             # taken with the finished saves: a request is freed in the step carrying its report
             self._reports_out += self._stored_reports

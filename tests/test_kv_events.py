@@ -4,6 +4,7 @@ what is in Redis."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,21 @@ def test_blocks_are_named_by_vllm_hashes_at_a_finer_hash_block_size(tiny_model: 
     emitter.reported(StoredPrefixReports([("r", 3)]))
     (event,) = emitter.take()
     assert event.block_hashes == [maybe_convert_block_hash(fine.block_hashes[i]) for i in (1, 3, 5)]
+
+
+def test_a_slow_write_holds_a_finished_request_briefly_and_its_event_comes_later(
+    engines: Any,
+) -> None:
+    engine = engines()
+    real = engine.worker.store.insert_parts
+
+    def slow(items: Any, **kw: Any) -> Any:
+        time.sleep(1.5)  # far beyond the 0.2 s a finished request is held for its event
+        return real(items, **kw)
+
+    engine.worker.store.insert_parts = slow  # type: ignore[method-assign]
+    hashes = run(engine, "a", prompt(3 * BS + 1))  # freed (and idle) before the write ended
+    assert stored(engine) == []
+    engine.step()  # the engine's next step (its next request) carries the event
+    (event,) = stored(engine)
+    assert event.block_hashes == hashes[:3]

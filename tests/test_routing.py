@@ -153,3 +153,63 @@ def test_the_proxy_routes_a_prompt_to_the_server_whose_events_show_its_prefix(
         publisher.shutdown()
     assert seen == ["b"] * 6  # round-robin or least-loaded would have split them
     assert routing["routed_by_cache"]["decode"] == 6
+
+
+def test_a_feed_skips_a_bad_message_and_forgets_a_restarted_publisher() -> None:
+    import zmq
+
+    from connector.routing import EventFeed
+
+    port = free_port()
+    pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    index = PrefixIndex()
+    feed = EventFeed(f"tcp://127.0.0.1:{port}", index)
+    doc, other = list(range(2 * BS)), list(range(900, 900 + 2 * BS))
+    try:
+        seq = 0
+        deadline = time.monotonic() + 60
+        while feed.undecodable == 0:  # the subscriber joins a moment after it connects
+            assert time.monotonic() < deadline, "the feed never received a message"
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), b"\xc1 not msgpack"))
+            seq += 1
+            time.sleep(0.05)
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), encoded(stored(doc, 0, 2))))
+        while index.cached_blocks(doc) != 2:
+            assert time.monotonic() < deadline and feed.alive, "a bad message stopped the feed"
+            time.sleep(0.02)
+        # the publisher restarted (its sequence starts again): what it held before is gone
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), encoded(stored(other, 0, 2))))
+        while index.cached_blocks(other) != 2:
+            assert time.monotonic() < deadline, "the restarted publisher's batch never came"
+            time.sleep(0.02)
+        assert index.cached_blocks(doc) == 0 and feed.restarts == 1
+    finally:
+        feed.close()
+        pub.close(linger=0)
+
+
+def test_blocks_of_a_lora_or_another_group_never_match_a_plain_prompt() -> None:
+    doc = list(range(2 * BS))
+    index = PrefixIndex()
+    lora = stored(doc, 0, 2)
+    lora.lora_name = "adapter"
+    window = stored(doc, 0, 2)
+    window.group_idx = 1
+    for e in decode_batch(encoded(lora, window)):
+        index.apply(e)
+    assert index.cached_blocks(doc) == 0
+
+
+def test_events_of_a_server_named_with_a_trailing_slash_are_used() -> None:
+    a = f"http://127.0.0.1:{free_port()}"
+    cfg = ProxyConfig([a], [a], policy="cache_aware", events={a + "/": "tcp://127.0.0.1:1"})
+
+    async def go() -> dict[str, Any]:
+        app = build_app(cfg)
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                return dict((await c.get("/kv/routing")).json())
+
+    assert asyncio.run(go())["servers"][a]["events"] == "tcp://127.0.0.1:1"
