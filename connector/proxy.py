@@ -9,6 +9,11 @@ instead of recomputing it.
 
     vllm-redis-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
+With ``--pool`` servers instead (share-mode instances over one Redis, or servers without a
+connector) there is no prefill leg: each request goes, whole, to one of them.
+
+    vllm-redis-proxy --pool http://127.0.0.1:8100 --pool http://127.0.0.1:8101 --port 8000
+
 Several ``--prefill`` / ``--decode`` servers are balanced round-robin, by fewest requests in
 flight, or cache-aware (``--policy cache_aware``: to the server whose GPU cache holds the longest
 prefix of the prompt, learned from the KV events it publishes -- ``--events URL=tcp://host:port``
@@ -81,7 +86,7 @@ class Pool:
 
 @dataclass
 class ProxyConfig:
-    prefill: list[str]
+    prefill: list[str]  # empty: the decode servers are a pool that answers requests whole
     decode: list[str]
     policy: str = "round_robin"
     timeout_s: float = 600.0
@@ -95,7 +100,7 @@ class ProxyConfig:
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
     prefill = Pool("prefill", cfg.prefill, cfg.policy)
-    decode = Pool("decode", cfg.decode, cfg.policy)
+    decode = Pool("decode" if cfg.prefill else "pool", cfg.decode, cfg.policy)
     indexes: dict[str, PrefixIndex] = {}
     feeds: dict[str, EventFeed] = {}  # server URL -> its events' feed
     events = {u.rstrip("/"): e for u, e in cfg.events.items()}
@@ -223,16 +228,18 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             await finish()
 
     async def pipeline(body: dict, path: str, req_id: str, stream: bool) -> Response:
-        """Prefill, then decode: everything up to the first byte of the answer."""
+        """Prefill, then decode (a pool: the answer alone): up to the answer's first byte."""
         token_ids = await routing_tokens(body, path) if indexes else None
         try:
-            resp, finish = await send(prefill, path, prefill_request(body), req_id + "-prefill",
-                                      stream=False, token_ids=token_ids)  # fmt: skip
-            await finish()
-            params = resp.json().get("kv_transfer_params")
             dec = dict(body)
-            if params:
-                dec["kv_transfer_params"] = params
+            if prefill.urls:
+                resp, finish = await send(prefill, path, prefill_request(body),
+                                          req_id + "-prefill", stream=False,
+                                          token_ids=token_ids)  # fmt: skip
+                await finish()
+                params = resp.json().get("kv_transfer_params")
+                if params:
+                    dec["kv_transfer_params"] = params
             resp, finish = await send(decode, path, dec, req_id, stream=stream, token_ids=token_ids)
         except BackendError as err:
             return err.response
@@ -386,7 +393,11 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             except httpx.HTTPError:
                 return False
 
-        pools = {"prefill": prefill.urls, "decode": decode.urls}
+        pools = (
+            {"prefill": prefill.urls, "decode": decode.urls}
+            if prefill.urls
+            else {"pool": decode.urls}
+        )
         results = {
             role: dict(zip(urls, await asyncio.gather(*(check(u) for u in urls)), strict=True))
             for role, urls in pools.items()
@@ -530,8 +541,15 @@ def _server_endpoint(ap: argparse.ArgumentParser, arg: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prefill", action="append", required=True, help="prefill server URL")
-    ap.add_argument("--decode", action="append", required=True, help="decode server URL")
+    ap.add_argument("--prefill", action="append", default=[], help="prefill server URL")
+    ap.add_argument("--decode", action="append", default=[], help="decode server URL")
+    ap.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        help="a server that answers requests whole, no prefill leg (share mode, or no "
+        "connector); instead of --prefill/--decode",
+    )
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument(
@@ -552,12 +570,16 @@ def main(argv: list[str] | None = None) -> int:
         "--layout-file", help="the connector's layout JSON ($REDIS_KV_CONNECTOR_LAYOUT_FILE)"
     )
     args = ap.parse_args(argv)
+    if args.pool and (args.prefill or args.decode):
+        ap.error("--pool servers answer requests whole: give either --pool or --prefill/--decode")
+    if not args.pool and not (args.prefill and args.decode):
+        ap.error("give --prefill and --decode servers (disaggregated), or --pool servers")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
     cfg = ProxyConfig(
         args.prefill,
-        args.decode,
+        args.decode or args.pool,
         args.policy,
         args.timeout_s,
         redis_url=args.redis_url,

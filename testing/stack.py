@@ -133,12 +133,14 @@ def vllm_server(
     return proc
 
 
-def proxy(prefill: list[str], decode: list[str], port: int, log_dir: Path) -> Proc:
+def proxy(
+    prefill: list[str], decode: list[str], port: int, log_dir: Path, pool: list[str] = ()
+) -> Proc:
+    """The proxy: prefill then decode servers, or (``pool``) servers answering requests whole."""
     cmd = [sys.executable, "-m", "connector.proxy", "--host", "127.0.0.1", "--port", str(port)]
-    for url in prefill:
-        cmd += ["--prefill", url]
-    for url in decode:
-        cmd += ["--decode", url]
+    for flag, urls in (("--prefill", prefill), ("--decode", decode), ("--pool", pool)):
+        for url in urls:
+            cmd += [flag, url]
     proc = spawn("proxy", cmd, log_dir)
     proc.url = f"http://127.0.0.1:{port}"
     return proc

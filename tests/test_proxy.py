@@ -82,12 +82,20 @@ def failing_backend() -> Iterator[str]:
 
 
 def call(cfg: ProxyConfig, method: str, path: str, **kw: object) -> httpx.Response:
-    async def go() -> httpx.Response:
+    return call_in_turn(cfg, method, path, [kw])[0]
+
+
+def call_in_turn(
+    cfg: ProxyConfig, method: str, path: str, requests: list[dict]
+) -> list[httpx.Response]:
+    """The requests one after another through one proxy (keyword arguments of each)."""
+
+    async def go() -> list[httpx.Response]:
         app = build_app(cfg)
         async with app.router.lifespan_context(app):
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
-                return await c.request(method, path, **kw)  # type: ignore[arg-type]
+                return [await c.request(method, path, **kw) for kw in requests]
 
     return asyncio.run(go())
 
@@ -104,6 +112,52 @@ def test_prefill_then_decode_with_transfer_params(echo_backend: str) -> None:
     assert pre["max_tokens"] == 1 and pre["stream"] is False and "kv_transfer_params" not in pre
     assert dec["max_tokens"] == 7 and dec["kv_transfer_params"] == {"redis_kv": {"num_blocks": 2}}
     assert (pre_id, dec_id) == ("abc-prefill", "abc")
+
+
+def test_a_pool_answers_requests_whole_in_turn(echo_backend: str) -> None:
+    """--pool servers (share mode): no prefill leg, each request once, round robin."""
+    app = FastAPI()
+    other: list[dict] = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        other.append(await request.json())
+        return JSONResponse({"choices": [{"text": "y"}]})
+
+    gen = run_server(app)
+    second = next(gen)
+    try:
+        cfg = ProxyConfig([], [echo_backend, second])
+        bodies = [{"json": {"prompt": f"p{i}", "max_tokens": 5}} for i in range(4)]
+        texts = call_in_turn(cfg, "POST", "/v1/completions", bodies)
+    finally:
+        next(gen, None)
+    assert [r.json()["choices"][0]["text"] for r in texts] == ["x", "y", "x", "y"]
+    assert [b["prompt"] for _, b in SEEN] == ["p0", "p2"] and [b["prompt"] for b in other] == [
+        "p1",
+        "p3",
+    ]
+    assert all(b["max_tokens"] == 5 and "kv_transfer_params" not in b for _, b in SEEN)
+    r = call(ProxyConfig([], [echo_backend, DOWN]), "GET", "/health")
+    assert r.status_code == 200 and r.json()["pool"] == {echo_backend: True, DOWN: False}
+    r = call(ProxyConfig([], [DOWN]), "POST", "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 502 and "no pool server" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--pool", "http://a", "--prefill", "http://b"],
+        ["--prefill", "http://b"],
+        [],
+    ],
+)
+def test_the_command_takes_a_pool_or_both_legs(argv: list[str]) -> None:
+    from connector.proxy import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
 
 
 @pytest.mark.parametrize(
