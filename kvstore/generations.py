@@ -8,20 +8,28 @@ trip), so an instance sees a reset within one lookup and never looks up an older
 Older blocks stay until their TTL, or until ``sweep`` unlinks them, in bounded SCAN batches off
 the serving path.
 
-The counter never goes back: a client remembers the highest generation it read, restores the
-counter if it vanished (evicted, flushed) and bumps from the higher of the two, so blocks of an
-older generation can never be named again.
+The counter never goes back: a client remembers the highest generation it read, raises the
+counter back to it if it reads less (the counter evicted, flushed, or restored from an older
+snapshot, maybe by another client that knew less), and bumps from the higher of the two. So
+blocks of an older generation can never be named again, and every client converges on the
+highest generation any of them knew (with one remembering less, they would otherwise disagree
+for good: a consumer ignores every handoff named in a generation other than its own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from .errors import KVStoreError
 from .guard import Guard
 from .keys import KeySpace, parse_key
 from .transport import Transport
+
+logger = logging.getLogger("kvstore")
 
 SWEEP_BATCH = 1000  # keys per SCAN page and per UNLINK
 
@@ -32,6 +40,17 @@ local floor = tonumber(ARGV[1])
 if floor > current then current = floor end
 current = current + 1
 redis.call('SET', KEYS[1], current, 'KEEPTTL')
+return current
+"""
+
+# max(counter, the caller's floor), written back when the floor is higher: never lowers it
+RAISE_LUA = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local floor = tonumber(ARGV[1])
+if floor > current then
+  redis.call('SET', KEYS[1], floor, 'KEEPTTL')
+  return floor
+end
 return current
 """
 
@@ -55,6 +74,8 @@ class Generations:
         self._known = 0
         self._lock = threading.Lock()
         self._bump_script = transport.control.register_script(BUMP_LUA)
+        self._raise_script = transport.control.register_script(RAISE_LUA)
+        self._raise_failed = False
 
     @property
     def known(self) -> int:
@@ -68,18 +89,42 @@ class Generations:
             if value > self._known:
                 self._known = value
             known = self._known
-        if reply is None and known > 0:
-            self._restore(known)
+        if value < known:
+            return self._raise(known)
         return known
 
-    def _restore(self, known: int) -> None:
-        """The counter vanished while this client knew a later generation: put it back (NX: a
-        reset that raced us wins)."""
+    def _raise(self, known: int) -> int:
+        """The counter reads less than this client knows (vanished, flushed, or put back by a
+        client that knew less): raise it (atomically; a later reset wins). A user without
+        EVALSHA (the producer's and share mode's ACL rules) can still put back a vanished
+        counter (SET NX); a lower one it leaves, keeping its own generation, and says so once:
+        it loads nothing named before it, but may disagree with other instances."""
+        try:
+            value = self._guard.call(
+                "EVALSHA", lambda: self._raise_script(keys=[self.key], args=[known])
+            )
+        except KVStoreError as exc:
 
-        def fill(pipe: Any) -> None:
-            pipe.set(self.key, known, nx=True)
+            def fill(pipe: Any) -> None:
+                pipe.set(self.key, known, nx=True)
 
-        self._guard.call("SET", lambda: self._transport.pipeline(fill))
+            with contextlib.suppress(KVStoreError):
+                if self._guard.call("SET", lambda: self._transport.pipeline(fill))[0]:
+                    return known
+            if not self._raise_failed:
+                self._raise_failed = True
+                logger.warning(
+                    "kvstore: the namespace's generation counter reads less than this client "
+                    "knows (%d) and could not be raised (%s): instances may name blocks in "
+                    "different generations until the next reset; allow +evalsha "
+                    "+script|load for this user",
+                    known,
+                    exc,
+                )
+            return known
+        with self._lock:
+            self._known = max(self._known, parse_generation(value))
+            return self._known
 
     def read(self) -> int:
         """Read the counter (one round trip); the generation now known."""

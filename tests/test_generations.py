@@ -46,6 +46,26 @@ def test_a_reset_renames_every_block_and_a_second_reader_sees_it_with_its_next_s
     assert b.survey([[at_generation("h1", b.generation)]]).presences == [[False]]
 
 
+def test_instances_that_knew_different_generations_converge_after_a_flush() -> None:
+    """Two resets by two instances, then FLUSHALL (or a restart without persistence): the one
+    that knew less put the counter back at its own generation first, and the consumer-side
+    instance, knowing more, would never agree with it again (each of a producer's handoffs
+    ignored for good). Whoever reads less than it knows raises the counter."""
+    server = fakeredis.FakeServer()
+    r = fakeredis.FakeRedis(server=server)
+    producer = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    consumer = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    assert producer.reset() == 1
+    assert consumer.reset() == 2
+    r.flushall()
+    assert producer.read_generation() == 1  # all it knew: put back at 1
+    assert r.get("kv:ns:generation") == b"1"
+    assert consumer.read_generation() == 2  # reads 1, knows 2: raised
+    assert r.get("kv:ns:generation") == b"2"
+    assert producer.read_generation() == 2  # converged
+    assert consumer.survey([["h"]]).generation == 2 and producer.generation == 2
+
+
 def test_the_counter_never_goes_back_when_it_vanishes() -> None:
     r = fakeredis.FakeRedis()
     buf = LookupBuffer(r, namespace="ns", fingerprint="fp")
@@ -114,3 +134,26 @@ def test_resets_run_on_a_real_server_under_the_documented_acl(
             buf.check_access(["reset"])
         with pytest.raises(StorePermissionError):
             buf.reset()
+
+
+def test_a_user_without_scripts_puts_a_vanished_counter_back_and_warns_of_a_lower_one(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The share-mode and producer ACL rules have no EVALSHA: such a client still restores a
+    counter that vanished (SET NX); one that reads lower it cannot raise, and says so once."""
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.set("kv:ns:generation", 3)
+    rule = acl_rule(["ping", "generation", "lookup", "insert"])
+    assert "evalsha" not in rule
+    admin.execute_command("ACL", "SETUSER", "sharer", "reset", "on", ">pw", *rule.split())
+    url = f"redis://sharer:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
+        assert buf.read_generation() == 3
+        admin.delete("kv:ns:generation")
+        assert buf.read_generation() == 3 and admin.get("kv:ns:generation") == b"3"
+        admin.set("kv:ns:generation", 1)
+        with caplog.at_level("WARNING", logger="kvstore"):
+            assert buf.read_generation() == 3 and buf.read_generation() == 3
+        assert admin.get("kv:ns:generation") == b"1"  # left as it was: no script allowed
+        warnings = [r for r in caplog.records if "could not be raised" in r.getMessage()]
+        assert len(warnings) == 1 and "+evalsha" in warnings[0].getMessage()
