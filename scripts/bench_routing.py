@@ -21,7 +21,6 @@ import statistics
 import string
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +28,6 @@ from typing import Any
 
 import httpx
 import redis
-import uvicorn
 
 from connector.proxy import ProxyConfig, build_app
 from scripts.make_tiny_model import make_model
@@ -58,12 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def counters(url: str) -> dict[str, float]:
-    out = dict.fromkeys(COUNTERS, 0.0)
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    return stack.metric_totals(url, COUNTERS)
 
 
 def workload(args: argparse.Namespace) -> list[str]:
@@ -75,24 +68,12 @@ def workload(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def run_proxy(cfg: ProxyConfig) -> tuple[str, uvicorn.Server, threading.Thread]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(build_app(cfg), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    return f"http://127.0.0.1:{port}", server, thread
-
-
 def measure(
     policy: str, servers: list[stack.Proc], events: dict[str, str], prompts: list[str], conc: int
 ) -> dict[str, Any]:
     urls = [s.url for s in servers]
     cfg = ProxyConfig(urls, urls, policy=policy, events=events if policy == "cache_aware" else {})
-    proxy_url, proxy, thread = run_proxy(cfg)
+    proxy_url, stop_proxy = stack.serve_in_thread(build_app(cfg))
     before = {u: counters(u) for u in urls}
     try:
         if policy == "cache_aware":  # the feeds connect at startup: let them join
@@ -103,8 +84,7 @@ def measure(
             )
         routing = httpx.get(proxy_url + "/kv/routing", timeout=10).json()
     finally:
-        proxy.should_exit = True
-        thread.join(10)
+        stop_proxy()
     after = {u: counters(u) for u in urls}
     delta = {k: sum(after[u][k] - before[u][k] for u in urls) for k in COUNTERS}
     ttfts = sorted(r["ttft_s"] for r in results)

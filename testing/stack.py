@@ -11,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -134,7 +135,7 @@ def vllm_server(
 
 
 def proxy(
-    prefill: list[str], decode: list[str], port: int, log_dir: Path, pool: list[str] = ()
+    prefill: list[str], decode: list[str], port: int, log_dir: Path, pool: Sequence[str] = ()
 ) -> Proc:
     """The proxy: prefill then decode servers, or (``pool``) servers answering requests whole."""
     cmd = [sys.executable, "-m", "connector.proxy", "--host", "127.0.0.1", "--port", str(port)]
@@ -173,6 +174,43 @@ def wait_healthy(
             )
         if pending:
             time.sleep(1)
+
+
+def metric_totals(url: str, names: tuple[str, ...] | None = None) -> dict[str, float]:
+    """A server's Prometheus counters (``GET /metrics``), each summed over its label sets:
+    the ``names`` given (absent ones as 0), or every sample."""
+    out: dict[str, float] = dict.fromkeys(names or (), 0.0)
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if names is None or name in out:
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def serve_in_thread(app: Any) -> tuple[str, Callable[[], None]]:
+    """An ASGI app (the proxy) on a free loopback port in this process: its URL and its stop."""
+    import threading
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise StackError(f"the in-process server on port {port} did not start")
+        time.sleep(0.02)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(10)
+
+    return f"http://127.0.0.1:{port}", stop
 
 
 @dataclass
