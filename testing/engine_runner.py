@@ -42,6 +42,7 @@ def main() -> None:
         "prefills at multiples of it)",
     )
     ap.add_argument("--max-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens")
+    ap.add_argument("--kv-cache-dtype", help="vLLM's --kv-cache-dtype (fp8, fp8_e5m2, ...)")
     ap.add_argument(
         "--gate",
         action="append",
@@ -89,6 +90,7 @@ def main() -> None:
         tensor_parallel_size=args.tp,
         **({"block_size": args.block_size} if args.block_size else {}),
         **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}),
+        **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
         kv_events_config=KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events_endpoint
         )

@@ -75,6 +75,7 @@ def start_engine(
     tp: int = 1,
     block_size: int | None = None,
     max_batched_tokens: int | None = None,
+    kv_cache_dtype: str | None = None,
     layout_file: Path | None = None,
     kv_events_endpoint: str | None = None,
 ) -> tuple[stack.Proc, Path]:
@@ -101,6 +102,8 @@ def start_engine(
         cmd += ["--block-size", str(block_size)]
     if max_batched_tokens:
         cmd += ["--max-batched-tokens", str(max_batched_tokens)]
+    if kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", kv_cache_dtype]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
     if kv_events_endpoint:
@@ -134,12 +137,31 @@ def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
     return json.loads(out.read_text())
 
 
+def stored_dtypes(client: Any, keys: list[str]) -> list[str]:
+    """The tensor dtypes (safetensors' spelling) in the headers of the blocks among ``keys``."""
+    from kvstore.codec import read_header
+    from kvstore.keys import parse_key
+
+    found = set()
+    for key in keys:
+        parsed = parse_key(key)
+        if parsed is not None and parsed.kind == "block":
+            found |= {e.dtype for e in read_header(client.get(key)).tensors}
+    return sorted(found)
+
+
 def plain_saver_loader(
-    tmp: Path, model: Path, first: dict[str, list[int]], sharing: dict[str, list[int]], **run: Any
+    tmp: Path,
+    model: Path,
+    first: dict[str, list[int]],
+    sharing: dict[str, list[int]],
+    other_loaders: dict[str, dict[str, Any]] | None = None,
+    **run: Any,
 ) -> dict[str, Any]:
     """Three engines, one after another: ``plain`` (no connector) and ``saver`` (share mode,
     an empty Redis) run ``first`` then ``sharing``, one prompt per phase; ``loader``, a fresh
-    share-mode instance, runs only ``sharing``. Also ``keys``: Redis's keys after the saver."""
+    share-mode instance, runs only ``sharing``; then each of ``other_loaders`` (name -> what
+    it changes of ``run``) likewise. Also ``keys``: Redis's keys after the saver."""
     import redis
 
     from testing.redis_server import RedisServer
@@ -153,9 +175,12 @@ def plain_saver_loader(
         out["saver"] = finish(start_engine(tmp, "saver", model, phases, **run, **share))
         client = redis.Redis.from_url(server.url)
         out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
+        out["dtypes"] = stored_dtypes(client, out["keys"])
         client.close()
         loads = one_per_phase(sharing, list(sharing))
         out["loader"] = finish(start_engine(tmp, "loader", model, loads, **run, **share))
+        for name, changes in (other_loaders or {}).items():
+            out[name] = finish(start_engine(tmp, name, model, loads, **{**run, **changes}, **share))
     return out
 
 
