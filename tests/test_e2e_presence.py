@@ -143,3 +143,71 @@ def test_a_subscriber_sees_the_saved_blocks_and_the_reset(run: dict[str, Any]) -
     assert cleared and at < cleared[0]
     # after the reset, q's blocks (the same prompt) are saved anew and announced again
     assert [(i > cleared[0], e.block_hashes) for i, e in later] == [(True, first.block_hashes)]
+
+
+HALF = PROMPT[: 3 * BLOCK] + tokens(2 * BLOCK + 40, 12)  # PROMPT's first 3 blocks, then others
+
+
+@pytest.fixture(scope="module")
+def elsewhere(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str, Any]:
+    """A reset made by someone else (``kvstore reset --no-sweep``, as a trainer would after a
+    weight update) while an instance runs that looked blocks up before it; the older blocks are
+    left in Redis, so only the generation keeps the instance from loading them."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("reset-elsewhere")
+    out: dict[str, Any] = {}
+    p = [{"id": "p", "prompt_token_ids": PROMPT}]
+    half = [{"id": "half", "prompt_token_ids": HALF}]
+    with RedisServer() as server:
+        client = redis.Redis.from_url(server.url)
+        layout_file = tmp / "layout.json"
+        saver = start_engine(tmp, "saver", tiny_model, [p], core=0, url=server.url, **SHARE,
+                             layout_file=layout_file)  # fmt: skip
+        out["saver"] = finish(saver)
+        layout = StoredLayout.from_file(layout_file)
+        with LookupBuffer.from_url(server.url, namespace=layout.namespace) as store:
+            out["half_before"] = prompt_presence(store, layout, HALF)
+            gate = tmp / "after-half"
+            runner = start_engine(tmp, "runner", tiny_model, [half, p], core=1, url=server.url,
+                                  **SHARE, gates={1: gate})  # fmt: skip
+            wait_at_gate(gate)  # it loaded HALF's leading blocks from Redis (generation 0)
+            reset = subprocess.run(
+                [sys.executable, "-m", "kvstore", "--url", server.url, "reset",
+                 "--namespace", layout.namespace, "--no-sweep", "--json"],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            out["reset"] = (reset.returncode, reset.stdout + reset.stderr)
+            out["keys_after_reset"] = sorted(k.decode() for k in client.scan_iter("kv:*"))
+            out["p_after"] = prompt_presence(store, layout, PROMPT)
+        release(gate)
+        out["runner"] = finish(runner)
+    return out
+
+
+def test_presence_of_a_partly_stored_prompt_is_what_an_instance_then_loads(
+    elsewhere: dict[str, Any],
+) -> None:
+    before = elsewhere["half_before"]
+    assert before.blocks == [True, True, True, False, False]
+    assert before.loadable_blocks == 3 and before.loadable_tokens == 3 * BLOCK
+    half = elsewhere["runner"]["prompts"]["half"]
+    assert half["num_cached_tokens"] == 3 * BLOCK  # exactly those, from Redis
+    assert half["token_ids"]  # answered
+
+
+def test_a_reset_elsewhere_keeps_a_running_instance_from_loading_older_blocks_still_there(
+    elsewhere: dict[str, Any],
+) -> None:
+    rc, text = elsewhere["reset"]
+    assert rc == 0, text
+    older = [b for b in blocks_of(elsewhere["keys_after_reset"]) if b.generation == 0]
+    assert len(older) == 5 + 2  # nothing swept: the saver's 5, HALF's 2 the runner saved
+    assert elsewhere["p_after"].loadable_blocks == 0  # presence answers in the new generation
+    p = elsewhere["runner"]["prompts"]["p"]
+    # its own GPU cache still has HALF's 3 blocks (a trainer would reset that too); the
+    # other 2 of PROMPT's 5 are in Redis from before the reset: not loaded
+    assert p["num_cached_tokens"] == 3 * BLOCK
+    assert elsewhere["runner"]["metrics"].get("vllm:redis_kv_blocks_loaded", 0) == 3  # HALF's
+    assert p["token_ids"] == elsewhere["saver"]["prompts"]["p"]["token_ids"]
