@@ -12,14 +12,16 @@ Setups (each on real vLLM servers this script starts, one after another, on one 
 - ``offload``: one server with vLLM's own CPU offloading (``--kv-offloading-size``), the
   local-only alternative; vLLM supports it on CUDA and XPU only, so it is skipped elsewhere.
 
-Workloads (built locally, no downloads; the proxy's round robin sends a document's or a
-conversation's next request to the other server):
+Workloads (built locally, no downloads; in order, so that the proxy's round robin sends a
+document's or a conversation's next request to the other server -- for certain with one request
+in flight (``--quick``), for about half of them with two, as requests that start together race
+to the proxy):
 
 - ``system_prompt``: many users behind one long system prompt (vLLM's random dataset with
   ``--random-prefix-len``);
 - ``doc_qa``: several questions about each document;
 - ``multi_turn``: conversations whose every turn resends the history;
-- ``no_reuse``: random prompts that share nothing (vLLM's random dataset): the overhead.
+- ``no_reuse``: random prompts that share nothing: the overhead.
 
 Between workloads every server's prefix cache is reset and Redis emptied, so each starts
 cold. ``--quick`` is small enough for CI and checks that the figures
@@ -41,6 +43,8 @@ import json
 import os
 import platform
 import random
+import signal
+import statistics
 import string
 import sys
 import tempfile
@@ -51,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from scripts.make_tiny_model import make_model
 from testing import stack
@@ -129,6 +134,7 @@ class Row:
     local_share: float  # ... found in their own prefix cache
     external_share: float  # ... supplied by any KV connector (Redis, or vLLM's offloading)
     load_failed_blocks: float
+    rounds: int = 1
     counters: dict[str, float] = field(default_factory=dict)
 
 
@@ -138,6 +144,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"from {','.join(SETUPS)}")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"from {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", type=int, help="requests in flight (default: by size)")
+    ap.add_argument(
+        "--rounds", type=int, help="passes of each workload per setup (default 3; --quick 1)"
+    )
     ap.add_argument("--layers", type=int, default=8, help="of the tiny model")
     ap.add_argument("--model-dir", help="serve this model instead of making the tiny one")
     ap.add_argument("--served-name", default="tiny-llama")
@@ -158,6 +167,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown or not chosen:
             ap.error(f"--{name}: unknown {unknown or 'none given'}; choose from {allowed}")
         setattr(args, name, chosen)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.target and not args.metrics:
         ap.error("--target needs --metrics URL for each server that answers its requests")
     if args.target and not args.model_dir:
@@ -210,14 +223,21 @@ def multi_turn_prompts(s: Sizes, rng: random.Random) -> list[str]:
 def client_args(workload: str, s: Sizes, tmp: Path) -> list[str]:
     """vLLM's benchmark-client arguments that choose the workload's prompts."""
     rng = random.Random(f"{workload}-{s}")  # the same prompts for every setup
-    if workload in ("system_prompt", "no_reuse"):
-        prefix = s.system_tokens if workload == "system_prompt" else 0
-        suffix = s.question_tokens if workload == "system_prompt" else s.system_tokens
+    if workload == "system_prompt":
         return ["--dataset-name", "random", "--num-prompts", str(s.users),
-                "--random-prefix-len", str(prefix), "--random-input-len", str(suffix),
+                "--random-prefix-len", str(s.system_tokens),
+                "--random-input-len", str(s.question_tokens),
                 "--random-output-len", str(s.output_tokens),
                 "--random-range-ratio", "0"]  # fmt: skip
-    prompts = doc_qa_prompts(s, rng) if workload == "doc_qa" else multi_turn_prompts(s, rng)
+    if workload == "no_reuse":
+        # not vLLM's random dataset: its prompts are runs of consecutive token ids, which over
+        # a small vocabulary (the tiny model's 259) repeat one another's blocks
+        length = s.system_tokens + s.question_tokens
+        prompts = [text(rng, length) for _ in range(s.users)]
+    elif workload == "doc_qa":
+        prompts = doc_qa_prompts(s, rng)
+    else:
+        prompts = multi_turn_prompts(s, rng)
     path = tmp / f"{workload}.jsonl"
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     return ["--dataset-name", "custom", "--dataset-path", str(path), "--disable-shuffle",
@@ -311,6 +331,20 @@ def warm_up(endpoint: Endpoint, name: str) -> None:
 # ---------------------------------------------------------------------------- one run
 
 
+@dataclass
+class Round:
+    """One pass of a workload through a setup: what vLLM's client and the servers counted."""
+
+    requests: int
+    completed: int
+    failed: int
+    prompt_tokens: int
+    ttfts_ms: list[float]  # answered requests only
+    output_tok_s: float
+    request_per_s: float
+    counters: dict[str, float]
+
+
 def measure(
     setup: str,
     workload: str,
@@ -320,39 +354,61 @@ def measure(
     name: str,
     tmp: Path,
     log: Path,
-) -> Row:
+) -> Round:
     before = {u: snapshot(u) for u in endpoint.answering}
     argv = ["--backend", "vllm", "--base-url", endpoint.url, "--endpoint", "/v1/completions",
             "--model", name, "--tokenizer", model_dir, "--max-concurrency", str(s.concurrency),
             "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--disable-tqdm", "--label", f"{setup}/{workload}",
+            "--save-detailed", "--disable-tqdm", "--label", f"{setup}/{workload}",
             *client_args(workload, s, tmp)]  # fmt: skip
     result = vllm_bench_serve(argv, log)
     prompt_tokens = int(result["total_input_tokens"])
-    delta = counted(endpoint, before, prompt_tokens)
     requests = int(result["num_prompts"])
-
-    def share(counter: str) -> float:
-        return delta[counter] / prompt_tokens if prompt_tokens else 0.0
-
-    return Row(
-        setup=setup,
-        workload=workload,
+    ttfts = [1000 * t for t, err in zip(result["ttfts"], result["errors"], strict=True) if not err]
+    return Round(
         requests=requests,
         completed=int(result["completed"]),
         failed=int(result.get("failed", requests - result["completed"])),
         prompt_tokens=prompt_tokens,
-        ttft_p50_ms=float(result["p50_ttft_ms"]),
-        ttft_p90_ms=float(result["p90_ttft_ms"]),
-        ttft_p99_ms=float(result["p99_ttft_ms"]),
+        ttfts_ms=ttfts,
         output_tok_s=float(result["output_throughput"]),
         request_per_s=float(result["request_throughput"]),
+        counters=counted(endpoint, before, prompt_tokens),
+    )
+
+
+def summarize(setup: str, workload: str, rounds: list[Round]) -> Row:
+    """A setup's figures for a workload over its rounds: TTFT percentiles of every answered
+    request, throughputs averaged, shares of all prompt tokens."""
+    prompt_tokens = sum(r.prompt_tokens for r in rounds)
+    counters: dict[str, float] = {}
+    for r in rounds:
+        for k, v in r.counters.items():
+            counters[k] = counters.get(k, 0.0) + v
+    ttfts = sorted(t for r in rounds for t in r.ttfts_ms) or [0.0]
+
+    def share(counter: str) -> float:
+        return counters.get(counter, 0.0) / prompt_tokens if prompt_tokens else 0.0
+
+    return Row(
+        setup=setup,
+        workload=workload,
+        requests=sum(r.requests for r in rounds),
+        completed=sum(r.completed for r in rounds),
+        failed=sum(r.failed for r in rounds),
+        prompt_tokens=prompt_tokens,
+        ttft_p50_ms=float(np.percentile(ttfts, 50)),
+        ttft_p90_ms=float(np.percentile(ttfts, 90)),
+        ttft_p99_ms=float(np.percentile(ttfts, 99)),
+        output_tok_s=statistics.fmean(r.output_tok_s for r in rounds),
+        request_per_s=statistics.fmean(r.request_per_s for r in rounds),
         redis_share=share("vllm:redis_kv_tokens_loaded_total"),
         local_share=share("vllm:prefix_cache_hits_total"),
         external_share=share("vllm:external_prefix_cache_hits_total"),
-        load_failed_blocks=delta["vllm:redis_kv_blocks_load_failed_total"],
-        counters=delta,
+        load_failed_blocks=counters.get("vllm:redis_kv_blocks_load_failed_total", 0.0),
+        rounds=len(rounds),
+        counters=counters,
     )
 
 
@@ -384,14 +440,18 @@ def counted(
         time.sleep(0.1)
 
 
-def checks(rows: list[Row]) -> list[str]:
-    """What a sane run shows; each failure as a sentence."""
+def checks(rows: list[Row], concurrency: int = 1) -> list[str]:
+    """What a sane run shows; each failure as a sentence. (With more than one request in
+    flight, two that start together race to the proxy, so its round robin no longer sends
+    each repeat to the other server for certain: that check needs concurrency 1.)"""
     problems = []
     for r in rows:
         where = f"{r.setup}/{r.workload}"
         if r.failed or r.completed != r.requests:
             problems.append(f"{where}: {r.completed} of {r.requests} answered, {r.failed} failed")
-        alternating_ = r.workload in ALTERNATING and r.setup in ("pair", "share")
+        alternating_ = (
+            concurrency == 1 and r.workload in ALTERNATING and r.setup in ("pair", "share")
+        )
         if alternating_ and r.local_share > 0:
             problems.append(
                 f"{where}: each document's / conversation's next request should reach the "
@@ -503,8 +563,9 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
     if args.target:
         endpoint = Endpoint(args.target.rstrip("/"), args.metrics, args.metrics)
         for workload in args.workloads:
-            rows.append(measure("target", workload, endpoint, sizes, args.model_dir,
-                                args.served_name, tmp, log))  # fmt: skip
+            rounds = [measure("target", workload, endpoint, sizes, args.model_dir,
+                              args.served_name, tmp, log) for _ in range(args.rounds)]  # fmt: skip
+            rows.append(summarize("target", workload, rounds))
         return rows, skipped
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between workloads
     model = args.model_dir or str(
@@ -523,17 +584,23 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
             ) as endpoint:
                 print(f"   up in {time.monotonic() - t0:.0f}s", flush=True)
                 warm_up(endpoint, args.served_name)
-                for workload in args.workloads:
-                    reset(endpoint)
-                    row = measure(setup, workload, endpoint, sizes, model, args.served_name,
-                                  tmp, log)  # fmt: skip
-                    rows.append(row)
-                    print(table([row]).splitlines()[-1], flush=True)
+                passes: dict[str, list[Round]] = {w: [] for w in args.workloads}
+                for _ in range(args.rounds):  # rounds interleave workloads: drift hits each
+                    for workload in args.workloads:
+                        reset(endpoint)
+                        passes[workload].append(measure(
+                            setup, workload, endpoint, sizes, model, args.served_name, tmp, log
+                        ))  # fmt: skip
+                for workload, rounds in passes.items():
+                    rows.append(summarize(setup, workload, rounds))
+                    print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # a SIGTERM (CI's timeout, kill) unwinds like Ctrl-C: the servers started are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
@@ -544,11 +611,12 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     conc = args.concurrency or sizes.concurrency
     print(f"\n{machine()}; {'quick' if args.quick else 'full'} run in {elapsed:.0f}s; "
-          f"concurrency {conc}; shares are of prompt tokens")  # fmt: skip
+          f"concurrency {conc}; {args.rounds} round(s); TTFT over every answered request, "
+          "shares of all prompt tokens")  # fmt: skip
     print(table(rows))
     for setup, why in skipped.items():
         print(f"{setup}: skipped: {why}")
-    problems = checks(rows) if not args.target else []
+    problems = checks(rows, conc) if not args.target else []
     for p in problems:
         print(f"CHECK FAILED: {p}")
     if args.json:

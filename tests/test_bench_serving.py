@@ -100,6 +100,18 @@ def test_the_checks_name_what_a_broken_setup_shows(
     assert len(problems) == 1 and complaint in problems[0] and f"{setup}/{workload}" in problems[0]
 
 
+def test_with_two_requests_in_flight_repeats_may_reach_the_same_server() -> None:
+    """Requests that start together race to the proxy: no alternation is promised then."""
+    rows = [
+        replace(r, local_share=0.3)
+        if r.setup == "pair" and r.workload in ("doc_qa", "multi_turn")
+        else r
+        for r in sane_run()
+    ]
+    assert checks(rows, concurrency=2) == []
+    assert checks(rows, concurrency=1) != []
+
+
 def test_a_pool_that_never_loads_from_redis_fails_the_run() -> None:
     rows = [
         replace(r, redis_share=0.0, external_share=0.0) if r.setup == "share" else r
