@@ -11,7 +11,6 @@ so token ids alone would let two different prompts share blocks).
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +18,7 @@ import xxhash
 
 from kvstore import chain_hashes
 from kvstore.keys import at_generation
+from kvstore.presence import prompt_salt
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -26,27 +26,19 @@ if TYPE_CHECKING:
 
 def request_salt(request: Request) -> str:
     """Everything request-wide besides the tokens that changes the KV of a prompt: LoRA adapter,
-    cache_salt, multimodal inputs. It seeds the chain, so such prompts never share blocks by
-    accident. JSON, so that no value can pass for another field (a LoRA path holding
-    "|salt=...", a cache_salt holding an image's identifier); "" when there is none, so a plain
-    prompt's chain is the same everywhere."""
-    parts: list[list[str]] = []
+    cache_salt, multimodal inputs (``kvstore.presence.prompt_salt``, which routers asking for a
+    prompt's presence call with the same fields). It seeds the chain, so such prompts never
+    share blocks by accident."""
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(
-            ["lora", str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", ""))]
-        )
-    if getattr(request, "cache_salt", None):
-        parts.append(["salt", str(request.cache_salt)])
-    for feature in getattr(request, "mm_features", None) or []:
-        parts.append(
-            [
-                "mm",
-                str(getattr(feature, "identifier", "")),
-                str(getattr(feature, "mm_position", "")),
-            ]
-        )
-    return json.dumps(parts, separators=(",", ":")) if parts else ""
+    return prompt_salt(
+        lora_name=None if lora is None else str(getattr(lora, "lora_name", "")),
+        lora_path="" if lora is None else str(getattr(lora, "lora_path", "")),
+        cache_salt=str(request.cache_salt) if getattr(request, "cache_salt", None) else None,
+        multimodal=[
+            (str(getattr(f, "identifier", "")), str(getattr(f, "mm_position", "")))
+            for f in getattr(request, "mm_features", None) or []
+        ],
+    )
 
 
 def handoff_salt(salt: str, handoff_id: str) -> str:

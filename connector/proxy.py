@@ -312,7 +312,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
     @app.post("/kv/presence")
     async def kv_presence(request: Request) -> Response:
         """Which leading blocks of a prompt are in Redis (``kvstore.presence``): body
-        ``{"token_ids": [...]}`` or ``{"prompt": "..."}`` (tokenized by a decode server)."""
+        ``{"token_ids": [...]}`` or ``{"prompt": "..."}`` (tokenized by a decode server), and
+        the request's ``cache_salt`` / ``lora_name`` / ``lora_path`` where it has them."""
         try:
             body = await request.json()
         except ValueError:
@@ -328,7 +329,18 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 400, 'give "token_ids" (a list of ints) or "prompt" (a string)',
                 "invalid_request_error", "token_ids",
             )  # fmt: skip
-        return await presence.answer(token_ids)
+        salt_fields = {k: body.get(k) for k in ("cache_salt", "lora_name", "lora_path")}
+        bad = [k for k, v in salt_fields.items() if v is not None and not isinstance(v, str)]
+        if bad:
+            return openai_error(400, f"{bad[0]} must be a string", "invalid_request_error", bad[0])
+        from kvstore.presence import prompt_salt
+
+        salt = prompt_salt(
+            lora_name=salt_fields["lora_name"],
+            lora_path=salt_fields["lora_path"] or "",
+            cache_salt=salt_fields["cache_salt"],
+        )
+        return await presence.answer(token_ids, salt)
 
     async def routing_tokens(body: dict, path: str) -> list[int] | None:
         """The prompt's token ids, to match against the servers' caches; None (route by load)
@@ -420,7 +432,7 @@ class PresenceService:
         self._layout: Any = None
         self._opening = threading.Lock()  # requests run in threads: one store, opened once
 
-    async def answer(self, token_ids: list[int]) -> Response:
+    async def answer(self, token_ids: list[int], salt: str = "") -> Response:
         from kvstore import InvalidArgumentError, InvalidURLError, KVStoreError
 
         if not self._url or not self._layout_file:
@@ -431,14 +443,14 @@ class PresenceService:
                 "not_configured",
             )
         try:
-            found = await asyncio.to_thread(self._presence, token_ids)
+            found = await asyncio.to_thread(self._presence, token_ids, salt)
         except (InvalidArgumentError, InvalidURLError) as exc:  # the proxy's own configuration
             return openai_error(500, str(exc), "not_configured")
         except KVStoreError as exc:
             return openai_error(503, f"Redis: {exc}", "store_unavailable")
         return JSONResponse(found)
 
-    def _presence(self, token_ids: list[int]) -> dict[str, Any]:
+    def _presence(self, token_ids: list[int], salt: str) -> dict[str, Any]:
         from kvstore import LookupBuffer
         from kvstore.presence import StoredLayout, prompt_presence
 
@@ -449,7 +461,7 @@ class PresenceService:
                 self._store = LookupBuffer.from_url(
                     self._url, namespace=self._layout.namespace, check=False
                 )
-        return prompt_presence(self._store, self._layout, token_ids).as_dict()
+        return prompt_presence(self._store, self._layout, token_ids, salt).as_dict()
 
     def close(self) -> None:
         if self._store is not None:

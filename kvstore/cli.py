@@ -315,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     tokens = p_pr.add_mutually_exclusive_group(required=True)
     tokens.add_argument("--tokens", help="the prompt's token ids, comma-separated")
     tokens.add_argument("--tokens-file", help="a JSON list of token ids ('-': standard input)")
+    p_pr.add_argument("--cache-salt", help="the request's cache_salt, if it has one")
+    p_pr.add_argument("--lora-name", help="the request's LoRA adapter (as vLLM names it)")
+    p_pr.add_argument("--lora-path", default="", help="... and its path, as the server has it")
     args = ap.parse_args(argv)
     from rich.console import Console  # after parsing: --help stays fast
     from rich.markup import escape  # messages and keys may hold "[...]": never markup
@@ -414,7 +417,12 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             )
         return 0
     if args.cmd == "present":
-        found = present(args.url, args.prefix, args.layout, _token_ids(args))
+        from .presence import prompt_salt
+
+        salt = prompt_salt(
+            lora_name=args.lora_name, lora_path=args.lora_path, cache_salt=args.cache_salt
+        )
+        found = present(args.url, args.prefix, args.layout, _token_ids(args), salt)
         if args.json:
             print(json.dumps(found))
         else:
@@ -456,7 +464,9 @@ def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -
     return {"namespace": namespace, "generation": generation, "unlinked": unlinked}
 
 
-def present(url: str, prefix: str, layout_file: str, token_ids: list[int]) -> dict[str, Any]:
+def present(
+    url: str, prefix: str, layout_file: str, token_ids: list[int], salt: str = ""
+) -> dict[str, Any]:
     """``kvstore.presence.prompt_presence`` of ``token_ids`` under the layout in the file."""
     from .lookup_buffer import LookupBuffer
     from .presence import StoredLayout, prompt_presence
@@ -465,7 +475,7 @@ def present(url: str, prefix: str, layout_file: str, token_ids: list[int]) -> di
     with LookupBuffer.from_url(
         url, namespace=layout.namespace, key_prefix=prefix, check=False
     ) as buf:
-        return prompt_presence(buf, layout, token_ids).as_dict()
+        return prompt_presence(buf, layout, token_ids, salt).as_dict()
 
 
 if __name__ == "__main__":

@@ -146,6 +146,26 @@ class Presence:
         }
 
 
+def prompt_salt(
+    *,
+    lora_name: str | None = None,
+    lora_path: str = "",
+    cache_salt: str | None = None,
+    multimodal: Sequence[tuple[str, str]] = (),
+) -> str:
+    """The salt that seeds a prompt's chain: everything request-wide besides the tokens that
+    changes its KV (the connector's ``request_salt`` is this of a vLLM request). JSON, so that
+    no value can pass for another field; "" when there is none, so a plain prompt's chain is
+    the same everywhere. ``multimodal``: (identifier, position) per input, as vLLM names them."""
+    parts: list[list[str]] = []
+    if lora_name is not None:
+        parts.append(["lora", lora_name, lora_path])
+    if cache_salt:
+        parts.append(["salt", cache_salt])
+    parts += [["mm", identifier, position] for identifier, position in multimodal]
+    return json.dumps(parts, separators=(",", ":")) if parts else ""
+
+
 def prompt_presence(
     store: LookupBuffer, layout: StoredLayout, token_ids: Sequence[int], salt: str = ""
 ) -> Presence:

@@ -160,3 +160,47 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
             assert r.status_code == 501 and "--redis-url" in r.json()["error"]["message"]
     finally:
         next(bare, None)
+
+
+def test_a_salted_prompt_is_found_with_the_salt_the_connector_gives_its_request(
+    store: LookupBuffer, redis_url: str, layout_file: Path
+) -> None:
+    """A request with a cache_salt and a LoRA adapter is chained under a salt: a router asking
+    for it passes the same fields (CLI, HTTP) and gets what the connector would load."""
+    from types import SimpleNamespace
+
+    from connector.chains import request_salt
+    from kvstore.presence import prompt_salt
+
+    request = SimpleNamespace(
+        lora_request=SimpleNamespace(lora_name="sql", lora_path="/adapters/sql"),
+        cache_salt="tenant-a",
+        mm_features=[],
+    )
+    salt = request_salt(request)  # type: ignore[arg-type]
+    assert salt == prompt_salt(lora_name="sql", lora_path="/adapters/sql", cache_salt="tenant-a")
+    store.insert_many([(h, value()) for h in chain_hashes(TOKENS, BS, salt)[:4]])
+    layout = StoredLayout.from_file(layout_file)
+    assert prompt_presence(store, layout, TOKENS).loadable_blocks == 0  # unsalted: other keys
+    assert prompt_presence(store, layout, TOKENS, salt).loadable_blocks == 4
+    kvstore = [sys.executable, "-m", "kvstore", "--url", redis_url]
+    out = subprocess.run(
+        [*kvstore, "present", "--layout", str(layout_file), "--tokens", ",".join(map(str, TOKENS)),
+         "--cache-salt", "tenant-a", "--lora-name", "sql", "--lora-path", "/adapters/sql",
+         "--json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout)["loadable_blocks"] == 4
+    cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
+                      layout_file=str(layout_file))  # fmt: skip
+    gen = run_server(build_app(cfg))
+    try:
+        with httpx.Client(base_url=next(gen), timeout=30) as c:
+            body = {"token_ids": TOKENS, "cache_salt": "tenant-a", "lora_name": "sql",
+                    "lora_path": "/adapters/sql"}  # fmt: skip
+            assert c.post("/kv/presence", json=body).json()["loadable_blocks"] == 4
+            assert c.post("/kv/presence", json={"token_ids": TOKENS}).json()["loadable_blocks"] == 0
+            bad = c.post("/kv/presence", json={"token_ids": TOKENS, "cache_salt": 7})
+            assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+    finally:
+        next(gen, None)
