@@ -84,6 +84,7 @@ def make_configs(
     sliding_window: int | None = None,
     sliding_only: bool = False,
     state_layers: int = 0,
+    state_type: str = "GDN_ATTN",
     attention: bool = True,
     kv_events: bool = False,
     **extra: Any,
@@ -141,7 +142,10 @@ def make_configs(
     if state_layers:
         vllm_config.cache_config.mamba_cache_mode = "align"
         vllm_config.cache_config.mamba_block_size = BS
-        states = [KVCacheGroupSpec([name], state_spec()) for name in STATE_LAYERS[:state_layers]]
+        states = [
+            KVCacheGroupSpec([name], state_spec(mamba_type=state_type))
+            for name in STATE_LAYERS[:state_layers]
+        ]
         groups = groups + states if attention else states
     kv_cache_config = KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups

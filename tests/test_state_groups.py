@@ -294,8 +294,12 @@ def test_a_loaded_state_offered_again_is_not_saved_again(
 # ---------------------------------------------------------------------------------- worker
 
 
-def state_worker(tiny_model: Path, num_blocks: int = 8) -> tuple[RedisConnector, dict]:
-    return make_worker_connector(tiny_model, URL, num_blocks, state_layers=STATES)
+def state_worker(
+    tiny_model: Path, num_blocks: int = 8, state_type: str = "GDN_ATTN"
+) -> tuple[RedisConnector, dict]:
+    return make_worker_connector(
+        tiny_model, URL, num_blocks, state_layers=STATES, state_type=state_type
+    )
 
 
 def pages(cache: torch.Tensor) -> torch.Tensor:
@@ -312,10 +316,13 @@ def fill(caches: dict[str, torch.Tensor], seed: int) -> None:
             t.copy_(torch.randn(t.shape, generator=gen))
 
 
+@pytest.mark.parametrize("state_type", ["GDN_ATTN", "MAMBA2"])
 def test_states_round_trip_bit_exact_writing_only_their_bytes(
-    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, state_type: str
 ) -> None:
-    src, src_kv = state_worker(tiny_model)
+    """Gated delta-net (Qwen3-Next) and Mamba2 (Granite-4, Nemotron-H) layers' states: a
+    conv state and a recurrent state in one page each, as vLLM lays them out."""
+    src, src_kv = state_worker(tiny_model, state_type=state_type)
     fill(src_kv, 1)
     hashes = chain_hashes(list(range(3 * BS)), BS)
     saves = [
@@ -329,7 +336,7 @@ def test_states_round_trip_bit_exact_writing_only_their_bytes(
     assert {f"{h}.g0" for h in hashes} <= stored
     assert {k for k in stored if not k.endswith(".g0")} == {f"{hashes[2]}.g1", f"{hashes[2]}.g2"}
 
-    dst, dst_kv = state_worker(tiny_model)
+    dst, dst_kv = state_worker(tiny_model, state_type=state_type)
     fill(dst_kv, 2)
     before = {
         name: pages(t).clone() if t.dtype == torch.int8 else t.clone() for name, t in dst_kv.items()
