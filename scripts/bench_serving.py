@@ -160,6 +160,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--plot-dir", help="draw serving_ttft.png and serving_hits.png here")
     ap.add_argument("--log-dir", help="keep the servers' and the client's logs here")
+    ap.add_argument(
+        "--replot", metavar="JSON", help="only redraw the plots of an earlier run (--plot-dir)"
+    )
     args = ap.parse_args(argv)
     for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS)):
         chosen = [s for s in getattr(args, name).split(",") if s]
@@ -492,13 +495,17 @@ def table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
+    """serving_ttft.png (TTFT p50 per setup and workload, whisker to p90) and serving_hits.png
+    (prompt tokens from the local cache, solid, and from Redis, hatched, one colour a setup)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     workloads = list(dict.fromkeys(r.workload for r in rows))
     setups = list(dict.fromkeys(r.setup for r in rows))
+    colours = {s: plt.get_cmap("tab10")(i) for i, s in enumerate(setups)}
     by = {(r.setup, r.workload): r for r in rows}
     width = 0.8 / len(setups)
     paths = []
@@ -507,20 +514,30 @@ def plot(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         for i, setup in enumerate(setups):
             xs = [w + i * width for w in range(len(workloads))]
             got = [by.get((setup, w)) for w in workloads]
+            c = colours[setup]
             if kind == "ttft":
                 p50 = [r.ttft_p50_ms if r else 0 for r in got]
                 p90 = [r.ttft_p90_ms - r.ttft_p50_ms if r else 0 for r in got]
-                ax.bar(xs, p50, width, label=setup, yerr=[[0] * len(p50), p90], capsize=3)
+                ax.bar(xs, p50, width, color=c, label=setup, yerr=[[0] * len(p50), p90],
+                       capsize=3)  # fmt: skip
             else:
                 local = [100 * r.local_share if r else 0 for r in got]
                 redis_ = [100 * r.redis_share if r else 0 for r in got]
-                ax.bar(xs, local, width, label=f"{setup}: local cache", alpha=0.55)
-                ax.bar(xs, redis_, width, bottom=local, label=f"{setup}: Redis", hatch="//")
+                ax.bar(xs, local, width, color=c)
+                ax.bar(xs, redis_, width, bottom=local, color=c, alpha=0.45, hatch="//",
+                       edgecolor="white")  # fmt: skip
         ax.set_xticks([w + 0.4 - width / 2 for w in range(len(workloads))], workloads)
-        ax.set_ylabel(
-            "TTFT p50 (ms), whisker to p90" if kind == "ttft" else "prompt tokens from cache (%)"
-        )
-        ax.legend(fontsize=7, ncol=2 if kind == "hits" else 1)
+        if kind == "ttft":
+            ax.set_ylabel("TTFT p50 (ms), whisker to p90")
+            ax.legend(fontsize=8)
+        else:
+            ax.set_ylabel("prompt tokens served from cache (%)")
+            handles = [Patch(color=colours[s], label=s) for s in setups] + [
+                Patch(facecolor="white", edgecolor="black", label="local (GPU) cache"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="Redis"),
+            ]
+            ax.legend(handles=handles, fontsize=7, ncol=2, loc="upper right")
+            ax.set_ylim(0, 119)
         ax.set_title(title, fontsize=9)
         fig.tight_layout()
         path = out_dir / f"serving_{kind}.png"
@@ -528,6 +545,11 @@ def plot(rows: list[Row], out_dir: Path, title: str) -> list[Path]:
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def title(machine_: str, args: dict[str, Any]) -> str:
+    size = "--quick" if args.get("quick") else "full"
+    return f"vllm bench serve, {size}, {args.get('rounds')} round(s) ({machine_})"
 
 
 def machine() -> str:
@@ -599,6 +621,12 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        earlier = json.loads(Path(args.replot).read_text())
+        out = Path(args.plot_dir or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        plot([Row(**r) for r in earlier["rows"]], out, title(earlier["machine"], earlier["args"]))
+        return 0
     # a SIGTERM (CI's timeout, kill) unwinds like Ctrl-C: the servers started are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as tmp_dir:
@@ -628,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot_dir and rows:
         out = Path(args.plot_dir)
         out.mkdir(parents=True, exist_ok=True)
-        plot(rows, out, f"vllm bench serve per setup ({machine()})")
+        plot(rows, out, title(machine(), vars(args)))
     return 1 if problems else 0
 
 
