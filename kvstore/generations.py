@@ -8,23 +8,23 @@ trip), so an instance sees a reset within one lookup and never looks up an older
 Older blocks stay until their TTL, or until ``sweep`` unlinks them, in bounded SCAN batches off
 the serving path.
 
-The counter never goes back: a client remembers the highest generation it read, raises the
-counter back to it if it reads less (the counter evicted, flushed, or restored from an older
-snapshot, maybe by another client that knew less), and bumps from the higher of the two. So
-blocks of an older generation can never be named again, and every client converges on the
-highest generation any of them knew (with one remembering less, they would otherwise disagree
-for good: a consumer ignores every handoff named in a generation other than its own).
+The counter never goes back for a client: it remembers the highest generation it read, and
+when it reads less (the counter evicted, flushed, restored from an older snapshot -- or lost,
+then bumped by a reset made since, which looks the same) it starts a generation past what it
+knew: known + 1, never known, so a reset made after the loss still invalidates every block
+this client could name. Clients converge on one generation (one left remembering less would
+otherwise disagree for good: a consumer ignores every handoff named in another generation);
+the price of a lost counter is one invalidation of the pool.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
-from .errors import KVStoreError
+from .errors import KVStoreError, StorePermissionError
 from .guard import Guard
 from .keys import KeySpace, parse_key
 from .transport import Transport
@@ -33,34 +33,49 @@ logger = logging.getLogger("kvstore")
 
 SWEEP_BATCH = 1000  # keys per SCAN page and per UNLINK
 
+# A counter that is not a plain decimal (garbage, "1e1") reads 0, in Lua as in Python: clients
+# must agree on what a counter says
+_READ_LUA = """
+local raw = redis.call('GET', KEYS[1])
+local current = 0
+if raw and string.match(raw, '^%d+$') then current = tonumber(raw) end
+"""
+
 # max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
-BUMP_LUA = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+BUMP_LUA = (
+    _READ_LUA
+    + """
 local floor = tonumber(ARGV[1])
 if floor > current then current = floor end
 current = current + 1
 redis.call('SET', KEYS[1], current, 'KEEPTTL')
 return current
 """
+)
 
-# max(counter, the caller's floor), written back when the floor is higher: never lowers it
-RAISE_LUA = """
-local current = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
-local floor = tonumber(ARGV[1])
-if floor > current then
-  redis.call('SET', KEYS[1], floor, 'KEEPTTL')
-  return floor
+# a counter below what the caller knew (ARGV[1]) becomes known + 1; one at or above it stays
+RAISE_LUA = (
+    _READ_LUA
+    + """
+local known = tonumber(ARGV[1])
+if current < known then
+  current = known + 1
+  redis.call('SET', KEYS[1], current, 'KEEPTTL')
 end
 return current
 """
+)
 
 
 def parse_generation(reply: Any) -> int:
-    """A counter's GET reply as a generation (a missing or unreadable counter reads 0)."""
-    try:
-        return max(0, int(reply)) if reply is not None else 0
-    except (TypeError, ValueError):
-        return 0
+    """A counter's GET reply as a generation: a plain decimal; a missing or unreadable counter
+    reads 0 (as the scripts read it)."""
+    raw = reply.encode() if isinstance(reply, str) else reply
+    if isinstance(raw, (bytes, bytearray)) and raw.isdigit():
+        return int(raw)
+    if isinstance(raw, int) and raw >= 0:
+        return raw
+    return 0
 
 
 class Generations:
@@ -75,7 +90,8 @@ class Generations:
         self._lock = threading.Lock()
         self._bump_script = transport.control.register_script(BUMP_LUA)
         self._raise_script = transport.control.register_script(RAISE_LUA)
-        self._raise_failed = False
+        self._scripts_refused: StorePermissionError | None = None  # this user has no EVALSHA
+        self._left_below: Any = object()  # a lower counter this client could not raise
 
     @property
     def known(self) -> int:
@@ -90,40 +106,54 @@ class Generations:
                 self._known = value
             known = self._known
         if value < known:
-            return self._raise(known)
+            return self._raise(known, reply)
         return known
 
-    def _raise(self, known: int) -> int:
-        """The counter reads less than this client knows (vanished, flushed, or put back by a
-        client that knew less): raise it (atomically; a later reset wins). A user without
-        EVALSHA (the producer's and share mode's ACL rules) can still put back a vanished
-        counter (SET NX); a lower one it leaves, keeping its own generation, and says so once:
-        it loads nothing named before it, but may disagree with other instances."""
-        try:
-            value = self._guard.call(
-                "EVALSHA", lambda: self._raise_script(keys=[self.key], args=[known])
-            )
-        except KVStoreError as exc:
+    def _raise(self, known: int, reply: Any) -> int:
+        """The counter reads less than this client knows: make it known + 1 (atomic; a reset
+        made meanwhile wins). A user without EVALSHA (the producer's and share mode's ACL
+        rules) can still fill a vanished counter (SET NX); a lower one it leaves, keeps its own
+        generation, and says so once (it loads nothing named before it, but may disagree with
+        other instances). Neither is tried again for the same reading: a lookup pays no extra
+        round trips for it."""
+        if reply == self._left_below:
+            return known
+        if self._scripts_refused is None:
+            try:
+                value = self._guard.call(
+                    "EVALSHA", lambda: self._raise_script(keys=[self.key], args=[known])
+                )
+            except StorePermissionError as exc:
+                self._scripts_refused = exc
+            except KVStoreError:
+                return known  # Redis failing or slow: counted by the guard; the next read retries
+            else:
+                return self._adopt(parse_generation(value))
+        if reply is None:
 
             def fill(pipe: Any) -> None:
-                pipe.set(self.key, known, nx=True)
+                pipe.set(self.key, known + 1, nx=True)
 
-            with contextlib.suppress(KVStoreError):
+            try:
                 if self._guard.call("SET", lambda: self._transport.pipeline(fill))[0]:
-                    return known
-            if not self._raise_failed:
-                self._raise_failed = True
-                logger.warning(
-                    "kvstore: the namespace's generation counter reads less than this client "
-                    "knows (%d) and could not be raised (%s): instances may name blocks in "
-                    "different generations until the next reset; allow +evalsha "
-                    "+script|load for this user",
-                    known,
-                    exc,
-                )
-            return known
+                    return self._adopt(known + 1)
+            except KVStoreError:
+                pass  # counted by the guard; the next read retries
+            return known  # (or another client filled it first: the next read sees it)
+        self._left_below = reply
+        logger.warning(
+            "kvstore: the namespace's generation counter reads %r, less than this client "
+            "knows (%d), and this user may not raise it (%s): instances may name blocks in "
+            "different generations until the next reset; allow +evalsha +script|load",
+            reply,
+            known,
+            self._scripts_refused,
+        )
+        return known
+
+    def _adopt(self, value: int) -> int:
         with self._lock:
-            self._known = max(self._known, parse_generation(value))
+            self._known = max(self._known, value)
             return self._known
 
     def read(self) -> int:

@@ -47,10 +47,9 @@ def test_a_reset_renames_every_block_and_a_second_reader_sees_it_with_its_next_s
 
 
 def test_instances_that_knew_different_generations_converge_after_a_flush() -> None:
-    """Two resets by two instances, then FLUSHALL (or a restart without persistence): the one
-    that knew less put the counter back at its own generation first, and the consumer-side
-    instance, knowing more, would never agree with it again (each of a producer's handoffs
-    ignored for good). Whoever reads less than it knows raises the counter."""
+    """Two resets by two instances, then FLUSHALL (or a restart without persistence): one
+    left at 1 and the other at 2 would never agree again (every handoff of a producer
+    ignored). Whoever reads less than it knows moves the counter past what it knew."""
     server = fakeredis.FakeServer()
     r = fakeredis.FakeRedis(server=server)
     producer = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
@@ -58,12 +57,46 @@ def test_instances_that_knew_different_generations_converge_after_a_flush() -> N
     assert producer.reset() == 1
     assert consumer.reset() == 2
     r.flushall()
-    assert producer.read_generation() == 1  # all it knew: put back at 1
-    assert r.get("kv:ns:generation") == b"1"
-    assert consumer.read_generation() == 2  # reads 1, knows 2: raised
+    assert producer.read_generation() == 2  # it knew 1: the counter is now past it
+    assert consumer.read_generation() == 2  # it knew 2: nothing to raise
     assert r.get("kv:ns:generation") == b"2"
-    assert producer.read_generation() == 2  # converged
     assert consumer.survey([["h"]]).generation == 2 and producer.generation == 2
+
+
+def test_a_reset_made_after_the_counter_was_lost_still_invalidates_every_block() -> None:
+    """The counter alone evicted, then ``kvstore reset`` from a fresh client (which bumps from
+    0 to 1): an instance that knew 3 must not take the counter back to 3, under which the
+    blocks saved before the reset would be found again."""
+    server = fakeredis.FakeServer()
+    r = fakeredis.FakeRedis(server=server)
+    instance = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    for _ in range(3):
+        instance.reset()
+    instance.insert(at_generation("h", 3), value())
+    r.delete("kv:ns:generation")
+    trainer = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    assert trainer.reset() == 1
+    seen = instance.read_generation()
+    assert seen > 3  # past every generation it could have named blocks in
+    assert instance.survey([[at_generation("h", seen)]]).presences == [[False]]
+    fresh = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    assert fresh.read_generation() == seen  # every client on one generation
+
+
+def test_a_counter_that_is_not_a_plain_number_reads_0_everywhere() -> None:
+    """Lua's tonumber takes "1e1" and "0x10", Python's int does not: both read such a counter
+    as 0, so a client that knows more moves it past what it knew and all agree."""
+    server = fakeredis.FakeServer()
+    r = fakeredis.FakeRedis(server=server)
+    knows = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+    knows.reset()
+    knows.reset()
+    for garbage in (b"1e1", b"0x10", b" 7", b"-3"):
+        r.set("kv:ns:generation", garbage)
+        seen = knows.read_generation()
+        assert r.get("kv:ns:generation") == str(seen).encode()
+        fresh = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
+        assert fresh.read_generation() == seen
 
 
 def test_the_counter_never_goes_back_when_it_vanishes() -> None:
@@ -72,10 +105,10 @@ def test_the_counter_never_goes_back_when_it_vanishes() -> None:
     buf.reset()
     buf.reset()
     r.delete("kv:ns:generation")  # evicted or flushed
-    assert buf.read_generation() == 2
-    assert r.get("kv:ns:generation") == b"2"  # put back for everyone else
+    assert buf.read_generation() == 3  # past what it knew: a reset may have come meanwhile
+    assert r.get("kv:ns:generation") == b"3"  # put back for everyone else
     r.delete("kv:ns:generation")
-    assert buf.reset() == 3  # bumped from what this client knew, not from 0
+    assert buf.reset() == 4  # bumped from what this client knew, not from 0
 
 
 def test_the_sweep_unlinks_older_blocks_of_every_fingerprint_and_nothing_else() -> None:
@@ -139,8 +172,9 @@ def test_resets_run_on_a_real_server_under_the_documented_acl(
 def test_a_user_without_scripts_puts_a_vanished_counter_back_and_warns_of_a_lower_one(
     private_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The share-mode and producer ACL rules have no EVALSHA: such a client still restores a
-    counter that vanished (SET NX); one that reads lower it cannot raise, and says so once."""
+    """The share-mode and producer ACL rules have no EVALSHA: such a client still fills a
+    counter that vanished (SET NX, past what it knew); one that reads lower it cannot raise,
+    says so once, and does not try again on every lookup."""
     admin = redis.Redis.from_url(private_redis.url)
     admin.set("kv:ns:generation", 3)
     rule = acl_rule(["ping", "generation", "lookup", "insert"])
@@ -150,10 +184,18 @@ def test_a_user_without_scripts_puts_a_vanished_counter_back_and_warns_of_a_lowe
     with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
         assert buf.read_generation() == 3
         admin.delete("kv:ns:generation")
-        assert buf.read_generation() == 3 and admin.get("kv:ns:generation") == b"3"
+        assert buf.read_generation() == 4 and admin.get("kv:ns:generation") == b"4"
         admin.set("kv:ns:generation", 1)
+
+        def calls(cmd: str) -> tuple[int, int]:
+            stats = admin.info("commandstats").get(f"cmdstat_{cmd}", {})
+            return stats.get("calls", 0), stats.get("rejected_calls", 0)
+
         with caplog.at_level("WARNING", logger="kvstore"):
-            assert buf.read_generation() == 3 and buf.read_generation() == 3
+            assert buf.read_generation() == 4
+            before = calls("evalsha"), calls("set")
+            assert [buf.read_generation() for _ in range(5)] == [4] * 5
+            assert (calls("evalsha"), calls("set")) == before  # no retries per lookup
         assert admin.get("kv:ns:generation") == b"1"  # left as it was: no script allowed
-        warnings = [r for r in caplog.records if "could not be raised" in r.getMessage()]
+        warnings = [r for r in caplog.records if "may not raise it" in r.getMessage()]
         assert len(warnings) == 1 and "+evalsha" in warnings[0].getMessage()
