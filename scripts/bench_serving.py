@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import platform
 import random
@@ -170,6 +171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if unknown or not chosen:
             ap.error(f"--{name}: unknown {unknown or 'none given'}; choose from {allowed}")
         setattr(args, name, chosen)
+    if args.concurrency is not None and args.concurrency < 1:
+        ap.error("--concurrency must be at least 1")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     if args.rounds < 1:
@@ -366,7 +369,9 @@ def measure(
             "--save-detailed", "--disable-tqdm", "--label", f"{setup}/{workload}",
             *client_args(workload, s, tmp)]  # fmt: skip
     result = vllm_bench_serve(argv, log)
-    prompt_tokens = int(result["total_input_tokens"])
+    # every request's prompt, failed ones too (vLLM's total_input_tokens counts the answered
+    # ones only, while the servers count whatever reached them)
+    prompt_tokens = sum(int(n) for n in result["input_lens"])
     requests = int(result["num_prompts"])
     ttfts = [1000 * t for t, err in zip(result["ttfts"], result["errors"], strict=True) if not err]
     return Round(
@@ -389,7 +394,7 @@ def summarize(setup: str, workload: str, rounds: list[Round]) -> Row:
     for r in rounds:
         for k, v in r.counters.items():
             counters[k] = counters.get(k, 0.0) + v
-    ttfts = sorted(t for r in rounds for t in r.ttfts_ms) or [0.0]
+    ttfts = sorted(t for r in rounds for t in r.ttfts_ms) or [math.nan]  # none answered
 
     def share(counter: str) -> float:
         return counters.get(counter, 0.0) / prompt_tokens if prompt_tokens else 0.0
@@ -443,15 +448,22 @@ def counted(
         time.sleep(0.1)
 
 
+def answered(rows: list[Row]) -> list[str]:
+    """Every request answered (all a run against servers we did not start can be held to)."""
+    return [
+        f"{r.setup}/{r.workload}: {r.completed} of {r.requests} answered, {r.failed} failed"
+        for r in rows
+        if r.failed or r.completed != r.requests
+    ]
+
+
 def checks(rows: list[Row], concurrency: int = 1) -> list[str]:
     """What a sane run shows; each failure as a sentence. (With more than one request in
     flight, two that start together race to the proxy, so its round robin no longer sends
     each repeat to the other server for certain: that check needs concurrency 1.)"""
-    problems = []
+    problems = answered(rows)
     for r in rows:
         where = f"{r.setup}/{r.workload}"
-        if r.failed or r.completed != r.requests:
-            problems.append(f"{where}: {r.completed} of {r.requests} answered, {r.failed} failed")
         alternating_ = (
             concurrency == 1 and r.workload in ALTERNATING and r.setup in ("pair", "share")
         )
@@ -627,8 +639,14 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         plot([Row(**r) for r in earlier["rows"]], out, title(earlier["machine"], earlier["args"]))
         return 0
+
     # a SIGTERM (CI's timeout, kill) unwinds like Ctrl-C: the servers started are stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # (a second one is ignored, so that it cannot cut the stopping short)
+    def on_sigterm(*_: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
         log_dir = Path(args.log_dir) if args.log_dir else tmp / "logs"
@@ -644,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     for setup, why in skipped.items():
         print(f"{setup}: skipped: {why}")
-    problems = checks(rows, conc) if not args.target else []
+    problems = checks(rows, conc) if not args.target else answered(rows)
     for p in problems:
         print(f"CHECK FAILED: {p}")
     if args.json:

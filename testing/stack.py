@@ -66,11 +66,17 @@ class Proc:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after 15 s."""
+        self.terminate()
+        self.wait_or_kill()
+
+    def terminate(self) -> None:
         # each process is its own group leader: vLLM's engine and worker processes go with it
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGTERM)
+
+    def wait_or_kill(self, timeout_s: float = 15) -> None:
         try:
-            self.popen.wait(timeout=15)
+            self.popen.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
 
@@ -222,6 +228,10 @@ class Stack:
         return proc
 
     def stop(self) -> None:
+        """Every process told to stop first, then each waited for: an interruption while
+        waiting (a second signal) leaves none of them unsignalled, and they stop together."""
         for p in reversed(self.procs):
-            p.stop()
+            p.terminate()
+        for p in reversed(self.procs):
+            p.wait_or_kill()
         self.procs.clear()

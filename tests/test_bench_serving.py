@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 import subprocess
 import sys
@@ -147,3 +148,27 @@ def test_quick_runs_every_setup_with_sane_figures(tmp_path: Path) -> None:
     assert by[("pair", "doc_qa")]["redis_share"] == 0
     assert all(r["failed"] == 0 and r["ttft_p50_ms"] > 0 for r in result["rows"])
     assert (tmp_path / "serving_ttft.png").stat().st_size > 0
+
+
+def test_failed_requests_count_in_the_shares_and_leave_no_made_up_ttft() -> None:
+    from scripts.bench_serving import Round, answered, summarize
+
+    counters = {"vllm:prefix_cache_hits_total": 300.0, "vllm:redis_kv_tokens_loaded_total": 100.0}
+    one_of_four = Round(requests=4, completed=1, failed=3, prompt_tokens=400, ttfts_ms=[12.0],
+                        output_tok_s=1.0, request_per_s=1.0, counters=counters)  # fmt: skip
+    row = summarize("target", "doc_qa", [one_of_four])
+    assert (row.local_share, row.redis_share) == (0.75, 0.25)  # of every prompt sent
+    assert answered([row]) == ["target/doc_qa: 1 of 4 answered, 3 failed"]
+    none = replace(one_of_four, completed=0, failed=4, ttfts_ms=[])
+    assert math.isnan(summarize("target", "doc_qa", [none]).ttft_p50_ms)  # not 0 ms
+
+
+@pytest.mark.parametrize("bad", [["--concurrency", "0"], ["--concurrency", "-1"],
+                                 ["--rounds", "0"], ["--setups", "single,nope"],
+                                 ["--target", "http://x"]])  # fmt: skip
+def test_bad_arguments_are_refused_before_any_server_starts(bad: list[str]) -> None:
+    from scripts.bench_serving import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(bad)
+    assert exit_info.value.code == 2
