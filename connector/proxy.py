@@ -99,6 +99,8 @@ class ProxyConfig:
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
+    if not cfg.decode:
+        raise ValueError("the proxy needs decode servers (with prefill servers) or pool servers")
     prefill = Pool("prefill", cfg.prefill, cfg.policy)
     decode = Pool("decode" if cfg.prefill else "pool", cfg.decode, cfg.policy)
     indexes: dict[str, PrefixIndex] = {}
@@ -115,7 +117,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         unknown = sorted(set(events) - set(indexes))
         if unknown:
             raise ValueError(
-                f"--events names servers that are neither --prefill nor --decode: {unknown}"
+                f"--events names servers the proxy does not send to (--prefill, --decode, "
+                f"--pool): {unknown}"
             )
 
     timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
@@ -214,10 +217,10 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as exc:
-            logger.warning("decode server %s failed mid-stream: %r", url, exc)
+            logger.warning("%s server %s failed mid-stream: %r", decode.role, url, exc)
             err = {
                 "error": {
-                    "message": f"decode server {url} failed mid-stream: {exc!r}",
+                    "message": f"{decode.role} server {url} failed mid-stream: {exc!r}",
                     "type": "backend_error",
                     "param": None,
                     "code": 502,
@@ -253,7 +256,9 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         try:
             content = await resp.aread()
         except httpx.HTTPError as exc:
-            return openai_error(502, f"decode server failed mid-answer: {exc!r}", "backend_error")
+            return openai_error(
+                502, f"{decode.role} server failed mid-answer: {exc!r}", "backend_error"
+            )
         finally:
             await finish()
         return Response(
@@ -307,7 +312,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             except httpx.HTTPError:
                 continue
             return Response(r.content, status_code=r.status_code, media_type="application/json")
-        return openai_error(502, "no decode server available", "backend_unavailable")
+        return openai_error(502, f"no {decode.role} server available", "backend_unavailable")
 
     @app.post("/kv/presence")
     async def kv_presence(request: Request) -> Response:
@@ -333,13 +338,17 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         bad = [k for k, v in salt_fields.items() if v is not None and not isinstance(v, str)]
         if bad:
             return openai_error(400, f"{bad[0]} must be a string", "invalid_request_error", bad[0])
+        from kvstore import InvalidArgumentError
         from kvstore.presence import prompt_salt
 
-        salt = prompt_salt(
-            lora_name=salt_fields["lora_name"],
-            lora_path=salt_fields["lora_path"] or "",
-            cache_salt=salt_fields["cache_salt"],
-        )
+        try:
+            salt = prompt_salt(
+                lora_name=salt_fields["lora_name"],
+                lora_path=salt_fields["lora_path"] or "",
+                cache_salt=salt_fields["cache_salt"],
+            )
+        except InvalidArgumentError as exc:
+            return openai_error(400, str(exc), "invalid_request_error", "lora_name")
         return await presence.answer(token_ids, salt)
 
     async def routing_tokens(body: dict, path: str) -> list[int] | None:
@@ -390,10 +399,12 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                     tokens = None
                 if isinstance(tokens, list):
                     return tokens
-                return openai_error(502, f"decode server {url} answered /tokenize oddly",
+                return openai_error(502, f"{decode.role} server {url} answered /tokenize oddly",
                                     "backend_error")  # fmt: skip
-            return _passthrough_error(r.status_code, r.content, "decode", url)
-        return openai_error(502, "no decode server available to tokenize", "backend_unavailable")
+            return _passthrough_error(r.status_code, r.content, decode.role, url)
+        return openai_error(
+            502, f"no {decode.role} server available to tokenize", "backend_unavailable"
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:

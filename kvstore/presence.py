@@ -157,6 +157,11 @@ def prompt_salt(
     changes its KV (the connector's ``request_salt`` is this of a vLLM request). JSON, so that
     no value can pass for another field; "" when there is none, so a plain prompt's chain is
     the same everywhere. ``multimodal``: (identifier, position) per input, as vLLM names them."""
+    if lora_path and lora_name is None:
+        raise InvalidArgumentError(
+            "a LoRA path without the adapter's name: give lora_name too (as vLLM names the "
+            "adapter); the path alone names no chain"
+        )
     parts: list[list[str]] = []
     if lora_name is not None:
         parts.append(["lora", lora_name, lora_path])

@@ -191,6 +191,11 @@ def test_a_salted_prompt_is_found_with_the_salt_the_connector_gives_its_request(
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert json.loads(out.stdout)["loadable_blocks"] == 4
+    path_only = subprocess.run(
+        [*kvstore, "present", "--layout", str(layout_file), "--tokens", "1,2", "--lora-path", "/x"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert path_only.returncode == 2 and "lora_name" in path_only.stderr
     cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
                       layout_file=str(layout_file))  # fmt: skip
     gen = run_server(build_app(cfg))
@@ -202,5 +207,7 @@ def test_a_salted_prompt_is_found_with_the_salt_the_connector_gives_its_request(
             assert c.post("/kv/presence", json={"token_ids": TOKENS}).json()["loadable_blocks"] == 0
             bad = c.post("/kv/presence", json={"token_ids": TOKENS, "cache_salt": 7})
             assert bad.status_code == 400 and "cache_salt" in bad.json()["error"]["message"]
+            path_only = c.post("/kv/presence", json={"token_ids": TOKENS, "lora_path": "/x"})
+            assert path_only.status_code == 400 and "lora_name" in path_only.text
     finally:
         next(gen, None)

@@ -144,6 +144,12 @@ def test_a_pool_answers_requests_whole_in_turn(echo_backend: str) -> None:
     assert r.status_code == 502 and "no pool server" in r.json()["error"]["message"]
 
 
+def test_a_proxy_with_no_server_to_answer_is_refused_when_built() -> None:
+    for cfg in (ProxyConfig([], []), ProxyConfig([DOWN], [])):
+        with pytest.raises(ValueError, match="decode servers"):
+            build_app(cfg)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
