@@ -122,9 +122,11 @@ class Deployment:
                 lo = mid + 1
         return lo
 
-    def needed_gbps_per_gpu(self, tokens: int, mfu: float) -> float:
-        """Store bandwidth per GPU at which loading a prompt takes as long as computing it."""
-        return tokens * self.kv_bytes_per_rank / self.recompute_s(tokens, mfu) / 1e9
+    def needed_gbps_per_gpu(self, tokens: int, mfu: float, overhead_s: float) -> float:
+        """Store bandwidth per GPU at which loading a prompt (its overhead included) takes as
+        long as computing it; infinite where computing it takes less than the overhead."""
+        spare = self.recompute_s(tokens, mfu) - overhead_s
+        return tokens * self.kv_bytes_per_rank / spare / 1e9 if spare > 0 else math.inf
 
 
 DEPLOYMENTS = [
@@ -184,7 +186,8 @@ def report(mfu: float, overhead_s: float, measured: Measured, fast_gbps: float) 
             f"{d.model.kv_bytes_per_token / 1024:,.1f} KiB ({d.kv_bytes_per_rank / 1024:,.1f}) | "
             f"{tps:,.0f} | {f'{slow:,}' if slow else 'never'} | "
             f"{f'{fast:,}' if fast else 'never'} | "
-            f"{d.needed_gbps_per_gpu(2048, mfu):.2f} / {d.needed_gbps_per_gpu(16384, mfu):.2f} |"
+            f"{d.needed_gbps_per_gpu(2048, mfu, overhead_s):.2f} / "
+            f"{d.needed_gbps_per_gpu(16384, mfu, overhead_s):.2f} |"
         )
     out.append("\nTTFT of the cached prefix alone, recompute against load (ms):\n")
     head = " | ".join(f"{n // 1024}k: recompute / load {b:.2f} / {fast_gbps:.0f} GB/s"
