@@ -150,6 +150,18 @@ def stored_dtypes(client: Any, keys: list[str]) -> list[str]:
     return sorted(found)
 
 
+def assert_loaded_like_plain(runs: dict[str, Any], prompt_ids: Any, prefix_tokens: int) -> None:
+    """Each of ``prompt_ids`` the loader ran found at least ``prefix_tokens`` cached (its
+    prefix came from Redis: a fresh instance has nothing of its own) and answered exactly as
+    the connector-less engine did: tokens and logprobs."""
+    for pid in prompt_ids:
+        want = runs["plain"]["prompts"][pid]
+        got = runs["loader"]["prompts"][pid]
+        assert got["num_cached_tokens"] >= prefix_tokens, pid
+        assert got["token_ids"] == want["token_ids"], pid
+        assert got["logprobs"] == want["logprobs"], pid
+
+
 def plain_saver_loader(
     tmp: Path,
     model: Path,

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from .e2e_helpers import plain_saver_loader, tokens
+from .e2e_helpers import assert_loaded_like_plain, plain_saver_loader, tokens
 
 # the default release only (CI time): the connector's side of it -- a producer's and a loader's
 # outputs bit-identical to a connector-less engine's -- is test_e2e_connector's on every release
@@ -58,10 +58,5 @@ def test_a_server_with_the_connector_and_an_empty_redis_is_bit_identical(
 
 
 def test_a_server_loading_the_prefix_from_redis_is_bit_identical(runs: dict[str, Any]) -> None:
-    for pid in SHARING:
-        want = runs["plain"]["prompts"][pid]
-        got = runs["loader"]["prompts"][pid]
-        assert got["num_cached_tokens"] >= len(PREFIX), pid  # the prefix came from Redis
-        assert got["token_ids"] == want["token_ids"], pid
-        assert got["logprobs"] == want["logprobs"], pid
+    assert_loaded_like_plain(runs, SHARING, len(PREFIX))
     assert runs["loader"]["metrics"].get("vllm:redis_kv_blocks_loaded", 0) >= 5

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from .e2e_helpers import family_runs, make_model, tokens
+from .e2e_helpers import assert_loaded_like_plain, family_runs, make_model, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -72,12 +72,7 @@ def test_outputs_with_the_connector_match_a_connector_less_server(runs: dict[str
 def test_a_server_loading_the_prefix_from_redis_answers_the_same(runs: dict[str, Any]) -> None:
     distinct = {tuple(runs["plain"]["prompts"][p]["token_ids"]) for p in FIRST | SHARING}
     assert len(distinct) == len(FIRST | SHARING)  # the model tells prompts apart
-    for pid in SHARING:
-        want = runs["plain"]["prompts"][pid]
-        got = runs["loader"]["prompts"][pid]
-        assert got["num_cached_tokens"] >= len(PREFIX), pid  # the prefix came from Redis
-        assert got["token_ids"] == want["token_ids"], pid
-        assert got["logprobs"] == want["logprobs"], pid
+    assert_loaded_like_plain(runs, SHARING, len(PREFIX))
 
 
 def test_the_sliding_window_group_loads_only_its_window(runs: dict[str, Any]) -> None:
