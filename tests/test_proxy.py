@@ -12,25 +12,18 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from connector.proxy import ProxyConfig, build_app
+from testing import stack
 from testing.redis_server import free_port
 
 
 def run_server(app: FastAPI) -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=5)
+    url, stop = stack.serve_in_thread(app, log_level="error")
+    yield url
+    stop()
 
 
 SEEN: list[tuple[str | None, dict]] = []
