@@ -1,0 +1,135 @@
+"""Headers read through a cached layout (``codec._read_header``) read exactly as a full parse of
+the same bytes: the same header, or the same refusal. Fuzzed: values of the same length with
+their varying fields (block hash, checksum, creation time) replaced by any bytes, and headers
+with any byte changed, read right after the layout they resemble was cached."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvstore import CorruptValueError, codec
+from kvstore.codec import ValueHeader, decode_value, encode_value, read_header
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def outcome(value: bytes) -> ValueHeader | str:
+    try:
+        return read_header(value, max_value_bytes=1 << 20)
+    except CorruptValueError as exc:
+        return exc.reason
+
+
+def uncached_outcome(value: bytes) -> ValueHeader | str:
+    codec._layouts.clear()
+    return outcome(value)
+
+
+@pytest.fixture(autouse=True)
+def fresh_layouts() -> Iterator[None]:
+    codec._layouts.clear()
+    yield
+    codec._layouts.clear()
+
+
+def value_of(block_hash: str = "a" * 32, **meta: str) -> bytes:
+    tensors = {
+        "model.layers.0.self_attn": torch.arange(64, dtype=torch.bfloat16).view(2, 32),
+        "model.layers.1.self_attn": torch.arange(64, dtype=torch.bfloat16).view(2, 32),
+        "scale": torch.ones(3, dtype=torch.float32),
+    }
+    return bytes(
+        encode_value(tensors, fingerprint="fp", block_hash=block_hash, metadata=meta or None)
+    )
+
+
+def header_span(value: bytes) -> tuple[int, int]:
+    (n,) = struct.unpack_from("<Q", value)
+    return 8, 8 + n
+
+
+def field_span(value: bytes, field: str) -> tuple[int, int]:
+    marker = f'"kvstore.{field}":"'.encode()
+    start = value.index(marker) + len(marker)
+    return start, value.index(b'"', start)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    field=st.sampled_from(["key", "checksum", "created"]),
+    replacement=st.binary(min_size=0, max_size=40),
+)
+def test_a_field_replaced_by_any_bytes_reads_as_a_full_parse_would(
+    field: str, replacement: bytes
+) -> None:
+    base = value_of()
+    assert isinstance(outcome(base), ValueHeader)  # its layout is cached now
+    start, end = field_span(base, field)
+    # keep the header's length, so the cached layout is a candidate
+    replacement = (replacement + b"0" * (end - start))[: end - start]
+    other = base[:start] + replacement + base[end:]
+    assert outcome(other) == uncached_outcome(other)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_a_header_with_any_byte_changed_reads_as_a_full_parse_would(data: st.DataObject) -> None:
+    base = value_of(note='say "hi"')  # a quote in the metadata: parsed in full, never cached
+    plain = value_of()
+    for value in (base, plain):
+        first, last = header_span(value)
+        outcome(value)
+        at = data.draw(st.integers(first, last - 1))
+        byte = data.draw(st.integers(0, 255))
+        other = value[:at] + bytes([byte]) + value[at + 1 :]
+        assert outcome(other) == uncached_outcome(other)
+
+
+def test_values_of_one_layout_read_their_own_fields() -> None:
+    a, b = value_of("a" * 32), value_of("b" * 32)
+    ha, hb = read_header(a), read_header(b)
+    assert (ha.block_hash, hb.block_hash) == ("a" * 32, "b" * 32)
+    assert ha.tensors == hb.tensors
+    assert hb == uncached_outcome(b)
+    _, tensors = decode_value(b, fingerprint="fp", block_hash="b" * 32)
+    assert torch.equal(tensors["model.layers.1.self_attn"], torch.arange(64).view(2, 32).bfloat16())
+    with pytest.raises(CorruptValueError) as err:
+        decode_value(b, fingerprint="fp", block_hash="a" * 32)
+    assert err.value.reason == "key"
+
+
+def with_key_twice(first: str, last: str) -> bytes:
+    value = value_of(first)
+    _, end = field_span(value, "key")
+    (n,) = struct.unpack_from("<Q", value)
+    header = value[8 : end + 1] + f',"kvstore.key":"{last}"'.encode() + value[end + 1 : 8 + n]
+    raw = header.rstrip(b" ")
+    raw = raw.ljust(len(raw) + (-(8 + len(raw)) % 8))
+    return struct.pack("<Q", len(raw)) + raw + value[8 + n :]
+
+
+def test_a_repeated_varying_field_is_parsed_in_full_and_the_last_one_counts() -> None:
+    # JSON keeps the last of two equal keys: a layout cached from a header whose two keys agree
+    # must not answer for one whose first key differs
+    same, differ = with_key_twice("a" * 32, "a" * 32), with_key_twice("b" * 32, "a" * 32)
+    assert outcome(same) == uncached_outcome(same)
+    outcome(same)
+    got = outcome(differ)
+    assert isinstance(got, ValueHeader) and got.block_hash == "a" * 32
+    assert got == uncached_outcome(differ)
+
+
+def test_more_layouts_than_the_cache_holds_still_read_correctly() -> None:
+    values = [
+        bytes(encode_value({"x": torch.zeros(i + 1)}, fingerprint="fp", block_hash="h"))
+        for i in range(codec.MAX_CACHED_LAYOUTS + 20)
+    ]
+    for _ in range(2):
+        for i, value in enumerate(values):
+            assert read_header(value).tensors[0].shape == (i + 1,)
