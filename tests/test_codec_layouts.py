@@ -5,6 +5,7 @@ with any byte changed, read right after the layout they resemble was cached."""
 
 from __future__ import annotations
 
+import json
 import struct
 from collections.abc import Iterator
 
@@ -133,3 +134,33 @@ def test_more_layouts_than_the_cache_holds_still_read_correctly() -> None:
     for _ in range(2):
         for i, value in enumerate(values):
             assert read_header(value).tensors[0].shape == (i + 1,)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    names=st.lists(
+        st.text(min_size=1, max_size=12).filter(lambda n: n != "__metadata__"),
+        min_size=1,
+        max_size=4,
+        unique=True,
+    ),
+    metadata=st.dictionaries(
+        st.text(max_size=8).filter(lambda k: not k.startswith("kvstore.")),
+        st.text(max_size=12),
+        max_size=3,
+    ),
+)
+def test_a_header_is_the_json_of_its_document_with_the_metadata_first(
+    names: list[str], metadata: dict[str, str]
+) -> None:
+    # headers are rendered from a cached JSON of their tensor specs: byte for byte what
+    # json.dumps of the whole document gives
+    tensors = {name: torch.arange(i + 1, dtype=torch.float16) for i, name in enumerate(names)}
+    value = bytes(
+        encode_value(tensors, fingerprint="fp", block_hash="h", metadata=metadata or None)
+    )
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    assert next(iter(doc)) == "__metadata__"
+    assert value[8 : 8 + n].rstrip(b" ") == json.dumps(doc, separators=(",", ":")).encode()
+    assert outcome(value) == uncached_outcome(value)

@@ -156,3 +156,37 @@ def test_starting_a_started_test_server_does_not_start_a_second_one() -> None:
         url = server.url
     with pytest.raises(redis.exceptions.ConnectionError):  # and the one server is gone
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+
+
+def bits(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_insert_many_sends_any_cpu_tensor_as_its_logical_value(
+    redis_url: str, compression: str
+) -> None:
+    # CPU tensors are framed around their own memory and sent from there: strided, 0-d, empty,
+    # grad-tracking and one-byte float tensors must still arrive as their logical values
+    base = torch.arange(64, dtype=torch.float32).view(8, 8)
+    tensors = {
+        "transposed": base.t(),
+        "every_other": base[:, ::2],
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4, dtype=torch.float16),
+        "grad": torch.ones(4, requires_grad=True),
+        "bytes": torch.arange(16, dtype=torch.uint8),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        tensors["fp8"] = torch.linspace(-2, 2, 16).to(torch.float8_e4m3fn)
+    store = LookupBuffer.from_url(redis_url, namespace="views", compression=compression)
+    try:
+        store.insert_many([("h0", tensors), ("h1", {"x": base})])
+        got = store.select(["h0", "h1"])
+        assert got[0] is not None and got[1] is not None
+        for name, t in tensors.items():
+            assert got[0][name].dtype == t.dtype and got[0][name].shape == t.shape, name
+            assert bits(got[0][name]) == bits(t), name
+        assert torch.equal(got[1]["x"], base)
+    finally:
+        store.close()
