@@ -3,7 +3,8 @@
 redis-server: plain redis-py, kvstore, and LMCache 0.5.6's ``resp://`` C++ client when it is
 importable (``../shared/anchors/lmcache.md``: run this with ``/tmp/lmc/bin/python``).
 
-Paths (batches of ``--batch`` values, the median of ``--rounds`` interleaved rounds):
+Paths (batches of ``--batch`` values, each sample repeated up to 32 MiB, the median of ``--rounds``
+interleaved rounds):
 - ``redis-py``: pipelined ``SET`` of bytes; pipelined ``GET``, then each reply copied into its
   destination tensor (what a caller has to do with redis-py's ``bytes``);
 - ``kvstore``: ``insert_many`` (framing, checksum, pipelined ``SET``); ``insert_parts`` with 1,
@@ -53,6 +54,10 @@ from testing.redis_server import RedisServer
 Path_ = Callable[[], None]
 
 
+# The least bytes one timed sample of a path moves (batches of small values are repeated).
+SAMPLE_BYTES = 32 << 20
+
+
 def parse_size(text: str) -> int:
     mult = {"K": 1 << 10, "M": 1 << 20}
     text = text.strip().upper()
@@ -60,19 +65,26 @@ def parse_size(text: str) -> int:
 
 
 def median_seconds(
-    paths: dict[str, Path_], rounds: int, after: Callable[[str], None] | None = None
+    paths: dict[str, Path_],
+    rounds: int,
+    after: Callable[[str], None] | None = None,
+    repeat: int = 1,
 ) -> dict[str, float]:
-    """Each path's median wall time over ``rounds`` interleaved rounds (every path once per
-    round, in order, so a busy moment of the machine hits all of them); ``after(name)`` runs
-    untimed after each path."""
+    """Each path's median wall time over ``rounds`` interleaved rounds (every path in turn per
+    round, so a busy moment of the machine hits all of them), a round's sample being ``repeat``
+    calls (small batches take a millisecond: one call is mostly scheduling noise);
+    ``after(name)`` runs untimed after each call."""
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
         for name, fn in paths.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-            if after is not None:
-                after(name)
+            spent = 0.0
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                fn()
+                spent += time.perf_counter() - t0
+                if after is not None:
+                    after(name)
+            times[name].append(spent / repeat)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -280,7 +292,9 @@ def bench_size(url: str, size: int, batch: int, rounds: int, lmc: bool) -> dict[
         if name == "kvstore drop_select":
             kv_insert()  # what it took, for the paths after it
 
-    seconds = median_seconds({**writes, **reads}, rounds, after=put_back)
+    # a sample moves at least SAMPLE_BYTES, so 64 KiB batches are timed over tens of ms too
+    repeat = max(1, -(-SAMPLE_BYTES // value_bytes))
+    seconds = median_seconds({**writes, **reads}, rounds, after=put_back, repeat=repeat)
     store.close()
     return {name: value_bytes / t / 1e9 for name, t in seconds.items()}
 
