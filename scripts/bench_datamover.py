@@ -12,14 +12,16 @@ Paths (``--blocks`` blocks per round, the median of ``--rounds`` interleaved rou
 - ``kvstore insert_parts`` / ``select_into``: the store's part alone, on the same staged bytes
   (what the gathers and scatters cost is the difference);
 - ``LMCache resp:// put`` / ``get``: LMCache 0.5.6's C++ client, ``batched_put`` /
-  ``batched_get`` of the same number of 2 MiB values from and into its own CPU buffers (no
-  paged-cache copies on its side: they need its CUDA kernels), when it is importable
-  (``../shared/anchors/lmcache.md``: run this with ``/tmp/lmc/bin/python``).
+  ``batched_get`` of the same number of 2 MiB values from and into its own CPU buffers, when
+  it is importable (``../shared/anchors/lmcache.md``: run this with ``/tmp/lmc/bin/python``);
+- ``LMCache gather + put`` / ``get + scatter``: the same, with the copies a connector needs
+  between those buffers and the paged cache (LMCache's own need its CUDA kernels, so these
+  are ``copy_`` per block and layer, done on the calling thread): the like-for-like figures.
 
 GB/s counts the blocks' KV bytes. Prints a table with ratios against LMCache and writes
 ``--json``.
 
-    python -m scripts.bench_datamover [--blocks 64] [--rounds 7] [--json out.json]
+    python -m scripts.bench_datamover [--blocks 64] [--rounds 7] [--connections 4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import torch
 
+from connector.config import RedisConnectorConfig
 from datamover import BlockMover, SaveItem
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts
@@ -52,11 +55,15 @@ def make_cache(blocks: int) -> dict[str, torch.Tensor]:
     }
 
 
-def bench(url: str, blocks: int, rounds: int, writers: int, lmc: bool) -> dict[str, Any]:
+def bench(
+    url: str, blocks: int, rounds: int, writers: int, lmc: bool, connections: int
+) -> dict[str, Any]:
     host, port = url.split("//")[1].split("/")[0].split(":")
     cache = make_cache(2 * blocks)  # saved from the first half, loaded into the second
     store = LookupBuffer.from_url(url, namespace="bench", fingerprint="llama3-8b")
-    mover = BlockMover(cache, store, max_inflight_bytes=4 * blocks * (2 << 20))
+    mover = BlockMover(
+        cache, store, max_inflight_bytes=4 * blocks * (2 << 20), connections=connections
+    )
     hashes = chain_hashes(list(range(blocks * TOKENS)), TOKENS)
     items = [SaveItem(i, h, i, "bench") for i, h in enumerate(hashes)]
     targets = list(range(blocks, 2 * blocks))
@@ -102,8 +109,24 @@ def bench(url: str, blocks: int, rounds: int, writers: int, lmc: bool) -> dict[s
     }
     if lmc:
         resp = LMCacheResp(host, int(port), block_bytes, blocks)
+        layers = [t.view(torch.uint8).view(2 * blocks, -1) for t in cache.values()]
+
+        def gather(values: list[torch.Tensor]) -> None:
+            for block, value in enumerate(values):
+                pieces = value[:block_bytes].view(len(layers), -1)
+                for layer, piece in zip(layers, pieces, strict=True):
+                    piece.copy_(layer[block])
+
+        def scatter(values: list[torch.Tensor]) -> None:
+            for block, value in zip(targets, values, strict=True):
+                pieces = value[:block_bytes].view(len(layers), -1)
+                for layer, piece in zip(layers, pieces, strict=True):
+                    layer[block].copy_(piece)
+
         paths["LMCache resp:// put"] = resp.put
+        paths["LMCache gather + put"] = lambda: resp.put(before=gather)
         paths["LMCache resp:// get"] = resp.get
+        paths["LMCache get + scatter"] = lambda: resp.get(then=scatter)
     save()
     load()
     assert all(torch.equal(t[blocks:], t[:blocks]) for t in cache.values()), (
@@ -122,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--writers", type=int, default=4, help="writer threads (the worker's io_threads)"
     )
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=RedisConnectorConfig.connections,
+        help="connections per batch (the connector's `connections`)",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     try:
@@ -132,20 +161,22 @@ def main(argv: list[str] | None = None) -> int:
         lmc = False
         print("LMCache is not importable here: its columns are left out (see lmcache.md)")
     with RedisServer() as server:
-        gbps = bench(server.url, args.blocks, args.rounds, args.writers, lmc)
+        gbps = bench(server.url, args.blocks, args.rounds, args.writers, lmc, args.connections)
     print(f"{args.blocks} blocks of Llama-3-8B geometry (2 MiB), median of {args.rounds}, GB/s")
     for name, v in gbps.items():
-        base = (
-            "LMCache resp:// get" if "load" in name or "select" in name else "LMCache resp:// put"
-        )
+        reads = "load" in name or "select" in name
+        bases = ["LMCache resp:// get"] if reads else ["LMCache resp:// put"]
+        if name.startswith("datamover"):  # and like for like: LMCache with the copies
+            bases.append("LMCache get + scatter" if reads else "LMCache gather + put")
         ours = not name.startswith("LMCache")
-        ratio = f"  {v / gbps[base]:.2f}x {base}" if ours and base in gbps else ""
+        ratio = "".join(f"  {v / gbps[b]:.2f}x {b}" for b in bases if ours and b in gbps)
         print(f"  {name:24s} {v:6.2f}{ratio}")
     if args.json:
         doc = {
             "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
             "blocks": args.blocks,
             "rounds": args.rounds,
+            "connections": args.connections,
             "gbps": gbps,
         }
         args.json.write_text(json.dumps(doc, indent=2))

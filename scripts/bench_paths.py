@@ -132,12 +132,19 @@ class LMCacheResp:
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def put(self) -> None:
+    def put(self, before: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """``batched_put`` of every value; ``before`` first fills their buffers (flat uint8)."""
+        if before is not None:
+            before([obj.tensor.view(torch.uint8).view(-1) for obj in self.objs])
         self._run(self.conn.batched_put(self.keys, self.objs))
 
-    def get(self) -> None:
+    def get(self, then: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """``batched_get`` of every value; ``then`` reads them (flat uint8) before they go
+        back to LMCache's allocator."""
         got = self._run(self.conn.batched_get(self.keys))
         assert all(g is not None for g in got), "LMCache missed a value"
+        if then is not None:
+            then([g.tensor.view(torch.uint8).view(-1) for g in got])
         for g in got:
             g.ref_count_down()
 
