@@ -20,6 +20,7 @@ import functools
 import json
 import struct
 import threading
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,9 +102,18 @@ class ValueHeader:
     metadata: dict[str, str] = field(default_factory=dict)  # the caller's own metadata
 
 
+_clock: tuple[int, str] = (-1, "")  # (a UTC second, its ISO text): formatted once a second
+
+
 def _now_iso() -> str:
-    now = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-    return now.replace("+00:00", "Z")
+    global _clock
+    now = time.time()
+    second = int(now)
+    cached = _clock
+    if cached[0] != second:
+        text = datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+        cached = _clock = (second, text)
+    return f"{cached[1]}.{int((now - second) * 1000):03d}Z"
 
 
 def _render_header(
@@ -112,14 +122,19 @@ def _render_header(
     # the metadata first, so GETRANGE 0 400 shows it first; the same bytes as json.dumps of
     # {"__metadata__": meta, name: spec, ...}, with the tensors' part rendered once per layout
     raw = (
-        '{"__metadata__":'
-        + json.dumps(meta, separators=(",", ":"))
+        '{"__metadata__":{'
+        + ",".join([_json_str(k) + ":" + _json_str(v) for k, v in meta.items()])
+        + "}"
         + _entries_json(tuple(entries))
         + "}"
     ).encode("utf-8")
     # safetensors pads the header with spaces so the payload starts 8-byte aligned
     size = pad_to if pad_to is not None else len(raw) + (-(8 + len(raw)) % 8)
     return struct.pack("<Q", size) + raw.ljust(size, b" ")
+
+
+# what json.dumps (ensure_ascii) writes for a str; half the cost of dumping a dict of eight
+_json_str = json.encoder.encode_basestring_ascii
 
 
 @functools.lru_cache(maxsize=256)
@@ -403,7 +418,7 @@ def frame_tensors(
     items, entries, _ = _plan(tensors, max_value_bytes)
     if any(t.device.type != "cpu" for _, t in items):
         return None
-    pieces = [t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() for _, t in items]
+    pieces = [_bytes_of(t) for _, t in items]
     return frame_parts(
         entries,
         pieces,
@@ -412,6 +427,15 @@ def frame_tensors(
         compression=compression,
         metadata=metadata,
     )
+
+
+def _bytes_of(t: torch.Tensor) -> Any:
+    """A CPU tensor's logical bytes as a flat uint8 array: a view when it is contiguous."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy()
 
 
 def encode_value(
