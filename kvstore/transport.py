@@ -104,9 +104,13 @@ class Transport:
                 return [None] * len(commands)
             send_buffers(sock, [b for c in commands for b in pack_set(*c)])
             reader = ReplyReader(sock)
-            for _ in commands:
+            while len(out) < len(commands):
+                ok = reader.skip_ok(len(commands) - len(out))
+                out.extend([None] * ok)
+                if len(out) == len(commands):
+                    break
                 try:
-                    reader.read_status()
+                    reader.read_status()  # not +OK: an error, or a status of another kind
                     out.append(None)
                 except redis.exceptions.ResponseError as exc:
                     if is_redirect(exc):

@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - an older redis-py: the generic class
     _parse_error = rex.ResponseError
 
 _SCRATCH_BYTES = 1 << 16
+_OK = b"+OK\r\n"
 _MAX_LINE = 1 << 12  # a reply's first line: "$<length>" or an error message
 _MAX_IOV = 512  # buffers per sendmsg: well under every platform's IOV_MAX (1024 on Linux)
 
@@ -116,6 +117,29 @@ class ReplyReader:
         if line[:1] == b"-":
             raise _parse_error(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
+
+    def skip_ok(self, n: int) -> int:
+        """Consume up to ``n`` consecutive ``+OK`` replies (the answers to SETs) and return
+        how many; the first other reply is left unread, for :meth:`read_status`. Receives only
+        while the replies it has are all ``+OK``: one comparison per buffer instead of
+        parsing each reply (7 us each in Python, as much as framing a 64 KiB value)."""
+        done = 0
+        while done < n:
+            if self._end - self._start < len(_OK):
+                if self._buf.startswith(_OK[: self._end - self._start], self._start, self._end):
+                    self._fill()  # a partial +OK, or nothing yet
+                    continue
+                return done
+            k = min(n - done, (self._end - self._start) // len(_OK))
+            if self._buf.startswith(_OK * k, self._start, self._end):
+                self._start += k * len(_OK)
+                done += k
+                continue
+            while self._buf.startswith(_OK, self._start, self._end):  # +OKs, then another reply
+                self._start += len(_OK)
+                done += 1
+            return done
+        return done
 
     # -------------------------------------------------------------- the socket
     def _recv_into(self, view: memoryview) -> int:
