@@ -126,6 +126,8 @@ class RedisConnectorWorker:
         self._kv_asleep: dict[str, torch.Tensor] = {}  # vLLM sleep mode: set aside, not used
         self._asleep = False
         self._load_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-load")
+        # each load receives its next chunk here while it copies the current one in
+        self._prefetch_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-prefetch")
         self._save_io = ThreadPoolExecutor(
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
@@ -169,6 +171,7 @@ class RedisConnectorWorker:
                     max_inflight_bytes=max(1, budget // len(reads)),
                     connections=self.config.connections,
                     value_rows=(sl.value_heads, *sl.value_range),
+                    prefetch=self._prefetch_io,
                 )
                 movers.append(_SliceMover(sl, mover, mover.store, sl.index in written))
             self._slices.append(movers)
@@ -687,6 +690,6 @@ class RedisConnectorWorker:
             logger.warning(
                 "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
-        for pool in (self._load_io, self._save_io):
+        for pool in (self._load_io, self._prefetch_io, self._save_io):
             pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

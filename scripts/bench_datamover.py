@@ -61,8 +61,13 @@ def bench(
     host, port = url.split("//")[1].split("/")[0].split(":")
     cache = make_cache(2 * blocks)  # saved from the first half, loaded into the second
     store = LookupBuffer.from_url(url, namespace="bench", fingerprint="llama3-8b")
+    prefetch = ThreadPoolExecutor(2)  # as the worker gives its movers
     mover = BlockMover(
-        cache, store, max_inflight_bytes=4 * blocks * (2 << 20), connections=connections
+        cache,
+        store,
+        max_inflight_bytes=4 * blocks * (2 << 20),
+        connections=connections,
+        prefetch=prefetch,
     )
     hashes = chain_hashes(list(range(blocks * TOKENS)), TOKENS)
     items = [SaveItem(i, h, i, "bench") for i, h in enumerate(hashes)]
@@ -135,6 +140,7 @@ def bench(
     seconds = median_seconds(paths, rounds)
     store.close()
     pool.shutdown()
+    prefetch.shutdown()
     return {name: blocks * block_bytes / s / 1e9 for name, s in seconds.items()}
 
 

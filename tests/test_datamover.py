@@ -6,6 +6,9 @@ PyTorch with CUDA, redis-py and a ``redis-server``)."""
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import fakeredis
 import pytest
 import redis
@@ -323,3 +326,121 @@ def test_fp8_caches_move_bit_exact_and_are_stored_as_fp8(device: str, dtype: tor
         assert torch.equal(dst[name][[2, 3, 5, 6]].cpu().view(torch.uint8), want)
     stored = store_on(client).select(hashes[:1])[0]
     assert stored is not None and {t.dtype for t in stored.values()} == {dtype}
+
+
+class GatedStore:
+    """A store whose ``select_into`` calls after the first ``free`` wait until ``gate`` opens
+    (and raise ``error`` then, if set): holds a prefetch in flight."""
+
+    def __init__(self, store: LookupBuffer, free: int = 1) -> None:
+        self._store = store
+        self._free = free
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.error: Exception | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def select_into(self, *args: object, **kwargs: object) -> object:
+        if self._free > 0:
+            self._free -= 1
+        else:
+            self.entered.set()
+            self.gate.wait()
+            if self.error is not None:
+                raise self.error
+        return self._store.select_into(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def staging_all_free(mover: BlockMover) -> bool:
+    """Take every load staging buffer (waiting for those still in use), then give them back."""
+    pool = mover._load_pool
+    taken = [pool.acquire(timeout_s=60) for _ in range(pool.count)]
+    for buf in taken:
+        if buf is not None:
+            pool.release(buf)
+    return all(buf is not None for buf in taken)
+
+
+def saved_blocks(client: fakeredis.FakeRedis, n: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    src = caches("cpu")
+    hashes = chain_hashes(list(range(n * 16)), 16)
+    save_all(BlockMover(src, store_on(client), max_inflight_bytes=64 << 20), list(range(n)), hashes)
+    return src, hashes
+
+
+def test_a_prefetching_load_lands_every_chunk_and_returns_its_staging() -> None:
+    client = fakeredis.FakeRedis()
+    src, hashes = saved_blocks(client, 12)
+    dst = caches("cpu", seed=None)
+    with ThreadPoolExecutor(2) as prefetch:
+        loader = BlockMover(
+            dst, store_on(client), max_inflight_bytes=16 << 20, chunk_bytes=1, prefetch=prefetch
+        )
+        assert loader.chunk_blocks == 1  # twelve chunks, each received ahead of its copy
+        assert load_all(loader, list(range(20, 32)), hashes) == list(range(20, 32))
+    for name in src:
+        assert torch.equal(dst[name][20:32], src[name][:12])
+    assert staging_all_free(loader)
+
+
+def test_an_abandoned_prefetch_writes_no_block_and_gives_its_staging_back() -> None:
+    # the caller stops after the first chunk (its deadline passed) while the second is being
+    # received ahead: that chunk must never reach the cache, and its buffer comes back
+    client = fakeredis.FakeRedis()
+    _, hashes = saved_blocks(client, 2)
+    dst = caches("cpu", seed=None)
+    gated = GatedStore(store_on(client))
+    with ThreadPoolExecutor(1) as prefetch:
+        loader = BlockMover(
+            dst,
+            gated,
+            max_inflight_bytes=16 << 20,
+            chunk_bytes=1,
+            prefetch=prefetch,  # type: ignore[arg-type]
+        )
+        chunks = loader.receive([40, 41], hashes, timeout_s=5)
+        first = next(chunks)
+        assert first.copy_in()[0] == [40]
+        assert gated.entered.wait(60)  # the second chunk is being received ahead
+        chunks.close()  # the load is over
+        gated.gate.set()
+    assert staging_all_free(loader)
+    assert not any(t[41].any() for t in dst.values())
+
+
+def test_a_failed_prefetch_raises_at_its_chunk_and_gives_its_staging_back() -> None:
+    client = fakeredis.FakeRedis()
+    _, hashes = saved_blocks(client, 2)
+    gated = GatedStore(store_on(client))
+    gated.error = StoreUnavailableError("Redis went away")
+    gated.gate.set()
+    with ThreadPoolExecutor(1) as prefetch:
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            gated,
+            max_inflight_bytes=16 << 20,
+            chunk_bytes=1,
+            prefetch=prefetch,  # type: ignore[arg-type]
+        )
+        chunks = loader.receive([40, 41], hashes, timeout_s=5)
+        assert next(chunks).copy_in()[0] == [40]
+        with pytest.raises(StoreUnavailableError, match="went away"):
+            next(chunks)
+    assert staging_all_free(loader)
+
+
+def test_a_load_after_its_prefetch_threads_stopped_still_lands() -> None:
+    client = fakeredis.FakeRedis()
+    src, hashes = saved_blocks(client, 3)
+    dst = caches("cpu", seed=None)
+    prefetch = ThreadPoolExecutor(1)
+    prefetch.shutdown()  # the worker shutting down while a load runs
+    loader = BlockMover(
+        dst, store_on(client), max_inflight_bytes=16 << 20, chunk_bytes=1, prefetch=prefetch
+    )
+    assert load_all(loader, [50, 51, 52], hashes) == [50, 51, 52]
+    for name in src:
+        assert torch.equal(dst[name][50:53], src[name][:3])
+    assert staging_all_free(loader)
