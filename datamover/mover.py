@@ -38,10 +38,11 @@ unsplit cache.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Generator, Mapping, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -281,22 +282,28 @@ class BlockMover:
         store's typed errors.
 
         With a ``prefetch`` executor, the next chunk is received on it while the caller copies
-        the current one in, when a staging buffer is free at once (measured on the 2-core VM:
-        loads 12-32% faster; see docs/benchmarks.md). A prefetch writes only into staging: the
-        cache is written by ``copy_in`` alone, on the caller's thread. A prefetch the caller
-        no longer wants (it closed the generator) releases its buffer when it ends."""
+        the current one in, when a staging buffer is free and no load is waiting for one
+        (measured on the 2-core VM: loads 12-32% faster; see docs/benchmarks.md). A prefetch
+        writes only into staging: the cache is written by ``copy_in`` alone, on the caller's
+        thread. A prefetch the caller no longer wants (it closed the generator, or the
+        executor cancelled it) gives its buffer back when it ends."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = self.chunk_blocks
         starts = list(range(0, len(hashes), n))
-        ahead: Future[LoadChunk] | None = None  # the next chunk, received while this one is used
+        # the next chunk, received while the caller uses this one, and the buffer it fills
+        ahead: tuple[Future[LoadChunk], torch.Tensor] | None = None
         try:
             for i, start in enumerate(starts):
                 ids, keys = list(block_ids[start : start + n]), hashes[start : start + n]
+                chunk = None
                 if ahead is not None:
-                    fetched, ahead = ahead, None
-                    chunk = fetched.result()  # raises what the prefetch raised
-                else:
+                    (fetched, spare), ahead = ahead, None
+                    try:
+                        chunk = fetched.result()  # raises what the prefetch raised
+                    except CancelledError:  # its executor shut down before it ran
+                        self._load_pool.release(spare)
+                if chunk is None:
                     buf = self._load_pool.acquire(timeout_s)
                     if buf is None:
                         raise StagingBusyError(
@@ -306,24 +313,33 @@ class BlockMover:
                     chunk = self._fetch(ids, keys, buf)
                 try:
                     if self.prefetch is not None and i + 1 < len(starts):
-                        spare = self._load_pool.try_acquire()  # never waits: no deadlock
-                        if spare is not None:
-                            nxt = starts[i + 1]
-                            try:
-                                ahead = self.prefetch.submit(
-                                    self._fetch,
-                                    list(block_ids[nxt : nxt + n]),
-                                    hashes[nxt : nxt + n],
-                                    spare,
-                                )
-                            except RuntimeError:  # the executor was shut down: no prefetch
-                                self._load_pool.release(spare)
+                        ahead = self._read_ahead(starts[i + 1], block_ids, hashes)
                     yield chunk
                 finally:
                     self._load_pool.release(chunk.buffer)
         finally:
             if ahead is not None:
-                ahead.add_done_callback(self._abandoned)
+                fetched, spare = ahead
+                fetched.add_done_callback(functools.partial(self._abandoned, spare))
+
+    def _read_ahead(
+        self, start: int, block_ids: Sequence[int], hashes: Sequence[str]
+    ) -> tuple[Future[LoadChunk], torch.Tensor] | None:
+        """Start receiving the chunk at ``start`` on the prefetch executor, if a staging
+        buffer is free and no load is waiting for one (reading ahead never delays a load)."""
+        assert self.prefetch is not None
+        spare = self._load_pool.try_acquire_spare()
+        if spare is None:
+            return None
+        end = start + self.chunk_blocks
+        try:
+            fetched = self.prefetch.submit(
+                self._fetch, list(block_ids[start:end]), hashes[start:end], spare
+            )
+        except RuntimeError:  # the executor was shut down: no reading ahead
+            self._load_pool.release(spare)
+            return None
+        return fetched, spare
 
     def _fetch(self, ids: list[int], keys: Sequence[str], buf: torch.Tensor) -> LoadChunk:
         """Receive one chunk into ``buf``; on an error ``buf`` is released and the error
@@ -336,12 +352,15 @@ class BlockMover:
             self._load_pool.release(buf)
             raise
 
-    def _abandoned(self, fetched: Future[LoadChunk]) -> None:
-        """A prefetched chunk nobody will copy in: its buffer goes back; its error is
-        logged (the load it belonged to has ended already, and said how)."""
+    def _abandoned(self, spare: torch.Tensor, fetched: Future[LoadChunk]) -> None:
+        """A prefetched chunk nobody will copy in: its buffer goes back (a failed fetch gave it
+        back itself); its error is logged (the load it belonged to has ended, and said how)."""
+        if fetched.cancelled():
+            self._load_pool.release(spare)
+            return
         exc = fetched.exception()
         if exc is None:
-            self._load_pool.release(fetched.result().buffer)
+            self._load_pool.release(spare)
         else:
             logger.debug("a prefetched chunk of an abandoned load failed: %r", exc)
 

@@ -107,13 +107,13 @@ _clock: tuple[int, str] = (-1, "")  # (a UTC second, its ISO text): formatted on
 
 def _now_iso() -> str:
     global _clock
-    now = time.time()
-    second = int(now)
+    ns = time.time_ns()  # integers: no float rounding moves a millisecond
+    second, ms = ns // 1_000_000_000, ns // 1_000_000 % 1000
     cached = _clock
     if cached[0] != second:
         text = datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
         cached = _clock = (second, text)
-    return f"{cached[1]}.{int((now - second) * 1000):03d}Z"
+    return f"{cached[1]}.{ms:03d}Z"
 
 
 def _render_header(
@@ -433,6 +433,8 @@ def _bytes_of(t: torch.Tensor) -> Any:
     """A CPU tensor's logical bytes as a flat uint8 array: a view when it is contiguous."""
     if t.requires_grad:
         t = t.detach()
+    if t.is_neg() or t.is_conj():  # lazy views: their bytes are not the values yet
+        t = t.resolve_neg().resolve_conj()
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8).numpy()
@@ -481,10 +483,12 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
 # validated once and kept: a later header of the same length, equal to it byte for byte outside
 # those three values, and with plain values (printable ASCII, no quote or backslash), parses
 # exactly as the cached one with those values put in. A header whose fields are not plain, or
-# appear more than once, is parsed in full every time.
+# appear more than once, or that holds a backslash anywhere (an escape can spell a field name
+# the byte comparison does not see), is parsed in full every time.
 _VARYING = (b'"kvstore.key":"', b'"kvstore.checksum":"', b'"kvstore.created":"')
 _PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 MAX_CACHED_LAYOUTS = 256  # layouts kept (a few per model); past that the cache starts again
+MAX_LAYOUTS_PER_LENGTH = 8  # a lookup tries each layout of the header's length
 
 
 @dataclass(frozen=True)
@@ -543,6 +547,10 @@ def _remember(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) -> None:
 
 
 def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) -> None:
+    if b"\\" in raw:  # an escape could spell a field again where the markers do not see it
+        return
+    if len(_layouts.get(len(raw), ())) >= MAX_LAYOUTS_PER_LENGTH:
+        return  # values whose own metadata varies: each would be a layout, none used again
     spans = _varying_spans(raw)
     if spans is None:
         return
@@ -737,12 +745,7 @@ def decode_value(
             continue
         count = (run.end - run.start) // run.dtype.itemsize
         t = torch.frombuffer(raw, dtype=run.dtype, count=count, offset=run.start)
-        if copy:
-            t = t.clone()
-        if len(run.names) == 1:
-            tensors[run.names[0]] = t.view(run.shape)
-        else:
-            tensors.update(
-                zip(run.names, t.view(len(run.names), *run.shape).unbind(0), strict=True)
-            )
+        views = (t.view(run.shape),) if len(run.names) == 1 else t.view(-1, *run.shape).unbind(0)
+        # a copy is one storage per tensor, as before: keeping one layer keeps only its bytes
+        tensors.update(zip(run.names, (v.clone() for v in views) if copy else views, strict=True))
     return header, tensors

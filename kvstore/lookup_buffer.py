@@ -398,7 +398,9 @@ class LookupBuffer:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         """Pipelined ``SET`` of several blocks in one round trip; ``items`` in chain order.
-        Values are framed in reused per-thread scratch buffers (see ``writes``)."""
+        From a list or tuple, CPU tensors are sent from their own memory: do not change them
+        until this returns. From an iterator, each value is copied as it is produced (it may
+        reuse one tensor for every item). See ``writes.Writer.insert_many``."""
         self._writer.insert_many(items, metadata)
 
     def insert_encoded(

@@ -39,15 +39,32 @@ class StagingPool:
             for _ in range(count)
         ]
         self._cond = threading.Condition()
+        self._waiting = 0  # callers blocked in acquire()
 
     def try_acquire(self) -> torch.Tensor | None:
         with self._cond:
             return self._free.pop() if self._free else None
 
+    @property
+    def waiting(self) -> int:
+        """Callers blocked in :meth:`acquire` now."""
+        with self._cond:
+            return self._waiting
+
+    def try_acquire_spare(self) -> torch.Tensor | None:
+        """A free buffer only if no caller is waiting for one: for work that is optional
+        (reading ahead), so it never takes a buffer from work that is not."""
+        with self._cond:
+            return self._free.pop() if self._free and not self._waiting else None
+
     def acquire(self, timeout_s: float | None = None) -> torch.Tensor | None:
         with self._cond:
-            if not self._cond.wait_for(lambda: bool(self._free), timeout=timeout_s):
-                return None
+            self._waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: bool(self._free), timeout=timeout_s):
+                    return None
+            finally:
+                self._waiting -= 1
             return self._free.pop()
 
     def release(self, buf: torch.Tensor) -> None:

@@ -66,21 +66,29 @@ class Writer:
         items: Iterable[tuple[str, Mapping[str, torch.Tensor]]],
         metadata: Mapping[str, str] | None = None,
     ) -> None:
-        """Tensors in CPU memory are sent from where they lie, framed around their bytes
-        (``codec.frame_tensors``: copying a 64 KiB value first cost more than sending it).
-        Others are staged in per-thread scratch buffers that are reused by the next call (fresh
-        multi-MiB buffers cost a page fault per 4 KiB and made insert ~30% slower than plain
-        ``SET``); buffers beyond ``_SCRATCH_LIMIT`` bytes per thread are not kept."""
+        """When ``items`` is a sequence (a list, a tuple), tensors in CPU memory are sent from
+        where they lie, framed around their bytes (``codec.frame_tensors``: copying a 64 KiB
+        value first cost more than sending it); they must not change until this returns. From
+        an iterator -- which may refill one tensor for every item -- and for tensors on a
+        device, each value is copied as it comes into per-thread scratch buffers that are
+        reused by the next call (fresh multi-MiB buffers cost a page fault per 4 KiB and made
+        insert ~30% slower than plain ``SET``); buffers beyond ``_SCRATCH_LIMIT`` bytes per
+        thread are not kept."""
+        in_place = isinstance(items, Sequence)
         encoded: list[tuple[str, Sequence[Any]]] = []
         for i, (h, t) in enumerate(items):
             self._keys.block(h)  # validates the hash
-            parts = frame_tensors(
-                t,
-                fingerprint=self._keys.fingerprint,
-                block_hash=h,
-                metadata=metadata,
-                compression=self._compression,
-                max_value_bytes=self._max_value_bytes,
+            parts = (
+                frame_tensors(
+                    t,
+                    fingerprint=self._keys.fingerprint,
+                    block_hash=h,
+                    metadata=metadata,
+                    compression=self._compression,
+                    max_value_bytes=self._max_value_bytes,
+                )
+                if in_place
+                else None
             )
             encoded.append((h, parts or [self.encode(h, t, metadata, out=self._scratch(i, t))]))
         self.insert_parts(encoded)

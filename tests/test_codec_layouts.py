@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import xxhash
 
 from kvstore import CorruptValueError, codec
 from kvstore.codec import ValueHeader, decode_value, encode_value, read_header
@@ -164,3 +165,65 @@ def test_a_header_is_the_json_of_its_document_with_the_metadata_first(
     assert next(iter(doc)) == "__metadata__"
     assert value[8 : 8 + n].rstrip(b" ") == json.dumps(doc, separators=(",", ":")).encode()
     assert outcome(value) == uncached_outcome(value)
+
+
+def decoy_value(decoy: str, real: str) -> bytes:
+    """A value whose block hash is spelled with a JSON escape (``kvstore\\u002ekey``) while a
+    user-metadata key ending in ``"kvstore.key`` holds the marker the byte comparison sees
+    (found by a review: the cache followed the decoy)."""
+    payload = b"xy" * 4
+    checksum = xxhash.xxh3_64_hexdigest(payload)
+    meta = (
+        '{"kvstore.format":"1","kvstore.fingerprint":"fp",'
+        f'"kvstore\\u002ekey":"{real}","u\\"kvstore.key":"{decoy}",'
+        '"kvstore.codec":"none","kvstore.raw_bytes":"8","kvstore.payload_bytes":"8",'
+        f'"kvstore.checksum":"{checksum}","kvstore.created":"2024-01-01T00:00:00.000Z"}}'
+    )
+    spec = '"t":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}'
+    raw = ('{"__metadata__":' + meta + "," + spec + "}").encode()
+    return struct.pack("<Q", len(raw)) + raw + payload
+
+
+def test_a_field_spelled_with_an_escape_is_never_read_through_a_cached_layout() -> None:
+    outcome(decoy_value("z" * 16, "z" * 16))  # a header that would prime a layout
+    tricked = decoy_value("k" * 16, "z" * 16)
+    got = outcome(tricked)
+    assert got == uncached_outcome(tricked)
+    assert isinstance(got, ValueHeader) and got.block_hash == "z" * 16
+
+
+def test_values_whose_own_metadata_varies_keep_the_cache_small_and_read_right() -> None:
+    values = [value_of(request=f"{i:06d}") for i in range(3 * codec.MAX_LAYOUTS_PER_LENGTH)]
+    for i, value in enumerate(values):
+        header = read_header(value)
+        assert header.metadata == {"request": f"{i:06d}"}
+    assert all(len(v) <= codec.MAX_LAYOUTS_PER_LENGTH for v in codec._layouts.values())
+
+
+def test_a_decoded_copy_gives_each_tensor_its_own_storage() -> None:
+    # tensors of one shape are viewed together; a copy must still be one storage per tensor,
+    # so that keeping one layer does not keep the whole block
+    value = value_of()
+    _, tensors = decode_value(value, fingerprint="fp", block_hash="a" * 32, copy=True)
+    for t in tensors.values():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert t.storage_offset() == 0
+    _, views = decode_value(value, fingerprint="fp", block_hash="a" * 32, copy=False)
+    first, second = views["model.layers.0.self_attn"], views["model.layers.1.self_attn"]
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("ns", "text"),
+    [
+        (1_700_000_000_123_000_000, "2023-11-14T22:13:20.123Z"),
+        (1_700_000_000_999_999_999, "2023-11-14T22:13:20.999Z"),
+        (1_700_000_001_000_000_000, "2023-11-14T22:13:21.000Z"),
+        (1_700_000_000_000_999_999, "2023-11-14T22:13:20.000Z"),
+    ],
+)
+def test_creation_times_are_the_millisecond_the_clock_says(
+    monkeypatch: pytest.MonkeyPatch, ns: int, text: str
+) -> None:
+    monkeypatch.setattr(codec.time, "time_ns", lambda: ns)
+    assert codec._now_iso() == text

@@ -7,6 +7,8 @@ PyTorch with CUDA, redis-py and a ``redis-server``)."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import fakeredis
@@ -16,6 +18,7 @@ import torch
 
 from datamover import BlockMover, PagedKV, SaveItem, StagingBusyError
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+from kvstore.staging import StagingPool
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
@@ -444,3 +447,88 @@ def test_a_load_after_its_prefetch_threads_stopped_still_lands() -> None:
     for name in src:
         assert torch.equal(dst[name][50:53], src[name][:3])
     assert staging_all_free(loader)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for ``condition`` (a state another thread reaches), failing after a minute."""
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_reading_ahead_never_takes_a_buffer_a_waiting_load_needs() -> None:
+    # load A holds one buffer for its chunk and one for the chunk it reads ahead; load B waits.
+    # When A moves on, the buffer it frees must go to B, not to A's next read-ahead
+    client = fakeredis.FakeRedis()
+    _, hashes = saved_blocks(client, 6)
+    with ThreadPoolExecutor(2) as prefetch:
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            store_on(client),
+            max_inflight_bytes=1,  # two staging buffers of one block each
+            chunk_bytes=1,
+            prefetch=prefetch,
+        )
+        assert loader._load_pool.count == 2
+        a = loader.receive(list(range(30, 34)), hashes[:4], timeout_s=60)
+        assert next(a).copy_in()[0] == [30]  # A: a chunk, and the next one read ahead
+        b_got: list[list[int]] = []
+        b = threading.Thread(
+            target=lambda: b_got.append(
+                next(loader.receive([40], hashes[4:5], timeout_s=60)).copy_in()[0]
+            )
+        )
+        b.start()
+        wait_until(lambda: loader._load_pool.waiting == 1, "load B to wait for staging")
+        # A moves on while B cannot run yet (the test holds the pool's lock, which A may
+        # take again: it is re-entrant): A's freed buffer must be left for B
+        with loader._load_pool._cond:
+            assert next(a).copy_in()[0] == [31]
+        b.join(60)
+        assert b_got == [[40]]
+        assert list(chunk.copy_in()[0] for chunk in a) == [[32], [33]]
+    assert staging_all_free(loader)
+
+
+def test_a_prefetch_cancelled_by_shutdown_gives_its_staging_back() -> None:
+    # the worker shuts its prefetch threads down with cancel_futures=True: a read-ahead still
+    # queued never runs, and its buffer must still come back, whether the load goes on or not
+    client = fakeredis.FakeRedis()
+    src, hashes = saved_blocks(client, 4)
+    dst = caches("cpu", seed=None)
+    for load_goes_on in (True, False):
+        prefetch = ThreadPoolExecutor(1)
+        busy = threading.Event()
+        prefetch.submit(busy.wait)  # its one thread is busy: read-aheads queue
+        loader = BlockMover(
+            dst, store_on(client), max_inflight_bytes=16 << 20, chunk_bytes=1, prefetch=prefetch
+        )
+        chunks = loader.receive([60, 61], hashes[:2], timeout_s=5)
+        assert next(chunks).copy_in()[0] == [60]  # the second chunk is queued behind `busy`
+        prefetch.shutdown(wait=False, cancel_futures=True)
+        busy.set()
+        if load_goes_on:
+            assert [c.copy_in()[0] for c in chunks] == [[61]]  # received without reading ahead
+            assert torch.equal(
+                dst["model.layers.0.self_attn"][61], src["model.layers.0.self_attn"][1]
+            )
+        else:
+            chunks.close()
+        assert staging_all_free(loader)
+
+
+def test_a_spare_buffer_is_never_one_a_caller_waits_for() -> None:
+    pool = StagingPool(16, 1)
+    held = pool.try_acquire()
+    assert held is not None and pool.try_acquire_spare() is None
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.acquire(60)))
+    waiter.start()
+    wait_until(lambda: pool.waiting == 1, "the waiter")
+    pool.release(held)
+    assert pool.try_acquire_spare() is None  # the waiter's, whether it woke yet or not
+    waiter.join(60)
+    assert got and got[0] is not None and pool.waiting == 0
+    pool.release(got[0])  # type: ignore[arg-type]
+    assert pool.try_acquire_spare() is not None  # nobody waits: a spare is a spare

@@ -159,7 +159,7 @@ def test_starting_a_started_test_server_does_not_start_a_second_one() -> None:
 
 
 def bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.detach().resolve_neg().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])
@@ -179,6 +179,8 @@ def test_insert_many_sends_any_cpu_tensor_as_its_logical_value(
     }
     if hasattr(torch, "float8_e4m3fn"):
         tensors["fp8"] = torch.linspace(-2, 2, 16).to(torch.float8_e4m3fn)
+    if hasattr(torch, "_neg_view"):  # a lazily negated view: its bytes are not its values
+        tensors["negated"] = torch._neg_view(torch.arange(4, dtype=torch.float32))
     store = LookupBuffer.from_url(redis_url, namespace="views", compression=compression)
     try:
         store.insert_many([("h0", tensors), ("h1", {"x": base})])
@@ -188,5 +190,27 @@ def test_insert_many_sends_any_cpu_tensor_as_its_logical_value(
             assert got[0][name].dtype == t.dtype and got[0][name].shape == t.shape, name
             assert bits(got[0][name]) == bits(t), name
         assert torch.equal(got[1]["x"], base)
+    finally:
+        store.close()
+
+
+def test_insert_many_from_an_iterator_that_refills_one_tensor_stores_every_value(
+    redis_url: str,
+) -> None:
+    # a generator may hand out the same tensor for every item, refilled each time: each
+    # value must be what the tensor held when its item was produced
+    buf = torch.empty(1024, dtype=torch.float32)
+    hashes = [f"h{i}" for i in range(4)]
+
+    def items():  # type: ignore[no-untyped-def]
+        for i, h in enumerate(hashes):
+            buf.fill_(float(i))
+            yield h, {"k": buf}
+
+    store = LookupBuffer.from_url(redis_url, namespace="refill")
+    try:
+        store.insert_many(items())
+        got = store.select(hashes)
+        assert [g["k"][0].item() if g is not None else None for g in got] == [0.0, 1.0, 2.0, 3.0]
     finally:
         store.close()
