@@ -2,7 +2,8 @@
 # The GPU suite on a machine with PyTorch + CUDA but no vLLM and no internet (the device).
 #   here:   bash scripts/gpu_suite.sh --prepare      wheels + redis-server .debs into .gpu/
 #   there:  bash scripts/gpu_suite.sh [OUT_DIR]      carry .gpu; runs `pytest -m cuda`,
-#                                                    scripts/bench_gpu.py and bench_shards.py,
+#                                                    scripts/bench_gpu.py, bench_shards.py and
+#                                                    bench_datamover.py x1/x2/x4 connections,
 #                                                    figures to OUT_DIR
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -42,5 +43,13 @@ brc=${PIPESTATUS[0]}
 # cannot be shown on the 2-core VM, where the shards and the client share two cores
 python3 -m scripts.bench_shards --json "$OUT_DIR/shards.json" 2>&1 | tee "$OUT_DIR/shards.log"
 src=${PIPESTATUS[0]}
-echo "pytest exit $rc, bench exit $brc, shards exit $src"
-[ "$rc" = 0 ] && [ "$brc" = 0 ] && [ "$src" = 0 ]
+# how many connections a load and a save should use on a many-core host (the connector's
+# `connections`, 4 by default; 1 is faster on the 2-core VM)
+drc=0
+for c in 1 2 4; do
+  python3 -m scripts.bench_datamover --blocks 64 --rounds 5 --connections "$c" \
+    --json "$OUT_DIR/datamover-x$c.json" 2>&1 | tee "$OUT_DIR/datamover-x$c.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || drc=1
+done
+echo "pytest exit $rc, bench exit $brc, shards exit $src, datamover exit $drc"
+[ "$rc" = 0 ] && [ "$brc" = 0 ] && [ "$src" = 0 ] && [ "$drc" = 0 ]
