@@ -116,22 +116,23 @@ def bench(
         resp = LMCacheResp(host, int(port), block_bytes, blocks)
         layers = [t.view(torch.uint8).view(2 * blocks, -1) for t in cache.values()]
 
-        def gather(values: list[torch.Tensor]) -> None:
-            for block, value in enumerate(values):
+        def copy_blocks(values: list[torch.Tensor], ids: list[int], into_cache: bool) -> None:
+            """Each value's bytes from (or into) its block of every layer."""
+            for block, value in zip(ids, values, strict=True):
                 pieces = value[:block_bytes].view(len(layers), -1)
                 for layer, piece in zip(layers, pieces, strict=True):
-                    piece.copy_(layer[block])
+                    dst, src = (layer[block], piece) if into_cache else (piece, layer[block])
+                    dst.copy_(src)
 
-        def scatter(values: list[torch.Tensor]) -> None:
-            for block, value in zip(targets, values, strict=True):
-                pieces = value[:block_bytes].view(len(layers), -1)
-                for layer, piece in zip(layers, pieces, strict=True):
-                    layer[block].copy_(piece)
-
+        sources = list(range(blocks))
         paths["LMCache resp:// put"] = resp.put
-        paths["LMCache gather + put"] = lambda: resp.put(before=gather)
+        paths["LMCache gather + put"] = lambda: resp.put(
+            before=lambda values: copy_blocks(values, sources, into_cache=False)
+        )
         paths["LMCache resp:// get"] = resp.get
-        paths["LMCache get + scatter"] = lambda: resp.get(then=scatter)
+        paths["LMCache get + scatter"] = lambda: resp.get(
+            then=lambda values: copy_blocks(values, targets, into_cache=True)
+        )
     save()
     load()
     assert all(torch.equal(t[blocks:], t[:blocks]) for t in cache.values()), (
