@@ -44,6 +44,11 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, help="vLLM's --max-num-batched-tokens")
     ap.add_argument("--kv-cache-dtype", help="vLLM's --kv-cache-dtype (fp8, fp8_e5m2, ...)")
     ap.add_argument(
+        "--attention-backend",
+        help="vLLM's --attention-backend (CPU_MLA: vLLM's reference MLA even on a CPU with "
+        "AMX, where vLLM would pick AMX_MLA)",
+    )
+    ap.add_argument(
         "--gate",
         action="append",
         default=[],
@@ -91,6 +96,7 @@ def main() -> None:
         **({"block_size": args.block_size} if args.block_size else {}),
         **({"max_num_batched_tokens": args.max_batched_tokens} if args.max_batched_tokens else {}),
         **({"kv_cache_dtype": args.kv_cache_dtype} if args.kv_cache_dtype else {}),
+        **({"attention_backend": args.attention_backend} if args.attention_backend else {}),
         kv_events_config=KVEventsConfig(
             enable_kv_cache_events=True, publisher="zmq", endpoint=args.kv_events_endpoint
         )

@@ -78,6 +78,7 @@ def start_engine(
     kv_cache_dtype: str | None = None,
     layout_file: Path | None = None,
     kv_events_endpoint: str | None = None,
+    attention_backend: str | None = None,
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -104,6 +105,8 @@ def start_engine(
         cmd += ["--max-batched-tokens", str(max_batched_tokens)]
     if kv_cache_dtype:
         cmd += ["--kv-cache-dtype", kv_cache_dtype]
+    if attention_backend:
+        cmd += ["--attention-backend", attention_backend]
     for phase, path in (gates or {}).items():
         cmd += ["--gate", f"{phase}:{path}"]
     if kv_events_endpoint:
