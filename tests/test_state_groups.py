@@ -440,8 +440,10 @@ def test_each_tensor_parallel_rank_stores_and_loads_its_own_state(
             )
         )
         assert worker.shutdown_pending(timeout_s=60) == 0
+        stats = worker.take_stats()  # (on failure: shed, failed or never staged)
+        assert stats.get("blocks_saved") == 3 and not stats.get("blocks_shed"), stats
         saved.append(kv)
-    assert len(fake_redis.keys("kv:vllm:*.g1")) == 2  # one state per rank
+    assert len(fake_redis.keys("kv:vllm:*.g1")) == 2, fake_redis.keys("*")  # a state per rank
     for r in range(2):
         worker, kv = rank(r, seed_=20 + r)
         worker.start_load_kv(
