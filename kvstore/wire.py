@@ -224,7 +224,11 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
             for b in buffers:
                 sock.sendall(b)
             return
-        views = [memoryview(b).cast("B") for b in buffers if memoryview(b).nbytes]
+        views: list[memoryview] = []
+        for b in buffers:  # flat byte views, so a partial send can be resumed mid-buffer
+            v = memoryview(b)
+            if v.nbytes:
+                views.append(v if v.ndim == 1 and v.format == "B" else v.cast("B"))
         i = 0
         while i < len(views):
             batch = views[i : i + _MAX_IOV]

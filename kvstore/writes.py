@@ -75,9 +75,9 @@ class Writer:
         insert ~30% slower than plain ``SET``); buffers beyond ``_SCRATCH_LIMIT`` bytes per
         thread are not kept."""
         in_place = isinstance(items, Sequence)
-        encoded: list[tuple[str, Sequence[Any]]] = []
+        encoded: list[tuple[bytes, Sequence[Any]]] = []
         for i, (h, t) in enumerate(items):
-            self._keys.block(h)  # validates the hash
+            key = self._keys.block(h).encode()  # (validates the hash)
             parts = (
                 frame_tensors(
                     t,
@@ -90,8 +90,8 @@ class Writer:
                 if in_place
                 else None
             )
-            encoded.append((h, parts or [self.encode(h, t, metadata, out=self._scratch(i, t))]))
-        self.insert_parts(encoded)
+            encoded.append((key, parts or [self.encode(h, t, metadata, out=self._scratch(i, t))]))
+        self._send(encoded)
 
     def _scratch(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         """This thread's reusable buffer number ``slot``, big enough for ``tensors``; None when
@@ -125,7 +125,20 @@ class Writer:
     ) -> None:
         """SET each value, given as a list of buffers sent from where they lie, with the TTL of
         its chain position (``positions``, default the order of ``items``)."""
-        encoded = [(self._keys.block(h).encode(), parts) for h, parts in items]
+        self._send(
+            [(self._keys.block(h).encode(), parts) for h, parts in items],
+            positions=positions,
+            connections=connections,
+        )
+
+    def _send(
+        self,
+        encoded: Sequence[tuple[bytes, Sequence[Any]]],
+        *,
+        positions: Sequence[int] | None = None,
+        connections: int = 1,
+    ) -> None:
+        """SET each (key, parts) with its position's TTL, counting what was sent or failed."""
         if not encoded:
             return
         where = list(positions) if positions is not None else list(range(len(encoded)))

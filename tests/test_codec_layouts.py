@@ -150,20 +150,48 @@ def test_more_layouts_than_the_cache_holds_still_read_correctly() -> None:
         st.text(max_size=12),
         max_size=3,
     ),
+    fingerprint=st.text(min_size=1, max_size=10),
+    block_hash=st.text(min_size=1, max_size=10),
+    compression=st.sampled_from(["none", "lz4"]),
 )
 def test_a_header_is_the_json_of_its_document_with_the_metadata_first(
-    names: list[str], metadata: dict[str, str]
+    names: list[str],
+    metadata: dict[str, str],
+    fingerprint: str,
+    block_hash: str,
+    compression: str,
 ) -> None:
-    # headers are rendered from a cached JSON of their tensor specs: byte for byte what
-    # json.dumps of the whole document gives
+    # headers are rendered from cached text around the per-value fields: byte for byte what
+    # json.dumps of the whole document gives, each field where it belongs
     tensors = {name: torch.arange(i + 1, dtype=torch.float16) for i, name in enumerate(names)}
     value = bytes(
-        encode_value(tensors, fingerprint="fp", block_hash="h", metadata=metadata or None)
+        encode_value(
+            tensors,
+            fingerprint=fingerprint,
+            block_hash=block_hash,
+            metadata=metadata or None,
+            compression=compression,
+        )
     )
     (n,) = struct.unpack_from("<Q", value)
     doc = json.loads(value[8 : 8 + n])
     assert next(iter(doc)) == "__metadata__"
     assert value[8 : 8 + n].rstrip(b" ") == json.dumps(doc, separators=(",", ":")).encode()
+    meta = doc["__metadata__"]
+    raw = sum(2 * (i + 1) for i in range(len(names)))
+    payload = len(value) - 8 - n
+    assert meta == {
+        "kvstore.format": codec.FORMAT_VERSION,
+        "kvstore.fingerprint": fingerprint,
+        "kvstore.key": block_hash,
+        "kvstore.codec": compression,
+        "kvstore.raw_bytes": str(raw),
+        "kvstore.payload_bytes": str(payload),
+        "kvstore.checksum": xxhash.xxh3_64_hexdigest(value[8 + n :]),
+        "kvstore.created": meta["kvstore.created"],
+        **metadata,
+    }
+    assert list(meta)[:8] == [k for k in meta if k.startswith("kvstore.")]  # ours first
     assert outcome(value) == uncached_outcome(value)
 
 
