@@ -20,7 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
+from kvstore.keys import parse_key
 from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.relay import DelayRelay
@@ -71,7 +73,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
             stack.wait_healthy(list(procs.values()), timeout_s=900)
             urls = {name: p.url for name, p in procs.items()}
             urls["reference_answers"] = {}  # type: ignore[assignment]
-            yield {"urls": urls, "procs": procs, "logs": logs}
+            yield {"urls": urls, "procs": procs, "logs": logs, "redis_url": redis_server.url}
         finally:
             s.stop()
 
@@ -144,6 +146,33 @@ def assert_healthy(servers: dict[str, Any]) -> None:
         assert "Traceback" not in log, f"{name} logged a traceback:\n{proc.log_tail(6000)}"
 
 
+def stored_blocks(redis_url: str) -> int:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = (parse_key(k.decode()) for k in client.scan_iter(match="kv:*", count=1000))
+        return sum(1 for k in keys if k is not None and k.kind == "block")
+    finally:
+        client.close()
+
+
+def assert_the_pool_serves_a_new_prompt(servers: dict[str, Any]) -> None:
+    """A prompt neither share-mode server has seen, answered by share1, then by share2 once
+    share1's blocks are in Redis: share2 loads it (it has nothing of it locally)."""
+    prompt = tokens(700, 999)
+    urls = servers["urls"]
+    before = stored_blocks(servers["redis_url"])
+    want, _ = complete(urls["reference"], prompt, stream=False, cut_after_s=None)
+    assert complete(urls["share1"], prompt, stream=False, cut_after_s=None)[0] == want
+    # the event that matters: share1's full blocks of it (five of 128 tokens) are stored
+    deadline = time.monotonic() + 120
+    while stored_blocks(servers["redis_url"]) < before + 700 // 128:
+        assert time.monotonic() < deadline, "share1 never stored the new prompt's blocks"
+        time.sleep(0.1)
+    loaded = metric(urls["share2"], "vllm:redis_kv_blocks_loaded_total")
+    assert complete(urls["share2"], prompt, stream=False, cut_after_s=None)[0] == want
+    assert metric(urls["share2"], "vllm:redis_kv_blocks_loaded_total") > loaded
+
+
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
     return sum(
@@ -175,5 +204,10 @@ def test_an_abort_storm_leaves_servers_healthy_and_answers_right(
         served += cached
     assert served > 0, "nothing came from a cache after the storms"
     assert_healthy(servers)
-    loader = "decode" if mode == "consume" else "share2"
-    assert metric(servers["urls"][loader], "vllm:redis_kv_blocks_loaded_total") > 0
+    if mode == "consume":  # every decode loads what its prefill saved
+        assert metric(servers["urls"]["decode"], "vllm:redis_kv_blocks_loaded_total") > 0
+    else:
+        # whether share2 loaded during the storms depends on how far each request got before
+        # its cut, on a busy machine none (CI): a prompt new to both servers says it for sure
+        assert_the_pool_serves_a_new_prompt(servers)
+        assert_healthy(servers)
