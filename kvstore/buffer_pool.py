@@ -19,7 +19,9 @@ import numpy as np
 
 # Smaller buffers are not pooled: malloc serves them from memory already mapped (glibc maps
 # fresh pages only from 128 KiB up), and a pooled block would outlive a small result's need.
-MIN_POOLED_BYTES = 64 << 10
+# (At 64 << 10 a 64 KiB block's value -- just over it, with its header -- was pooled, and the
+# finalizer each lease registers cost select 7-15% at that size: measured, docs/benchmarks.md.)
+MIN_POOLED_BYTES = 128 << 10
 
 
 def size_class(nbytes: int) -> int:
