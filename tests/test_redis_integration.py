@@ -220,7 +220,7 @@ def test_insert_many_through_a_client_without_a_socket_sends_any_cpu_tensor() ->
     # shape could not be cast to bytes there)
     import fakeredis
 
-    store = LookupBuffer(fakeredis.FakeRedis(), namespace="views")
+    store = LookupBuffer(fakeredis.FakeRedis(server=fakeredis.FakeServer()), namespace="views")
     assert_odd_tensors_round_trip(store)
     store.close()
 
