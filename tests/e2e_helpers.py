@@ -140,6 +140,14 @@ def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
     return json.loads(out.read_text())
 
 
+def count_blocks(client: Any, namespace: str = "vllm") -> int:
+    """How many block keys (not handoff records, claims or counters) ``namespace`` holds."""
+    from kvstore.keys import parse_key
+
+    keys = (parse_key(k.decode()) for k in client.scan_iter(match=f"kv:{namespace}:*"))
+    return sum(1 for k in keys if k is not None and k.kind == "block")
+
+
 def stored_dtypes(client: Any, keys: list[str]) -> list[str]:
     """The tensor dtypes (safetensors' spelling) in the headers of the blocks among ``keys``."""
     from kvstore.codec import read_header

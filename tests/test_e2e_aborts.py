@@ -22,12 +22,11 @@ import httpx
 import pytest
 import redis
 
-from kvstore.keys import parse_key
 from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.relay import DelayRelay
 
-from .e2e_helpers import PATIENT, tokens
+from .e2e_helpers import PATIENT, count_blocks, tokens
 
 # On the default vLLM only: the abort logic is checked against each release's own Scheduler by
 # test_request_lifecycle.py and the fuzzer; the storms on 0.30 and 0.31 (5 min) put CI over an hour
@@ -146,28 +145,21 @@ def assert_healthy(servers: dict[str, Any]) -> None:
         assert "Traceback" not in log, f"{name} logged a traceback:\n{proc.log_tail(6000)}"
 
 
-def stored_blocks(redis_url: str) -> int:
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = (parse_key(k.decode()) for k in client.scan_iter(match="kv:*", count=1000))
-        return sum(1 for k in keys if k is not None and k.kind == "block")
-    finally:
-        client.close()
-
-
 def assert_the_pool_serves_a_new_prompt(servers: dict[str, Any]) -> None:
     """A prompt neither share-mode server has seen, answered by share1, then by share2 once
     share1's blocks are in Redis: share2 loads it (it has nothing of it locally)."""
     prompt = tokens(700, 999)
     urls = servers["urls"]
-    before = stored_blocks(servers["redis_url"])
+    client = redis.Redis.from_url(servers["redis_url"])
+    before = count_blocks(client)
     want, _ = complete(urls["reference"], prompt, stream=False, cut_after_s=None)
     assert complete(urls["share1"], prompt, stream=False, cut_after_s=None)[0] == want
     # the event that matters: share1's full blocks of it (five of 128 tokens) are stored
     deadline = time.monotonic() + 120
-    while stored_blocks(servers["redis_url"]) < before + 700 // 128:
+    while count_blocks(client) < before + 700 // 128:
         assert time.monotonic() < deadline, "share1 never stored the new prompt's blocks"
         time.sleep(0.1)
+    client.close()
     loaded = metric(urls["share2"], "vllm:redis_kv_blocks_loaded_total")
     assert complete(urls["share2"], prompt, stream=False, cut_after_s=None)[0] == want
     assert metric(urls["share2"], "vllm:redis_kv_blocks_loaded_total") > loaded

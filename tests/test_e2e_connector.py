@@ -23,7 +23,7 @@ from kvstore import LookupBuffer, chain_hashes
 from kvstore.keys import parse_key
 from testing.redis_server import RedisServer
 
-from .e2e_helpers import finish, one_per_phase, start_engine, tokens
+from .e2e_helpers import count_blocks, finish, one_per_phase, start_engine, tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
 
@@ -85,20 +85,15 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         res["both1"] = finish(both1)
         res["pd_keys_after_decode"] = sorted(k.decode() for k in client.scan_iter(match="kv:pd:*"))
         res["pd_ttls_after_decode"] = [client.pttl(k) for k in res["pd_keys_after_decode"]]
-        res["pool_keys_after_1"] = block_keys(client, "pool")
+        res["pool_keys_after_1"] = count_blocks(client, "pool")
         both2 = start_engine(
             tmp, "both2", tiny_model, share_phases, core=0, role="kv_both", url=url,
             extra={"namespace": "pool"},
         )  # fmt: skip
         res["both2"] = finish(both2)
-        res["pool_keys_after_2"] = block_keys(client, "pool")
+        res["pool_keys_after_2"] = count_blocks(client, "pool")
         (tmp / "results.json").write_text(json.dumps(res, indent=1, default=str))
         return res
-
-
-def block_keys(client: redis.Redis, namespace: str) -> int:
-    keys = (parse_key(k.decode()) for k in client.scan_iter(match=f"kv:{namespace}:*"))
-    return sum(1 for k in keys if k is not None and k.kind == "block")
 
 
 def handoff_chain(params: dict, prompt: str) -> list[str]:
