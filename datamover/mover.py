@@ -355,14 +355,10 @@ class BlockMover:
     def _abandoned(self, spare: torch.Tensor, fetched: Future[LoadChunk]) -> None:
         """A prefetched chunk nobody will copy in: its buffer goes back (a failed fetch gave it
         back itself); its error is logged (the load it belonged to has ended, and said how)."""
-        if fetched.cancelled():
-            self._load_pool.release(spare)
-            return
-        exc = fetched.exception()
-        if exc is None:
+        if fetched.cancelled() or fetched.exception() is None:
             self._load_pool.release(spare)
         else:
-            logger.debug("a prefetched chunk of an abandoned load failed: %r", exc)
+            logger.debug("a prefetched chunk of an abandoned load failed: %r", fetched.exception())
 
     def _fits(self, value: Mapping[str, torch.Tensor]) -> bool:
         return tuple(value) == self.kv.names and all(
