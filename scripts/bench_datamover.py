@@ -39,7 +39,7 @@ from connector.config import RedisConnectorConfig
 from datamover import BlockMover, SaveItem
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts
-from scripts.bench_paths import LMCacheResp, median_seconds
+from scripts.bench_paths import CacheEvictor, LMCacheResp, median_seconds
 from testing.redis_server import RedisServer
 
 LAYERS, HEADS, TOKENS, CONTENT = 32, 8, 16, 256  # content: K and V of head size 128
@@ -56,7 +56,13 @@ def make_cache(blocks: int) -> dict[str, torch.Tensor]:
 
 
 def bench(
-    url: str, blocks: int, rounds: int, writers: int, lmc: bool, connections: int
+    url: str,
+    blocks: int,
+    rounds: int,
+    writers: int,
+    lmc: bool,
+    connections: int,
+    warm: bool = False,
 ) -> dict[str, Any]:
     host, port = url.split("//")[1].split("/")[0].split(":")
     cache = make_cache(2 * blocks)  # saved from the first half, loaded into the second
@@ -138,7 +144,7 @@ def bench(
     assert all(torch.equal(t[blocks:], t[:blocks]) for t in cache.values()), (
         "a loaded block differs from the saved one"
     )
-    seconds = median_seconds(paths, rounds)
+    seconds = median_seconds(paths, rounds, before=None if warm else CacheEvictor())
     store.close()
     pool.shutdown()
     prefetch.shutdown()
@@ -159,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         help="connections per batch (the connector's `connections`)",
     )
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="do not evict the CPU caches before each sample (bench_paths.CacheEvictor)",
+    )
     args = ap.parse_args(argv)
     try:
         import lmcache.v1.storage_backend.connector.redis_connector  # noqa: F401
@@ -168,8 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         lmc = False
         print("LMCache is not importable here: its columns are left out (see lmcache.md)")
     with RedisServer() as server:
-        gbps = bench(server.url, args.blocks, args.rounds, args.writers, lmc, args.connections)
-    print(f"{args.blocks} blocks of Llama-3-8B geometry (2 MiB), median of {args.rounds}, GB/s")
+        gbps = bench(
+            server.url,
+            args.blocks,
+            args.rounds,
+            args.writers,
+            lmc,
+            args.connections,
+            args.warm,
+        )
+    caches = "warm caches" if args.warm else "caches evicted before each sample"
+    print(
+        f"{args.blocks} blocks of Llama-3-8B geometry (2 MiB), median of {args.rounds}, "
+        f"{caches}, GB/s"
+    )
     for name, v in gbps.items():
         reads = "load" in name or "select" in name
         bases = ["LMCache resp:// get"] if reads else ["LMCache resp:// put"]
@@ -184,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "blocks": args.blocks,
             "rounds": args.rounds,
             "connections": args.connections,
+            "caches_evicted": not args.warm,
             "gbps": gbps,
         }
         args.json.write_text(json.dumps(doc, indent=2))
