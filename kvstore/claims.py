@@ -122,6 +122,18 @@ class _StillMigrating(StoreUnavailableError):
     only wait again."""
 
 
+def _deadline(timeout_s: float) -> float:
+    if timeout_s < 0:
+        raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
+    return time.monotonic() + timeout_s
+
+
+def _everything(keys: list[str], suffix: str) -> ClaimedBatch:
+    """A batch naming every key as claimed by ``suffix``: what to give back when it is not
+    known which of them the claim took."""
+    return ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys))
+
+
 def _pause(delay: float, deadline: float) -> float:
     """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
     time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
@@ -186,35 +198,92 @@ class Claimer:
         self._release_script = client.register_script(RELEASE_LUA)
 
     # ------------------------------------------------------------------ claim
+    @property
+    def reads_in_claim(self) -> bool:
+        """Whether :meth:`claim_reading` can serve (one server: a Cluster claims per slot)."""
+        return not self._shards.cluster
+
     def claim(self, keys: list[str], timeout_s: float = 0.0) -> ClaimedBatch:
         """Claim the present ``keys`` for one caller. With ``timeout_s > 0`` wait (polling with
         backoff) until every key is present; when the time runs out take what is there. A lost
         reply is recovered by sending the claim again; if that fails, whatever the claim took
         is released before the error is raised."""
-        if timeout_s < 0:
-            raise InvalidArgumentError(f"timeout_s must be >= 0, got {timeout_s}")
-        deadline = time.monotonic() + timeout_s
+        deadline = _deadline(timeout_s)
         suffix = uuid.uuid4().hex
-        everything = ClaimedBatch(keys, suffix, [1] * len(keys), [0] * len(keys))
         try:
             statuses, lengths = self._claim_all(keys, deadline, suffix)
         except (StoreTimeoutError, StoreUnavailableError) as first:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
             if isinstance(first, _StillMigrating):
-                self.release(everything)
+                self.release(_everything(keys, suffix))
                 raise
-            # the script may have run and its reply been lost: the same suffix again recovers
-            # what it took (and claims the rest)
-            logger.info("kvstore: claim sent again after %s", first)
-            self._on_retry()
-            try:
-                statuses, lengths = self._claim_all(keys, deadline, suffix)
-            except BaseException:
-                self.release(everything)
-                raise
+            return self._claim_again(keys, deadline, suffix, first)
         except BaseException:  # any other error: other slots' claims may have run
-            self.release(everything)
+            self.release(_everything(keys, suffix))
+            raise
+        return ClaimedBatch(keys, suffix, statuses, lengths)
+
+    def claim_reading(
+        self,
+        keys: list[str],
+        timeout_s: float,
+        read: Callable[[tuple[Any, ...], list[str]], tuple[list[int] | None, list[Any]]],
+    ) -> tuple[ClaimedBatch, list[Any] | None]:
+        """Claim as :meth:`claim` does, and read the claimed values in the same round trip (one
+        server only: :attr:`reads_in_claim`). ``read(script, private_keys)`` sends the claim
+        script, then a ``GET`` of every key's private key -- the server runs them after the
+        script; a key not claimed answers nil -- and returns the script's reply and the GETs'.
+
+        Returns the batch and the claimed keys' replies, in key order. When the round trip
+        fails (the script may have run and its reply been lost), the claim is sent again alone
+        with the same suffix, which counts what the first took as claimed, and the replies are
+        None: the caller reads the private keys as after :meth:`claim`. If that fails too,
+        whatever was taken is given back before the error is raised."""
+        deadline = _deadline(timeout_s)
+        suffix = uuid.uuid4().hex
+        private = [claim_key(k, suffix) for k in keys]
+        scripted = [*keys, *private]
+
+        def round_trip(mode: str) -> tuple[list[int] | None, list[Any]]:
+            script = ("EVALSHA", self._claim_script.sha, len(scripted), *scripted)
+            script += (self._max_value_bytes, mode)
+            try:
+                return read(script, private)
+            except rex.NoScriptError:  # the server lost its scripts (restart, SCRIPT FLUSH)
+                self._client.script_load(CLAIM_LUA)  # nothing ran: the same again
+                return read(script, private)
+
+        delay = _FIRST_POLL_S
+        try:
+            while True:
+                mode = "all" if time.monotonic() < deadline else "any"
+                reply, got = self._guard.call("EVALSHA", functools.partial(round_trip, mode))
+                if reply is not None:
+                    break
+                delay = _pause(delay, deadline)
+        except (StoreTimeoutError, StoreUnavailableError) as first:
+            if isinstance(first, StoreCircuitOpenError):
+                raise  # nothing was sent
+            return self._claim_again(keys, deadline, suffix, first), None
+        except BaseException:
+            self.release(_everything(keys, suffix))
+            raise
+        statuses, lengths = reply[0::2], reply[1::2]
+        claimed = [r for r, st in zip(got, statuses, strict=True) if st == 1]
+        return ClaimedBatch(keys, suffix, statuses, lengths), claimed
+
+    def _claim_again(
+        self, keys: list[str], deadline: float, suffix: str, first: KVStoreError
+    ) -> ClaimedBatch:
+        """After a claim whose reply was lost: the same suffix again recovers what it took (and
+        claims the rest); if that fails too, everything the suffix holds is given back."""
+        logger.info("kvstore: claim sent again after %s", first)
+        self._on_retry()
+        try:
+            statuses, lengths = self._claim_all(keys, deadline, suffix)
+        except BaseException:
+            self.release(_everything(keys, suffix))
             raise
         return ClaimedBatch(keys, suffix, statuses, lengths)
 

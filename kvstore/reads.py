@@ -86,7 +86,18 @@ class Reader:
                 "GET", lambda: self._transport.get_values(commands, dests, conns, check)
             )
             return self._tally(keys, checked)
-        batch = self._claims.claim(keys, timeout_s)
+        fetched: list[Any] | None = None
+        if self._claims.reads_in_claim and conns == 1:
+            # one round trip: the claim script, then the GETs of the keys it claims
+            check_all = self._checker(hashes, dests)
+
+            def claim_and_get(script: tuple[Any, ...], private: list[str]) -> Any:
+                gets = [("GET", k) for k in private]
+                return self._transport.script_then_values(script, gets, dests, check_all)
+
+            batch, fetched = self._claims.claim_reading(keys, timeout_s, claim_and_get)
+        else:
+            batch = self._claims.claim(keys, timeout_s)
         targets = [i for i, st in enumerate(batch.statuses) if st == 1]
         claimed = [("GET", k) for k in batch.claim_keys]
         target_dests = [dests[i] for i in targets]
@@ -98,10 +109,11 @@ class Reader:
             return self._transport.get_values(claimed, target_dests, conns, check_claimed)
 
         try:
-            try:
-                fetched = self._guard.call("GET", fetch)
-            except (StoreUnavailableError, StoreTimeoutError):
-                fetched = self._guard.call("GET", fetch)  # the claims are still there: once more
+            if fetched is None:  # claimed alone (a Cluster, several connections, a lost reply)
+                try:
+                    fetched = self._guard.call("GET", fetch)
+                except (StoreUnavailableError, StoreTimeoutError):
+                    fetched = self._guard.call("GET", fetch)  # the claims are still there
             raw = batch.raw_values(fetched)  # the claimed keys' entries are checked already
             checked = [
                 r if st == 1 else self._check(h, r)

@@ -155,12 +155,37 @@ class Transport:
 
         return self._follow_redirects(got, resend)
 
+    def script_then_values(
+        self,
+        script: tuple[Any, ...],
+        commands: Sequence[tuple[Any, ...]],
+        dests: Sequence[Destination],
+        each: Callable[[int, Any], Any] | None = None,
+    ) -> tuple[list[int] | None, list[Any]]:
+        """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of numbers
+        or ``false``), then ``commands`` received as :meth:`get_values` receives them. The
+        server runs the commands after the script, and the script costs no round trip of its
+        own. Returns the script's reply (None for its ``false``) and the commands' replies; an
+        error the script answered is raised after every reply was read. Not on a Cluster, where
+        the keys may live on several servers."""
+        if self.cluster:
+            raise TypeError("script_then_values serves one server, not a Cluster")
+        work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
+        first: list[list[int] | None] = []
+        got = self._get_on_one(self.client, work, each, script=script, script_reply=first)
+        return first[0], got
+
     def _get_on_one(
         self,
         server: redis.Redis,
         work: list[tuple[int, tuple[Any, ...], Destination]],
         each: Callable[[int, Any], Any] | None,
+        *,
+        script: tuple[Any, ...] | None = None,
+        script_reply: list[list[int] | None] | None = None,
     ) -> list[Any]:
+        """``work``'s replies on one connection to ``server``; with ``script``, that command
+        goes first, in the same send, and its reply is appended to ``script_reply``."""
         out: list[Any] = []
         refused: Exception | None = None
         # a value's size: its destination's, else (a new buffer) the last reply's, once known
@@ -170,11 +195,25 @@ class Transport:
             sock = raw_socket(conn)
             reader = ReplyReader(sock) if sock is not None else None
             sent = 0
+            if script is not None:
+                sent = min(len(work), self._depth(value_bytes))
+                conn.send_packed_command(
+                    conn.pack_commands([script, *(c for _, c, _ in work[:sent])])
+                )
+                try:
+                    if reader is None:  # a client without a socket (fakeredis): parsed
+                        answer = conn.read_response()
+                        if isinstance(answer, Exception):
+                            raise answer
+                        reply_of_script = None if answer is None else [int(v) for v in answer]
+                    else:
+                        reply_of_script = reader.read_int_array()
+                except redis.exceptions.ResponseError as exc:
+                    refused, reply_of_script = exc, None  # read the rest, then say so
+                assert script_reply is not None
+                script_reply.append(reply_of_script)
             for i, (index, _, dest) in enumerate(work):
-                depth = self.read_depth or READ_DEPTH
-                if value_bytes and self.read_depth is None:
-                    depth = max(depth, READ_BYTES_IN_FLIGHT // value_bytes)
-                upto = min(len(work), i + depth)  # keep up to `depth` commands in flight
+                upto = min(len(work), i + self._depth(value_bytes))  # replies kept in flight
                 if upto > sent:
                     conn.send_packed_command(conn.pack_commands([c for _, c, _ in work[sent:upto]]))
                     sent = upto
@@ -200,6 +239,12 @@ class Transport:
         if refused is not None:
             raise refused
         return out
+
+    def _depth(self, value_bytes: int) -> int:
+        """How many replies to keep in flight for values of ``value_bytes`` (0: not known)."""
+        if self.read_depth is not None:
+            return self.read_depth
+        return max(READ_DEPTH, READ_BYTES_IN_FLIGHT // value_bytes) if value_bytes else READ_DEPTH
 
     @contextlib.contextmanager
     def _pooled_connection(self, server: redis.Redis) -> Iterator[Any]:

@@ -13,8 +13,9 @@ the value's pieces where they already are (pinned staging memory), with ``sendms
 value is never joined into one ``bytes`` first.
 
 Only the reply types those commands produce are understood: a bulk string, a nil (RESP2 ``$-1``
-or RESP3 ``_``) and an error. Anything else raises ``InvalidResponse``; the caller then drops
-the connection, since its position in the stream is lost. Fuzzed against hiredis in
+or RESP3 ``_``) and an error -- and, for the claim script sent ahead of a consuming read
+(``claims``), an array of integers. Anything else raises ``InvalidResponse``; the caller then
+drops the connection, since its position in the stream is lost. Fuzzed against hiredis in
 ``tests/test_wire.py``.
 """
 
@@ -118,6 +119,22 @@ class ReplyReader:
             raise _parse_error(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
 
+    def read_int_array(self) -> list[int] | None:
+        """Read one reply that is an array of integers (a script's table of numbers) or a nil
+        (its ``false``: RESP2 ``$-1`` / ``*-1``, RESP3 ``_``); an error reply raises
+        redis-py's ``ResponseError`` (the stream stays usable)."""
+        line = self._line()
+        if line in (b"$-1", b"*-1", b"_"):
+            return None
+        if line[:1] == b"-":
+            raise _parse_error(line[1:].decode(errors="replace"))
+        if line[:1] != b"*":
+            raise rex.InvalidResponse(f"expected an array reply, got {line[:40]!r}")
+        try:
+            return [_integer(self._line()) for _ in range(int(line[1:]))]
+        except ValueError:
+            raise rex.InvalidResponse(f"bad array length {line[:40]!r}") from None
+
     def skip_ok(self, n: int) -> int:
         """Consume up to ``n`` consecutive ``+OK`` replies (the answers to SETs) and return
         how many; the first other reply is left unread, for :meth:`read_status`. Receives only
@@ -196,6 +213,15 @@ class ReplyReader:
         if self._buf[self._start : self._start + 2] != b"\r\n":
             raise rex.InvalidResponse("a bulk string is not followed by CRLF")
         self._start += 2
+
+
+def _integer(line: bytes) -> int:
+    if line[:1] != b":":
+        raise rex.InvalidResponse(f"expected an integer reply, got {line[:40]!r}")
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise rex.InvalidResponse(f"bad integer {line[:40]!r}") from None
 
 
 def pack_set(key: bytes, parts: Sequence[Any], px_ms: int | None) -> list[Any]:

@@ -74,6 +74,8 @@ def block_keys(direct: redis.Redis) -> list[bytes]:
 def test_a_claim_whose_reply_is_lost_is_recovered_by_the_same_call(relayed) -> None:  # type: ignore[no-untyped-def]
     relay, buf, direct = relayed
     fill(buf, 5)
+    # the claim and the reads of what it claimed go in one request: the server runs them all
+    # and every reply is lost; the same call claims again (getting what it took) and reads
     relay.lose_replies(b"EVALSHA")
     got = buf.drop_select(HASHES[:5])
     assert_blocks(got, 5)
@@ -109,6 +111,42 @@ def test_a_read_whose_reply_is_lost_delivers_or_gives_back(relayed, lost: int) -
     relay.keep_replies()
     assert len(block_keys(direct)) == 4
     assert_blocks(next_caller(direct).drop_select(HASHES[:4]), 4)
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_consuming_reads_survive_the_server_losing_its_scripts(
+    private_redis: RedisServer, connections: int
+) -> None:
+    buf = LookupBuffer.from_url(private_redis.url, namespace="claims", ttl_s=TTL_S)
+    direct = redis.Redis(port=private_redis.port)
+    try:
+        fill(buf, 3)
+        assert_blocks(buf.drop_select(HASHES[:3]), 3)  # the claim script is loaded now
+        fill(buf, 3)
+        direct.script_flush()  # as a restart or a SCRIPT FLUSH does
+        buffers = [torch.empty(1 << 16, dtype=torch.uint8) for _ in range(3)]
+        got = buf.select_into(HASHES[:3], buffers, consume=True, connections=connections)
+        assert_blocks(got, 3)
+        assert direct.keys("kv:*") == []  # taken once, the private keys deleted
+    finally:
+        buf.close()
+        direct.close()
+
+
+def test_a_waiting_consuming_read_takes_the_blocks_once_they_are_all_there(
+    redis_url: str,
+) -> None:
+    buf = LookupBuffer.from_url(redis_url, namespace="claims", ttl_s=TTL_S)
+    try:
+        fill(buf, 2)  # 2 of the 3 keys: the read waits for the third
+        writer = threading.Timer(0.2, lambda: buf.insert(HASHES[2], block(2)))
+        writer.start()
+        got = buf.drop_select(HASHES[:3], timeout_s=60)  # returns once the third arrived
+        writer.join()
+        assert_blocks(got, 3)
+        assert buf.drop_select(HASHES[:3]) == [None] * 3
+    finally:
+        buf.close()
 
 
 def test_select_into_consume_gives_back_what_it_could_not_read(relayed) -> None:  # type: ignore[no-untyped-def]

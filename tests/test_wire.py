@@ -190,3 +190,50 @@ def test_skipping_ok_replies_reads_a_stream_as_hiredis_does(seed: int) -> None:
         else:
             assert g == w
     assert reader.read_bulk_into(memoryview(bytearray(4))) == 1  # the marker, in step
+
+
+def random_claim_reply(rng: random.Random) -> bytes:
+    """What a claim script answers: a table of numbers, a nil (its ``false``), or an error."""
+    kind = rng.random()
+    if kind < 0.1:
+        return rng.choice([b"$-1\r\n", b"*-1\r\n", b"_\r\n"])
+    if kind < 0.2:
+        return rng.choice(
+            [b"-NOSCRIPT No matching script. Please use EVAL.\r\n", b"-NOPERM no RENAME\r\n"]
+        )
+    values = [rng.choice([0, 1, 2, 3, -1, 65536, 2**40]) for _ in range(rng.randint(0, 40))]
+    return b"*%d\r\n" % len(values) + b"".join(b":%d\r\n" % v for v in values)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_claim_replies_read_as_hiredis_reads_them(seed: int) -> None:
+    # each claim reply is followed by a GET's bulk reply, as a consuming read sends them:
+    # the stream must stay in step
+    rng = random.Random(seed)
+    replies = [random_claim_reply(rng) for _ in range(rng.randint(1, 20))]
+    stream = b"".join(r + b"$2\r\nok\r\n" for r in replies)
+    reference = hiredis.Reader()
+    reference.feed(stream)
+    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
+    for _ in replies:
+        want = reference.gets()
+        if isinstance(want, hiredis.ReplyError):
+            with pytest.raises(ResponseError) as raised:
+                reader.read_int_array()
+            assert str(want).endswith(str(raised.value))
+        else:
+            assert reader.read_int_array() == want
+        assert reference.gets() == b"ok"
+        dest = memoryview(bytearray(2))
+        assert reader.read_bulk_into(dest) == 2 and bytes(dest) == b"ok"
+    assert reference.gets() is False
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"+OK\r\n", b"$3\r\nabc\r\n", b"*2\r\n:1\r\n$1\r\nx\r\n", b"*x\r\n", b"*1\r\n:z\r\n"],
+)
+def test_claim_replies_of_another_shape_are_refused(garbage: bytes) -> None:
+    reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse):
+        reader.read_int_array()
