@@ -89,6 +89,9 @@ class _LoadJob:
     copied: set[tuple[int, int, int]] = field(default_factory=set)
     nbytes: int = 0
     reported: bool = False  # once True, nothing touches this request's blocks any more
+    # CUDA: the compute stream's work queued when the load started; the load's writes go
+    # after it (``BlockMover.compute_fence``)
+    after: Any = None
 
 
 @dataclass
@@ -281,8 +284,14 @@ class RedisConnectorWorker:
         with self._lock:
             self._commits_received.extend(meta.commits)
         now = time.monotonic()
+        # on this thread, which launches the forward passes: the blocks these loads write may
+        # still have writes of an earlier step pending on the GPU
+        movers = self.movers if meta.loads else []
+        fence = movers[0].compute_fence() if movers else None
         for spec in meta.loads:
-            job = _LoadJob(spec, deadline=now + spec.timeout_s, started=time.perf_counter())
+            job = _LoadJob(
+                spec, deadline=now + spec.timeout_s, started=time.perf_counter(), after=fence
+            )
             with self._lock:
                 asleep = self._asleep
                 if not asleep:
@@ -367,7 +376,7 @@ class RedisConnectorWorker:
         with job.lock:
             if job.reported:  # the deadline passed: these blocks are no longer ours
                 return False
-            copied, nbytes = chunk.copy_in()  # synchronous: done when it returns
+            copied, nbytes = chunk.copy_in(job.after)  # synchronous: done when it returns
             job.copied.update((group, head_slice, b) for b in copied)
             job.nbytes += nbytes
         if chunk.misfits:

@@ -6,9 +6,13 @@ Saves (``stage_saves`` on the forward path, ``write`` on a writer thread):
 - CUDA: each chunk is gathered on a *gather stream* (which first waits for the forward pass)
   into device scratch, one ``index_select`` per layer, then copied device-to-host on a *copy
   stream* into pinned staging; an event marks the copy done. The compute stream waits (on the
-  GPU, not the host) for the gathers only, so the next forward pass may reuse the blocks at
-  once -- a preempted request's blocks included -- while the copies to the host overlap it.
-  ``stage_saves`` only enqueues work: it never waits for a copy or for Redis.
+  GPU, not the host) for the gathers -- of every chunk staged, a shed tail or an error
+  notwithstanding -- so the next forward pass may reuse the blocks at once, a preempted
+  request's blocks included. The copies to the host overlap it, except that device scratch
+  holds ``device_chunks`` chunks: a later chunk's gather waits for the copy that frees its
+  scratch, so a step staging more chunks than that makes the next forward pass wait for all
+  but the last ``device_chunks`` copies. ``stage_saves`` only enqueues work: it never waits
+  for a copy or for Redis.
 - CPU: the gather writes straight into staging (there is nothing to overlap with).
 - The writer waits for the chunk's event, frames each block (header + the layer pieces where
   they lie; the checksum streams over them) and ``SET``s the chunk over several connections
@@ -22,7 +26,10 @@ Loads (``receive`` then ``LoadChunk.copy_in``, on a loader thread):
   pass its deadline mid-receive, and its blocks then belong to vLLM again. Only ``copy_in``
   writes the cache, and the caller runs it under its own check that the load is still on.
 - The chunk is scattered into the cache with one ``index_copy_`` per layer: on CUDA after one
-  host-to-device copy of the whole chunk on a side stream, and one synchronisation per chunk.
+  host-to-device copy of the whole chunk on the loader thread's own stream, and one
+  synchronisation per chunk. The scatter waits for the load's ``compute_fence``: the writes
+  still pending on the compute stream when the load started (the blocks' previous owner's,
+  vLLM zeroing them) land before the loaded KV, not on top of it.
 - A long prompt streams through the fixed pool: staging never grows with the prompt.
 
 Memory: saves and loads each get half of ``max_inflight_bytes`` of host staging (at least two
@@ -41,6 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import threading
 from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
@@ -95,11 +103,13 @@ class LoadChunk:
     buffer: torch.Tensor  # the staging buffer ``rows`` lie in
     misfits: int = field(default=0)
 
-    def copy_in(self) -> tuple[list[int], int]:
+    def copy_in(self, after: Any = None) -> tuple[list[int], int]:
         """Write the chunk's valid blocks into the cache; returns (block ids written, bytes).
         Synchronous: done when it returns. Values that do not fit this cache's layout are
-        skipped and counted in ``misfits``."""
-        return self.mover._copy_in(self)
+        skipped and counted in ``misfits``. ``after``: on CUDA, the load's
+        :meth:`BlockMover.compute_fence`; the blocks are written only after the work it
+        fences."""
+        return self.mover._copy_in(self, after)
 
 
 class BlockMover:
@@ -162,7 +172,7 @@ class BlockMover:
             dev = self.kv.device
             self._gather_stream = torch.cuda.Stream(device=dev)
             self._copy_stream = torch.cuda.Stream(device=dev)
-            self._load_stream = torch.cuda.Stream(device=dev)
+            self._load_streams = threading.local()  # a stream per loader thread
             # (scratch, event after which it may be overwritten), used in turn
             self._save_scratch: list[tuple[torch.Tensor, Any]] = [
                 (torch.empty(save_chunk, dtype=torch.uint8, device=dev), None)
@@ -193,24 +203,29 @@ class BlockMover:
         if not self.whole_values:
             raise ValueError("this mover holds part of each stored value: it cannot save")
         chunks: list[SaveChunk] = []
+        shed: list[SaveItem] = []
         n = self.chunk_blocks
-        for start in range(0, len(items), n):
-            host = self._save_pool.try_acquire()
-            if host is None:
-                return chunks, list(items[start:])
-            try:
-                chunks.append(self._gather(list(items[start : start + n]), host))
-            except BaseException:
-                self._save_pool.release(host)
-                for chunk in chunks:
-                    if chunk.ready is not None:
-                        chunk.ready.synchronize()
-                    self._save_pool.release(chunk.host)
-                raise
-        if chunks and self.kv.on_cuda:
-            # the next forward pass may overwrite these blocks only after they were gathered
-            torch.cuda.current_stream(self.kv.device).wait_stream(self._gather_stream)
-        return chunks, []
+        try:
+            for start in range(0, len(items), n):
+                host = self._save_pool.try_acquire()
+                if host is None:
+                    shed = list(items[start:])
+                    break
+                try:
+                    chunks.append(self._gather(list(items[start : start + n]), host))
+                except BaseException:
+                    self._save_pool.release(host)
+                    for chunk in chunks:
+                        if chunk.ready is not None:
+                            chunk.ready.synchronize()
+                        self._save_pool.release(chunk.host)
+                    raise
+        finally:
+            if self.kv.on_cuda:
+                # the next forward pass may overwrite these blocks only after they were
+                # gathered -- whatever ended the loop: a shed tail, an error, the last chunk
+                torch.cuda.current_stream(self.kv.device).wait_stream(self._gather_stream)
+        return chunks, shed
 
     def _gather(self, items: list[SaveItem], host: torch.Tensor) -> SaveChunk:
         n = len(items)
@@ -235,7 +250,8 @@ class BlockMover:
         copy.wait_event(gathered)
         with torch.cuda.stream(copy):
             staged.copy_(on_device, non_blocking=True)
-            done = copy.record_event()
+            # blocking: the writer thread waiting on it sleeps instead of spinning a core
+            done = copy.record_event(torch.cuda.Event(blocking=True))
         self._save_scratch[self._next_scratch] = (scratch, done)
         self._next_scratch = (self._next_scratch + 1) % len(self._save_scratch)
         return SaveChunk(items, host, done)
@@ -377,7 +393,18 @@ class BlockMover:
                 return None
         return first if first >= 0 and first + self.raw_bytes <= row.numel() else None
 
-    def _copy_in(self, chunk: LoadChunk) -> tuple[list[int], int]:
+    def compute_fence(self) -> Any:
+        """On CUDA, an event recorded on the current (compute) stream: given to ``copy_in``, it
+        orders the load's writes after everything queued there so far. A block handed to a
+        load may still have writes pending from the step before -- its previous owner's last
+        token, vLLM zeroing it for reuse -- and with asynchronous scheduling the host runs
+        ahead of them. Record it on the thread that launches the forward passes, when the load
+        starts. None on the CPU, where every write is done when its call returns."""
+        if not self.kv.on_cuda:
+            return None
+        return torch.cuda.current_stream(self.kv.device).record_event()
+
+    def _copy_in(self, chunk: LoadChunk, after: Any = None) -> tuple[list[int], int]:
         rows: list[int] = []
         for i, value in enumerate(chunk.values):
             if value is None:
@@ -393,16 +420,16 @@ class BlockMover:
             [chunk.block_ids[i] for i in rows], dtype=torch.long, pin_memory=self.kv.on_cuda
         )
         if len(offsets) == 1 and None not in offsets:
-            self._scatter_rows(chunk.rows, rows, offsets.pop(), ids)  # type: ignore[arg-type]
+            self._scatter_rows(chunk.rows, rows, offsets.pop(), ids, after)  # type: ignore[arg-type]
         else:  # compressed, or headers of different lengths: stack the blocks first
             stacked = torch.stack(
                 [torch.stack(list(chunk.values[i].values())) for i in rows]  # type: ignore[union-attr]
             )
-            self._scatter(ids, stacked)
+            self._scatter(ids, stacked, after)
         return [chunk.block_ids[i] for i in rows], len(rows) * self.raw_bytes
 
     def _scatter_rows(
-        self, rows: torch.Tensor, keep: list[int], offset: int, ids: torch.Tensor
+        self, rows: torch.Tensor, keep: list[int], offset: int, ids: torch.Tensor, after: Any
     ) -> None:
         """Scatter rows ``keep`` of a staging buffer whose payloads all start at ``offset``."""
         n = rows.shape[0]
@@ -414,17 +441,22 @@ class BlockMover:
             return
         scratch = self._load_scratch.acquire()
         assert scratch is not None  # acquire() without a timeout waits
+        stream = self._load_stream()
         try:
-            with torch.cuda.stream(self._load_stream):
+            with torch.cuda.stream(stream):
                 flat = scratch[: rows.numel()]
                 flat.copy_(rows.reshape(-1), non_blocking=True)  # one copy per chunk
                 on_device = flat.view(n, self.slot_bytes)[:, offset : offset + self.raw_bytes]
                 src = on_device.view(self.kv.dtype).view(shape)
                 if len(keep) != n:
                     src = src[torch.tensor(keep, device=self.kv.device)]
+                if after is not None:  # the blocks' pending writes first (compute_fence)
+                    stream.wait_event(after)
                 self.kv.scatter(ids.to(self.kv.device, non_blocking=True), self._cached_rows(src))
-            self._load_stream.synchronize()  # one synchronisation per chunk
         finally:
+            # one synchronisation per chunk; after an error too, before the scratch (and the
+            # host rows the copy reads) can be handed out again
+            _wait(stream)
             self._load_scratch.release(scratch)
 
     def _cached_rows(self, src: torch.Tensor) -> torch.Tensor:
@@ -437,11 +469,32 @@ class BlockMover:
             src = src.unflatten(3, self.kv.block_shape[1:-1])
         return src
 
-    def _scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+    def _scatter(self, ids: torch.Tensor, src: torch.Tensor, after: Any) -> None:
         if not self.kv.on_cuda:
             self.kv.scatter(ids, self._cached_rows(src))
             return
-        with torch.cuda.stream(self._load_stream):
-            on_device = src.to(self.kv.device, non_blocking=True)
-            self.kv.scatter(ids.to(self.kv.device, non_blocking=True), self._cached_rows(on_device))
-        self._load_stream.synchronize()
+        stream = self._load_stream()
+        try:
+            with torch.cuda.stream(stream):
+                on_device = src.to(self.kv.device, non_blocking=True)
+                if after is not None:
+                    stream.wait_event(after)
+                rows = self._cached_rows(on_device)
+                self.kv.scatter(ids.to(self.kv.device, non_blocking=True), rows)
+        finally:
+            _wait(stream)
+
+    def _load_stream(self) -> Any:
+        """This thread's stream for loads: a loader waits for its own chunk's copies only,
+        not for another loader's on a shared stream."""
+        stream = getattr(self._load_streams, "stream", None)
+        if stream is None:
+            stream = self._load_streams.stream = torch.cuda.Stream(device=self.kv.device)
+        return stream
+
+
+def _wait(stream: Any) -> None:
+    """Wait for the work queued on ``stream`` so far, sleeping rather than spinning a core."""
+    done = torch.cuda.Event(blocking=True)
+    stream.record_event(done)
+    done.synchronize()

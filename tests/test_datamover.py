@@ -277,6 +277,73 @@ def test_saves_return_before_the_copy_while_the_gpu_is_busy() -> None:
             assert torch.equal(value[name], t[i].cpu())
 
 
+def busy_gpu(stream: torch.cuda.Stream | None = None) -> None:
+    """Hundreds of milliseconds of GPU work queued on ``stream`` (the current one if None)."""
+    with torch.cuda.stream(stream or torch.cuda.current_stream()):
+        a = torch.randn(8192, 8192, device="cuda")
+        for _ in range(15):
+            a = a @ a
+            a /= a.norm()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shed", [False, True])
+def test_the_next_forward_pass_overwrites_saved_blocks_only_after_they_were_gathered(
+    shed: bool,
+) -> None:
+    # one-block chunks and two staging buffers; with ``shed`` a writer still holds one, so the
+    # second block is shed: the gathers already queued must still hold the forward pass back
+    src = caches("cuda", layers=2, blocks=16)
+    mover = BlockMover(src, store_on(own_fake_client()), max_inflight_bytes=1)
+    assert mover.chunk_blocks == 1
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    want = {name: t[3].cpu().clone() for name, t in src.items()}
+    held = mover._save_pool.try_acquire() if shed else None
+    torch.cuda.synchronize()
+    busy_gpu(mover._gather_stream)  # a gather queued behind an earlier chunk's copy
+    chunks, shed_items = mover.stage_saves(
+        [SaveItem(3, hashes[0], 0, "r"), SaveItem(4, hashes[1], 1, "r")]
+    )
+    assert (len(chunks), len(shed_items)) == ((1, 1) if shed else (2, 0))
+    for t in src.values():  # the next forward pass writes block 3 (reused at once)
+        t[3].fill_(7)
+    for chunk in chunks:
+        mover.write(chunk)
+    got = mover.store.select([hashes[0]])[0]
+    assert got is not None
+    for name in src:
+        assert torch.equal(got[name], want[name]), "stored what the next step wrote"
+    if held is not None:
+        mover._save_pool.release(held)
+
+
+@pytest.mark.cuda
+def test_a_load_writes_after_what_the_compute_stream_had_queued_when_it_started() -> None:
+    # vLLM freed block 5 and gave it to this load while the step before, still running on the
+    # GPU, ends by writing the block's previous owner's KV into it (or zeroing it)
+    dst = caches("cuda", layers=2, blocks=16, seed=None)
+    store = store_on(own_fake_client())
+    hashes = chain_hashes(list(range(16)), 16)
+    value = {name: torch.full(t.shape[1:], 1.0, dtype=t.dtype) for name, t in dst.items()}
+    store.insert(hashes[0], value)
+    loader = BlockMover(dst, store, max_inflight_bytes=16 << 20)
+    torch.cuda.synchronize()
+    busy_gpu()
+    for t in dst.values():
+        t[5].fill_(7)
+    fence = loader.compute_fence()  # the load starts (on the thread launching the steps)
+    for chunk in loader.receive([5], [hashes[0]], timeout_s=5):
+        assert chunk.copy_in(fence)[0] == [5]
+    torch.cuda.synchronize()
+    for name, t in dst.items():
+        assert torch.equal(t[5].cpu(), value[name]), "an earlier write landed on the load"
+
+
+def test_compute_fence_is_none_on_the_cpu() -> None:
+    loader = BlockMover(caches("cpu"), store_on(own_fake_client()), max_inflight_bytes=1 << 20)
+    assert loader.compute_fence() is None  # the CPU's writes are done when their calls return
+
+
 @pytest.mark.parametrize("ids", [[5, 6, 7, 1, 2, 9], [3], [0, 2, 4], [10, 11, 12, 13], [4, 3, 2]])
 def test_scatter_writes_each_block_where_index_copy_would(ids: list[int]) -> None:
     kv = PagedKV(caches("cpu", blocks=16, seed=None))
