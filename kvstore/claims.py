@@ -3,7 +3,9 @@ each stored value reaches one caller, and is never stranded.
 
 A claim renames each present block key to a key private to the claiming call (``keys.claim_key``:
 the block's key, the call's random suffix, and the block's key as a hash tag, so on a Cluster it
-lives in the block's slot). The caller then reads the private keys and deletes them.
+lives in the block's slot). The caller then reads the private keys and deletes them. On one
+server, over one connection, the reads go in the claim's own request
+(:meth:`Claimer.claim_reading`): two round trips in all instead of three.
 
 - **Atomic and all-or-nothing per script**: the Lua script checks every key first and changes
   nothing unless it can finish. Every key it touches, block and private, is declared in KEYS, so
