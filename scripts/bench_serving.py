@@ -271,22 +271,38 @@ def vllm_bench_serve(argv: list[str], log: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- setups
 
 
-def server_roles(setup: str) -> list[tuple[str, str | None, dict[str, Any], list[str]]]:
-    """(name, kv_role, connector extra config, extra arguments) of each server a setup runs."""
+# --quick's connector timeouts: its checks assert that loads happen, which on a busy 2-core CI
+# machine a lookup's 0.5 s or a read's 5 s may not allow (then the request recomputes, as it
+# should, and the check fails); the full run measures the defaults
+PATIENT_TIMEOUTS = {"deadline_s": 30.0, "control_timeout_s": 5.0, "socket_timeout_s": 30.0}
+
+
+def server_roles(
+    setup: str, patient: bool = False
+) -> list[tuple[str, str | None, dict[str, Any], list[str]]]:
+    """(name, kv_role, connector extra config, extra arguments) of each server a setup runs;
+    ``patient``: the connectors get :data:`PATIENT_TIMEOUTS`."""
+    wait = PATIENT_TIMEOUTS if patient else {}
     if setup == "single":
         return [("single", None, {}, [])]
     if setup == "pair":
         return [("pair-0", None, {}, []), ("pair-1", None, {}, [])]
     if setup == "share":
-        return [(f"share-{i}", "kv_both", {"mode": "share"}, []) for i in range(2)]
+        return [(f"share-{i}", "kv_both", {"mode": "share", **wait}, []) for i in range(2)]
     if setup == "consume":
-        return [("prefill", "kv_producer", {}, []), ("decode", "kv_consumer", {}, [])]
+        return [("prefill", "kv_producer", {**wait}, []), ("decode", "kv_consumer", {**wait}, [])]
     return [("offload", None, {}, ["--kv-offloading-size", "1"])]
 
 
 @contextlib.contextmanager
 def started(
-    setup: str, model: str, name: str, redis_url: str, log_dir: Path, extra: list[str]
+    setup: str,
+    model: str,
+    name: str,
+    redis_url: str,
+    log_dir: Path,
+    extra: list[str],
+    patient: bool = False,
 ) -> Iterator[Endpoint]:
     """The setup's servers, and the proxy (its own process, as deployed) where it has one."""
     stk = stack.Stack()
@@ -297,7 +313,7 @@ def started(
                 log_dir=log_dir, core=i, served_name=name, extra_config=cfg,
                 extra_args=args + extra,
             ))
-            for i, (server, role, cfg, args) in enumerate(server_roles(setup))
+            for i, (server, role, cfg, args) in enumerate(server_roles(setup, patient))
         ]  # fmt: skip
         stack.wait_healthy(procs)
         urls = [p.url for p in procs]
@@ -614,7 +630,7 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
             print(f"== {setup}: starting servers", flush=True)
             t0 = time.monotonic()
             with started(
-                setup, model, args.served_name, store.url, log_dir, args.server_arg
+                setup, model, args.served_name, store.url, log_dir, args.server_arg, args.quick
             ) as endpoint:
                 print(f"   up in {time.monotonic() - t0:.0f}s", flush=True)
                 warm_up(endpoint, args.served_name)

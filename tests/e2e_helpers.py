@@ -14,10 +14,16 @@ from typing import Any
 from testing import stack
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tests that assert a load happened give each request a Redis deadline no busy CI machine
-# reaches (the default, 2 s plus 1 s per 1,000 prompt tokens, can pass while a 2-core machine
-# is loaded); what a deadline does is test_e2e_faults' and the fuzzer's to check.
-PATIENT = {"deadline_s": 30.0}  # (deadline_max_s, 30 s, caps it anyway)
+# Tests that assert a load happened give each request a Redis deadline, and each lookup and read
+# a socket timeout, that no busy CI machine reaches (the defaults -- 2 s plus 1 s per 1,000
+# prompt tokens, 0.5 s a lookup, 5 s a read -- were each passed while a 2-core machine was
+# loaded: a TP 2 instance's read timed out and it recomputed). What a deadline or a timeout
+# does is test_e2e_faults' and the fuzzer's to check.
+PATIENT = {
+    "deadline_s": 30.0,  # (deadline_max_s, 30 s, caps it anyway)
+    "control_timeout_s": 5.0,
+    "socket_timeout_s": 30.0,
+}
 RUNNER = ROOT / "testing" / "engine_runner.py"
 
 
