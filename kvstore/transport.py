@@ -215,7 +215,13 @@ class Transport:
             for i, (index, _, dest) in enumerate(work):
                 upto = min(len(work), i + self._depth(value_bytes))  # replies kept in flight
                 if upto > sent:
-                    conn.send_packed_command(conn.pack_commands([c for _, c, _ in work[sent:upto]]))
+                    # redis-py checks a connection's health on a send (a PING, every 30 s):
+                    # only on the first, while no reply of ours is in flight to be taken for
+                    # the PONG
+                    conn.send_packed_command(
+                        conn.pack_commands([c for _, c, _ in work[sent:upto]]),
+                        check_health=sent == 0,
+                    )
                     sent = upto
                 try:
                     if reader is None:  # a client without a socket (fakeredis): parsed reply

@@ -4,6 +4,7 @@ redis-server (the reader needs a real socket)."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import redis
@@ -159,3 +160,35 @@ def test_small_values_are_pipelined_unless_a_read_depth_is_set(
     assert all(v is not None for v in got)
     assert len(counted) == 1 + 16 - in_flight
     store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("consume", [False, True])
+def test_a_health_check_never_pings_in_the_middle_of_a_pipelined_read(
+    redis_url: str, consume: bool
+) -> None:
+    # redis-py PINGs on a send once health_check_interval (30 s in production) has passed since
+    # it last parsed a reply; the raw reads parse their own, so a later send of the same read
+    # must not check: it would take a value's bytes for the PONG. Here the interval is 50 ms.
+    reader = LookupBuffer.from_url(redis_url, namespace="hc", ttl_s=600, breaker_failures=10**6)
+    writer = LookupBuffer.from_url(redis_url, namespace="hc", ttl_s=600)
+    hashes = chain_hashes(list(range(16 * 16)), 16)
+    blocks = [(h, {"kv": torch.full((2, 16, 4096), float(i))}) for i, h in enumerate(hashes)]
+    try:
+        writer.insert_many(blocks)
+        reader.select(hashes[:1])  # a pooled connection exists
+        pool = reader._transport.client.connection_pool
+        pool.connection_kwargs["health_check_interval"] = 0.05
+        for conn in pool._connections:  # type: ignore[attr-defined]
+            if conn is not None:
+                conn.health_check_interval = 0.05
+                conn.next_health_check = time.monotonic() + 0.05
+        end = time.monotonic() + 2
+        while time.monotonic() < end:
+            got = reader.drop_select(hashes) if consume else reader.select(hashes)
+            assert all(g is not None for g in got)
+            if consume:
+                writer.insert_many(blocks)
+    finally:
+        reader.close()
+        writer.close()
