@@ -14,6 +14,7 @@ TLS and ``valkey-*`` / ``valkeys-*`` as aliases.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -365,7 +366,13 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
     except KVStoreError:
         raise  # already typed (a nested call's), and some are OSErrors
     except rex.NoPermissionError as exc:
-        raise permission_error(safe_url, command, _strip(exc)) from None
+        text = _strip(exc)
+        # the server names the command it refused: more precise than what the caller ran (a
+        # claim's request holds a script and GETs; the script itself runs RENAME)
+        refused = _REFUSED_COMMAND.search(text)
+        raise permission_error(
+            safe_url, refused.group(1).upper() if refused else command, text
+        ) from None
     except rex.AuthenticationError:
         raise StoreAuthenticationError(
             f"{safe_url} rejected the credentials: check the username/password in the URL "
@@ -415,6 +422,10 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
         ) from None
     except OSError as exc:  # socket errors redis-py did not wrap
         raise StoreUnavailableError(f"cannot reach {safe_url} ({_strip(exc)})") from None
+
+
+# "... no permissions to run the 'get' command" (Redis, Valkey), "... the RENAME command" (ours)
+_REFUSED_COMMAND = re.compile(r"permissions to run the '?([A-Za-z]+)'? command")
 
 
 def permission_error(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from connector.config import RedisConnectorConfig
 from kvstore import LookupBuffer, StorePermissionError
@@ -89,3 +90,25 @@ def test_every_command_of_a_rule_is_probed_at_startup(
         ):
             for side in ("scheduler", "worker"):
                 buf.check_access(cfg.operations(side))
+
+
+@pytest.mark.parametrize("lost", ["+get", "+rename"])
+def test_a_consuming_read_refused_by_acl_names_the_command_and_gives_back(
+    private_redis: RedisServer, lost: str
+) -> None:
+    # the claim and its reads go in one request: the error must name what the server refused,
+    # not the script the request began with, and the blocks must stay where they were
+    rule = acl_rule(["drop_select"]).replace(f" {lost} ", " ")
+    assert lost not in rule.split()
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
+    owner = LookupBuffer.from_url(private_redis.url, namespace="vllm", fingerprint="fp")
+    owner.insert("a" * 32, {"kv": torch.ones(4)})
+    url = f"redis://u:pw@127.0.0.1:{private_redis.port}/0"
+    buf = LookupBuffer.from_url(url, namespace="vllm", fingerprint="fp", check=False)
+    with buf, pytest.raises(StorePermissionError, match=lost.upper()[1:]) as info:
+        buf.drop_select(["a" * 32])
+    assert info.value.command == lost.upper()[1:]
+    got = owner.drop_select(["a" * 32])[0]  # still there, under its own key
+    assert got is not None and torch.equal(got["kv"], torch.ones(4))
+    owner.close()
