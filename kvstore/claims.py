@@ -210,8 +210,9 @@ class Claimer:
         backoff) until every key is present; when the time runs out take what is there. A lost
         reply is recovered by sending the claim again; if that fails, whatever the claim took
         is released before the error is raised."""
-        deadline = _deadline(timeout_s)
-        suffix = uuid.uuid4().hex
+        return self._claim(keys, _deadline(timeout_s), uuid.uuid4().hex)
+
+    def _claim(self, keys: list[str], deadline: float, suffix: str) -> ClaimedBatch:
         try:
             statuses, lengths = self._claim_all(keys, deadline, suffix)
         except (StoreTimeoutError, StoreUnavailableError) as first:
@@ -241,7 +242,9 @@ class Claimer:
         fails (the script may have run and its reply been lost), the claim is sent again alone
         with the same suffix, which counts what the first took as claimed, and the replies are
         None: the caller reads the private keys as after :meth:`claim`. If that fails too,
-        whatever was taken is given back before the error is raised."""
+        whatever was taken is given back before the error is raised. A claim that must wait
+        for keys not stored yet (``timeout_s``) polls with the script alone, and its replies
+        are None too."""
         deadline = _deadline(timeout_s)
         suffix = uuid.uuid4().hex
         private = [claim_key(k, suffix) for k in keys]
@@ -256,14 +259,9 @@ class Claimer:
                 self._client.script_load(CLAIM_LUA)  # nothing ran: the same again
                 return read(script, private)
 
-        delay = _FIRST_POLL_S
         try:
-            while True:
-                mode = "all" if time.monotonic() < deadline else "any"
-                reply, got = self._guard.call("EVALSHA", functools.partial(round_trip, mode))
-                if reply is not None:
-                    break
-                delay = _pause(delay, deadline)
+            mode = "all" if time.monotonic() < deadline else "any"
+            reply, got = self._guard.call("EVALSHA", functools.partial(round_trip, mode))
         except (StoreTimeoutError, StoreUnavailableError) as first:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
@@ -271,6 +269,9 @@ class Claimer:
         except BaseException:
             self.release(_everything(keys, suffix))
             raise
+        if reply is None:  # waiting for keys not there yet (nothing was claimed): the polls
+            # that follow carry the script alone, and what it takes is read as after claim()
+            return self._claim(keys, deadline, suffix), None
         statuses, lengths = reply[0::2], reply[1::2]
         claimed = [r for r, st in zip(got, statuses, strict=True) if st == 1]
         return ClaimedBatch(keys, suffix, statuses, lengths), claimed
