@@ -441,23 +441,26 @@ class BlockMover:
             return
         scratch = self._load_scratch.acquire()
         assert scratch is not None  # acquire() without a timeout waits
-        stream = self._load_stream()
         try:
-            with torch.cuda.stream(stream):
-                flat = scratch[: rows.numel()]
-                flat.copy_(rows.reshape(-1), non_blocking=True)  # one copy per chunk
-                on_device = flat.view(n, self.slot_bytes)[:, offset : offset + self.raw_bytes]
-                src = on_device.view(self.kv.dtype).view(shape)
-                if len(keep) != n:
-                    src = src[torch.tensor(keep, device=self.kv.device)]
-                if after is not None:  # the blocks' pending writes first (compute_fence)
-                    stream.wait_event(after)
-                self.kv.scatter(ids.to(self.kv.device, non_blocking=True), self._cached_rows(src))
+            stream = self._load_stream()
+            try:
+                with torch.cuda.stream(stream):
+                    flat = scratch[: rows.numel()]
+                    flat.copy_(rows.reshape(-1), non_blocking=True)  # one copy per chunk
+                    on_device = flat.view(n, self.slot_bytes)[:, offset : offset + self.raw_bytes]
+                    src = on_device.view(self.kv.dtype).view(shape)
+                    if len(keep) != n:
+                        src = src[torch.tensor(keep, device=self.kv.device)]
+                    if after is not None:  # the blocks' pending writes first (compute_fence)
+                        stream.wait_event(after)
+                    rows_of_cache = self._cached_rows(src)
+                    self.kv.scatter(ids.to(self.kv.device, non_blocking=True), rows_of_cache)
+            finally:
+                # one synchronisation per chunk; after an error too, before the scratch (and
+                # the host rows the copy reads) can be handed out again
+                _wait(stream)
         finally:
-            # one synchronisation per chunk; after an error too, before the scratch (and the
-            # host rows the copy reads) can be handed out again
-            _wait(stream)
-            self._load_scratch.release(scratch)
+            self._load_scratch.release(scratch)  # whatever happened: loads never hang on it
 
     def _cached_rows(self, src: torch.Tensor) -> torch.Tensor:
         """``[n, layers, *value_shape]`` narrowed to the rows this cache holds, in the cache's

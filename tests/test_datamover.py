@@ -323,15 +323,21 @@ def test_a_load_writes_after_what_the_compute_stream_had_queued_when_it_started(
     # GPU, ends by writing the block's previous owner's KV into it (or zeroing it)
     dst = caches("cuda", layers=2, blocks=16, seed=None)
     store = store_on(own_fake_client())
-    hashes = chain_hashes(list(range(16)), 16)
+    hashes = chain_hashes(list(range(2 * 16)), 16)
     value = {name: torch.full(t.shape[1:], 1.0, dtype=t.dtype) for name, t in dst.items()}
-    store.insert(hashes[0], value)
+    store.insert_many([(h, value) for h in hashes])
     loader = BlockMover(dst, store, max_inflight_bytes=16 << 20)
+    # a first load, so the next one finds pinned memory cached: allocating it anew makes the
+    # host wait for the whole device, which would hide what this test looks for
+    for chunk in loader.receive([4], [hashes[1]], timeout_s=5):
+        chunk.copy_in(loader.compute_fence())
+    compute = torch.cuda.Stream()  # vLLM's forward passes run on a stream of its own
     torch.cuda.synchronize()
-    busy_gpu()
-    for t in dst.values():
-        t[5].fill_(7)
-    fence = loader.compute_fence()  # the load starts (on the thread launching the steps)
+    with torch.cuda.stream(compute):
+        busy_gpu()
+        for t in dst.values():
+            t[5].fill_(7)
+        fence = loader.compute_fence()  # the load starts, on the thread launching the steps
     for chunk in loader.receive([5], [hashes[0]], timeout_s=5):
         assert chunk.copy_in(fence)[0] == [5]
     torch.cuda.synchronize()
