@@ -17,9 +17,10 @@ server, over one connection, the reads go in the claim's own request
 - **A lost reply is recovered by its owner**: when the claim's reply times out or the
   connection drops, the same call sends the claim again with the same suffix; the script counts
   keys that suffix already holds as claimed. If that fails too, or the values cannot be read,
-  the call renames what it holds back (:data:`RELEASE_LUA`) before raising. Only a caller that
-  dies between claiming and deleting leaves private keys; they keep the blocks' TTLs and expire
-  with them.
+  the call renames what it holds back (:data:`RELEASE_LUA`) before raising. Private keys are
+  left only by a caller that dies between claiming and deleting, or by a server that stops
+  answering through the claim, its second try and the release (a warning says so); they keep
+  the blocks' TTLs and expire with them, and ``kvstore ls`` counts them.
 
 Values never pass through Lua: returning a multi-MiB string from a script costs ~4x a plain GET.
 """
