@@ -71,6 +71,43 @@ def busy_forward(device: str) -> Any:
     return a
 
 
+def compute_held_ms(
+    src: dict[str, torch.Tensor],
+    store: LookupBuffer,
+    kw: dict[str, Any],
+    blocks: int,
+    rounds: int,
+) -> dict[str, dict[str, float]]:
+    """How long the compute stream stays held after ``stage_saves`` of ``blocks`` blocks has
+    returned (what a forward pass enqueued right then would wait, on an otherwise idle GPU), per
+    number of device scratch chunks (``device_chunks``): a gather waits for the copy that frees
+    its scratch, so beyond that many chunks the next forward pass waits for copies to the host
+    too."""
+    out: dict[str, dict[str, float]] = {}
+    for device_chunks in (2, 8, 32):
+        mover = BlockMover(src, store, device_chunks=device_chunks, **kw)
+        per_n: dict[str, float] = {}
+        for n in (16, 64, blocks):
+            held = []
+            for r in range(rounds):
+                hashes = chain_hashes([2000 + r, *range(n * 16 - 1)], 16)
+                items = [SaveItem(i, h, i, "bench") for i, h in enumerate(hashes)]
+                torch.cuda.synchronize()
+                chunks, shed = mover.stage_saves(items)
+                returned = time.perf_counter()
+                # the compute stream's next work: it runs once the gathers are done
+                released = torch.cuda.current_stream().record_event()
+                released.synchronize()
+                held.append((time.perf_counter() - returned) * 1e3)
+                assert not shed, "raise --max-inflight-mib: saves were shed"
+                for c in chunks:
+                    c.ready.synchronize()
+                    mover._save_pool.release(c.host)  # not written: only the hold is measured
+            per_n[str(n)] = statistics.median(held)
+        out[str(device_chunks)] = per_n
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -158,6 +195,8 @@ def main() -> int:
                     saver.write(c)
             per_step[str(n)] = statistics.median(times) * 1e3
         results["stage_saves_ms_by_blocks"] = per_step
+        if dev == "cuda":
+            results["compute_held_ms"] = compute_held_ms(src, store, kw, args.blocks, args.rounds)
         client.close()
     print(json.dumps(results, indent=2))
     if args.out:
