@@ -373,6 +373,11 @@ class RedisConnectorWorker:
                 chunks.close()  # releases the staging buffer at once
 
     def _copy_in(self, job: _LoadJob, group: int, head_slice: int, chunk: LoadChunk) -> bool:
+        if job.after is not None:
+            # the GPU work the load is ordered after (the forward pass in flight when it
+            # started) is waited for here, not under the lock: the model-runner thread takes
+            # the lock to report a load whose deadline passed, and must not wait a step for it
+            job.after.synchronize()
         with job.lock:
             if job.reported:  # the deadline passed: these blocks are no longer ours
                 return False

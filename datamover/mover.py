@@ -403,7 +403,9 @@ class BlockMover:
         starts. None on the CPU, where every write is done when its call returns."""
         if not self.kv.on_cuda:
             return None
-        return torch.cuda.current_stream(self.kv.device).record_event()
+        # blocking: a thread waiting on it (synchronize) sleeps instead of spinning a core
+        fence = torch.cuda.Event(blocking=True)
+        return torch.cuda.current_stream(self.kv.device).record_event(fence)
 
     def _copy_in(self, chunk: LoadChunk, after: Any = None) -> tuple[list[int], int]:
         rows: list[int] = []
