@@ -275,3 +275,36 @@ def test_close_closes_every_connection_it_opened(private_redis: RedisServer) -> 
         buf.close()
     assert len(direct.client_list()) == before  # this client's own connection only
     direct.close()
+
+
+@pytest.mark.parametrize("cut_at", [0, 1, 4, 7])
+def test_a_claim_whose_reads_time_out_midway_is_recovered_by_the_same_call(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, cut_at: int
+) -> None:
+    # the claim's reply arrived, then the reads' replies stop after ``cut_at`` values (a socket
+    # timeout): the same call claims again with its suffix, reads, and delivers every value once
+    from kvstore import wire
+
+    buf = LookupBuffer.from_url(private_redis.url, namespace="claims", ttl_s=TTL_S)
+    direct = redis.Redis(port=private_redis.port)
+    real = wire.ReplyReader.read_bulk_new
+    calls = {"n": 0}
+
+    def cut(self: wire.ReplyReader, *args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == cut_at + 1:
+            raise redis.exceptions.TimeoutError("injected: timed out reading a reply")
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    try:
+        buf.drop_select([HASHES[-1]])  # loads the script: the cut request runs the claim
+        fill(buf, 8)
+        monkeypatch.setattr(wire.ReplyReader, "read_bulk_new", cut)
+        assert_blocks(buf.drop_select(HASHES[:8]), 8)
+        assert calls["n"] > 8  # the cut happened, and the values were read again
+        assert direct.keys("kv:*") == []  # taken once, the private keys deleted
+        monkeypatch.undo()
+        assert buf.drop_select(HASHES[:8]) == [None] * 8
+    finally:
+        buf.close()
+        direct.close()
