@@ -14,7 +14,12 @@ import torch
 from .claims import Claimer
 from .codec import decode_value
 from .counters import Counters
-from .errors import CorruptValueError, StoreTimeoutError, StoreUnavailableError
+from .errors import (
+    CorruptValueError,
+    InvalidArgumentError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from .guard import Guard
 from .transport import Destination, Transport
 from .wire import Oversize
@@ -86,6 +91,10 @@ class Reader:
                 "GET", lambda: self._transport.get_values(commands, dests, conns, check)
             )
             return self._tally(keys, checked)
+        if len(set(keys)) != len(keys):
+            raise InvalidArgumentError(
+                "a consuming read takes each block once: its hashes must not repeat"
+            )
         fetched: list[Any] | None = None
         if self._claims.reads_in_claim and conns == 1:
             # one round trip: the claim script, then the GETs of the keys it claims

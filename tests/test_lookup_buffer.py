@@ -296,3 +296,13 @@ def test_any_redis_py_error_becomes_a_typed_store_error(fake_buffer: LookupBuffe
         assert not isinstance(info.value, rex.RedisError)
         if not isinstance(exc, OSError):
             assert isinstance(info.value, StoreCommandError)
+
+
+def test_a_consuming_read_refuses_repeated_hashes_and_takes_nothing(
+    fake_buffer: LookupBuffer,
+) -> None:
+    fake_buffer.insert("a" * 32, {"model": torch.ones(2)})
+    with pytest.raises(InvalidArgumentError, match="must not repeat"):
+        fake_buffer.drop_select(["a" * 32, "a" * 32])
+    got = fake_buffer.drop_select(["a" * 32])[0]  # still there: nothing was claimed
+    assert got is not None and torch.equal(got["model"], torch.ones(2))
