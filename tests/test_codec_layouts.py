@@ -51,6 +51,10 @@ def value_of(block_hash: str = "a" * 32, **meta: str) -> bytes:
     )
 
 
+def n_header(value: bytes) -> int:
+    return int(struct.unpack_from("<Q", value)[0])
+
+
 def header_span(value: bytes) -> tuple[int, int]:
     (n,) = struct.unpack_from("<Q", value)
     return 8, 8 + n
@@ -104,6 +108,41 @@ def test_values_of_one_layout_read_their_own_fields() -> None:
     with pytest.raises(CorruptValueError) as err:
         decode_value(b, fingerprint="fp", block_hash="a" * 32)
     assert err.value.reason == "key"
+
+
+def reordered(block_hash: str, checksum: str, created: str) -> bytes:
+    """A value whose header another writer rendered: the same fields, the varying ones in
+    another order (created, key, checksum) and not where kvstore puts them."""
+    value = value_of()
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    meta = doc.pop("__metadata__")
+    varying = {"kvstore.created": created, "kvstore.key": block_hash, "kvstore.checksum": checksum}
+    for name in varying:
+        del meta[name]
+    raw = json.dumps({**doc, "__metadata__": {**varying, **meta}}, separators=(",", ":")).encode()
+    raw = raw.ljust(n)
+    assert len(raw) == n
+    return struct.pack("<Q", n) + raw + value[8 + n :]
+
+
+def test_a_header_with_its_fields_in_another_order_reads_each_values_own_fields() -> None:
+    payload_checksum = read_header(value_of()).checksum
+    first = reordered("a" * 32, payload_checksum, "2026-11-26T10:00:00.000Z")
+    second = reordered("b" * 32, "0" * 16, "2026-11-26T11:00:00.000Z")
+    assert outcome(first) == uncached_outcome(first)
+    outcome(first)
+    assert len(codec._layouts[n_header(first)]) == 1  # the second is read through this layout
+    got = outcome(second)
+    assert isinstance(got, ValueHeader)
+    assert (got.block_hash, got.checksum, got.created) == (
+        "b" * 32,
+        "0" * 16,
+        "2026-11-26T11:00:00.000Z",
+    )
+    assert got == uncached_outcome(second)
+    _, tensors = decode_value(first, fingerprint="fp", block_hash="a" * 32)
+    assert torch.equal(tensors["scale"], torch.ones(3))
 
 
 def with_key_twice(first: str, last: str) -> bytes:
