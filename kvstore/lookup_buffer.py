@@ -106,6 +106,11 @@ class LookupBuffer:
         read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
     ) -> None:
+        if isinstance(client, (str, bytes)):  # the easiest mistake: it failed deep inside
+            raise InvalidArgumentError(
+                "LookupBuffer() takes a redis-py client; for a URL use "
+                "LookupBuffer.from_url(url, ...)"
+            )
         if compression not in CODECS:
             raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
         if compression == "lz4":

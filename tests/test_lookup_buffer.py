@@ -218,6 +218,11 @@ def test_bad_hash_and_namespace_are_rejected(fake_client) -> None:
         buf.redis_key("a b")
 
 
+def test_a_url_given_for_a_client_is_refused_with_the_constructor_to_use() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"LookupBuffer\.from_url"):
+        LookupBuffer("redis://127.0.0.1:1/0", namespace="n")  # type: ignore[arg-type]
+
+
 def test_layout_fingerprint_is_order_independent_and_sensitive() -> None:
     a = layout_fingerprint({"model": "m", "tp_rank": 0})
     assert a == layout_fingerprint({"tp_rank": 0, "model": "m"})
