@@ -187,10 +187,12 @@ def plain_saver_loader(
     other_loaders: dict[str, dict[str, Any]] | None = None,
     **run: Any,
 ) -> dict[str, Any]:
-    """Three engines, one after another: ``plain`` (no connector) and ``saver`` (share mode,
-    an empty Redis) run ``first`` then ``sharing``, one prompt per phase; ``loader``, a fresh
-    share-mode instance, runs only ``sharing``; then each of ``other_loaders`` (name -> what
-    it changes of ``run``) likewise. Also ``keys``: Redis's keys after the saver."""
+    """``plain`` (no connector, on core 1) beside ``saver`` (share mode, an empty Redis): each
+    runs ``first`` then ``sharing``, one prompt per phase; then ``loader``, a fresh share-mode
+    instance, runs only ``sharing``; then each of ``other_loaders`` (name -> what it changes
+    of ``run``) likewise, one after another. Also ``keys``: Redis's keys after the saver. (One
+    pinned core each gives every engine the same thread count, so which core does not change
+    a bit; side by side, their start-ups share the two cores.)"""
     import redis
 
     from testing.redis_server import RedisServer
@@ -199,9 +201,10 @@ def plain_saver_loader(
     phases = one_per_phase(everything, list(everything))
     out: dict[str, Any] = {}
     with RedisServer() as server:
-        out["plain"] = finish(start_engine(tmp, "plain", model, phases, **run))
+        plain = start_engine(tmp, "plain", model, phases, **{**run, "core": 1})
         share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share", **PATIENT}}
-        out["saver"] = finish(start_engine(tmp, "saver", model, phases, **run, **share))
+        saver = start_engine(tmp, "saver", model, phases, **run, **share)
+        out["plain"], out["saver"] = finish(plain), finish(saver)
         client = redis.Redis.from_url(server.url)
         out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
         out["dtypes"] = stored_dtypes(client, out["keys"])

@@ -7,7 +7,8 @@ server computes with another OpenMP thread count and its bf16 sums round differe
 0.06 in a token's logprob on the test VM, enough to flip a near tie). Given the same threads,
 here one pinned core each, the outputs are bit-identical: tokens and logprobs.
 
-Three engines, one after another, each its own process, all on core 0:
+Three engines, each its own process with one pinned core (``plain`` beside ``saver``, then
+``loader``):
 - ``plain``: no connector. A 700-token prompt, then prompts sharing its first 640 tokens (five
   128-token blocks), which vLLM's local prefix cache serves;
 - ``saver``: the same prompts, a share-mode connector against an empty Redis (it saves);

@@ -3,7 +3,8 @@ AMX hosts) end to end: saved and loaded as the bytes it is, bit-identical to a c
 fp8 engine, stored one byte per element, and never loaded by an instance whose cache holds
 another dtype.
 
-Engines one after another, each its own process on core 0, on one Redis:
+Engines each in its own process with one pinned core, on one Redis (``plain`` beside ``saver``,
+then the others one after another):
 - ``plain``: fp8 cache, no connector; a 700-token prompt, then prompts sharing its first 640
   tokens (five 128-token blocks), which vLLM's local prefix cache serves;
 - ``saver``: the same, a share-mode connector against an empty Redis (it saves);
