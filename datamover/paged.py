@@ -5,6 +5,7 @@ Blocks move in batches with one op per layer, never one per block."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class PagedKV:
         # scatter) has no fp8 kernel on every torch build (none on the CPU in torch 2.13)
         self._moved_as = torch.uint8 if self.dtype.itemsize == 1 else self.dtype
         self._moved = {name: t.view(self._moved_as) for name, t in self.caches.items()}
+        # a CPU cache is copied through numpy views of its bits: see _host_copy
+        self._host = [] if self.on_cuda else [_bits(t) for t in self.caches.values()]
 
     @property
     def on_cuda(self) -> bool:
@@ -48,7 +51,15 @@ class PagedKV:
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
         """Copy blocks ``block_ids`` of every layer into ``out``, a contiguous
         ``[layers, n, *block_shape]`` tensor on the cache's device (or, for a CPU cache, in
-        host staging): one ``index_select`` per layer, on the current stream."""
+        host staging): one ``index_select`` per layer, on the current stream; on the CPU one
+        copy per run of consecutive ids (``_host_copy``)."""
+        if not self.on_cuda:
+            staged = _bits(out)
+            runs = consecutive_runs(block_ids.tolist())
+            for layer, cache in enumerate(self._host):
+                for first, at, n in runs:
+                    _host_copy(staged[layer, at : at + n], cache[first : first + n])
+            return
         out = out.view(self._moved_as)
         for layer, cache in enumerate(self._moved.values()):
             torch.index_select(cache, 0, block_ids, out=out[layer])
@@ -57,16 +68,37 @@ class PagedKV:
         """Write ``src`` (``[n, layers, *block_shape]``, any strides, on the cache's device)
         into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream. On the
         CPU, where ``index_copy_`` runs at a sixth of ``copy_``'s speed (measured: 0.5 against
-        3-4.6 GB/s), runs of consecutive block ids are copied as slices instead."""
-        src = src.view(self._moved_as)
+        3-4.6 GB/s), runs of consecutive block ids are copied as slices instead
+        (``_host_copy``)."""
         if self.on_cuda:
+            src = src.view(self._moved_as)
             for layer, cache in enumerate(self._moved.values()):
                 cache.index_copy_(0, block_ids, src[:, layer])
             return
+        rows = _bits(src)
         runs = consecutive_runs(block_ids.tolist())
-        for layer, cache in enumerate(self._moved.values()):
-            for dst, at, n in runs:
-                cache[dst : dst + n].copy_(src[at : at + n, layer])
+        for layer, cache in enumerate(self._host):
+            for first, at, n in runs:
+                _host_copy(cache[first : first + n], rows[at : at + n, layer])
+
+
+# numpy's integer dtype of each element size: a tensor's bits, whatever its float type
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> Any:
+    """A CPU tensor's elements as a numpy array of integers of the same size (a view, same
+    strides): numpy has no bf16 or fp8."""
+    return t.view(_BITS[t.element_size()]).numpy()
+
+
+def _host_copy(dst: Any, src: Any) -> None:
+    """Copy between numpy views of CPU tensors. Not ``torch.copy_``: that runs on the
+    process's OpenMP pool, whose threads then spin for a while after each copy; on a loader
+    or writer thread beside the engine's own OpenMP threads they took a core from the
+    thread receiving the next chunk (``scripts/bench_datamover.py`` on 2 cores: loads 1.9 ->
+    2.7 GB/s). numpy copies on the calling thread, without the GIL."""
+    dst[...] = src
 
 
 def consecutive_runs(ids: list[int]) -> list[tuple[int, int, int]]:

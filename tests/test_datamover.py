@@ -360,6 +360,16 @@ def test_scatter_writes_each_block_where_index_copy_would(ids: list[int]) -> Non
         assert torch.equal(cache, want)
 
 
+@pytest.mark.parametrize("token_major", [False, True])
+@pytest.mark.parametrize("ids", [[5, 6, 7, 1, 2, 9], [3], [0, 2, 4], [4, 3, 2], [7, 7]])
+def test_gather_reads_each_block_as_index_select_would(ids: list[int], token_major: bool) -> None:
+    kv = PagedKV(caches("cpu", blocks=16, token_major=token_major))
+    out = torch.full((4, len(ids), 8, 16, 256), -1.0).to(torch.bfloat16)
+    kv.gather(torch.tensor(ids), out)
+    for layer, cache in enumerate(kv.caches.values()):
+        assert torch.equal(out[layer], cache.index_select(0, torch.tensor(ids)))
+
+
 def test_a_failed_gather_releases_every_buffer_it_took_and_raises() -> None:
     store = store_on(own_fake_client())
     mover = BlockMover(caches("cpu"), store, max_inflight_bytes=1)  # two one-block chunks
