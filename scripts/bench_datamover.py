@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from connector.config import RedisConnectorConfig
+from connector.config import default_connections
 from datamover import BlockMover, SaveItem
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.codec import frame_parts
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--connections",
         type=int,
-        default=RedisConnectorConfig.connections,
+        default=default_connections(),
         help="connections per batch (the connector's `connections`)",
     )
     ap.add_argument("--json", type=Path)
