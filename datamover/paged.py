@@ -21,6 +21,11 @@ class PagedKV:
         self.block_shape = tuple(int(s) for s in first.shape[1:])
         self.dtype = first.dtype
         self.device = first.device
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"KV caches on {self.device.type} are not supported: the data mover copies "
+                "blocks on CUDA or CPU caches only"
+            )
         for name, t in self.caches.items():
             if (
                 tuple(t.shape[1:]) != self.block_shape
@@ -55,7 +60,7 @@ class PagedKV:
         copy per run of consecutive ids (``_host_copy``)."""
         if not self.on_cuda:
             staged = _bits(out)
-            runs = consecutive_runs(block_ids.tolist())
+            runs = self._host_runs(block_ids)
             for layer, cache in enumerate(self._host):
                 for first, at, n in runs:
                     _host_copy(staged[layer, at : at + n], cache[first : first + n])
@@ -76,10 +81,20 @@ class PagedKV:
                 cache.index_copy_(0, block_ids, src[:, layer])
             return
         rows = _bits(src)
-        runs = consecutive_runs(block_ids.tolist())
+        runs = self._host_runs(block_ids)
         for layer, cache in enumerate(self._host):
             for first, at, n in runs:
                 _host_copy(cache[first : first + n], rows[at : at + n, layer])
+
+    def _host_runs(self, block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+        """``block_ids`` as runs of consecutive ids, every id checked against the cache: a
+        numpy slice would clamp or wrap an id out of range where ``index_select`` raises."""
+        ids = block_ids.tolist()
+        if block_ids.dim() != 1 or (ids and not 0 <= min(ids) <= max(ids) < self.num_blocks):
+            raise IndexError(
+                f"block ids must be a list of ids in [0, {self.num_blocks}), got {ids[:8]}"
+            )
+        return consecutive_runs(ids)
 
 
 # numpy's integer dtype of each element size: a tensor's bits, whatever its float type
@@ -97,7 +112,12 @@ def _host_copy(dst: Any, src: Any) -> None:
     process's OpenMP pool, whose threads then spin for a while after each copy; on a loader
     or writer thread beside the engine's own OpenMP threads they took a core from the
     thread receiving the next chunk (``scripts/bench_datamover.py`` on 2 cores: loads 1.9 ->
-    2.7 GB/s). numpy copies on the calling thread, without the GIL."""
+    2.7 GB/s). numpy copies on the calling thread, without the GIL. Tensors whose elements
+    differ in size are refused: numpy would convert one integer type into the other."""
+    if dst.dtype != src.dtype:
+        raise TypeError(
+            f"cannot copy {src.dtype.itemsize}-byte elements into {dst.dtype.itemsize}-byte ones"
+        )
     dst[...] = src
 
 

@@ -16,6 +16,7 @@ safetensors library to keep the framing honest.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -499,9 +500,10 @@ def _bytes_of(t: torch.Tensor) -> Any:
         t = t.contiguous()
     # an N-d C-contiguous array is one buffer to xxhash and sendmsg alike, so it is flattened
     # only where viewing its bytes needs it: 0-d, a last dimension of size 1 with another
-    # stride (contiguous all the same), or empty (an N-d view with a zero cannot be cast)
-    if t.dim() != 1 and (t.dim() == 0 or t.stride(-1) != 1 or t.numel() == 0):
-        t = t.reshape(-1)
+    # stride (contiguous all the same; reshape keeps such a stride on a 1-element 1-d
+    # tensor, as_strided does not), or empty (an N-d view with a zero cannot be cast)
+    if t.dim() == 0 or t.stride(-1) != 1 or (t.numel() == 0 and t.dim() != 1):
+        t = t.as_strided((t.numel(),), (1,))
     return t.view(torch.uint8).numpy()
 
 
@@ -662,7 +664,8 @@ def _read_header(
     else:
         header = _parse_header(raw, max_value_bytes)
         runs = _runs(header.tensors)
-        _remember(raw, header, runs)
+        # the cache keeps its own metadata dict: the caller may change the one returned
+        _remember(raw, dataclasses.replace(header, metadata=dict(header.metadata)), runs)
     if len(value) - header.header_bytes != header.payload_bytes:
         raise _corrupt(
             "truncated",

@@ -370,6 +370,33 @@ def test_gather_reads_each_block_as_index_select_would(ids: list[int], token_maj
         assert torch.equal(out[layer], cache.index_select(0, torch.tensor(ids)))
 
 
+@pytest.mark.parametrize("ids", [[9, 10], [-3, -2], [10], [-1], [[1, 2]]])
+def test_block_ids_outside_the_cache_are_refused_and_nothing_is_written(ids: list[int]) -> None:
+    kv = PagedKV(caches("cpu", blocks=10))
+    before = {name: t.clone() for name, t in kv.caches.items()}
+    n = len(ids)
+    with pytest.raises(IndexError, match="block ids"):
+        kv.gather(torch.tensor(ids), torch.zeros(4, n, 8, 16, 256, dtype=torch.bfloat16))
+    with pytest.raises(IndexError, match="block ids"):
+        kv.scatter(torch.tensor(ids), torch.ones(n, 4, 8, 16, 256, dtype=torch.bfloat16))
+    for name, t in kv.caches.items():
+        assert torch.equal(t, before[name])
+
+
+def test_a_buffer_of_another_element_size_is_refused_not_converted() -> None:
+    kv = PagedKV(caches("cpu", blocks=4, seed=None))  # zeros
+    with pytest.raises(TypeError, match="2-byte"):
+        kv.scatter(torch.tensor([1]), torch.full((1, 4, 8, 16, 256), 3.0))  # float32
+    assert not any(t.any() for t in kv.caches.values())
+    with pytest.raises(TypeError, match="2-byte"):
+        kv.gather(torch.tensor([1]), torch.zeros(4, 1, 8, 16, 256))
+
+
+def test_a_cache_on_an_unsupported_device_is_refused_up_front() -> None:
+    with pytest.raises(ValueError, match="meta"):
+        PagedKV({"layer": torch.empty(4, 8, 16, 256, dtype=torch.bfloat16, device="meta")})
+
+
 def test_a_failed_gather_releases_every_buffer_it_took_and_raises() -> None:
     store = store_on(own_fake_client())
     mover = BlockMover(caches("cpu"), store, max_inflight_bytes=1)  # two one-block chunks
