@@ -8,8 +8,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvstore import CorruptValueError, InvalidArgumentError, InvalidValueError
-from kvstore.codec import decode_value, encode_value, read_header
+from kvstore import CorruptValueError, InvalidArgumentError, InvalidValueError, codec
+from kvstore.codec import decode_value, encode_value, frame_tensors, read_header
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8]
 if hasattr(torch, "float8_e4m3fn"):
@@ -106,6 +106,36 @@ def test_non_contiguous_tensors_are_stored_as_their_logical_values() -> None:
     t = base.t()[:, ::2]
     assert not t.is_contiguous()
     assert torch.equal(decode(encode({"x": t}))["x"], t)
+
+
+ODD_STRIDES = {
+    "one element, stride 5": torch.arange(10.0)[::5][:1],
+    "one element at an offset": torch.arange(10.0)[::5][1:2],
+    "1x1, strides (5, 5)": torch.arange(25.0).view(5, 5)[:1, :1].as_strided((1, 1), (5, 5)),
+    "0-d": torch.tensor(3.0),
+    "empty 2-d": torch.empty(0, 3),
+    "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),
+    "transposed": torch.arange(12.0).view(3, 4).t(),
+}
+
+
+@pytest.mark.parametrize("tensor", ODD_STRIDES.values(), ids=ODD_STRIDES.keys())
+def test_tensors_framed_where_they_lie_read_back_as_their_values(tensor: torch.Tensor) -> None:
+    for _ in range(2):  # the second time through the cached plan
+        parts = frame_tensors({"x": tensor}, fingerprint="fp", block_hash="h0")
+        assert parts is not None
+        value = b"".join(bytes(memoryview(p)) for p in parts)
+        assert torch.equal(decode(value)["x"], tensor)
+        assert torch.equal(safetensors.torch.load(value)["x"], tensor)
+
+
+def test_a_returned_headers_metadata_changed_by_its_caller_changes_no_later_read() -> None:
+    codec._layouts.clear()
+    first = read_header(encode({"x": torch.ones(4)}, metadata={"m": "1"}))
+    first.metadata["injected"] = "x"
+    later = encode({"x": torch.ones(4)}, block_hash="h1", metadata={"m": "1"})
+    assert read_header(later).metadata == {"m": "1"}
+    assert decode_value(later, fingerprint="fp", block_hash="h1")[0].metadata == {"m": "1"}
 
 
 def test_zero_copy_decode_shares_the_value_buffer() -> None:
