@@ -19,7 +19,9 @@ def default_connections() -> int:
     writes, but each needs a core: on a 2-core host one connection loaded 64 Llama-3-8B blocks
     at 3.1 GB/s and four at 2.5 (``scripts/bench_datamover.py --connections``); on a 16-core
     GPU host four did best (1.16 GB/s against 0.96 for one)."""
-    return min(4, max(1, len(os.sched_getaffinity(0)) // 2))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; macOS and Windows lack it
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    return min(4, max(1, cores // 2))
 
 
 @dataclass(frozen=True)

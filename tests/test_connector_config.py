@@ -26,3 +26,9 @@ def test_connections_given_are_kept_and_zero_is_refused() -> None:
         RedisConnectorConfig.from_extra({**URL, "connections": 0}, "kv_both")
     with pytest.raises(InvalidArgumentError, match="connections must be a number"):
         RedisConnectorConfig.from_extra({**URL, "connections": "many"}, "kv_both")
+
+
+def test_connections_default_without_sched_getaffinity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(config_module.os, "sched_getaffinity")  # as on macOS and Windows
+    monkeypatch.setattr(config_module.os, "cpu_count", lambda: 8)
+    assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 4
