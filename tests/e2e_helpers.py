@@ -146,6 +146,16 @@ def finish(job: tuple[stack.Proc, Path], timeout_s: float = 600) -> dict:
     return json.loads(out.read_text())
 
 
+def finish_all(*jobs: tuple[stack.Proc, Path], timeout_s: float = 600) -> list[dict]:
+    """``finish`` each of engines running side by side; when one fails, the others are killed
+    too (they run in sessions of their own: nothing else would stop them)."""
+    try:
+        return [finish(job, timeout_s) for job in jobs]
+    finally:
+        for proc, _ in jobs:
+            proc.kill()
+
+
 def count_blocks(client: Any, namespace: str = "vllm") -> int:
     """How many block keys (not handoff records, claims or counters) ``namespace`` holds."""
     from kvstore.keys import parse_key
@@ -203,8 +213,12 @@ def plain_saver_loader(
     with RedisServer() as server:
         plain = start_engine(tmp, "plain", model, phases, **{**run, "core": 1})
         share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share", **PATIENT}}
-        saver = start_engine(tmp, "saver", model, phases, **run, **share)
-        out["plain"], out["saver"] = finish(plain), finish(saver)
+        try:
+            saver = start_engine(tmp, "saver", model, phases, **run, **share)
+        except BaseException:
+            plain[0].kill()
+            raise
+        out["plain"], out["saver"] = finish_all(plain, saver)
         client = redis.Redis.from_url(server.url)
         out["keys"] = sorted(k.decode() for k in client.scan_iter(count=1000))
         out["dtypes"] = stored_dtypes(client, out["keys"])
@@ -249,7 +263,7 @@ def family_runs(
         pd = {"url": server.url, "extra": {"namespace": "pd", **PATIENT}}
         plain = start_engine(tmp, "plain", model, phases * 2, **run)
         prod = start_engine(tmp, "prod", model, phases, **beside, **pd, role="kv_producer")
-        out["plain"], out["prod"] = finish(plain), finish(prod)
+        out["plain"], out["prod"] = finish_all(plain, prod)
         out["pd_keys"] = keys("kv:pd:*")
         params = {k: v["kv_transfer_params"] for k, v in out["prod"]["prompts"].items()}
         share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share", **PATIENT}}
@@ -262,7 +276,7 @@ def family_runs(
         cons = start_engine(
             tmp, "cons", model, phases, **beside, **pd, role="kv_consumer", params=params
         )
-        out["loader"], out["cons"] = finish(loader), finish(cons)
+        out["loader"], out["cons"] = finish_all(loader, cons)
         out["pd_keys_after_decode"] = keys("kv:pd:*")
         client.close()
     return out

