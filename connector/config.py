@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,28 @@ from kvstore import InvalidArgumentError, parse_url
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
 TRANSFER_PARAMS_KEY = "redis_kv"
+
+
+# settings that count things: 0 of them cannot work
+_AT_LEAST_ONE = ("lookup_threads", "io_threads", "connections", "breaker_failures", "store_tp_size")
+
+
+def _number(key: str, value: Any, *, whole: bool) -> int | float:
+    """A setting's value as a finite number (a whole one for counts); JSON and YAML give
+    numbers, environment-style configs strings."""
+    try:
+        if isinstance(value, bool):  # a bool is an int to Python, never a count or a time here
+            raise TypeError
+        number = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{key} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidArgumentError(f"{key} must be a finite number, got {value!r}")
+    if not whole:
+        return number
+    if number != int(number):
+        raise InvalidArgumentError(f"{key} must be a whole number, got {value!r}")
+    return int(number)
 
 
 def default_connections() -> int:
@@ -138,26 +161,12 @@ class RedisConnectorConfig:
             if key not in extra or extra[key] is None:
                 continue
             if f.type in ("float", "float | None", "int", "int | None"):
-                conv = int if f.type.startswith("int") else float
-                try:
-                    extra[key] = conv(extra[key])
-                except (TypeError, ValueError):
-                    raise InvalidArgumentError(
-                        f"{key} must be a number, got {extra[key]!r}"
-                    ) from None
-                if extra[key] < 0:
-                    raise InvalidArgumentError(f"{key} must be >= 0, got {extra[key]}")
+                extra[key] = _number(key, extra[key], whole=f.type.startswith("int"))
+                least = 1 if key in _AT_LEAST_ONE else 0
+                if extra[key] < least:
+                    raise InvalidArgumentError(f"{key} must be >= {least}, got {extra[key]}")
             elif f.type == "bool" and not isinstance(extra[key], bool):
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
-        for key in (
-            "lookup_threads",
-            "io_threads",
-            "connections",
-            "breaker_failures",
-            "store_tp_size",
-        ):
-            if extra.get(key) == 0:
-                raise InvalidArgumentError(f"{key} must be >= 1")
         return cls(url=url, role=role, **extra)

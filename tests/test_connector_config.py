@@ -32,3 +32,28 @@ def test_connections_default_without_sched_getaffinity(monkeypatch: pytest.Monke
     monkeypatch.delattr(config_module.os, "sched_getaffinity")  # as on macOS and Windows
     monkeypatch.setattr(config_module.os, "cpu_count", lambda: 8)
     assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 4
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        (float("inf"), "finite"),
+        ("nan", "finite"),
+        (1.9, "whole number"),
+        (True, "a number"),
+        (-1, ">= 1"),
+        ([4], "a number"),
+    ],
+)
+def test_a_count_that_is_not_a_positive_whole_number_is_refused(value: object, why: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=why):
+        RedisConnectorConfig.from_extra({**URL, "io_threads": value}, "kv_both")
+
+
+def test_times_take_numbers_given_as_strings_and_refuse_negative_ones() -> None:
+    config = RedisConnectorConfig.from_extra(
+        {**URL, "deadline_s": "1.5", "io_threads": 2.0}, "kv_both"
+    )
+    assert (config.deadline_s, config.io_threads) == (1.5, 2)
+    with pytest.raises(InvalidArgumentError, match="deadline_s must be >= 0"):
+        RedisConnectorConfig.from_extra({**URL, "deadline_s": -0.1}, "kv_both")
