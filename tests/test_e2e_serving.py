@@ -135,15 +135,12 @@ def kinds_left(r: redis.Redis) -> set[str]:
 
 
 def test_consume_mode_leaves_no_blocks_after_proxy_requests(serving: dict) -> None:
-    saved_before = metric(serving["prefill"], "vllm:redis_kv_blocks_saved")
     complete(serving["proxy"], LONG_DOC + " cleanup?", False)
     r = redis.Redis.from_url(serving["redis"].url)
-    # the producer saved this prompt's blocks (so their absence below means something); its
-    # counters reach /metrics a little after the answer
+    # (that the proxy's requests do go through Redis is test_completions_through_proxy's
+    # cached_tokens check: the producer's counters cannot show it here, they reach /metrics
+    # only with the engine's next stats interval, which an idle engine may never have)
     waited_until = time.monotonic() + 120
-    while metric(serving["prefill"], "vllm:redis_kv_blocks_saved") < saved_before + 8:
-        assert time.monotonic() < waited_until, "the producer never counted its saves"
-        time.sleep(0.1)
     # the decode server deletes a handoff on its drop thread once it loaded it, or at once
     # when its own prefix cache had the blocks: after the answer, not before it. Wait for
     # that deletion (a bound only fails a server that never deletes; on vLLM 0.30 under CI
