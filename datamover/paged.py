@@ -45,8 +45,8 @@ class PagedKV:
         # one-byte float caches (fp8) move as bytes: the same bits, and index_copy_ (the CUDA
         # scatter) has no fp8 kernel on every torch build (none on the CPU in torch 2.13)
         self._moved_as = torch.uint8 if self.dtype.itemsize == 1 else self.dtype
-        self._moved = {name: t.view(self._moved_as) for name, t in self.caches.items()}
-        # a CPU cache is copied through numpy views of its bits: see _host_copy
+        # the views each device's copies use: torch ops on CUDA, numpy on the CPU (_host_copy)
+        self._moved = [t.view(self._moved_as) for t in self.caches.values()] if self.on_cuda else []
         self._host = [] if self.on_cuda else [_bits(t) for t in self.caches.values()]
 
     @property
@@ -66,7 +66,7 @@ class PagedKV:
                     _host_copy(staged[layer, at : at + n], cache[first : first + n])
             return
         out = out.view(self._moved_as)
-        for layer, cache in enumerate(self._moved.values()):
+        for layer, cache in enumerate(self._moved):
             torch.index_select(cache, 0, block_ids, out=out[layer])
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
@@ -77,7 +77,7 @@ class PagedKV:
         (``_host_copy``)."""
         if self.on_cuda:
             src = src.view(self._moved_as)
-            for layer, cache in enumerate(self._moved.values()):
+            for layer, cache in enumerate(self._moved):
                 cache.index_copy_(0, block_ids, src[:, layer])
             return
         rows = _bits(src)
