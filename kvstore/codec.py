@@ -415,8 +415,6 @@ def frame_parts(
     payload, in ``entries`` order, each piece where it already is). Uncompressed, nothing is
     copied: the checksum streams over the pieces and they go to the socket as they are. With
     lz4 the payload is compressed into one new buffer."""
-    if compression not in CODECS:
-        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
     raw_bytes = sum(memoryview(p).nbytes for p in pieces)
     expected = entries[-1].end if entries else 0
     if raw_bytes != expected:
@@ -434,6 +432,8 @@ def _framed(
     metadata: Mapping[str, str] | None,
 ) -> list[Buffer]:
     """:func:`frame_parts` once ``pieces`` are known to hold ``raw_bytes``, as ``entries`` say."""
+    if compression not in CODECS:
+        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
     meta = _check_metadata(metadata)
     if compression == "none":
         if len(pieces) == 1:  # half the cost of a streaming digest, for a 64 KiB value
@@ -481,8 +481,6 @@ def frame_tensors(
     uncompressed, nothing is copied (a non-contiguous tensor is made contiguous first). The
     result refers to the tensors: send it before they change. None when a tensor lies on
     another device: stage it with :func:`encode_value`."""
-    if compression not in CODECS:
-        raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
     items, entries, raw_bytes = _plan(tensors, max_value_bytes)
     if not all(t.is_cpu for _, t in items):
         return None
@@ -554,7 +552,7 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
 # the byte comparison does not see), is parsed in full every time.
 _VARYING = (b'"kvstore.key":"', b'"kvstore.checksum":"', b'"kvstore.created":"')
 _PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
-_PLAIN_CLASS = rb"[ !#-\[\]-~]"  # _PLAIN as a regular expression's class
+_PLAIN_CLASS = b"[" + re.escape(_PLAIN) + b"]"  # _PLAIN as a regular expression's class
 MAX_CACHED_LAYOUTS = 256  # layouts kept (a few per model); past that the cache starts again
 MAX_LAYOUTS_PER_LENGTH = 8  # a lookup tries each layout of the header's length
 
