@@ -97,18 +97,75 @@ class CacheEvictor:
         np.add(self._junk, 1, out=self._junk)
 
 
+def server_cpu_seconds(pid: int) -> float:
+    """CPU time a process's threads have run, from the scheduler's nanosecond counters
+    (``/proc/<pid>/task/*/schedstat``; ``/proc/<pid>/stat`` counts 10 ms ticks, as long as a
+    whole 2 MiB sample)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+class CpuSpent:
+    """CPU seconds the benchmark's process (every thread: LMCache's workers, kvstore's fan-out)
+    and the redis-server spent per path, summed over every timed call, beside the wall time.
+    They say which side bounds a path: a server busy for most of the wall time cannot serve a
+    faster client."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.server_pid = server_pid
+        self.client: dict[str, float] = {}
+        self.server: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def sample(self) -> tuple[float, float]:
+        server = server_cpu_seconds(self.server_pid) if self.server_pid else 0.0
+        return time.process_time(), server
+
+    def add(self, name: str, before: tuple[float, float], wall: float) -> None:
+        client, server = self.sample()
+        self.client[name] = self.client.get(name, 0.0) + client - before[0]
+        self.server[name] = self.server.get(name, 0.0) + server - before[1]
+        self.wall[name] = self.wall.get(name, 0.0) + wall
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def row(self, name: str, call_bytes: int) -> str:
+        """``client / server`` ms per GB moved, and the server's busy share of the wall time."""
+        gb = self.calls[name] * call_bytes / 1e9
+        return (
+            f"{self.client[name] / gb * 1e3:.0f} / {self.server[name] / gb * 1e3:.0f}"
+            f" ({self.server[name] / self.wall[name]:.0%})"
+        )
+
+    def as_json(self, call_bytes: int) -> dict[str, dict[str, float]]:
+        """Per path: client and server CPU ms per GB, and the server's busy share."""
+        out = {}
+        for name, calls in self.calls.items():
+            gb = calls * call_bytes / 1e9
+            out[name] = {
+                "client_ms_per_gb": round(self.client[name] / gb * 1e3, 1),
+                "server_ms_per_gb": round(self.server[name] / gb * 1e3, 1),
+                "server_busy": round(self.server[name] / self.wall[name], 3),
+            }
+        return out
+
+
 def median_seconds(
     paths: dict[str, Path_],
     rounds: int,
     after: Callable[[str], None] | None = None,
     repeat: int = 1,
     before: Callable[[], None] | None = None,
+    cpu: CpuSpent | None = None,
 ) -> dict[str, float]:
     """Each path's median wall time over ``rounds`` interleaved rounds (every path in turn per
     round, so a busy moment of the machine hits all of them), a round's sample being ``repeat``
     calls (small batches take a millisecond: one call is mostly scheduling noise);
     ``before()`` runs untimed before each sample (a :class:`CacheEvictor`), ``after(name)``
-    untimed after each call."""
+    untimed after each call; ``cpu`` adds up the CPU time of the timed calls."""
     times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(rounds):
         for name, fn in paths.items():
@@ -116,9 +173,13 @@ def median_seconds(
                 before()
             spent = 0.0
             for _ in range(repeat):
+                used = cpu.sample() if cpu is not None else (0.0, 0.0)
                 t0 = time.perf_counter()
                 fn()
-                spent += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                spent += wall
+                if cpu is not None:
+                    cpu.add(name, used, wall)
                 if after is not None:
                     after(name)
             times[name].append(spent / repeat)
@@ -205,7 +266,13 @@ def pipelined_get_into(client: redis.Redis, keys: list[str], dests: list[torch.T
 
 
 def bench_size(
-    url: str, size: int, batch: int, rounds: int, lmc: bool, warm: bool = False
+    url: str,
+    size: int,
+    batch: int,
+    rounds: int,
+    lmc: bool,
+    warm: bool = False,
+    cpu: CpuSpent | None = None,
 ) -> dict[str, float]:
     client = redis.Redis.from_url(url)
     client.flushdb()
@@ -346,35 +413,56 @@ def bench_size(
         after=put_back,
         repeat=repeat,
         before=None if warm else CacheEvictor(),
+        cpu=cpu,
     )
     store.close()
     return {name: value_bytes / t / 1e9 for name, t in seconds.items()}
 
 
-def sweep_size(url: str, size: int, batch: int, rounds: int) -> dict[str, float]:
-    """``select_into`` GB/s per (read depth, connections) at one value size."""
+def sweep_size(
+    url: str, size: int, batch: int, rounds: int, warm: bool, cpu: CpuSpent
+) -> dict[str, float]:
+    """``select_into`` GB/s per (read depth, connections) at one value size, timed as
+    :func:`bench_size` times its paths."""
     payloads = [{"kv": torch.frombuffer(bytearray(os.urandom(size)), dtype=torch.uint8)}]
     hashes = chain_hashes(list(range(batch * 16)), 16)
     dests = [torch.empty(size + 4096, dtype=torch.uint8) for _ in range(batch)]
-    out: dict[str, float] = {}
     stores = {
         depth: LookupBuffer.from_url(url, namespace="sweep", read_depth=depth)
-        for depth in (1, 2, 4, 16)
+        for depth in (1, 2, 3, 4, 16)
     }
     stores[1].insert_many([(h, payloads[0]) for h in hashes[:batch]])
-    times: dict[str, list[float]] = {}
-    for _ in range(rounds):
-        for depth, store in stores.items():
-            for conns in (1, 2, 4):
-                t0 = time.perf_counter()
-                got = store.select_into(hashes[:batch], dests, connections=conns)
-                times.setdefault(f"depth {depth} x{conns}", []).append(time.perf_counter() - t0)
-                assert all(g is not None for g in got)
+
+    def read(store: LookupBuffer, conns: int) -> Path_:
+        def run() -> None:
+            got = store.select_into(hashes[:batch], dests, connections=conns)
+            assert all(g is not None for g in got), "kvstore missed a value"
+
+        return run
+
+    paths = {
+        f"depth {depth} x{conns}": read(store, conns)
+        for depth, store in stores.items()
+        for conns in (1, 2, 4)
+    }
+    repeat = max(1, -(-SAMPLE_BYTES // (batch * size)))
+    seconds = median_seconds(
+        paths, rounds, repeat=repeat, before=None if warm else CacheEvictor(), cpu=cpu
+    )
     for store in stores.values():
         store.close()
-    for name, t in times.items():
-        out[name] = batch * size / statistics.median(t) / 1e9
-    return out
+    return {name: batch * size / t / 1e9 for name, t in seconds.items()}
+
+
+def print_cpu(cpu: dict[int, CpuSpent], sizes: list[int], names: list[str], batch: int) -> None:
+    print(
+        "\nCPU ms per GB moved (this process's threads / redis-server), and the share of the wall "
+        "time the server was busy: near 100%, the server bounds the path"
+    )
+    print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
+    print("| --- |" + " --- |" * len(sizes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(cpu[s].row(name, batch * s) for s in sizes) + " |")
 
 
 def plot(results: dict[int, dict[str, float]], names: list[str], title: str, out: Path) -> None:
@@ -413,13 +501,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.sweep:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
+        cpu: dict[int, CpuSpent] = {}
+        rows: dict[int, dict[str, float]] = {}
         with RedisServer() as server:
-            rows = {s: sweep_size(server.url, s, args.batch, args.rounds) for s in sizes}
+            for s in sizes:
+                cpu[s] = CpuSpent(server.proc.pid if server.proc is not None else None)
+                rows[s] = sweep_size(server.url, s, args.batch, args.rounds, args.warm, cpu[s])
         print(f"select_into GB/s, median of {args.rounds} rounds, batches of {args.batch}")
         print("| depth x connections | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
         print("| --- |" + " --- |" * len(sizes))
         for name in rows[sizes[0]]:
             print(f"| {name} | " + " | ".join(f"{rows[s][name]:.2f}" for s in sizes) + " |")
+        print_cpu(cpu, sizes, list(rows[sizes[0]]), args.batch)
         if args.json:
             args.json.write_text(json.dumps({str(s): r for s, r in rows.items()}, indent=2))
         return 0
@@ -432,9 +525,13 @@ def main(argv: list[str] | None = None) -> int:
         print("LMCache is not importable here: its columns are left out (see lmcache.md)")
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     results: dict[int, dict[str, float]] = {}
+    cpu = {}
     with RedisServer() as server:
         for size in sizes:
-            results[size] = bench_size(server.url, size, args.batch, args.rounds, lmc, args.warm)
+            cpu[size] = CpuSpent(server.proc.pid if server.proc is not None else None)
+            results[size] = bench_size(
+                server.url, size, args.batch, args.rounds, lmc, args.warm, cpu[size]
+            )
     machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
     names = list(next(iter(results.values())))
     caches = "warm caches" if args.warm else "caches evicted before each sample"
@@ -446,6 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- |" + " --- |" * len(sizes))
     for name in names:
         print(f"| {name} | " + " | ".join(f"{results[s][name]:.2f}" for s in sizes) + " |")
+    print_cpu(cpu, sizes, names, args.batch)
     base = {"read": "LMCache resp:// get", "write": "LMCache resp:// put"} if lmc else {}
     best_read = {s: max(v for k, v in results[s].items() if "select_into" in k) for s in sizes}
     bare = {s: max(v for k, v in results[s].items() if "bare recv_into" in k) for s in sizes}
@@ -481,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rounds": args.rounds,
                     "caches_evicted": not args.warm,
                     "gbps": {str(s): r for s, r in results.items()},
+                    "cpu": {str(s): cpu[s].as_json(args.batch * s) for s in sizes},
                 },
                 indent=2,
             )
