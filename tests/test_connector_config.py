@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from connector import config as config_module
@@ -9,6 +11,76 @@ from connector.config import RedisConnectorConfig
 from kvstore import InvalidArgumentError
 
 URL = {"url": "redis://r:6379/0"}
+
+
+@pytest.fixture(autouse=True)
+def no_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The host's own cgroup limits stay out of these tests; a test writes its own tree under
+    the returned root (``/proc/self/cgroup`` becomes ``<root>/self-cgroup``)."""
+    monkeypatch.setattr(config_module, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(config_module, "PROC_CGROUP", tmp_path / "self-cgroup")
+    return tmp_path
+
+
+def _cgroup(root: Path, membership: str, files: dict[str, str]) -> None:
+    (root / "self-cgroup").write_text(membership)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("membership", "files", "cores"),
+    [
+        # a Kubernetes pod limited to 2 CPUs (cgroup v2)
+        ("0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "200000 100000\n"}, 2.0),
+        # the pod has no limit of its own; its parent's 1.5 CPUs bound it
+        (
+            "0::/kubepods/pod1\n",
+            {"kubepods/pod1/cpu.max": "max 100000\n", "kubepods/cpu.max": "150000 100000\n"},
+            1.5,
+        ),
+        # a container without a cgroup namespace: its path is not under its own mount
+        ("0::/docker/abc\n", {"cpu.max": "400000 100000\n"}, 4.0),
+        # cgroup v1, the cpu controller mounted with cpuacct
+        (
+            "4:memory:/docker/x\n3:cpu,cpuacct:/docker/x\n",
+            {
+                "cpu,cpuacct/docker/x/cpu.cfs_quota_us": "300000\n",
+                "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n",
+            },
+            3.0,
+        ),
+        # no limit anywhere
+        ("0::/user.slice\n", {"user.slice/cpu.max": "max 100000\n"}, None),
+        (
+            "3:cpu,cpuacct:/\n",
+            {"cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+            None,
+        ),
+        # unreadable or garbled: no quota, not an error
+        ("0::/a\n", {"a/cpu.max": "lots\n"}, None),
+        ("garbage\n", {}, None),
+    ],
+)
+def test_the_cgroup_cpu_quota_is_read_from_the_process_cgroup_and_its_ancestors(
+    no_cgroup_quota: Path, membership: str, files: dict[str, str], cores: float | None
+) -> None:
+    _cgroup(no_cgroup_quota, membership, files)
+    assert config_module.cpu_quota_cores() == cores
+
+
+def test_a_container_cpu_limit_lowers_the_connections_default(
+    monkeypatch: pytest.MonkeyPatch, no_cgroup_quota: Path
+) -> None:
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 4
+    _cgroup(no_cgroup_quota, "0::/pod\n", {"pod/cpu.max": "250000 100000\n"})  # 2.5 CPUs
+    assert config_module.usable_cores() == 2
+    assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 1
+    _cgroup(no_cgroup_quota, "0::/pod\n", {"pod/cpu.max": "50000 100000\n"})  # half a CPU
+    assert config_module.usable_cores() == 1
+    assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 1
 
 
 @pytest.mark.parametrize(("cores", "connections"), [(1, 1), (2, 1), (4, 2), (8, 4), (64, 4)])
