@@ -64,8 +64,8 @@ def cpu_quota_cores() -> float | None:
     """The CPU time this process's cgroup, or the tightest of its ancestors, may use, in cores
     (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None when there is
     no quota or it cannot be read."""
-    try:
-        lines = PROC_CGROUP.read_text().splitlines()
+    try:  # a cgroup's name is bytes: one the locale cannot decode must not fail the config
+        lines = PROC_CGROUP.read_text(errors="surrogateescape").splitlines()
     except OSError:
         return None
     quotas: list[float] = []
@@ -77,7 +77,7 @@ def cpu_quota_cores() -> float | None:
         if controllers == "":
             base = CGROUP_ROOT  # v2: one hierarchy
         elif "cpu" in controllers.split(","):
-            base = CGROUP_ROOT / controllers  # v1: the cpu controller's own (e.g. cpu,cpuacct)
+            base = _v1_mount(controllers)
         else:
             continue
         # inside a container the cgroup's path may not exist under its own mount: the
@@ -88,6 +88,16 @@ def cpu_quota_cores() -> float | None:
             if quota is not None:
                 quotas.append(quota)
     return min(quotas) if quotas else None
+
+
+def _v1_mount(controllers: str) -> Path:
+    """Where cgroup v1 mounts the hierarchy of ``controllers``: its own name, or -- when the
+    kernel lists them in another order than the mount's name (``cpuacct,cpu`` on RHEL 7 for
+    the ``cpu,cpuacct`` mount) -- the ``cpu`` link systemd and container runtimes make."""
+    for name in (controllers, ",".join(sorted(controllers.split(","))), "cpu"):
+        if (CGROUP_ROOT / name).is_dir():
+            return CGROUP_ROOT / name
+    return CGROUP_ROOT / controllers
 
 
 def _quota_of(cgroup: Path, *, v2: bool) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,20 @@ from scripts.bench_paths import main, server_cpu_seconds
 pytestmark = pytest.mark.redis
 
 
-def test_a_processs_cpu_time_grows_while_it_works() -> None:
+def test_a_processs_cpu_time_counts_its_threads_after_they_exit() -> None:
+    def spin() -> None:
+        total = 0
+        for i in range(2_000_000):  # some milliseconds of CPU
+            total += i
+
     before = server_cpu_seconds(os.getpid())
-    total = 0
-    for i in range(2_000_000):  # some milliseconds of CPU on this thread
-        total += i
-    assert server_cpu_seconds(os.getpid()) > before
+    worker = threading.Thread(target=spin)
+    worker.start()
+    worker.join()
+    after_thread = server_cpu_seconds(os.getpid())
+    assert after_thread - before >= 0.001
+    spin()
+    assert server_cpu_seconds(os.getpid()) > after_thread
 
 
 def test_every_path_reports_its_speed_and_the_cpu_each_side_spent(tmp_path: Path) -> None:
@@ -42,6 +51,8 @@ def test_the_sweep_reports_each_depth_and_connection_count(tmp_path: Path) -> No
     out = tmp_path / "sweep.json"
     argv = ["--sweep", "--sizes", "64K", "--rounds", "1", "--batch", "2", "--json", str(out)]
     assert main(argv) == 0
-    rows = json.loads(out.read_text())["65536"]
-    assert {"depth 1 x1", "depth 4 x2", "depth 16 x4"} <= set(rows)
+    report = json.loads(out.read_text())["65536"]
+    rows, cpu = report["gbps"], report["cpu"]
+    assert {"depth 1 x1", "depth 4 x2", "depth 16 x4"} <= set(rows) == set(cpu)
     assert all(v > 0 for v in rows.values())
+    assert all(c["server_ms_per_gb"] > 0 for c in cpu.values())

@@ -22,8 +22,10 @@ def no_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _cgroup(root: Path, membership: str, files: dict[str, str]) -> None:
-    (root / "self-cgroup").write_text(membership)
+def _cgroup(root: Path, membership: str | bytes, files: dict[str, str]) -> None:
+    if isinstance(membership, str):
+        membership = membership.encode()
+    (root / "self-cgroup").write_bytes(membership)
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
@@ -51,6 +53,16 @@ def _cgroup(root: Path, membership: str, files: dict[str, str]) -> None:
             },
             3.0,
         ),
+        # cgroup v1 as RHEL 7's kernel lists it: the controllers in another order than the
+        # mount's name
+        (
+            "3:cpuacct,cpu:/docker/x\n",
+            {
+                "cpu,cpuacct/docker/x/cpu.cfs_quota_us": "200000\n",
+                "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n",
+            },
+            2.0,
+        ),
         # no limit anywhere
         ("0::/user.slice\n", {"user.slice/cpu.max": "max 100000\n"}, None),
         (
@@ -68,6 +80,13 @@ def test_the_cgroup_cpu_quota_is_read_from_the_process_cgroup_and_its_ancestors(
 ) -> None:
     _cgroup(no_cgroup_quota, membership, files)
     assert config_module.cpu_quota_cores() == cores
+
+
+def test_a_cgroup_name_the_locale_cannot_decode_is_still_read(no_cgroup_quota: Path) -> None:
+    _cgroup(no_cgroup_quota, b"0::/caf\xe9\n", {})
+    (no_cgroup_quota / "caf\udce9").mkdir()  # the name as Python sees it (surrogateescape)
+    (no_cgroup_quota / "caf\udce9" / "cpu.max").write_text("300000 100000\n")
+    assert config_module.cpu_quota_cores() == 3.0
 
 
 def test_a_container_cpu_limit_lowers_the_connections_default(
