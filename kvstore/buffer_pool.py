@@ -33,13 +33,18 @@ def size_class(nbytes: int) -> int:
 
 
 class BufferPool:
-    """Writable byte buffers; at most ``max_idle_bytes`` of returned blocks are kept for reuse,
-    the rest are freed."""
+    """Writable byte buffers. Returned blocks are kept for reuse up to as many bytes as were
+    ever in use at once -- a caller's batch: 16 values of 8 MiB are 128 MiB, and keeping only
+    half of them sent the other half to fresh pages on every read -- but at least
+    ``max_idle_bytes`` and at most ``max_idle_ceiling_bytes``; the rest are freed."""
 
-    def __init__(self, max_idle_bytes: int) -> None:
+    def __init__(self, max_idle_bytes: int, max_idle_ceiling_bytes: int | None = None) -> None:
         self.max_idle_bytes = max_idle_bytes
+        self.max_idle_ceiling_bytes = max(max_idle_bytes, max_idle_ceiling_bytes or 0)
         self._idle: defaultdict[int, list[np.ndarray]] = defaultdict(list)
         self._idle_bytes = 0
+        self._in_use_bytes = 0  # pooled blocks leased and not yet returned
+        self._peak_in_use_bytes = 0
         # re-entrant: a finalizer may return a block on a thread that is inside take()
         self._lock = threading.RLock()
         self._closed = False
@@ -57,6 +62,8 @@ class BufferPool:
                 block = free.pop()
                 self._idle_bytes -= capacity
                 self.reused += 1
+            self._in_use_bytes += capacity
+            self._peak_in_use_bytes = max(self._peak_in_use_bytes, self._in_use_bytes)
         if block is None:
             block = np.empty(capacity, dtype=np.uint8)
         lease = block[:nbytes]
@@ -66,9 +73,15 @@ class BufferPool:
 
     def _give_back(self, block: np.ndarray) -> None:
         with self._lock:
-            if not self._closed and self._idle_bytes + block.nbytes <= self.max_idle_bytes:
+            self._in_use_bytes -= block.nbytes
+            if not self._closed and self._idle_bytes + block.nbytes <= self.idle_limit:
                 self._idle[block.nbytes].append(block)
                 self._idle_bytes += block.nbytes
+
+    @property
+    def idle_limit(self) -> int:
+        """The most idle bytes kept now: the peak in use, between the floor and the ceiling."""
+        return min(self.max_idle_ceiling_bytes, max(self.max_idle_bytes, self._peak_in_use_bytes))
 
     @property
     def idle_bytes(self) -> int:

@@ -35,9 +35,11 @@ from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buf
 READ_DEPTH = 4
 READ_BYTES_IN_FLIGHT = 1 << 20
 
-# Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): two
-# batches of 16 blocks of Llama-3-8B geometry (2 MiB each).
+# Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): the
+# most in use at once, at least two batches of 16 blocks of Llama-3-8B geometry (2 MiB each),
+# at most one batch of 16 values of 16 MiB.
 RECYCLE_BYTES = 64 << 20
+RECYCLE_CEILING_BYTES = 256 << 20
 
 # One SET: the key, the value's parts (buffers, sent as they lie), its TTL in ms or None.
 SetCommand = tuple[bytes, Sequence[Any], int | None]
@@ -66,7 +68,7 @@ class Transport:
         # None: by the values' size (READ_DEPTH, more for small values); else exactly this
         self.read_depth = read_depth
         # where replies that are not received into the caller's buffers land (buffer_pool.py)
-        self.buffers = BufferPool(recycle_bytes)
+        self.buffers = BufferPool(recycle_bytes, max(recycle_bytes, RECYCLE_CEILING_BYTES))
         self._on_redirect = on_redirect
         # close() closes the clients' pools only when their maker said they are ours
         self.owns_clients = False

@@ -33,7 +33,7 @@ def test_a_block_is_reused_only_after_every_tensor_on_it_is_gone() -> None:
 
 
 def test_idle_blocks_are_capped_and_sizes_do_not_mix() -> None:
-    pool = BufferPool(max_idle_bytes=4 * MIB)  # room for two 2 MiB blocks
+    pool = BufferPool(max_idle_bytes=4 * MIB, max_idle_ceiling_bytes=4 * MIB)  # two 2 MiB blocks
     taken = [pool.take(2 * MIB - 100) for _ in range(3)]
     del taken
     gc.collect()
@@ -42,6 +42,20 @@ def test_idle_blocks_are_capped_and_sizes_do_not_mix() -> None:
     assert pool.reused == 0 and len(big) == 4 * MIB
     same_class = [pool.take(2 * MIB - 60_000), pool.take(2 * MIB)]  # both round up to 2 MiB
     assert pool.reused == 2 and [len(s) for s in same_class] == [2 * MIB - 60_000, 2 * MIB]
+
+
+def test_a_whole_batch_in_use_at_once_is_kept_for_the_next_up_to_the_ceiling() -> None:
+    pool = BufferPool(max_idle_bytes=4 * MIB, max_idle_ceiling_bytes=20 * MIB)
+    batch = [pool.take(2 * MIB) for _ in range(6)]  # 12 MiB in use: above the floor
+    del batch
+    gc.collect()
+    assert pool.idle_bytes == 12 * MIB  # all kept: the next batch the same size reuses them
+    again = [pool.take(2 * MIB) for _ in range(6)]
+    assert pool.reused == 6
+    bigger = [pool.take(2 * MIB) for _ in range(8)]  # 28 MiB in use: above the ceiling
+    del again, bigger
+    gc.collect()
+    assert pool.idle_bytes == 20 * MIB  # kept up to the ceiling, the rest freed
 
 
 @pytest.mark.parametrize("nbytes", [64 << 10, 65537, 100_000, 196 << 10, 2 * MIB + 1, 5 * MIB])
