@@ -58,6 +58,7 @@ class Transport:
         threads: int = 8,
         on_redirect: Callable[[], None] = lambda: None,
         recycle_bytes: int = RECYCLE_BYTES,
+        recycle_ceiling_bytes: int = RECYCLE_CEILING_BYTES,
     ) -> None:
         self.client = client
         self.control = control or client
@@ -68,7 +69,8 @@ class Transport:
         # None: by the values' size (READ_DEPTH, more for small values); else exactly this
         self.read_depth = read_depth
         # where replies that are not received into the caller's buffers land (buffer_pool.py)
-        self.buffers = BufferPool(recycle_bytes, max(recycle_bytes, RECYCLE_CEILING_BYTES))
+        # recycle_bytes=0: nothing is kept, whatever a batch had in use
+        self.buffers = BufferPool(recycle_bytes, recycle_ceiling_bytes if recycle_bytes else 0)
         self._on_redirect = on_redirect
         # close() closes the clients' pools only when their maker said they are ours
         self.owns_clients = False

@@ -58,6 +58,43 @@ def test_a_whole_batch_in_use_at_once_is_kept_for_the_next_up_to_the_ceiling() -
     assert pool.idle_bytes == 20 * MIB  # kept up to the ceiling, the rest freed
 
 
+def test_the_limit_follows_the_last_batch_not_the_ceiling() -> None:
+    pool = BufferPool(max_idle_bytes=4 * MIB, max_idle_ceiling_bytes=20 * MIB)
+    batch = [pool.take(2 * MIB - 100) for _ in range(3)]  # 6 MiB in use at once
+    del batch
+    gc.collect()
+    assert (pool.idle_bytes, pool.in_use_bytes) == (6 * MIB, 0)
+    single = pool.take(4 * MIB)  # the next batch: one 4 MiB value
+    del single
+    gc.collect()
+    # that batch's peak (4 MiB, the floor) is the limit now: the 2 MiB blocks, of a size no
+    # longer read, made room for the 4 MiB one
+    assert (pool.idle_bytes, pool.in_use_bytes) == (4 * MIB, 0)
+    again = pool.take(4 * MIB)
+    assert pool.reused == 1 and len(again) == 4 * MIB
+
+
+def test_blocks_of_a_new_size_displace_idle_blocks_of_an_old_one() -> None:
+    pool = BufferPool(max_idle_bytes=4 * MIB, max_idle_ceiling_bytes=32 * MIB)
+    burst = [pool.take(2 * MIB) for _ in range(32)]  # 64 MiB: idle fills to the ceiling
+    del burst
+    gc.collect()
+    assert pool.idle_bytes == 32 * MIB
+    for _ in range(3):  # then batches of 2 values of 8 MiB
+        batch = [pool.take(8 * MIB) for _ in range(2)]
+        del batch
+        gc.collect()
+    assert pool.reused == 4  # the second and third batches came from the pool
+    assert pool.idle_bytes == 16 * MIB  # the last batch's peak, all of it 8 MiB blocks
+
+
+def test_an_allocation_that_fails_counts_nothing() -> None:
+    pool = BufferPool(max_idle_bytes=4 * MIB, max_idle_ceiling_bytes=20 * MIB)
+    with pytest.raises(MemoryError):
+        pool.take(1 << 50)  # a petabyte: more than any machine lets numpy have
+    assert pool.in_use_bytes == 0 and pool.idle_limit == 4 * MIB
+
+
 @pytest.mark.parametrize("nbytes", [64 << 10, 65537, 100_000, 196 << 10, 2 * MIB + 1, 5 * MIB])
 def test_a_size_class_wastes_at_most_a_sixteenth(nbytes: int) -> None:
     capacity = size_class(nbytes)
@@ -104,3 +141,19 @@ def test_select_results_survive_later_reads_that_recycle_buffers(redis_url: str)
     consumed = store.drop_select(hashes[:4])
     for got, want in zip(consumed, blocks[:4], strict=True):
         assert got is not None and torch.equal(got["kv"], want["kv"])
+
+
+@pytest.mark.redis
+def test_a_lookup_buffer_recycles_a_whole_batch_above_the_floor(redis_url: str) -> None:
+    # 16 values of ~5 MiB: 84 MiB of receive buffers, above the 64 MiB kept before any batch
+    store = LookupBuffer.from_url(redis_url, namespace="recycle-batch")
+    hashes = chain_hashes(list(range(16 * 16)), 16)
+    blocks = [{"kv": torch.full((5 * MIB // 4,), i, dtype=torch.int32)} for i in range(16)]
+    store.insert_many(list(zip(hashes, blocks, strict=True)))
+    for _ in range(2):
+        got = store.select(hashes, copy=False)
+        assert all(g is not None for g in got)
+        del got
+        gc.collect()
+    assert store.stats().recycled_buffers == 16  # every value of the second read
+    store.close()
