@@ -35,9 +35,9 @@ from .wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buf
 READ_DEPTH = 4
 READ_BYTES_IN_FLIGHT = 1 << 20
 
-# Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): the
-# most in use at once, at least two batches of 16 blocks of Llama-3-8B geometry (2 MiB each),
-# at most one batch of 16 values of 16 MiB.
+# Idle bytes of recycled receive buffers kept for select / drop_select (buffer_pool.py): what
+# the last batch had in use at once, at least two batches of 16 blocks of Llama-3-8B geometry
+# (2 MiB each), at most one batch of 16 values of 16 MiB.
 RECYCLE_BYTES = 64 << 20
 RECYCLE_CEILING_BYTES = 256 << 20
 

@@ -128,8 +128,8 @@ class CpuSpent:
         self.calls: dict[str, int] = {}
 
     def sample(self) -> tuple[float, float]:
-        """(this process's CPU seconds, the server's), read around a timed call: the client's
-        last before and first after, so reading the server's is not charged to the client."""
+        """(this process's CPU seconds, the server's) before a timed call: the client's read
+        last here and first in :meth:`add`, so reading the server's is not charged to it."""
         server = server_cpu_seconds(self.server_pid) if self.server_pid else 0.0
         return time.process_time(), server
 
@@ -141,25 +141,26 @@ class CpuSpent:
         self.wall[name] = self.wall.get(name, 0.0) + wall
         self.calls[name] = self.calls.get(name, 0) + 1
 
+    def figures(self, name: str, call_bytes: int) -> dict[str, float]:
+        """Client and server CPU ms per GB moved by ``name``, and the server's busy share."""
+        gb = self.calls[name] * call_bytes / 1e9
+        return {
+            "client_ms_per_gb": self.client[name] / gb * 1e3,
+            "server_ms_per_gb": self.server[name] / gb * 1e3,
+            "server_busy": self.server[name] / self.wall[name],
+        }
+
     def row(self, name: str, call_bytes: int) -> str:
         """``client / server`` ms per GB moved, and the server's busy share of the wall time."""
-        gb = self.calls[name] * call_bytes / 1e9
-        return (
-            f"{self.client[name] / gb * 1e3:.0f} / {self.server[name] / gb * 1e3:.0f}"
-            f" ({self.server[name] / self.wall[name]:.0%})"
-        )
+        f = self.figures(name, call_bytes)
+        return f"{f['client_ms_per_gb']:.0f} / {f['server_ms_per_gb']:.0f} ({f['server_busy']:.0%})"
 
     def as_json(self, call_bytes: int) -> dict[str, dict[str, float]]:
-        """Per path: client and server CPU ms per GB, and the server's busy share."""
-        out = {}
-        for name, calls in self.calls.items():
-            gb = calls * call_bytes / 1e9
-            out[name] = {
-                "client_ms_per_gb": round(self.client[name] / gb * 1e3, 1),
-                "server_ms_per_gb": round(self.server[name] / gb * 1e3, 1),
-                "server_busy": round(self.server[name] / self.wall[name], 3),
-            }
-        return out
+        digits = {"client_ms_per_gb": 1, "server_ms_per_gb": 1, "server_busy": 3}
+        return {
+            name: {k: round(v, digits[k]) for k, v in self.figures(name, call_bytes).items()}
+            for name in self.calls
+        }
 
 
 def median_seconds(
