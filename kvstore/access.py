@@ -34,6 +34,8 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "ping": ("PING",),
     "insert": ("SET",),
     "select": ("GET",),
+    # a value's tensors a range at a time (tensor_reads.py: layer by layer loads)
+    "select_ranges": ("GETRANGE",),
     "lookup": ("EXISTS",),
     "delete": ("UNLINK",),
     "handoff_read": ("GET",),
@@ -104,6 +106,7 @@ def check_access(
         "ping": ctl.ping,
         "insert": lambda: c.set(probe, b"probe", px=_PROBE_TTL_MS),
         "select": lambda: c.get(probe),
+        "select_ranges": lambda: c.getrange(probe, 0, 0),
         "lookup": lambda: ctl.exists(probe),
         "handoff_read": lambda: ctl.get(probe),
         "handoff_claim": lambda: handoffs.check_script(probe, _PROBE_TTL_MS),
@@ -132,7 +135,8 @@ def check_access(
             ("UNLINK", lambda: ctl.unlink(probe)),
         ],
     }
-    order = ["ping", "insert", "select", "lookup", "handoff_read", "handoff_claim"]
+    order = ["ping", "insert", "select", "select_ranges", "lookup", "handoff_read"]
+    order += ["handoff_claim"]
     order += ["block_info", "renew", "generation", "reset", "drop_select", "sweep", "delete"]
     assert set(order) == set(ACCESS), "every operation has a probe"
     for op in (o for o in order if o in ops):

@@ -7,7 +7,11 @@ kvstore's own fields live in the header's ``__metadata__`` under ``kvstore.*``:
 
 ``format`` (version), ``fingerprint`` (layout), ``key`` (block hash), ``codec`` (``none`` or
 ``lz4``), ``raw_bytes`` (uncompressed payload size), ``payload_bytes`` (stored payload size),
-``checksum`` (``xxh3_64`` of the stored payload, verified on every read), ``created`` (UTC).
+``checksum`` (``xxh3_64`` of the stored payload, verified on every read), ``tensor_checksums``
+(uncompressed values: the ``xxh3_64`` of each tensor's bytes, 16 hex digits each in the order of
+their offsets, so a reader that takes some of a value's tensors by ``GETRANGE`` verifies what it
+read: ``tensor_reads.py``; values written before it have none and are read whole), ``created``
+(UTC).
 
 The framing is written here rather than with ``safetensors.torch.save`` because that copies each
 tensor twice and cannot embed a checksum of its own payload; the tests load our values with the
@@ -56,6 +60,7 @@ def lz4_block() -> Any:
 MAX_HEADER_BYTES = 1 << 20
 _META_PREFIX = "kvstore."
 _CHECKSUM_WIDTH = 16  # hex digits of xxh3_64, fixed so the header length is known before hashing
+_HEX = frozenset("0123456789abcdef")
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -102,6 +107,9 @@ class ValueHeader:
     header_bytes: int  # 8 + JSON length: where the payload starts
     tensors: tuple[TensorEntry, ...]
     metadata: dict[str, str] = field(default_factory=dict)  # the caller's own metadata
+    # each tensor's xxh3_64 (hex), aligned with ``tensors``; empty for a value written without
+    # them (older writers) or compressed: such a value can only be read whole
+    tensor_checksums: tuple[str, ...] = ()
 
 
 _clock: tuple[int, str] = (-1, "")  # (a UTC second, its ISO text): formatted once a second
@@ -129,6 +137,7 @@ def _value_header(
     checksum: str,
     created: str,
     metadata: dict[str, str],
+    tensor_checksums: str = "",
     pad_to: int | None = None,
 ) -> bytes:
     """A value's header: the same bytes as ``json.dumps`` (ensure_ascii, compact) of
@@ -140,11 +149,12 @@ def _value_header(
     is rendered each time."""
     head, mid = _header_head(fingerprint, codec)
     caller = "".join([f",{_json_str(k)}:{_json_str(v)}" for k, v in metadata.items()])
-    # the checksum (hex) and the time (ISO digits) are ours and need no escaping
+    per_tensor = f',"kvstore.tensor_checksums":"{tensor_checksums}"' if tensor_checksums else ""
+    # the checksums (hex) and the time (ISO digits) are ours and need no escaping
     raw = (
         f'{head}{_json_str(block_hash)}{mid}{raw_bytes}","kvstore.payload_bytes":"'
-        f'{payload_bytes}","kvstore.checksum":"{checksum}","kvstore.created":"{created}"'
-        f"{caller}}}{_entries_json(tuple(entries))}}}"
+        f'{payload_bytes}","kvstore.checksum":"{checksum}"{per_tensor},"kvstore.created":'
+        f'"{created}"{caller}}}{_entries_json(tuple(entries))}}}'
     ).encode("ascii")
     # safetensors pads the header with spaces so the payload starts 8-byte aligned
     size = pad_to if pad_to is not None else len(raw) + (-(8 + len(raw)) % 8)
@@ -233,7 +243,12 @@ class StagedValue:
 
 
 def _staged_header(
-    staged: StagedValue, codec: str, checksum: str, payload_bytes: int, pad_to: int | None = None
+    staged: StagedValue,
+    codec: str,
+    checksum: str,
+    payload_bytes: int,
+    tensor_checksums: str = "",
+    pad_to: int | None = None,
 ) -> bytes:
     return _value_header(
         staged.entries,
@@ -245,6 +260,7 @@ def _staged_header(
         checksum=checksum,
         created=staged.created,
         metadata=staged.metadata,
+        tensor_checksums=tensor_checksums,
         pad_to=pad_to,
     )
 
@@ -337,7 +353,10 @@ def stage_value(
         metadata=_check_metadata(metadata),
         created=_now_iso(),
     )
-    staged.header_bytes = len(_staged_header(staged, "none", "0" * _CHECKSUM_WIDTH, raw_bytes))
+    placeholder = "0" * _CHECKSUM_WIDTH
+    staged.header_bytes = len(
+        _staged_header(staged, "none", placeholder, raw_bytes, placeholder * len(entries))
+    )
     total = staged.nbytes
     if out is None:
         out = torch.empty(total, dtype=torch.uint8)
@@ -367,12 +386,59 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
     if compression == "none":
         checksum = xxhash.xxh3_64_hexdigest(payload)
         header = _staged_header(
-            staged, "none", checksum, staged.raw_bytes, pad_to=staged.header_bytes - 8
+            staged,
+            "none",
+            checksum,
+            staged.raw_bytes,
+            _tensor_digests(staged.entries, [payload]),
+            pad_to=staged.header_bytes - 8,
         )
         whole[: len(header)] = header
         return whole
     header, packed = _compressed(staged, compression, payload)
     return memoryview(header + packed)
+
+
+def _tensor_digests(entries: Sequence[TensorEntry], pieces: Sequence[Buffer]) -> str:
+    """The ``tensor_checksums`` field: each entry's ``xxh3_64`` (hex) over its bytes of the
+    payload that ``pieces`` hold back to back, in the entries' order. Pieces usually are the
+    tensors one for one; any other cut is walked."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    if len(views) == len(entries) and all(
+        len(v) == e.end - e.start for v, e in zip(views, entries, strict=True)
+    ):
+        return "".join([xxhash.xxh3_64_hexdigest(v) for v in views])
+    out: list[str] = []
+    piece, at = 0, 0  # the piece the next byte is in, and where in it
+    for e in entries:
+        digest, left = xxhash.xxh3_64(), e.end - e.start
+        while left:
+            take = min(left, len(views[piece]) - at)
+            digest.update(views[piece][at : at + take])
+            left -= take
+            at += take
+            if at == len(views[piece]):
+                piece, at = piece + 1, 0
+        out.append(digest.hexdigest())
+    return "".join(out)
+
+
+def tensor_checksums_ok(header: ValueHeader, first: int, end: int, payload: Buffer) -> bool:
+    """Whether ``payload`` -- the bytes of tensors ``[first, end)`` of a value with ``header``,
+    back to back -- hashes to the header's checksums of those tensors. False when the header
+    has none (a value only a whole read can verify) or ``payload`` is not exactly their size."""
+    if not header.tensor_checksums or not 0 <= first < end <= len(header.tensors):
+        return False
+    view = memoryview(payload).cast("B")
+    base = header.tensors[first].start
+    if len(view) != header.tensors[end - 1].end - base:
+        return False
+    for i in range(first, end):
+        e = header.tensors[i]
+        digest = xxhash.xxh3_64_hexdigest(view[e.start - base : e.end - base])
+        if digest != header.tensor_checksums[i]:
+            return False
+    return True
 
 
 def _compressed(staged: StagedValue, compression: str, payload: Buffer) -> tuple[bytes, bytes]:
@@ -443,6 +509,8 @@ def _framed(
             for p in pieces:
                 digest.update(p)
             checksum = digest.hexdigest()
+        # (each piece is hashed again right after: in the CPU cache, ~10% of the hashing)
+        per_tensor = _tensor_digests(entries, pieces)
         header = _value_header(
             entries,
             fingerprint=fingerprint,
@@ -453,6 +521,7 @@ def _framed(
             checksum=checksum,
             created=_now_iso(),
             metadata=meta,
+            tensor_checksums=per_tensor,
         )
         return [header, *pieces]
     staged = StagedValue(
@@ -543,16 +612,19 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
 
 
 # A header is JSON, and parsing and validating it cost 10 us (one tensor) to 50 us (sixteen) per
-# value: as much as receiving 64 KiB. But one model's values differ only in three fields (the
-# block hash, the checksum, the creation time), so the rest -- the layout -- is parsed and
+# value: as much as receiving 64 KiB. But one model's values differ only in a few fields (the
+# block hash, the checksums, the creation time), so the rest -- the layout -- is parsed and
 # validated once and kept: a later header of the same length, equal to it byte for byte outside
-# those three values, and with plain values (printable ASCII, no quote or backslash), parses
-# exactly as the cached one with those values put in. A header whose fields are not plain, or
-# appear more than once, or that holds a backslash anywhere (an escape can spell a field name
-# the byte comparison does not see), is parsed in full every time.
+# those values, and with plain values (printable ASCII, no quote or backslash), parses exactly
+# as the cached one with those values put in. A header whose fields are not plain, or appear
+# more than once, or that holds a backslash anywhere (an escape can spell a field name the byte
+# comparison does not see), is parsed in full every time. The per-tensor checksums are
+# optional (values written before them have none).
 _VARYING = (b'"kvstore.key":"', b'"kvstore.checksum":"', b'"kvstore.created":"')
+_OPTIONAL_VARYING = (b'"kvstore.tensor_checksums":"',)
 _PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 _PLAIN_CLASS = b"[" + re.escape(_PLAIN) + b"]"  # _PLAIN as a regular expression's class
+_HEX_BYTES = b"0123456789abcdef"
 MAX_CACHED_LAYOUTS = 256  # layouts kept (a few per model); past that the cache starts again
 MAX_LAYOUTS_PER_LENGTH = 8  # a lookup tries each layout of the header's length
 
@@ -574,8 +646,8 @@ class _Layout:
     header: ValueHeader  # the header this layout was first parsed from
     runs: tuple[_Run, ...]
     # the header byte for byte, but for a group of plain characters (_PLAIN_CLASS) of the same
-    # length for each varying value (``v<i>``, ``i`` its place in _VARYING): one match tests
-    # the header and extracts them
+    # length for each varying value (``v<i>``, ``i`` its place in _VARYING + _OPTIONAL_VARYING):
+    # one match tests the header and extracts them
     pattern: re.Pattern[bytes]
 
 
@@ -583,30 +655,43 @@ _layouts: dict[int, list[_Layout]] = {}  # by header length
 _layouts_lock = threading.Lock()  # for writers: readers only look up
 
 
-def _varying_spans(raw: bytes) -> tuple[tuple[int, int], ...] | None:
-    """Where the values of ``_VARYING``'s fields lie in ``raw``; None when one is missing,
-    repeated or not plain."""
+def _varying_spans(raw: bytes) -> tuple[tuple[int, int, int], ...] | None:
+    """Where the values of the varying fields lie in ``raw``, as (start, end, field number);
+    None when a required one is missing, or one is repeated or not plain."""
     spans = []
-    for marker in _VARYING:
+    for field_no, marker in enumerate(_VARYING + _OPTIONAL_VARYING):
         at = raw.find(marker)
-        if at < 0 or raw.find(marker, at + 1) >= 0:
+        if at < 0:
+            if field_no < len(_VARYING):
+                return None
+            continue
+        if raw.find(marker, at + 1) >= 0:
             return None
         start = at + len(marker)
         end = raw.find(b'"', start)
         if end < 0 or raw[start:end].translate(None, _PLAIN):
             return None
-        spans.append((start, end))
+        spans.append((start, end, field_no))
     return tuple(spans)
 
 
-def _cached_layout(raw: bytes) -> tuple[_Layout, tuple[str, ...]] | None:
-    """The cached layout ``raw`` is an instance of, and its varying values."""
+def _cached_layout(raw: bytes) -> tuple[_Layout, dict[str, bytes]] | None:
+    """The cached layout ``raw`` is an instance of, and its varying values by group name."""
     for layout in _layouts.get(len(raw), ()):
         match = layout.pattern.fullmatch(raw)
         if match is not None:
-            key, checksum, created = match.group("v0", "v1", "v2")  # _VARYING's order
-            return layout, (key.decode("ascii"), checksum.decode("ascii"), created.decode("ascii"))
+            return layout, match.groupdict()
     return None
+
+
+def _split_tensor_checksums(text: bytes | str, tensors: int) -> tuple[str, ...] | None:
+    """``tensor_checksums`` as one hex digest per tensor; None when it is not that."""
+    data = text.encode("ascii") if isinstance(text, str) else text
+    width = _CHECKSUM_WIDTH
+    if len(data) != width * tensors or data.translate(None, _HEX_BYTES):
+        return None
+    decoded = data.decode("ascii")
+    return tuple(decoded[i : i + width] for i in range(0, len(decoded), width))
 
 
 def _remember(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) -> None:
@@ -622,11 +707,14 @@ def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) ->
     spans = _varying_spans(raw)
     if spans is None:
         return
-    values = tuple(raw[a:b].decode("ascii") for a, b in spans)
-    if values != (header.block_hash, header.checksum, header.created):
+    values = {field_no: raw[a:b].decode("ascii") for a, b, field_no in spans}
+    expected = {0: header.block_hash, 1: header.checksum, 2: header.created}
+    if header.tensor_checksums:
+        expected[3] = "".join(header.tensor_checksums)
+    if values != expected:
         return
     pattern, at = b"", 0
-    for start, end, field_no in sorted((*span, i) for i, span in enumerate(spans)):
+    for start, end, field_no in sorted(spans):
         group = b"(?P<v%d>%s{%d})" % (field_no, _PLAIN_CLASS, end - start)
         pattern += re.escape(raw[at:start]) + group
         at = end
@@ -637,8 +725,10 @@ def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) ->
 
 
 def _read_header(
-    value: bytes | memoryview, max_value_bytes: int | None
+    value: bytes | memoryview, max_value_bytes: int | None, *, whole: bool = True
 ) -> tuple[ValueHeader, tuple[_Run, ...]]:
+    """Parse and check the header at the start of ``value``: the whole value (``whole``: its
+    payload must be the size the header says) or its first bytes."""
     if len(value) < 8:
         raise _corrupt("truncated", f"{len(value)} bytes is shorter than a header length")
     (n,) = struct.unpack_from("<Q", value, 0)
@@ -649,13 +739,21 @@ def _read_header(
     raw = bytes(value[8 : 8 + n])
     cached = _cached_layout(raw)
     if cached is not None:
-        layout, (key, checksum, created) = cached
-        # the first header with three fields changed, made without the frozen dataclass's
-        # __init__ (its eleven object.__setattr__ calls were a tenth of reading 64 KiB)
+        layout, varying = cached
+        # the first header with its varying fields changed, made without the frozen
+        # dataclass's __init__ (its eleven object.__setattr__ calls were a tenth of reading
+        # 64 KiB)
         header = object.__new__(ValueHeader)
         fields = header.__dict__
         fields.update(layout.header.__dict__)
-        fields["block_hash"], fields["checksum"], fields["created"] = key, checksum, created
+        fields["block_hash"] = varying["v0"].decode("ascii")
+        fields["checksum"] = varying["v1"].decode("ascii")
+        fields["created"] = varying["v2"].decode("ascii")
+        if varying.get("v3") is not None:
+            per_tensor = _split_tensor_checksums(varying["v3"], len(header.tensors))
+            if per_tensor is None:
+                raise _corrupt("not-kvstore", "malformed kvstore.tensor_checksums")
+            fields["tensor_checksums"] = per_tensor
         fields["metadata"] = dict(fields["metadata"])
         runs = layout.runs
         _check_size(header, max_value_bytes)
@@ -664,7 +762,7 @@ def _read_header(
         runs = _runs(header.tensors)
         # the cache keeps its own metadata dict: the caller may change the one returned
         _remember(raw, dataclasses.replace(header, metadata=dict(header.metadata)), runs)
-    if len(value) - header.header_bytes != header.payload_bytes:
+    if whole and len(value) - header.header_bytes != header.payload_bytes:
         raise _corrupt(
             "truncated",
             f"payload is {len(value) - header.header_bytes} bytes, header says "
@@ -734,6 +832,14 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt("not-kvstore", f"malformed header field ({exc!r})") from None
+    if "kvstore.tensor_checksums" in meta:
+        text = meta["kvstore.tensor_checksums"]
+        per_tensor = (
+            _split_tensor_checksums(text, len(header.tensors)) if isinstance(text, str) else None
+        )
+        if per_tensor is None or codec != "none":
+            raise _corrupt("not-kvstore", "malformed kvstore.tensor_checksums")
+        header = dataclasses.replace(header, tensor_checksums=per_tensor)
 
     if codec not in CODECS:
         raise _corrupt("format", f"unknown codec {codec!r}")

@@ -25,6 +25,9 @@ class StoreStats:
     redirects: int = 0
     # select / drop_select receive buffers served from recycled memory (buffer_pool.py)
     recycled_buffers: int = 0
+    # values whose later tensors could not be read after their head was (gone, replaced or
+    # corrupt in between; ``tensor_reads.py``): each was a hit, then this
+    range_failures: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +55,17 @@ class Counters:
             self._stats.corrupt += len(corrupt)
             by_reason = self._stats.corrupt_by_reason
             for reason in corrupt:
+                by_reason[reason] = by_reason.get(reason, 0) + 1
+
+    def add_range_reads(self, bytes_in: int, failures: list[str]) -> None:
+        """Later tensors of values whose head was read: bytes that arrived intact, and the
+        reason of each value whose range did not."""
+        with self._lock:
+            self._stats.bytes_in += bytes_in
+            self._stats.range_failures += len(failures)
+            self._stats.corrupt += len(failures)
+            by_reason = self._stats.corrupt_by_reason
+            for reason in failures:
                 by_reason[reason] = by_reason.get(reason, 0) + 1
 
     def snapshot(self) -> StoreStats:

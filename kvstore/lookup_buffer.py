@@ -47,7 +47,7 @@ import xxhash
 
 from .access import ACCESS, acl_rule, check_access, check_topology
 from .claims import Claimer
-from .codec import CODECS, FORMAT_VERSION, lz4_block
+from .codec import CODECS, FORMAT_VERSION, TensorEntry, ValueHeader, lz4_block
 from .connection import StoreAddress, make_client, parse_url
 from .counters import Counters, StoreStats
 from .errors import InvalidArgumentError
@@ -58,6 +58,7 @@ from .inventory import BlockInfo, Inventory
 from .keys import DEFAULT_KEY_PREFIX, KeySpace
 from .reads import READ_CONNECTIONS, Reader
 from .survey import Survey, survey
+from .tensor_reads import HeadMiss, TensorReader
 from .transport import READ_DEPTH, Transport
 from .ttl import ChainTtl
 from .writes import Writer
@@ -182,6 +183,14 @@ class LookupBuffer:
             fingerprint=self.fingerprint,
             max_value_bytes=self.max_value_bytes,
             connections=self._read_connections,
+        )
+        self._tensor_reader = TensorReader(
+            self._transport,
+            self.guard,
+            self._counters,
+            fingerprint=self.fingerprint,
+            max_value_bytes=self.max_value_bytes,
+            log_bad=self._reader.log_bad,
         )
         self._writer = Writer(
             self._transport,
@@ -510,15 +519,8 @@ class LookupBuffer:
         (a consumed value too large for its buffer is lost). ``connections`` spreads the batch
         over that many pooled connections, so socket reads overlap.
         """
-        if len(buffers) != len(hashes):
-            raise InvalidArgumentError(f"{len(hashes)} keys but {len(buffers)} buffers")
-        for b in buffers:
-            if b.dtype != torch.uint8 or b.device.type != "cpu" or not b.is_contiguous():
-                raise InvalidArgumentError("buffers must be contiguous CPU uint8 tensors")
-        if connections < 1:
-            raise InvalidArgumentError(f"connections must be >= 1, got {connections}")
+        views = self._views(hashes, buffers, connections)
         keys = self.keys.blocks(hashes)
-        views = [memoryview(b.numpy()).cast("B") for b in buffers]  # type: ignore[arg-type]
         return self._reader.read(
             hashes,
             keys,
@@ -527,6 +529,75 @@ class LookupBuffer:
             timeout_s=timeout_s,
             connections=connections,
         )
+
+    def select_head_into(
+        self,
+        hashes: Sequence[str],
+        buffers: Sequence[torch.Tensor],
+        *,
+        header_bytes: int,
+        entries: Sequence[TensorEntry],
+        tensors: int,
+        connections: int = 1,
+    ) -> list[ValueHeader | HeadMiss]:
+        """The first part of each block's value, by ``GETRANGE``, straight into ``buffers``
+        (CPU ``uint8`` tensors at least ``header_bytes`` + those tensors' bytes long): its
+        header, expected to be ``header_bytes`` long, then tensors ``[0, tensors)`` of
+        ``entries`` (the layout expected, offsets included), verified against the header's
+        per-tensor checksums. Per block: the header, to read later tensors with
+        :meth:`select_tensors_into`, or why not (``HeadMiss``: a counted miss, or ``WHOLE``:
+        a value to read whole with :meth:`select_into`). See ``tensor_reads.py``."""
+        views = self._views(hashes, buffers, connections)
+        return self._tensor_reader.read_head(
+            hashes,
+            self.keys.blocks(hashes),
+            views,
+            header_bytes=header_bytes,
+            entries=entries,
+            tensors=tensors,
+            connections=connections,
+        )
+
+    def select_tensors_into(
+        self,
+        hashes: Sequence[str],
+        headers: Sequence[ValueHeader],
+        buffers: Sequence[torch.Tensor],
+        first: int,
+        end: int,
+        *,
+        connections: int = 1,
+    ) -> list[bool]:
+        """Tensors ``[first, end)`` of each block, back to back at the start of its buffer,
+        by ``GETRANGE`` where ``headers`` (from :meth:`select_head_into`) place them, each
+        verified against its header's checksum. Per block: whether they arrived intact (a
+        value gone or replaced since its head was read does not)."""
+        if len(headers) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} keys but {len(headers)} headers")
+        views = self._views(hashes, buffers, connections)
+        return self._tensor_reader.read_tensors(
+            hashes,
+            self.keys.blocks(hashes),
+            headers,
+            views,
+            first,
+            end,
+            connections=connections,
+        )
+
+    @staticmethod
+    def _views(
+        hashes: Sequence[str], buffers: Sequence[torch.Tensor], connections: int
+    ) -> list[memoryview]:
+        """``buffers`` as the byte views replies are received into (checked)."""
+        if len(buffers) != len(hashes):
+            raise InvalidArgumentError(f"{len(hashes)} keys but {len(buffers)} buffers")
+        for b in buffers:
+            if b.dtype != torch.uint8 or b.device.type != "cpu" or not b.is_contiguous():
+                raise InvalidArgumentError("buffers must be contiguous CPU uint8 tensors")
+        if connections < 1:
+            raise InvalidArgumentError(f"connections must be >= 1, got {connections}")
+        return [memoryview(b.numpy()).cast("B") for b in buffers]  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ what is stored
     def longest_prefix(

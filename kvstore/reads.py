@@ -180,10 +180,11 @@ class Reader:
         nbytes = sum(c.nbytes for c in checked)
         self._counters.add_reads(hits, len(checked) - hits, nbytes, [e.reason for _, e in bad])
         if bad:
-            self._log_bad(bad)
+            self.log_bad(bad)
         return [c.tensors for c in checked]
 
-    def _log_bad(self, bad: list[tuple[str, CorruptValueError]]) -> None:
+    def log_bad(self, bad: list[tuple[str, CorruptValueError]]) -> None:
+        """Warn about each bad value once per key (bounded memory)."""
         for key, err in bad:
             with self._logged_lock:
                 first_time = key not in self._logged_bad

@@ -227,10 +227,20 @@ def test_a_header_is_the_json_of_its_document_with_the_metadata_first(
         "kvstore.raw_bytes": str(raw),
         "kvstore.payload_bytes": str(payload),
         "kvstore.checksum": xxhash.xxh3_64_hexdigest(value[8 + n :]),
+        **(
+            {  # each tensor's own, in payload order: what a read of some tensors verifies
+                "kvstore.tensor_checksums": "".join(
+                    xxhash.xxh3_64_hexdigest(t.numpy().tobytes()) for t in tensors.values()
+                )
+            }
+            if compression == "none"
+            else {}
+        ),
         "kvstore.created": meta["kvstore.created"],
         **metadata,
     }
-    assert list(meta)[:8] == [k for k in meta if k.startswith("kvstore.")]  # ours first
+    ours = [k for k in meta if k.startswith("kvstore.")]
+    assert list(meta)[: len(ours)] == ours  # ours first
     assert outcome(value) == uncached_outcome(value)
 
 
