@@ -7,10 +7,31 @@ has PyTorch (and CUDA) but no vLLM. The connector's worker is thin glue over it.
   scatters many blocks with one op per layer.
 - ``mover``: staging pools bounded by ``max_inflight_bytes``, saves staged off the forward path
   (CUDA: gathered and copied device-to-host on side streams) and loads received in place and
-  scattered in batches.
+  scattered in batches -- whole blocks, or band of layers by band of layers;
+- ``layered``: a load that lands band by band while a forward pass waits for each band before
+  its layers run.
 """
 
-from .mover import BlockMover, LoadChunk, SaveChunk, SaveItem, StagingBusyError
+from .layered import LayeredLoad
+from .mover import (
+    BandPiece,
+    BlockMover,
+    LoadChunk,
+    SaveChunk,
+    SaveItem,
+    StagingBusyError,
+    layer_bands,
+)
 from .paged import PagedKV
 
-__all__ = ["BlockMover", "LoadChunk", "PagedKV", "SaveChunk", "SaveItem", "StagingBusyError"]
+__all__ = [
+    "BandPiece",
+    "BlockMover",
+    "LayeredLoad",
+    "LoadChunk",
+    "PagedKV",
+    "SaveChunk",
+    "SaveItem",
+    "StagingBusyError",
+    "layer_bands",
+]

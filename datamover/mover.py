@@ -57,9 +57,10 @@ from typing import Any
 
 import torch
 
-from kvstore import LookupBuffer
+from kvstore import LookupBuffer, ValueHeader
 from kvstore.codec import frame_parts, plan_entries
 from kvstore.staging import StagingPool
+from kvstore.tensor_reads import HeadMiss
 
 from .paged import PagedKV
 
@@ -113,6 +114,46 @@ class LoadChunk:
         return self.mover._copy_in(self, after)
 
 
+@dataclass
+class BandPiece:
+    """Some blocks' layers ``layers`` (a band) received into ``rows`` of a staging buffer, from
+    ``offset`` in each row; ``ok[i]``: block ``block_ids[i]``'s arrived intact. Band 0's rows
+    begin with the value's header. ``whole``: band 0 only, values that could not be read by
+    ranges (written by an older version, compressed), received whole; their every layer is
+    written with this piece (``misfits``: how many of them do not fit this cache)."""
+
+    mover: BlockMover
+    band: int
+    layers: tuple[int, int]
+    block_ids: list[int]
+    ok: list[bool]
+    rows: torch.Tensor
+    offset: int
+    buffer: torch.Tensor
+    last_of_band: bool
+    whole: list[LoadChunk] = field(default_factory=list)
+
+    def copy_in(self, after: Any = None) -> tuple[list[int], int]:
+        """Write the piece's intact blocks' layers -- or, for a piece of whole values, every
+        layer of them -- into the cache; returns (block ids written, bytes). Synchronous: done
+        when it returns."""
+        keep = [i for i, good in enumerate(self.ok) if good]
+        written = [self.block_ids[i] for i in keep]
+        nbytes = len(keep) * (self.layers[1] - self.layers[0]) * self.mover.layer_raw_bytes
+        if keep:
+            ids = torch.tensor(written, dtype=torch.long, pin_memory=self.mover.kv.on_cuda)
+            self.mover._scatter_rows(self.rows, keep, self.offset, ids, after, self.layers)
+        for chunk in self.whole:
+            ids_written, chunk_bytes = chunk.copy_in(after)
+            written += ids_written
+            nbytes += chunk_bytes
+        return written, nbytes
+
+    @property
+    def misfits(self) -> int:
+        return sum(chunk.misfits for chunk in self.whole)
+
+
 class BlockMover:
     def __init__(
         self,
@@ -149,6 +190,7 @@ class BlockMover:
         self.value_shape = (self.value_rows[0], *inner)
         self._cache_rows_shape = (rows, *inner)
         self.entries, self.raw_bytes = plan_entries(self.kv.names, self.kv.dtype, self.value_shape)
+        self.layer_raw_bytes = self.raw_bytes // len(self.kv.names)  # one layer of one value
         probe = frame_parts(
             self.entries,
             [bytes(self.raw_bytes)],
@@ -156,6 +198,9 @@ class BlockMover:
             block_hash="0" * 32,
         )
         header_bytes = memoryview(probe[0]).nbytes
+        # a value this mover writes has a header of exactly this length: where a layer-by-layer
+        # load expects each layer (``receive_bands``)
+        self.header_bytes = header_bytes
         # a row holds one received value; 8-aligned so every row's payload can be viewed as
         # the cache's dtype (safetensors aligns the payload to 8 within the value)
         # room for lz4's worst case too: another instance may compress, and KV data often
@@ -358,6 +403,156 @@ class BlockMover:
             return None
         return fetched, spare
 
+    # ------------------------------------------------------------------ layer-by-layer loads
+    def layer_bands(self, min_band_bytes: int) -> list[tuple[int, int]]:
+        """The value's layers cut into bands (``layer_bands``)."""
+        return layer_bands(len(self.kv.names), self.layer_raw_bytes, min_band_bytes)
+
+    def value_header_bytes(self, block_hash: str) -> int:
+        """How long the header of a value this mover writes under ``block_hash`` is."""
+        if len(block_hash) == 32:
+            return self.header_bytes
+        probe = frame_parts(
+            self.entries,
+            [bytes(self.raw_bytes)],
+            fingerprint=self.store.fingerprint,
+            block_hash=block_hash,
+        )
+        return memoryview(probe[0]).nbytes
+
+    def receive_bands(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[str],
+        bands: Sequence[tuple[int, int]],
+        *,
+        timeout_s: float | None = None,
+    ) -> Generator[BandPiece, None, None]:
+        """Fetch blocks band by band -- every block's first band before any block's second --
+        a staging buffer's worth of blocks at a time: the order a forward pass that waits for
+        each band of layers before running them needs. Band 0 reads each value's header too
+        (``select_head_into``); a value that cannot be read by ranges is read whole then. A
+        block that failed a band is not read again. Each piece's buffer is released when the
+        caller asks for the next one (or closes the generator). Raises
+        :class:`StagingBusyError` when no buffer comes free within ``timeout_s``, and the
+        store's typed errors."""
+        if len(block_ids) != len(hashes):
+            raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        if not bands or bands[0][0] != 0 or bands[-1][1] != len(self.kv.names):
+            raise ValueError(f"bands {list(bands)} do not cover the {len(self.kv.names)} layers")
+        # per block: the header later bands are read by (None: failed, or read whole)
+        headers: list[ValueHeader | None] = [None] * len(hashes)
+        buffer_bytes = self._load_pool.buffer_bytes
+        for band, (first, end) in enumerate(bands):
+            span = (end - first) * self.layer_raw_bytes
+            if band == 0:
+                todo = list(range(len(hashes)))
+                heads = [self.value_header_bytes(h) for h in hashes]
+                row_bytes = _aligned(max(heads) + span)
+            else:
+                todo = [i for i, h in enumerate(headers) if h is not None]
+                row_bytes = _aligned(span)
+            per_buffer = max(1, buffer_bytes // row_bytes)
+            starts = range(0, len(todo), per_buffer)
+            if not todo:  # every block failed an earlier band: the band lands, empty
+                yield BandPiece(self, band, (first, end), [], [], _EMPTY, 0, _EMPTY, True)
+                continue
+            for n, start in enumerate(starts):
+                part = todo[start : start + per_buffer]
+                buf = self._load_pool.acquire(timeout_s)
+                if buf is None:
+                    raise StagingBusyError(
+                        f"no load staging buffer came free in {timeout_s:.2f}s; raise "
+                        "max_inflight_bytes if loads often wait"
+                    )
+                try:
+                    rows = buf[: len(part) * row_bytes].view(len(part), row_bytes)
+                    keys = [hashes[i] for i in part]
+                    whole: list[int] = []
+                    if band == 0:
+                        ok, offset = self._read_heads(part, keys, heads, rows, end, headers, whole)
+                    else:
+                        offset = 0
+                        ok = self.store.select_tensors_into(
+                            keys,
+                            [headers[i] for i in part],  # type: ignore[misc]
+                            list(rows),
+                            first,
+                            end,
+                            connections=self.connections,
+                        )
+                        for i, good in zip(part, ok, strict=True):
+                            if not good:
+                                headers[i] = None
+                    piece = BandPiece(
+                        self,
+                        band,
+                        (first, end),
+                        [block_ids[i] for i in part],
+                        ok,
+                        rows,
+                        offset,
+                        buf,
+                        last_of_band=n == len(starts) - 1 and not whole,
+                    )
+                except BaseException:
+                    self._load_pool.release(buf)
+                    raise
+                try:
+                    yield piece
+                finally:
+                    self._load_pool.release(buf)
+                if whole:  # read whole, after this piece's buffer went back
+                    chunks = self.receive(
+                        [block_ids[i] for i in whole], [hashes[i] for i in whole],
+                        timeout_s=timeout_s,
+                    )  # fmt: skip
+                    try:
+                        last = -(-len(whole) // self.chunk_blocks) - 1
+                        for c, chunk in enumerate(chunks):  # its buffer is held until the next
+                            yield BandPiece(
+                                self, band, (first, end), [], [], chunk.rows[:0], 0,
+                                chunk.buffer, n == len(starts) - 1 and c == last, [chunk],
+                            )  # fmt: skip
+                    finally:
+                        chunks.close()
+
+    def _read_heads(
+        self,
+        part: list[int],
+        keys: list[str],
+        heads: list[int],
+        rows: torch.Tensor,
+        end: int,
+        headers: list[ValueHeader | None],
+        whole: list[int],
+    ) -> tuple[list[bool], int]:
+        """Band 0 of blocks ``part``: each header and its first layers. Fills ``headers`` for
+        the blocks whose later bands can be read by ranges, ``whole`` with those to read whole;
+        returns which blocks' first band arrived and where it lies in their rows."""
+        header_bytes = heads[part[0]]
+        same = [i for i, p in enumerate(part) if heads[p] == header_bytes]
+        got: list[ValueHeader | HeadMiss] = [HeadMiss.WHOLE] * len(part)
+        if same:
+            read = self.store.select_head_into(
+                [keys[i] for i in same],
+                [rows[i] for i in same],
+                header_bytes=header_bytes,
+                entries=self.entries,
+                tensors=end,
+                connections=self.connections,
+            )
+            for i, r in zip(same, read, strict=True):
+                got[i] = r
+        ok = []
+        for p, r in zip(part, got, strict=True):
+            if isinstance(r, ValueHeader):
+                headers[p] = r
+            elif r is HeadMiss.WHOLE:
+                whole.append(p)
+            ok.append(isinstance(r, ValueHeader))
+        return ok, header_bytes
+
     def _fetch(self, ids: list[int], keys: Sequence[str], buf: torch.Tensor) -> LoadChunk:
         """Receive one chunk into ``buf``; on an error ``buf`` is released and the error
         raised."""
@@ -432,15 +627,24 @@ class BlockMover:
         return [chunk.block_ids[i] for i in rows], len(rows) * self.raw_bytes
 
     def _scatter_rows(
-        self, rows: torch.Tensor, keep: list[int], offset: int, ids: torch.Tensor, after: Any
+        self,
+        rows: torch.Tensor,
+        keep: list[int],
+        offset: int,
+        ids: torch.Tensor,
+        after: Any,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        """Scatter rows ``keep`` of a staging buffer whose payloads all start at ``offset``."""
+        """Scatter rows ``keep`` of a staging buffer whose payloads all start at ``offset``:
+        every layer, or the ``layers`` range the rows hold (a band of a layer-by-layer load)."""
+        first, end = layers or (0, len(self.kv.names))
         n = rows.shape[0]
-        shape = (n, len(self.kv.names), *self.value_shape)
+        shape = (n, end - first, *self.value_shape)
+        nbytes = (end - first) * self.layer_raw_bytes
         if not self.kv.on_cuda:
-            src = rows[:, offset : offset + self.raw_bytes].view(self.kv.dtype).view(shape)
+            src = rows[:, offset : offset + nbytes].view(self.kv.dtype).view(shape)
             src = self._cached_rows(src if len(keep) == n else src[torch.tensor(keep)])
-            self.kv.scatter(ids, src)
+            self.kv.scatter(ids, src, first)
             return
         scratch = self._load_scratch.acquire()
         assert scratch is not None  # acquire() without a timeout waits
@@ -450,14 +654,14 @@ class BlockMover:
                 with torch.cuda.stream(stream):
                     flat = scratch[: rows.numel()]
                     flat.copy_(rows.reshape(-1), non_blocking=True)  # one copy per chunk
-                    on_device = flat.view(n, self.slot_bytes)[:, offset : offset + self.raw_bytes]
+                    on_device = flat.view(n, rows.shape[1])[:, offset : offset + nbytes]
                     src = on_device.view(self.kv.dtype).view(shape)
                     if len(keep) != n:
                         src = src[torch.tensor(keep, device=self.kv.device)]
                     if after is not None:  # the blocks' pending writes first (compute_fence)
                         stream.wait_event(after)
                     rows_of_cache = self._cached_rows(src)
-                    self.kv.scatter(ids.to(self.kv.device, non_blocking=True), rows_of_cache)
+                    self.kv.scatter(ids.to(self.kv.device, non_blocking=True), rows_of_cache, first)
             finally:
                 # one synchronisation per chunk; after an error too, before the scratch (and
                 # the host rows the copy reads) can be handed out again
@@ -497,6 +701,24 @@ class BlockMover:
         if stream is None:
             stream = self._load_streams.stream = torch.cuda.Stream(device=self.kv.device)
         return stream
+
+
+_EMPTY = torch.empty(0, 0, dtype=torch.uint8)
+
+
+def layer_bands(layers: int, layer_bytes: int, min_band_bytes: int) -> list[tuple[int, int]]:
+    """``layers`` layers of ``layer_bytes`` each per value, cut into bands: consecutive layer
+    ranges, each read as one range per block -- single layers where a layer's bytes reach
+    ``min_band_bytes`` (a shorter range costs a command for too few bytes:
+    ``scripts/bench_layer_reads.py``), else as few layers together as reach it."""
+    per = max(1, -(-min_band_bytes // max(1, layer_bytes)))
+    return [(first, min(layers, first + per)) for first in range(0, layers, per)]
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to 8: every row of a staging buffer can be viewed as the cache's
+    dtype."""
+    return -(-nbytes // 8) * 8
 
 
 def _wait(stream: Any) -> None:

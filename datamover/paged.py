@@ -69,22 +69,27 @@ class PagedKV:
         for layer, cache in enumerate(self._moved):
             torch.index_select(cache, 0, block_ids, out=out[layer])
 
-    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor, first_layer: int = 0) -> None:
         """Write ``src`` (``[n, layers, *block_shape]``, any strides, on the cache's device)
-        into blocks ``block_ids``: one ``index_copy_`` per layer, on the current stream. On the
-        CPU, where ``index_copy_`` runs at a sixth of ``copy_``'s speed (measured: 0.5 against
-        3-4.6 GB/s), runs of consecutive block ids are copied as slices instead
-        (``_host_copy``)."""
+        into blocks ``block_ids`` of layers ``first_layer`` on (all of them by default; a
+        layer-by-layer load writes a band of layers at a time): one ``index_copy_`` per layer,
+        on the current stream. On the CPU, where ``index_copy_`` runs at a sixth of ``copy_``'s
+        speed (measured: 0.5 against 3-4.6 GB/s), runs of consecutive block ids are copied as
+        slices instead (``_host_copy``)."""
+        layers = range(first_layer, first_layer + int(src.shape[1]))
+        if not 0 <= first_layer <= layers.stop <= len(self.names):
+            raise IndexError(f"layers {layers} are not among the cache's {len(self.names)}")
         if self.on_cuda:
             src = src.view(self._moved_as)
-            for layer, cache in enumerate(self._moved):
-                cache.index_copy_(0, block_ids, src[:, layer])
+            for i, layer in enumerate(layers):
+                self._moved[layer].index_copy_(0, block_ids, src[:, i])
             return
         rows = _bits(src)
         runs = self._host_runs(block_ids)
-        for layer, cache in enumerate(self._host):
+        for i, layer in enumerate(layers):
+            cache = self._host[layer]
             for first, at, n in runs:
-                _host_copy(cache[first : first + n], rows[at : at + n, layer])
+                _host_copy(cache[first : first + n], rows[at : at + n, i])
 
     def _host_runs(self, block_ids: torch.Tensor) -> list[tuple[int, int, int]]:
         """``block_ids`` as runs of consecutive ids, every id checked against the cache: a

@@ -1,0 +1,147 @@
+"""``datamover.LayeredLoad``: a load that lands band of layers by band while a forward pass
+waits for each band (torch and kvstore only, no vLLM). The ``cuda`` variants run the same
+checks on a GPU (``scripts/gpu_suite.sh``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from datamover import BlockMover, LayeredLoad
+from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+
+from .test_datamover import DEVICES, caches, own_fake_client, save_all, store_on
+from .test_tensor_reads import _without_tensor_checksums
+
+LAYERS = 4
+BANDS = [(0, 1), (1, 2), (2, 4)]
+
+
+def saved(device: str, blocks: int = 10) -> tuple[Any, Any, BlockMover, list[str], LookupBuffer]:
+    src = caches(device, layers=LAYERS, blocks=32)
+    dst = caches(device, layers=LAYERS, blocks=32, seed=None)
+    store = store_on(own_fake_client())
+    hashes = chain_hashes(list(range(blocks * 16)), 16)
+    save_all(BlockMover(src, store, max_inflight_bytes=64 << 20), list(range(blocks)), hashes)
+    # small staging: a band spans several pieces
+    return src, dst, BlockMover(dst, store, max_inflight_bytes=2 << 20), hashes, store
+
+
+def same(src: Any, dst: Any, layer: int, src_ids: list[int], dst_ids: list[int]) -> bool:
+    name = f"model.layers.{layer}.self_attn"
+    return bool(torch.equal(src[name][src_ids].cpu(), dst[name][dst_ids].cpu()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_band_lands_before_its_wait_returns(device: str) -> None:
+    src, dst, mover, hashes, _ = saved(device)
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    for layer in range(LAYERS):
+        assert load.wait(layer)
+        assert same(src, dst, layer, list(range(10)), dst_ids)  # there when the layer runs
+    runner.join()
+    assert load.finish() == []
+    assert load.landed_s is not None and load.error is None
+    assert load.nbytes == 10 * mover.raw_bytes
+
+
+def test_a_band_late_past_the_deadline_ends_the_load_and_is_never_written() -> None:
+    _, dst, mover, hashes, store = saved("cpu")
+    opened, entered = threading.Event(), threading.Event()
+    real = store.select_tensors_into
+
+    def held(*a: Any, **k: Any) -> Any:
+        entered.set()
+        opened.wait(30)
+        return real(*a, **k)
+
+    store.select_tensors_into = held  # type: ignore[method-assign]
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 0.3)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    assert load.wait(0)
+    assert not load.wait(1)  # the deadline passed: the load ended
+    assert load.ended
+    assert load.wait(3) is False  # later layers do not wait again
+    opened.set()
+    runner.join(10)
+    assert not runner.is_alive()
+    assert sorted(load.finish()) == dst_ids
+    name = "model.layers.1.self_attn"
+    assert not dst[name][dst_ids].any()  # band 1 arrived after the end: never written
+    assert entered.is_set()
+
+
+def test_layers_that_never_waited_fail_every_block() -> None:
+    """A forward pass that ran a layer without waiting for it (an engine that starts loads
+    after the pass) cannot have read the loaded bytes: nothing counts as loaded."""
+    _, _, mover, hashes, _ = saved("cpu")
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+    load.run()
+    for layer in range(LAYERS - 1):
+        assert load.wait(layer)
+    assert sorted(load.finish()) == dst_ids  # layer 3 was never waited for
+
+
+def test_a_missing_block_fails_alone_and_old_values_are_read_whole() -> None:
+    src, dst, mover, hashes, store = saved("cpu")
+    store.client.delete(store.redis_key(hashes[4]))
+    # block 6 as an older version wrote it: no per-tensor checksums, read whole
+    key = store.redis_key(hashes[6])
+    store.client.set(key, _without_tensor_checksums(store.client.get(key)))
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+    load.run()
+    for layer in range(LAYERS):
+        load.wait(layer)
+    assert load.finish() == [24]
+    for layer in range(LAYERS):
+        kept = [i for i in range(10) if i != 4]
+        assert same(src, dst, layer, kept, [20 + i for i in kept])
+
+
+def test_a_store_that_fails_ends_the_load_with_its_error() -> None:
+    _, _, mover, hashes, store = saved("cpu")
+    store.client.connection_pool.get_connection = _refused  # type: ignore[method-assign]
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+    load.run()
+    assert isinstance(load.error, StoreUnavailableError)
+    assert not load.wait(0)
+    assert sorted(load.finish()) == dst_ids
+
+
+def _refused(*a: Any, **k: Any) -> Any:
+    import redis
+
+    raise redis.ConnectionError("refused")
+
+
+def test_a_cancelled_load_writes_nothing_more() -> None:
+    _, dst, mover, hashes, store = saved("cpu")
+    opened = threading.Event()
+    real = store.select_head_into
+
+    def held(*a: Any, **k: Any) -> Any:
+        opened.wait(30)
+        return real(*a, **k)
+
+    store.select_head_into = held  # type: ignore[method-assign]
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    load.cancel()  # the KV cache goes to sleep
+    opened.set()
+    runner.join(10)
+    assert not any(t[dst_ids].any() for t in dst.values())
+    assert sorted(load.finish()) == dst_ids
