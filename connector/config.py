@@ -13,6 +13,11 @@ from kvstore import InvalidArgumentError, parse_url
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
 TRANSFER_PARAMS_KEY = "redis_kv"
+# kv_transfer_params key with which a request pins how its hit is served ("async", "split",
+# "recompute", "auto"), honoured only where request_load_policy is on
+LOAD_POLICY_KEY = "redis_kv_load"
+# how a hit is served (load_policy.py): chosen per request, or one way pinned
+LOAD_POLICIES = ("auto", "async", "split", "recompute")
 
 
 # settings that count things: 0 of them cannot work
@@ -152,6 +157,15 @@ class RedisConnectorConfig:
     breaker_failures: int = 3
     breaker_probe_s: float = 0.5
     check_access: bool = True
+    # how a prompt's blocks found in Redis are served: "auto" chooses per request from what
+    # the instance measures (load_policy.py); "async", "split" or "recompute" pins one way
+    load_policy: str = "auto"
+    # let each request pin its way in kv_transfer_params["redis_kv_load"] (benchmarks, routers
+    # you trust): off, a client cannot choose what its request costs the others
+    request_load_policy: bool = False
+    # a split reads each block in bands of layers of at least this many bytes per value (one
+    # GETRANGE each): smaller bands overlap more, each costs a command (bench_layer_reads.py)
+    split_band_bytes: int = 32 << 10
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -186,6 +200,8 @@ class RedisConnectorConfig:
             ops += ["insert"]  # the "pending" handoff record
         if side == "scheduler" and self.loads:
             ops += ["lookup", "handoff_read"]
+            if self.load_policy == "split":  # (auto checks it once, and splits only if allowed)
+                ops += ["select_ranges"]
             if self.consume:
                 ops += ["handoff_claim", "delete"]
         if side == "worker":
@@ -193,6 +209,8 @@ class RedisConnectorConfig:
                 ops += ["insert"]  # blocks and handoff commit records
             if self.loads:  # a consumer claims the handoff it reads (the scheduler deletes)
                 ops += ["select"] + (["handoff_claim"] if self.consume else [])
+                if self.load_policy == "split":
+                    ops += ["select_ranges"]
         return ops
 
     @classmethod
@@ -223,6 +241,10 @@ class RedisConnectorConfig:
         extra.setdefault("mode", "share" if role == "kv_both" else "consume")
         if extra["mode"] not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {extra['mode']!r}")
+        if extra.get("load_policy", "auto") not in LOAD_POLICIES:
+            raise InvalidArgumentError(
+                f"load_policy must be one of {LOAD_POLICIES}, got {extra['load_policy']!r}"
+            )
         if "connections" in extra and extra["connections"] in (None, "auto"):
             del extra["connections"]  # the default: from this host's cores
         for key, f in cls.__dataclass_fields__.items():

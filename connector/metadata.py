@@ -13,7 +13,12 @@ class LoadSpec:
     layout's groups, in order; a null block id is skipped) within ``timeout_s`` (the rest of
     the request's deadline, counted from when the worker receives it). Consume mode: first
     claim handoff ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is
-    loaded. (The scheduler side deletes the chain once every rank has finished.)"""
+    loaded. (The scheduler side deletes the chain once every rank has finished.)
+
+    ``layered``: a split load (``load_policy.py``), synchronous: it lands during this step's
+    forward pass, band of layers by band of layers, each before the layers that read it run
+    (``wait_for_layer_load``); it ends with the step, whatever has not landed failed. Never
+    reported finished: vLLM did not hold the request for it."""
 
     req_id: str
     block_ids: list[list[int]]
@@ -21,6 +26,7 @@ class LoadSpec:
     timeout_s: float
     claim: str | None = None
     owner: str = ""
+    layered: bool = False
 
 
 @dataclass
@@ -58,3 +64,7 @@ class RedisConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     commits: list[CommitSpec] = field(default_factory=list)
+    # what this step's forward pass computes, for the load policy's figures (figures.py): the
+    # tokens, and their context work (tokens x the context each attends to)
+    step_tokens: int = 0
+    step_attention: float = 0.0

@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from datamover import layer_bands
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
 
 from .config import RedisConnectorConfig
@@ -154,6 +155,48 @@ def load_refusal(device_type: str, use_mla: bool) -> str | None:
     return None
 
 
+def load_shape(
+    kv_cache_config: KVCacheConfig, layout: KVLayout, band_bytes: int
+) -> tuple[int, int]:
+    """(bytes of one block, every layer, on one rank; the bands of layers a split reads it in)
+    from vLLM's page sizes: the load policy's first idea of both, until the workers report what
+    they read (values carry headers; a rank may read more heads than it keeps)."""
+    pages = [
+        int(getattr(kv_cache_config.kv_cache_groups[g.index].kv_cache_spec, "page_size_bytes", 0))
+        for g in layout.groups
+    ]
+    block = sum(p * len(g.layer_names) for p, g in zip(pages, layout.groups, strict=True))
+    first = layout.groups[0]
+    return block, len(layer_bands(len(first.layer_names), pages[0], band_bytes))
+
+
+def split_refusal(vllm_config: VllmConfig, layout: KVLayout) -> str | None:
+    """Why this engine cannot take a split load (a synchronous, layer-by-layer load: a load
+    that fails comes back as failed block ids of a step vLLM must undo), or None."""
+    if layout.fails_per_request or len(layout.groups) != 1:
+        return (
+            "a model with several KV-cache groups: vLLM takes a synchronous load's failures "
+            "only as block ids, which it refuses for such models"
+        )
+    try:
+        v2 = bool(getattr(vllm_config, "use_v2_model_runner", False))
+    except Exception:  # the property may refuse a configuration; that is vLLM's to report
+        v2 = True
+    if v2:
+        return (
+            "vLLM's V2 model runner gives wrong output after a failed synchronous load "
+            "(vLLM issue #49250); VLLM_USE_V2_MODEL_RUNNER=0 allows splits"
+        )
+    if getattr(vllm_config.scheduler_config, "async_scheduling", False):
+        return (
+            "asynchronous scheduling does not undo a failed synchronous load's step (vLLM "
+            "issue #49250); --no-async-scheduling allows splits"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        return "pipeline parallelism runs steps concurrently: a split must end with its step"
+    return None
+
+
 class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -262,8 +305,14 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                     namespace=self.rc.namespace,
                     generation=lambda: store.generation,
                 )
+            refusal = self._split_refusal(vllm_config, store)
             self.connector_scheduler = RedisConnectorScheduler(
-                self.rc, self.layout, store, events=emitter
+                self.rc,
+                self.layout,
+                store,
+                events=emitter,
+                split_refusal=refusal,
+                load_shape=load_shape(kv_cache_config, self.layout, self.rc.split_band_bytes),
             )
             write_layout_file(os.environ.get(LAYOUT_FILE_ENV), self.rc, self.layout)
         else:
@@ -278,6 +327,28 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             store.safe_url,
             store.key_pattern(),
         )
+
+    def _split_refusal(self, vllm_config: VllmConfig, store: LookupBuffer) -> str | None:
+        """Whether this engine may take split loads (scheduler side), said once; a pinned
+        ``load_policy: split`` that cannot be served fails now."""
+        if not self.rc.loads or self.rc.load_policy in ("async", "recompute"):
+            return "not chosen" if self.rc.loads else None
+        refusal = split_refusal(vllm_config, self.layout)
+        if refusal is None and self.rc.check_access and self.rc.load_policy == "auto":
+            try:  # (a pinned split checked it with the role's other commands)
+                store.check_access(["select_ranges"])
+            except StorePermissionError as exc:
+                refusal = f"{exc} (a split reads a value's layers with GETRANGE)"
+            except KVStoreError:
+                pass  # Redis is not answering yet: splits fail and recompute if it refuses
+        if refusal is not None and self.rc.load_policy == "split":
+            raise ValueError(f"RedisConnector: load_policy split cannot be served here: {refusal}")
+        logger.info(
+            "RedisConnector: load policy %s%s",
+            self.rc.load_policy,
+            f"; no split loads: {refusal}" if refusal else " (split loads allowed)",
+        )
+        return refusal
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -311,11 +382,21 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         """vLLM 0.33+ sleep mode: called after the KV cache is back (wake-up)."""
         self.worker.restore_kv_caches()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM hands the step's metadata over before its forward pass: the pass starts."""
+        super().bind_connector_metadata(connector_metadata)
+        if self.connector_worker is not None and isinstance(
+            connector_metadata, RedisConnectorMetadata
+        ):
+            self.connector_worker.forward_started(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish before the request is scheduled (async protocol)
+        """Before each attention layer: a split load's band of this layer lands first (an
+        asynchronous load finished before its request was scheduled)."""
+        self.worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(
         self,

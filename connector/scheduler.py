@@ -27,9 +27,13 @@ LOOKING_UP: a lookup is out, or the producer's commit record is awaited.
 ANSWERED: vLLM was told n tokens (n may be 0) and has not allocated blocks yet.
   get_num_new_matched_tokens (vLLM could not allocate and asks again): the same answer; fewer
       tokens if its local hits grew; a new lookup (-> LOOKING_UP) if they shrank.
-  update_state_after_alloc: n > 0 -> LOADING, the load (and its claim) planned; 0 -> RUNNING,
-      drop the handoff.
+  update_state_after_alloc: n > 0 -> LOADING, the load (and its claim) planned; a split ->
+      RUNNING, its layered load planned for this step's forward pass; 0 -> RUNNING, drop the
+      handoff.
   request_finished (aborted): drop the handoff; (False, None).
+  How the answer serves the hit is the load policy's choice (``load_policy.py``): all of it
+  asynchronously (``(n, True)``), its first ``k`` blocks as a split (``(k, False)``: vLLM runs
+  the request in this very step, computing the rest), or none (``(0, False)``, recompute).
 LOADING: the worker claims the handoff (consume mode) and writes the allocated blocks.
   update_connector_output, finished_recving: -> RUNNING; consume mode: drop the handoff (every
       rank has finished reading it; several ranks may read one value). Also after an abort.
@@ -38,6 +42,12 @@ LOADING: the worker claims the handoff (consume mode) and writes the allocated b
 RUNNING: computing, after its load or with nothing to load.
   get_num_new_matched_tokens: (0, False): one load per admission; a failed load is recomputed,
       not retried.
+  (a split's step) the worker writes its blocks during the forward pass, each band of layers
+      before those layers run (the worker's ``wait_for_layer_load``), and ends it with the
+      step: a band late past its timeout fails the load, and its blocks come back as invalid
+      block ids in that step's output (vLLM recomputes them and drops the step's token).
+      build_connector_meta of the next step counts it (and, consume mode, drops the handoff):
+      splits are chosen only where vLLM schedules the next step after this one's output.
   build_connector_meta: plan the saves of the prompt blocks this step completes.
   update_connector_output, invalid blocks (or, for a model with several KV-cache groups, the
       whole load failed): save the recomputed blocks again (share mode).
@@ -45,7 +55,8 @@ RUNNING: computing, after its load or with nothing to load.
       sending once it has taken the commit, every save staged -- else (False, params).
 Any state, after a preemption: -> LOOKING_UP with a fresh deadline (a handoff loaded or dropped
 is not waited for again). A callback not listed for a state is not made in it, or changes
-nothing.
+nothing. (A split never meets an abort or a preemption mid-load: both happen between steps, and
+the split ends with its step.)
 
 A model with several KV-cache groups (full attention, sliding window) keeps one chain of
 positions: each group's block at a position is its own key (``KVLayout.group_key``), a hit
@@ -77,9 +88,11 @@ from kvstore.access import acl_rule
 from kvstore.keys import NAME_RE
 
 from .chains import RequestChains
-from .config import TRANSFER_PARAMS_KEY, RedisConnectorConfig
+from .config import LOAD_POLICY_KEY, TRANSFER_PARAMS_KEY, RedisConnectorConfig
 from .drops import HandoffDrops
+from .figures import LoadRate, PrefillRate, step_shape
 from .layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
+from .load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinned
 from .logs import FailureCounts
 from .lookups import Lookup, LookupBatcher, LookupResult
 from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
@@ -143,6 +156,10 @@ class _RequestState:
     lookup_start: int = 0  # the first block the lookup in flight asks about
     next_poll: float = 0.0  # no new lookup before this time
     present_blocks: int = 0  # the answer: leading blocks present (absolute)
+    load_end: int = 0  # the answer: where the blocks it loads end (absolute; the policy's)
+    layered: bool = False  # the answer is a split (a synchronous, layer-by-layer load)
+    decision: Decision | None = None  # how the load policy served the hit, and why
+    pin: Way | None = None  # the way the request's own params pinned (request_load_policy)
     answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)
@@ -176,8 +193,23 @@ class RedisConnectorScheduler:
         layout: KVLayout,
         store: LookupBuffer,
         events: KVEventsEmitter | None = None,
+        split_refusal: str | None = None,
+        load_shape: tuple[int, int] = (0, 0),
     ) -> None:
         self.config = config
+        # why this engine cannot take a split (None: it can), and what the policy decides from
+        self.split_refusal = split_refusal
+        self.load_rate = LoadRate()
+        self.prefill_rate = PrefillRate()
+        # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
+        # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
+        # report what they read
+        self._block_bytes, self._bands = load_shape
+        self._recomputed_in_row = 0  # hits recomputed by choice since the last load
+        # requests whose split load the metadata being built carries; and those of the step
+        # before, counted (and released) once its output is in
+        self._splits_planned: list[str] = []
+        self._splits_running: list[str] = []
         self.events = events  # KV events for routers, when vLLM publishes them
         self.layout = layout
         self.block_size = layout.block_size
@@ -246,7 +278,7 @@ class RedisConnectorScheduler:
                 st.preemptions = request.num_preemptions
                 st.deadline = time.monotonic() + self.config.request_deadline_s(st.num_tokens)
                 st.phase, st.lookup, st.next_poll = Phase.LOOKING_UP, None, 0.0
-                st.load_range = (0, 0)
+                st.load_range, st.layered, st.decision = (0, 0), False, None
             return st
         generation = self.store.generation
         chains = RequestChains(request, self.block_size, generation)
@@ -271,6 +303,7 @@ class RedisConnectorScheduler:
             handoff=handoff,
             preemptions=request.num_preemptions,
             generation=generation,
+            pin=self._pinned_by_request(request),
         )
         self._reqs[request.request_id] = st
         return st
@@ -334,6 +367,25 @@ class RedisConnectorScheduler:
                 total,
             )
         return None, shared
+
+    def _pinned_by_request(self, request: Request) -> Way | None:
+        """The way the request's params pin (``request_load_policy``), or None (auto: the
+        instance's policy decides)."""
+        if not self.config.request_load_policy or not isinstance(request.kv_transfer_params, dict):
+            return None
+        asked = request.kv_transfer_params.get(LOAD_POLICY_KEY)
+        if asked is None or asked == "auto":
+            return None
+        if asked not in tuple(w.value for w in Way):
+            self.stats.add(transfer_params_ignored=1)
+            logger.warning(
+                "request %s: %s=%r is not auto, async, split or recompute; ignored",
+                request.request_id,
+                LOAD_POLICY_KEY,
+                str(asked)[:32],
+            )
+            return None
+        return Way(asked)
 
     def _max_blocks(self, st: _RequestState, request: Request) -> int:
         # Never load the last prompt token: vLLM must compute at least one to sample from.
@@ -491,15 +543,68 @@ class RedisConnectorScheduler:
             present = found
         st.phase, st.answer_start, st.answered_at = Phase.ANSWERED, start, time.monotonic()
         st.present_blocks = min(present, end)
+        self._decide(st, request, start)
         return self._answer(st, start)
 
     def _answer(self, st: _RequestState, start: int) -> tuple[int, bool]:
-        n = st.present_blocks
+        n = st.load_end
         if n <= start:
             st.load_range = (start, start)
             return 0, False
         st.load_range = (start, n)
-        return (n - start) * self.block_size, True
+        return (n - start) * self.block_size, not st.layered
+
+    def _decide(self, st: _RequestState, request: Request, start: int) -> None:
+        """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
+        way), counted and kept with the request."""
+        hit = Hit(
+            start,
+            max(start, st.present_blocks),
+            request.num_prompt_tokens,
+            self.block_size,
+            self._block_bytes,
+            self._bands,
+        )
+        st.decision, st.layered, st.load_end = None, False, start
+        if hit.blocks <= 0:
+            return
+        split_ok = self.split_refusal is None
+        way = st.pin or (
+            None if self.config.load_policy == "auto" else Way(self.config.load_policy)
+        )
+        if way is not None:
+            decision = pinned(way, hit, split_ok)
+        else:
+            measured = self._block_bytes > 0
+            decision = choose(
+                hit,
+                self.load_rate.estimate() if measured else None,
+                self.prefill_rate.estimate(),
+                others=max(0, len(self._reqs) - 1),
+                split_ok=split_ok,
+                probe=self._recomputed_in_row >= PROBE_EVERY,
+            )
+            recomputed = decision.way is Way.RECOMPUTE
+            self._recomputed_in_row = self._recomputed_in_row + 1 if recomputed else 0
+            if decision.predicted_s:
+                chosen = decision.predicted_s.get(decision.way.value, 0.0)
+                gain = decision.predicted_s[Way.RECOMPUTE.value] - chosen
+                self.stats.observe("predicted_gain_seconds", max(0.0, gain))
+        st.decision, st.layered = decision, decision.way is Way.SPLIT
+        st.load_end = start + decision.blocks
+        self.stats.add(**{f"chose_{decision.way.value}": 1})
+        if decision.way is Way.RECOMPUTE:
+            self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
+        logger.debug(
+            "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
+            request.request_id,
+            hit.blocks,
+            start,
+            decision.way.value,
+            decision.blocks,
+            decision.reason,
+            decision.predicted_s or "-",
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -521,11 +626,24 @@ class RedisConnectorScheduler:
             return
         now = time.monotonic()
         st.deadline += now - st.answered_at  # waiting for room in the KV cache is not Redis
-        st.phase, st.load_range = Phase.LOADING, (start, end)
+        st.load_range = (start, end)
         rid = request.request_id
-        if not self.config.consume:
-            for h in st.load_hashes[start:end]:
-                self._loading[h] = rid
+        timeout = max(0.0, st.deadline - now)
+        if st.layered:
+            # it runs in this step: its blocks are vLLM's cached blocks at once, no other
+            # request waits for them; it waits at most as long as it was predicted to take
+            # plus what recomputing would have (past that, even landing it has cost more)
+            st.phase = Phase.RUNNING
+            self._splits_planned.append(rid)
+            predicted = st.decision.predicted_s if st.decision is not None else {}
+            if Way.SPLIT.value in predicted:
+                budget = predicted[Way.SPLIT.value] + predicted[Way.RECOMPUTE.value]
+                timeout = min(timeout, budget)
+        else:
+            st.phase = Phase.LOADING
+            if not self.config.consume:
+                for h in st.load_hashes[start:end]:
+                    self._loading[h] = rid
         if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
@@ -540,9 +658,10 @@ class RedisConnectorScheduler:
                 req_id=rid,
                 block_ids=[ids[start:end] for ids in st.block_ids],
                 hashes=st.load_hashes[start:end],
-                timeout_s=max(0.0, st.deadline - now),
+                timeout_s=timeout,
                 claim=claim,
                 owner=st.handoff.owner if st.handoff is not None else "",
+                layered=st.layered,
             )
         )
         if st.same_chain:
@@ -575,6 +694,7 @@ class RedisConnectorScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         if self.events is not None:
             self.events.reported(getattr(output, "kv_cache_events", None))
+        self._take_samples(getattr(output, "kv_connector_stats", None))
         for block_id in output.invalid_block_ids or ():
             owner = self._load_blocks.get(block_id)
             if owner is None:
@@ -607,6 +727,40 @@ class RedisConnectorScheduler:
             if consumed is not None:  # every rank is done with it (aborted or not): delete it
                 handoff, keys = consumed
                 self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+        self._finish_splits()
+
+    def _take_samples(self, stats: Any) -> None:
+        """The workers' measurements, for the load policy's figures (``figures.py``)."""
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
+        try:
+            for nbytes, seconds in data.get("load_samples", ()):
+                self.load_rate.add(float(nbytes), float(seconds))
+            for tokens, attention, seconds in data.get("compute_samples", ()):
+                self.prefill_rate.add(float(tokens), float(attention), float(seconds))
+            if data.get("rank_block_bytes"):  # each rank's, the slowest sets the pace
+                self._block_bytes = max(int(b) for (b,) in data["rank_block_bytes"])
+            if data.get("split_bands"):
+                self._bands = min(int(b) for (b,) in data["split_bands"])
+        except (TypeError, ValueError):  # not what our workers send: nothing is learnt
+            logger.debug("ignoring malformed load-policy samples in the connector's stats")
+
+    def _finish_splits(self) -> None:
+        """The splits of the step whose output came in: counted (its failed blocks came with
+        it), released, and their handoffs dropped (consume mode: every rank has read them).
+        Called at the end of ``update_connector_output``, and when the next step's metadata is
+        built (a step whose output carried nothing for the connector)."""
+        for req_id in self._splits_running:
+            self._count_load(req_id)
+            st = self._reqs.get(req_id)
+            if st is not None:  # (else request_finished released it)
+                self._release(req_id, st)
+            consumed = self._consumed.pop(req_id, None)
+            if consumed is not None:
+                handoff, keys = consumed
+                self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+        self._splits_running = []
 
     def _count_load(self, req_id: str) -> None:
         """A load vLLM reports finished on every rank: what it delivered, once per request."""
@@ -636,7 +790,15 @@ class RedisConnectorScheduler:
     # ------------------------------------------------------------------ saves
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
         self._step_wait_until = None  # the step is over: the next one may wait again
-        meta = RedisConnectorMetadata(loads=self._pending_loads, commits=self._pending_commits)
+        self._finish_splits()
+        self._splits_running, self._splits_planned = self._splits_planned, []
+        tokens, attention = step_shape(_scheduled_rows(scheduler_output))
+        meta = RedisConnectorMetadata(
+            loads=self._pending_loads,
+            commits=self._pending_commits,
+            step_tokens=tokens,
+            step_attention=attention,
+        )
         self._pending_loads, self._pending_commits = [], []
         if not self.config.saves:
             return meta
@@ -878,6 +1040,14 @@ class RedisConnectorScheduler:
 
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()
+        loads, compute = self.load_rate.estimate(), self.prefill_rate.estimate()
+        if loads is not None:
+            data["policy_load_bytes_per_second"] = loads.bytes_per_s
+            data["policy_load_overhead_seconds"] = loads.overhead_s
+        if compute is not None:
+            data["policy_step_seconds"] = compute.step_s
+            data["policy_token_seconds"] = compute.token_s
+            data["policy_attention_seconds"] = compute.attention_s
         is_open = not self.store.available
         if is_open != self._breaker_reported:
             data["breaker_open"] = int(is_open)
@@ -903,3 +1073,15 @@ class RedisConnectorScheduler:
         for t in self._sweeps:
             t.join(limit)
         self.store.close()
+
+
+def _scheduled_rows(out: SchedulerOutput) -> list[tuple[int, int]]:
+    """(tokens cached before this step, tokens computed in it) of each scheduled request."""
+    rows = [
+        (new.num_computed_tokens, out.num_scheduled_tokens.get(new.req_id, 0))
+        for new in out.scheduled_new_reqs
+    ]
+    cached = out.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        rows.append((cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0)))
+    return rows

@@ -102,6 +102,30 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_breaker_opens",
         "Times the circuit breaker stopped traffic to an unavailable Redis",
     ),
+    # the load policy's decisions (load_policy.py), one per request with a hit in Redis
+    "chose_async": (
+        "vllm:redis_kv_chose_async",
+        "Hits served by loading every block before the request runs (the load policy's choice, "
+        "or pinned)",
+    ),
+    "chose_split": (
+        "vllm:redis_kv_chose_split",
+        "Hits served by loading their first blocks layer by layer while the forward pass "
+        "computes the rest",
+    ),
+    "chose_recompute": (
+        "vllm:redis_kv_chose_recompute",
+        "Hits not loaded at all: predicted slower than computing them (or pinned)",
+    ),
+    "tokens_recompute_chosen": (
+        "vllm:redis_kv_tokens_recompute_chosen",
+        "Prompt tokens found in Redis that the load policy chose to compute instead",
+    ),
+    "split_loads_failed": (
+        "vllm:redis_kv_split_loads_failed",
+        "Split loads whose bands did not all land in their forward pass (their blocks were "
+        "recomputed), per TP rank",
+    ),
 }
 # stats key -> (Prometheus name, help text, buckets in seconds)
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -126,13 +150,48 @@ HISTOGRAMS: dict[str, tuple[str, str, list[float]]] = {
         "Time a consumer waited for the producer's commit record",
         _LATENCY_BUCKETS,
     ),
+    "split_stall_seconds": (
+        "vllm:redis_kv_split_stall_seconds",
+        "Time a forward pass waited for a split load's layers (one observation per split)",
+        _LATENCY_BUCKETS,
+    ),
+    "predicted_gain_seconds": (
+        "vllm:redis_kv_predicted_gain_seconds",
+        "Time to first token the load policy predicted its choice saves against recomputing "
+        "the hit (one observation per measured choice; 0 when it recomputes)",
+        _LATENCY_BUCKETS,
+    ),
 }
 GAUGES: dict[str, tuple[str, str]] = {
     "breaker_open": (
         "vllm:redis_kv_breaker_open",
         "1 while the scheduler's circuit breaker is open (Redis skipped, requests recompute)",
     ),
+    # the figures the load policy decides from (figures.py), as last measured
+    "policy_load_bytes_per_second": (
+        "vllm:redis_kv_policy_load_bytes_per_second",
+        "Load bandwidth one rank gets from Redis into its KV cache, fitted over recent loads",
+    ),
+    "policy_load_overhead_seconds": (
+        "vllm:redis_kv_policy_load_overhead_seconds",
+        "A load's fixed cost (round trips, claims), fitted over recent loads",
+    ),
+    "policy_step_seconds": (
+        "vllm:redis_kv_policy_step_seconds",
+        "A forward pass's fixed cost, fitted over recent forward passes",
+    ),
+    "policy_token_seconds": (
+        "vllm:redis_kv_policy_token_seconds",
+        "Forward time per token computed, fitted over recent forward passes",
+    ),
+    "policy_attention_seconds": (
+        "vllm:redis_kv_policy_attention_seconds",
+        "Forward time per token and context token it attends to, fitted over recent passes",
+    ),
 }
+# samples the worker sends the scheduler side's load policy (figures.py) with its stats:
+# lists, concatenated over TP ranks, never exported
+SAMPLES = ("load_samples", "compute_samples", "rank_block_bytes", "split_bands")
 
 
 class StatsBuffer:
@@ -152,6 +211,11 @@ class StatsBuffer:
         with self._lock:
             self._data.setdefault(key, []).append(seconds)
 
+    def sample(self, key: str, *values: float) -> None:
+        """One sample for the load policy's figures (a key of ``SAMPLES``)."""
+        with self._lock:
+            self._data.setdefault(key, []).append(list(values))
+
     def set(self, key: str, value: float) -> None:
         with self._lock:
             self._data[key] = value
@@ -169,8 +233,10 @@ class RedisConnectorStats(KVConnectorStats):
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
-            if k in HISTOGRAMS:
+            if k in HISTOGRAMS or k in SAMPLES:
                 self.data[k] = list(self.data.get(k, [])) + list(v)
+            elif k in GAUGES:
+                self.data[k] = v  # the latest value (one side sets each)
             else:
                 self.data[k] = self.data.get(k, 0) + v
         return self
@@ -178,6 +244,8 @@ class RedisConnectorStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for k, v in self.data.items():
+            if k in SAMPLES:
+                continue
             if k in HISTOGRAMS:
                 if v:
                     out[f"avg_{k.removesuffix('_seconds')}_ms"] = round(1000 * sum(v) / len(v), 2)

@@ -28,6 +28,16 @@
   commit record is published per slice written.
 - Consume mode: a handed-off chain is deleted by the scheduler side once every rank has
   finished loading it (several ranks may read one slice), never by a worker.
+- Split loads (``LoadSpec.layered``, the load policy's ``split``): synchronous, within one
+  step. ``start_load_kv`` (which vLLM calls before a forward pass that has such loads) starts
+  a ``datamover.LayeredLoad`` on a thread of its own; ``wait_for_layer_load`` (before each
+  attention layer) waits for that layer's band; the step's ``take_transfer_results`` ends it,
+  and whatever did not land is a failed block, reported with that step's output. Never
+  reported finished: vLLM holds nothing for it.
+- Measurements for the load policy (``figures.py``), sent with the stats: each load's bytes and
+  seconds, and (rank 0) each forward pass's tokens, context work and seconds -- less what it
+  waited for split loads -- from ``bind_connector_metadata`` to ``wait_for_save`` (CUDA: events
+  on the compute stream, read once they completed).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ from typing import Any
 
 import torch
 
-from datamover import BlockMover, LoadChunk, SaveChunk, SaveItem, StagingBusyError
+from datamover import BlockMover, LayeredLoad, LoadChunk, SaveChunk, SaveItem, StagingBusyError
 from kvstore import (
     Claim,
     KVStoreError,
@@ -65,6 +75,26 @@ _RETRY_MIN_LEFT_S = 0.1
 # confirmed, so its event leaves with the step that frees it (writes take milliseconds; the
 # engine steps empty meanwhile, which is what a slow Redis must not prolong)
 _EVENT_HOLD_S = 0.2
+# forward passes timed on CUDA whose events have not completed yet, kept at most
+_PENDING_TIMINGS = 64
+
+
+@dataclass
+class _Split:
+    """A split load of this step: its spec and the layered load behind it."""
+
+    spec: LoadSpec
+    load: LayeredLoad
+
+
+@dataclass
+class _ForwardTiming:
+    """One forward pass being timed: what it computes, from when, and what it waited for."""
+
+    tokens: int
+    attention: float
+    started: Any  # perf_counter seconds, or a CUDA event on the compute stream
+    ended: Any = None
 
 
 @dataclass
@@ -129,6 +159,14 @@ class RedisConnectorWorker:
         self._kv_asleep: dict[str, torch.Tensor] = {}  # vLLM sleep mode: set aside, not used
         self._asleep = False
         self._load_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-load")
+        # split loads never queue behind asynchronous ones: a forward pass waits for them
+        self._layered_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-layered")
+        self._splits: dict[str, _Split] = {}  # this step's
+        self._split_bands: list[tuple[int, int]] = []  # bands of layers a split reads
+        self._layer_index: dict[str, int] = {}  # layer name -> its index in the split's movers
+        self._shape_reported = False  # what a block costs to load, sent once with the stats
+        self._timing: _ForwardTiming | None = None  # this step's forward pass
+        self._timings: list[_ForwardTiming] = []  # CUDA: passes whose events are not done
         # each load receives its next chunk here while it copies the current one in
         self._prefetch_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-prefetch")
         self._save_io = ThreadPoolExecutor(
@@ -178,6 +216,13 @@ class RedisConnectorWorker:
                 )
                 movers.append(_SliceMover(sl, mover, mover.store, sl.index in written))
             self._slices.append(movers)
+        if len(self._slices) == 1 and self._slices[0] and not self.layout.fails_per_request:
+            # one group: what a split load reads, band of layers by band (the scheduler side
+            # refuses splits for other layouts)
+            first = self._slices[0][0].mover
+            self._split_bands = first.layer_bands(self.config.split_band_bytes)
+            self._layer_index = {name: i for i, name in enumerate(first.kv.names)}
+        self._shape_reported = False
         for group, movers in zip(self.layout.groups, self._slices, strict=True):
             for m in movers:
                 logger.info(
@@ -257,8 +302,11 @@ class RedisConnectorWorker:
                 return
             self._asleep = True  # no new load starts
             jobs = list(self._jobs.values())
+            splits = list(self._splits.values())
         for job in jobs:  # once reported, a load's thread writes nothing more
             self._report_load(job, cancelled=True)
+        for split in splits:  # nor a split's (its step reports its blocks failed)
+            split.load.cancel()
         with self._lock:
             self._kv_asleep, self._kv = self._kv, {}
         logger.info(
@@ -289,6 +337,9 @@ class RedisConnectorWorker:
         movers = self.movers if meta.loads else []
         fence = movers[0].compute_fence() if movers else None
         for spec in meta.loads:
+            if spec.layered:
+                self._start_split(spec, now, fence)
+                continue
             job = _LoadJob(
                 spec, deadline=now + spec.timeout_s, started=time.perf_counter(), after=fence
             )
@@ -301,22 +352,148 @@ class RedisConnectorWorker:
                 continue
             self._track(self._load_io.submit(self._load, job))
 
+    def _start_split(self, spec: LoadSpec, now: float, fence: Any) -> None:
+        """A split load of this step (see the module docstring): started now, on a thread of
+        its own; this step's forward pass waits for its layers, its end ends it."""
+        movers = [sm.mover for sm in self._slices[0]] if self._split_bands else []
+        load = LayeredLoad(
+            movers or self.movers[:1],
+            spec.block_ids[0],
+            spec.hashes,
+            self._split_bands or [(0, len(self.movers[0].kv.names))],
+            now + spec.timeout_s,
+            after=fence,
+        )
+        with self._lock:
+            self._splits[spec.req_id] = _Split(spec, load)
+            refused = self._asleep or not movers
+        if refused:  # asleep, or a layout the scheduler side should not have split
+            load.cancel()
+            return
+
+        def claim() -> bool:
+            return self._claim(spec)
+
+        self._track(self._layered_io.submit(load.run, claim), "a split load")
+
+    def _claim(self, spec: LoadSpec) -> bool:
+        """Consume mode: claim the load's handoff for it (exactly one request loads one); False
+        when another request took it first. Raises the store's errors."""
+        if spec.claim is None:
+            return True
+        claim = self.store.claim_handoff(
+            spec.claim, self.layout.all_fingerprints(), owner=spec.owner
+        )
+        if claim is Claim.TAKEN:  # another request took it first: not ours to touch
+            self.stats.add(handoffs_lost=1)
+            self._warn(
+                "claim",
+                "request %(req)s: its handoff was taken by another request (a retried "
+                "request?); recomputing (%(total)d so far)",
+                req=spec.req_id,
+            )
+            return False
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before an attention layer runs: wait for its band of this step's split loads (at
+        most until each load's deadline; a load still missing it then ends, failed)."""
+        if not self._splits:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:  # not a layer of ours (it reads another layer's cache)
+            return
+        for split in list(self._splits.values()):
+            split.load.wait(layer)
+
+    def _finish_splits(self) -> None:
+        """The forward pass is over: end this step's split loads; what did not land is
+        reported failed with this step's output, and nothing more is written."""
+        with self._lock:
+            splits, self._splits = self._splits, {}
+        for req_id, split in splits.items():
+            load = split.load
+            failed = load.finish()
+            self.stats.add(bytes_loaded=load.nbytes)
+            self.stats.observe("split_stall_seconds", load.stall_s)
+            self.stats.observe("load_seconds", time.perf_counter() - load.started)
+            if load.landed_s is not None and not failed and load.nbytes:
+                self.stats.sample("load_samples", load.nbytes, load.landed_s)
+            if load.misfits:
+                self._warn(
+                    "layout",
+                    "a stored block does not match this instance's KV layout; ignoring it "
+                    "(%(total)d so far). Is another model writing to namespace %(ns)r?",
+                    n=load.misfits,
+                    ns=self.config.namespace,
+                )
+            if not failed:
+                continue
+            self.stats.add(split_loads_failed=1)
+            with self._lock:
+                self._failed_block_ids.update(failed)
+            error = load.error
+            if isinstance(error, KVStoreError):
+                self._redis_error(
+                    error,
+                    "request %(req)s: its split load from Redis failed (%(total)d so far): "
+                    "%(exc)s; recomputing",
+                    req=req_id,
+                )
+            elif error is not None and not isinstance(error, StagingBusyError):
+                logger.error("request %s: its split load failed: %r; recomputing", req_id, error)
+            else:
+                self._warn(
+                    "split",
+                    "request %(req)s: %(n)d block(s) of its split load did not land in its "
+                    "forward pass%(why)s; recomputing them (%(total)d so far)",
+                    n=len(failed),
+                    req=req_id,
+                    why=f" ({error})" if error is not None else "",
+                )
+
+    # ------------------------------------------------------------------ forward timing
+    def forward_started(self, meta: RedisConnectorMetadata) -> None:
+        """vLLM bound this step's metadata: its forward pass starts (timed on rank 0, for the
+        load policy's figures)."""
+        self._timing = None
+        if self.tp_rank != 0 or meta.step_tokens <= 0:
+            return
+        self._timing = _ForwardTiming(meta.step_tokens, meta.step_attention, self._clock())
+
+    def forward_ended(self) -> None:
+        """The forward pass was launched and ran (CPU) or is queued (CUDA): its time, less
+        what it waited for split loads, is a sample once known."""
+        timing, self._timing = self._timing, None
+        if timing is None:
+            return
+        stall = sum(split.load.stall_s for split in self._splits.values())
+        timing.ended = self._clock()
+        if isinstance(timing.started, float):
+            seconds = timing.ended - timing.started - stall
+            self.stats.sample("compute_samples", timing.tokens, timing.attention, seconds)
+            return
+        self._timings.append(timing)  # CUDA: read once its events completed
+        self._timings = self._timings[-_PENDING_TIMINGS:]
+        while self._timings and self._timings[0].ended.query():
+            done = self._timings.pop(0)
+            seconds = done.started.elapsed_time(done.ended) / 1000
+            self.stats.sample("compute_samples", done.tokens, done.attention, seconds)
+
+    def _clock(self) -> Any:
+        """Now: perf_counter seconds, or on CUDA an event recorded on the compute stream."""
+        movers = self.movers
+        if not movers or not movers[0].kv.on_cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(movers[0].kv.device))
+        return event
+
     def _load(self, job: _LoadJob) -> None:
         spec = job.spec
         try:
-            if spec.claim is not None:  # consume mode: exactly one request loads a handoff
-                claim = self.store.claim_handoff(
-                    spec.claim, self.layout.all_fingerprints(), owner=spec.owner
-                )
-                if claim is Claim.TAKEN:  # another request took it first: not ours to touch
-                    self.stats.add(handoffs_lost=1)
-                    self._warn(
-                        "claim",
-                        "request %(req)s: its handoff was taken by another request (a retried "
-                        "request?); recomputing (%(total)d so far)",
-                        req=spec.req_id,
-                    )
-                    return
+            if not self._claim(spec):
+                return
             if time.monotonic() >= job.deadline or job.reported:
                 return  # past its deadline, or cancelled (sleep): reported, nothing to copy
             try:
@@ -420,7 +597,10 @@ class RedisConnectorWorker:
         self.stats.add(
             loads_expired=int(expired), loads_cancelled=int(cancelled), bytes_loaded=job.nbytes
         )
-        self.stats.observe("load_seconds", time.perf_counter() - job.started)
+        seconds = time.perf_counter() - job.started
+        self.stats.observe("load_seconds", seconds)
+        if not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
+            self.stats.sample("load_samples", job.nbytes, seconds)
         if expired:
             self._warn(
                 "deadline",
@@ -434,6 +614,7 @@ class RedisConnectorWorker:
         """Start copying this step's new full blocks into staging and hand them to the writer
         threads; returns without waiting for the copy (CUDA) or for Redis. Then act on the
         commits this step brought."""
+        self.forward_ended()
         if meta.saves:
             self._stage_and_submit(meta.saves)
         self._take_commits()
@@ -661,6 +842,7 @@ class RedisConnectorWorker:
         reported now, with every block not yet copied failed, even if their thread is still
         waiting on Redis."""
         self._take_commits()  # a step without a forward pass has no wait_for_save (vLLM < 0.32)
+        self._finish_splits()  # the forward pass is over
         now = time.monotonic()
         with self._lock:
             expired = [job for job in self._jobs.values() if now >= job.deadline]
@@ -685,6 +867,13 @@ class RedisConnectorWorker:
         return failed
 
     def take_stats(self) -> dict[str, Any]:
+        if not self._shape_reported and self._slices:
+            # what one block costs this rank to load, and in how many bands a split reads it
+            self._shape_reported = True
+            block = sum(m.header_bytes + m.raw_bytes for m in self.movers)
+            self.stats.sample("rank_block_bytes", block)
+            if self._split_bands:
+                self.stats.sample("split_bands", len(self._split_bands))
         return self.stats.take()
 
     def shutdown_pending(self, timeout_s: float) -> int:
@@ -704,6 +893,6 @@ class RedisConnectorWorker:
             logger.warning(
                 "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
-        for pool in (self._load_io, self._prefetch_io, self._save_io):
+        for pool in (self._load_io, self._layered_io, self._prefetch_io, self._save_io):
             pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -1,9 +1,12 @@
 """A TCP relay that delays every reply: a Redis server far away (another zone, a busy network),
 for the tests and scripts that need one. Requests go through at once; each chunk the server
-sends back is held ``delay_s`` from when it arrived, order kept.
+sends back is held ``delay_s`` from when it arrived, order kept. ``rate_bytes_per_s`` caps the
+replies of every connection together, as one link would (None: no cap); it may be changed while
+the relay runs.
 
     with DelayRelay("127.0.0.1", redis_port, delay_s=0.02) as relay:
         url = relay.url  # redis://127.0.0.1:<relay port>/0
+    with DelayRelay("127.0.0.1", redis_port, 0.0, rate_bytes_per_s=8e6) as relay:  # 8 MB/s
 
 ``lose_replies(b"EVALSHA", 1)`` makes a reply go missing after the server ran the command: the
 connection that next sends an EVALSHA is muted (the server gets its requests, the client gets
@@ -22,11 +25,23 @@ from typing import Any
 
 from .redis_server import free_port
 
+# a throttled reply leaves in pieces of at most this many bytes, each when the link is free
+_PIECE = 16 << 10
+
 
 class DelayRelay:
-    def __init__(self, host: str, port: int, delay_s: float, listen_port: int | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        delay_s: float,
+        listen_port: int | None = None,
+        rate_bytes_per_s: float | None = None,
+    ):
         self.target = (host, port)
         self.delay_s = delay_s
+        self.rate_bytes_per_s = rate_bytes_per_s
+        self._link_free_at = 0.0  # when the capped link has sent what it was given
         self.port = listen_port or free_port()
         self._listener: socket.socket | None = None
         self._closed = threading.Event()
@@ -121,7 +136,7 @@ class DelayRelay:
                             ready.wait(wait)
                             continue
                         heapq.heappop(queue)
-                    dst.sendall(data)
+                    self._send(dst, data)
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_RDWR)
 
@@ -137,6 +152,25 @@ class DelayRelay:
         done.set()
         with ready:
             ready.notify()
+
+    def _send(self, dst: socket.socket, data: bytes) -> None:
+        """Send ``data``; under a rate cap, a piece at a time, each once the link shared by
+        every connection has sent what came before it."""
+        if not self.rate_bytes_per_s:
+            dst.sendall(data)
+            return
+        view = memoryview(data)
+        for at in range(0, len(view), _PIECE):
+            piece = view[at : at + _PIECE]
+            rate = self.rate_bytes_per_s or float("inf")
+            with self._lock:
+                start = max(time.monotonic(), self._link_free_at)
+                self._link_free_at = start + len(piece) / rate
+                done = self._link_free_at
+            wait = done - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            dst.sendall(piece)
 
     def close(self) -> None:
         self._closed.set()

@@ -1,7 +1,9 @@
 """One vLLM engine in a process, without a model: vLLM's real Scheduler with the real
 RedisConnector on both sides (scheduler and worker), stepped the way vLLM's engine core and
-model runner step them (0.32's order: bind metadata, forward, start loads, stage saves, report
-finished transfers and failed blocks, clear).
+model runner step them (0.30-0.33's order: bind metadata; start loads before the forward pass
+when the step has synchronous loads, after it otherwise; the forward pass, which calls
+``wait_for_layer_load`` before each layer; stage saves; report finished transfers, failed blocks
+and the workers' stats; clear).
 
 The stand-in model's forward pass writes every block it computes a value determined by what
 the block's KV depends on -- the tokens (or prompt embeddings) up to the block's end, the LoRA
@@ -9,8 +11,11 @@ adapter and, deliberately, the cache salt -- so a block that holds anything else
 from the wrong key or overwritten. The simulator checks, as it runs:
 
 - every block the connector writes (its loads' scatters) is owned at that moment by the
-  request loading it, and by no other, in vLLM's own block tables (``write_violations``);
-- every block a request is scheduled on holds that request's value (``value_violations``);
+  request loading it, and by no other, in vLLM's own block tables, while the request waits for
+  it -- or, for a split load, during its step's forward pass and only in layers that have not
+  run yet (``write_violations``);
+- every block a request is scheduled on holds that request's value (``value_violations``); a
+  split's blocks, in each layer, when that layer runs;
 - no load is still held past its deadline (``deadline_violations``).
 
 Used by tests/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
@@ -36,6 +41,7 @@ from connector.worker import RedisConnectorWorker
 
 from .scheduler_harness import (
     BS,
+    LAYERS,
     Role,
     make_request,
     make_scheduler,
@@ -132,6 +138,11 @@ class SimEngine:
         # req id -> (latest moment its load may still run, the load's block ids)
         self._load_deadlines: dict[str, float] = {}
         self._tls = threading.local()
+        # this step's forward pass: the layers that ran, and the split loads it carries
+        self._layers_run: set[int] = set()
+        self._splits: dict[str, list[int]] = {}  # request -> the block ids it loads
+        self._split_checks: list[tuple[str, int, str]] = []  # (request, block, violation)
+        self.layers_waited: list[str] = []  # wait_for_layer_load calls, in order (all steps)
         # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
         # ``take_stats`` hands them to a test)
         self._reported: dict[str, int] = {}
@@ -169,10 +180,12 @@ class SimEngine:
                 tls.req_id = None
 
         def checked(real_scatter: Any, group: int) -> Any:
-            def scatter(ids: torch.Tensor, src: torch.Tensor) -> None:
+            def scatter(ids: torch.Tensor, src: torch.Tensor, first_layer: int = 0) -> None:
+                layers = range(first_layer, first_layer + int(src.shape[1]))
+                req_id = getattr(tls, "req_id", None) or self._split_of(ids.tolist())
                 with self.world:
-                    self._check_writes(getattr(tls, "req_id", None), group, ids.tolist())
-                    real_scatter(ids, src)
+                    self._check_writes(req_id, group, ids.tolist(), layers)
+                    real_scatter(ids, src, first_layer)
 
             return scatter
 
@@ -182,11 +195,23 @@ class SimEngine:
             for mover in movers:
                 mover.kv.scatter = checked(mover.kv.scatter, group)  # type: ignore[method-assign]
 
-    def _check_writes(self, req_id: str | None, group: int, block_ids: list[int]) -> None:
+    def _split_of(self, block_ids: list[int]) -> str | None:
+        """The request whose split load of this step writes ``block_ids`` (a split's writes
+        run on the connector's loader thread, outside ``_copy_in``)."""
+        for rid, ids in self._splits.items():
+            if set(block_ids) <= set(ids):
+                return rid
+        return None
+
+    def _check_writes(
+        self, req_id: str | None, group: int, block_ids: list[int], layers: range
+    ) -> None:
         """A load's write into ``block_ids`` of vLLM's KV-cache group ``group``: the blocks
         must be that request's alone, in that group (block ids are unique in vLLM's one block
-        pool, which every group's pages overlay), while it waits for them."""
+        pool, which every group's pages overlay), while it waits for them -- or, a split,
+        during its step's forward pass, into layers that have not run yet."""
         req = self.sched.requests.get(req_id) if req_id else None
+        split = req_id in self._splits
         for b in block_ids:
             owners = self.owners.get(b, set())
             if req is None or owners != {(req_id, group)}:
@@ -194,7 +219,14 @@ class SimEngine:
                     f"group {group} block {b} written for {req_id} while vLLM gives it to "
                     f"{sorted(owners)}"
                 )
-            elif not (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished()):
+            elif split and self._layers_run.intersection(layers):
+                self.write_violations.append(
+                    f"block {b} written for {req_id} in layers {sorted(layers)} after layers "
+                    f"{sorted(self._layers_run.intersection(layers))} ran"
+                )
+            elif not split and not (
+                req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished()
+            ):
                 self.write_violations.append(
                     f"block {b} written for {req_id} while the request is {req.status.name}"
                 )
@@ -248,19 +280,30 @@ class SimEngine:
         assert isinstance(meta, RedisConnectorMetadata)
         conn = self.worker_conn
         conn.bind_connector_metadata(meta)
+        self._layers_run = set()
+        self._splits = {s.req_id: list(s.block_ids[0]) for s in meta.loads if s.layered}
+        self._split_checks = []
+        if out.has_sync_kv_loads:  # a synchronous load feeds this step's forward pass
+            conn.start_load_kv(None)  # type: ignore[arg-type]
         self._forward(out)
-        # after the forward: vLLM may give a request blocks another request of the same step
-        # computes (they are cached when allocated; the forward writes every layer's KV before
-        # attention reads it)
-        self._check_values(out)
-        conn.start_load_kv(None)  # type: ignore[arg-type]
+        if not out.has_sync_kv_loads:
+            conn.start_load_kv(None)  # type: ignore[arg-type]
         for spec in meta.loads:  # the worker gives each load at most timeout_s from here
-            self._load_deadlines[spec.req_id] = time.monotonic() + spec.timeout_s
+            if not spec.layered:
+                self._load_deadlines[spec.req_id] = time.monotonic() + spec.timeout_s
         conn.wait_for_save()
         asked = time.monotonic()
         results = conn.get_transfer_results(out.finished_req_ids)
         invalid = conn.get_block_ids_with_load_errors()
+        worker_stats = conn.get_kv_connector_stats()
         conn.clear_connector_metadata()
+        # after the forward: vLLM may give a request blocks another request of the same step
+        # computes (they are cached when allocated; the forward writes every layer's KV before
+        # attention reads it); a split's blocks that failed are recomputed (vLLM drops the
+        # step's output for that request), whatever they hold
+        self._check_values(out, set(invalid))
+        self.value_violations += [v for rid, b, v in self._split_checks if b not in invalid]
+        self._splits = {}
         recving, sending = set(results.finished_recving), set(results.finished_sending)
         failed = set(getattr(results, "failed_recving", ()) or ())
         for rid in recving:
@@ -271,7 +314,7 @@ class SimEngine:
                     f"{rid}: its load was still held {asked - until:.3f}s past its deadline"
                 )
         result = StepResult(out, recving=recving, sending=sending, invalid=set(invalid))
-        runner = self._runner_output(out, recving, sending, set(invalid))
+        runner = self._runner_output(out, recving, sending, set(invalid), worker_stats)
         if failed:  # loads failed as a whole (several KV-cache groups, or a windowed one)
             assert runner.kv_connector_output is not None
             runner.kv_connector_output.failed_recving = failed
@@ -293,12 +336,18 @@ class SimEngine:
 
     def take_stats(self) -> dict[str, int]:
         """Counters both sides reported since the last call: the scheduler side's as vLLM
-        reported them, and the worker's."""
+        reported them, and the worker's (those of steps not run yet included)."""
         out, self._reported = self._reported, {}
         for key, value in self.worker.stats.take().items():
             if isinstance(value, int):
                 out[key] = out.get(key, 0) + value
         return out
+
+    def _worker_counts(self, stats: Any) -> None:
+        """The worker's counters of a step, as vLLM would report them."""
+        for key, value in (stats.data if stats is not None else {}).items():
+            if isinstance(value, int):
+                self._reported[key] = self._reported.get(key, 0) + value
 
     def _scheduled(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
         """(request id, tokens computed before this step, tokens scheduled now)."""
@@ -314,14 +363,19 @@ class SimEngine:
     def _blocks(self, rid: str) -> list[int]:
         return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
 
-    def _check_values(self, out: SchedulerOutput) -> None:
-        """Every full block a scheduled request has computed holds that request's value."""
+    def _check_values(self, out: SchedulerOutput, invalid: set[int]) -> None:
+        """Every full block a scheduled request has computed holds that request's value (but
+        blocks whose load failed: vLLM recomputes them)."""
         for rid, computed, _ in self._scheduled(out):
-            req = self.sched.requests[rid]
+            req = self.sched.requests.get(rid)
+            if req is None:
+                continue
             n = computed // BS
             ids = block_identities(req, n)
             blocks = self._blocks(rid)
             for p in range(n):
+                if blocks[p] in invalid:
+                    continue
                 for layer, cache in enumerate(self.layers):
                     if not torch.equal(cache[blocks[p]], block_value(ids[p], layer)):
                         held = int(cache[blocks[p]].flatten()[0].item()) - 7 * layer
@@ -332,21 +386,47 @@ class SimEngine:
                         break
 
     def _forward(self, out: SchedulerOutput) -> None:
-        """The stand-in model: writes each block completed by this step's tokens."""
-        for rid, computed, scheduled in self._scheduled(out):
-            req = self.sched.requests[rid]
-            end = computed + scheduled
-            first, last = computed // BS, end // BS  # blocks [first, last) complete now
-            if last <= first:
+        """The stand-in model, layer by layer as vLLM's: before a layer runs, the connector
+        waits for its loads (``wait_for_layer_load``, vLLM's attention wrapper); a split's
+        loaded blocks then hold their values in that layer (checked); the layer writes the
+        KV of each block completed by this step's tokens."""
+        rows = self._scheduled(out)
+        for layer, (name, cache) in enumerate(self.caches.items()):
+            if name not in LAYERS:
                 continue
-            ids = block_identities(req, last)
-            blocks = self._blocks(rid)
-            for p in range(first, last):
-                for layer, cache in enumerate(self.layers):
+            self.worker_conn.wait_for_layer_load(name)
+            self.layers_waited.append(name)
+            with self.world:
+                self._layers_run.add(layer)
+            for rid, blocks in self._splits.items():
+                req = self.sched.requests[rid]
+                ids = block_identities(req, len(self._blocks(rid)))
+                table = self._blocks(rid)
+                for b in blocks:
+                    p = table.index(b)
+                    if not torch.equal(cache[b], block_value(ids[p], layer)):
+                        self._split_checks.append(
+                            (rid, b, f"{rid}: split block {b} (position {p}) not landed in "
+                             f"layer {layer} when it ran")
+                        )  # fmt: skip
+            for rid, computed, scheduled in rows:
+                req = self.sched.requests[rid]
+                end = computed + scheduled
+                first, last = computed // BS, end // BS  # blocks [first, last) complete now
+                if last <= first:
+                    continue
+                ids = block_identities(req, last)
+                blocks = self._blocks(rid)
+                for p in range(first, last):
                     cache[blocks[p]].copy_(block_value(ids[p], layer))
 
     def _runner_output(
-        self, out: SchedulerOutput, recving: set[str], sending: set[str], invalid: set[int]
+        self,
+        out: SchedulerOutput,
+        recving: set[str],
+        sending: set[str],
+        invalid: set[int],
+        worker_stats: Any,
     ) -> ModelRunnerOutput:
         rows = self._scheduled(out)
         sampled = []
@@ -355,12 +435,16 @@ class SimEngine:
             sampled.append([SAMPLED_TOKEN] if computed + scheduled >= req.num_tokens else [])
         kv_out = None
         events = self.worker_conn.get_kv_connector_kv_cache_events()
-        if recving or sending or invalid or events:
+        # the worker's stats go to the scheduler side with the output, as in vLLM (its load
+        # samples feed the load policy); the counters are kept here for take_stats
+        self._worker_counts(worker_stats)
+        if recving or sending or invalid or events or worker_stats is not None:
             kv_out = KVConnectorOutput(
                 finished_sending=sending or None,
                 finished_recving=recving or None,
                 invalid_block_ids=invalid,
                 kv_cache_events=events,
+                kv_connector_stats=_samples_only(worker_stats),
             )
         return ModelRunnerOutput(
             req_ids=[r[0] for r in rows],
@@ -415,3 +499,14 @@ class SimEngine:
     def shutdown(self) -> None:
         self.worker_conn.shutdown()
         self.connector.shutdown()
+
+
+def _samples_only(stats: Any) -> Any:
+    """The worker's stats with only what the scheduler side reads (the load policy's samples):
+    its counters reach the test through ``take_stats``, not twice."""
+    if stats is None:
+        return None
+    from connector.stats import SAMPLES, RedisConnectorStats
+
+    kept = {k: v for k, v in stats.data.items() if k in SAMPLES}
+    return RedisConnectorStats(data=kept) if kept else None

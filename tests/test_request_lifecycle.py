@@ -495,7 +495,7 @@ def test_a_load_planned_while_the_kv_cache_sleeps_still_deletes_its_handoff(
     else:
         raise AssertionError("no load was planned")
     consumer.run_until_idle()
-    assert consumer.worker.stats.take()["loads_cancelled"] == 1
+    assert consumer.take_stats()["loads_cancelled"] == 1
     assert "d" in consumer.finished_params
     wait_deleted(consumer, handoff_chain(tokens, params))
 

@@ -1,0 +1,237 @@
+"""Split loads (``load_policy: split``) on vLLM's real Scheduler with the real connector on both
+sides (``testing.sim_engine``): the first blocks of a hit land band of layers by band of layers
+during the forward pass that computes the rest of the prompt. Besides each test's assertions,
+every test checks that each loaded block was written only while its request held it and only
+into layers that had not run yet, that each layer found its loaded blocks in place when it
+ran, and that the connector holds nothing once the requests are gone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus
+
+from kvstore import LookupBuffer
+from kvstore.keys import parse_key
+from testing.scheduler_harness import BS, LAYERS
+from testing.sim_engine import SimEngine
+
+pytestmark = pytest.mark.vllm
+
+URL = "redis://fake:6379/0"
+# one layer's block is 16 KiB here: bands of one layer each
+SPLIT = {"load_policy": "split", "split_band_bytes": 16 << 10}
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
+
+
+@pytest.fixture
+def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
+    made: list[SimEngine] = []
+
+    def make(role: str = "kv_both", **kw: Any) -> SimEngine:
+        kw.setdefault("deadline_s", 30)
+        kw.setdefault("lookup_wait_s", 0.02)
+        e = SimEngine(tiny_model, role, URL, **kw)  # type: ignore[arg-type]
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        if not e.sched.has_requests():
+            e.settle()
+            assert not e.leftovers(), e.leftovers()
+        e.shutdown()
+    for e in made:
+        e.assert_clean()
+
+
+def saved(engines: Any, tokens: list[int], **kw: Any) -> SimEngine:
+    writer = engines(**kw)
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    return writer
+
+
+def first_step_of(engine: SimEngine, rid: str) -> Any:
+    """Step until ``rid`` is scheduled; that step's result."""
+    for _ in range(200):
+        res = engine.step()
+        if rid in res.output.num_scheduled_tokens:
+            return res
+        time.sleep(0.002)
+    raise AssertionError(f"{rid} was never scheduled")
+
+
+def test_a_split_lands_each_band_before_its_layer_runs_and_computes_the_rest_at_once(
+    engines: Any,
+) -> None:
+    tokens = prompt(8 * BS + 5)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    # a synchronous load: the request ran in the step its blocks were loaded in, computing
+    # the prompt's rest, never waiting for remote KV
+    assert res.output.has_sync_kv_loads
+    assert res.output.num_scheduled_tokens["r"] == 5  # 8 blocks loaded, 5 tokens computed
+    assert not res.invalid
+    assert reader.layers_waited[-len(LAYERS) :] == LAYERS
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["chose_split"] == 1 and "chose_async" not in stats
+    assert stats["blocks_loaded"] == 8
+    assert "blocks_load_failed" not in stats
+    assert reader.worker.movers[0].layer_bands(16 << 10) == [(0, 1), (1, 2)]
+
+
+def test_a_split_block_missing_from_redis_is_recomputed_and_the_rest_still_used(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(6 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    store: LookupBuffer = reader.worker.store
+    real = store.select_head_into
+    keys = sorted(k for k in fake_redis.keys("kv:vllm:*") if b":fp:" not in k)
+
+    def without_fourth(hashes: Any, *a: Any, **k: Any) -> Any:
+        # the fourth block is evicted between the lookup and the load
+        fake_redis.delete(store.redis_key(hashes[3]))
+        return real(hashes, *a, **k)
+
+    store.select_head_into = without_fourth  # type: ignore[method-assign]
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    assert len(res.invalid) == 1  # vLLM recomputes from it (and drops this step's token)
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["blocks_loaded"] == 3
+    assert stats["blocks_load_failed"] == 3
+    assert reader.finish_reasons["r"] == "length"
+    assert keys  # (the writer saved the blocks under these keys)
+
+
+def test_a_band_that_does_not_come_in_time_fails_the_split_and_writes_nothing_late(
+    engines: Any,
+) -> None:
+    """The second band is held by a store that hangs: its layer waits until the deadline, the
+    load ends failed, and the band that arrives afterwards is never written."""
+    tokens = prompt(5 * BS + 7)
+    saved(engines, tokens)
+    reader = engines(**SPLIT, deadline_s=0.4, deadline_per_1k_tokens_s=0)
+    store: LookupBuffer = reader.worker.store
+    real = store.select_tensors_into
+    opened, entered = threading.Event(), threading.Event()
+
+    def hung(*a: Any, **k: Any) -> Any:
+        entered.set()
+        opened.wait(30)
+        return real(*a, **k)
+
+    store.select_tensors_into = hung  # type: ignore[method-assign]
+    reader.add("r", tokens)
+    t0 = time.monotonic()
+    res = first_step_of(reader, "r")
+    waited = time.monotonic() - t0
+    assert entered.is_set()
+    assert len(res.invalid) == 5  # every block: none has its second layer
+    assert waited < 10  # bounded by the deadline, not by the hung store
+    opened.set()  # the late band arrives now: nothing may be written
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["split_loads_failed"] == 1
+    assert stats["blocks_load_failed"] == 5
+    assert "blocks_loaded" not in stats
+
+
+def test_a_consume_mode_split_claims_the_handoff_and_leaves_nothing_in_redis(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(7 * BS + 2)
+    producer = engines("kv_producer")
+    producer.add("p", tokens)
+    producer.run_until_idle()
+    params = producer.finished_params["p"]
+    assert params is not None
+    consumer = engines("kv_consumer", **SPLIT)
+    consumer.add("c", tokens, params=params)
+    res = first_step_of(consumer, "c")
+    assert res.output.has_sync_kv_loads and not res.invalid
+    consumer.run_until_idle()
+    assert consumer.take_stats()["blocks_loaded"] == 7
+    kinds = [parse_key(k.decode()) for k in fake_redis.keys("kv:vllm:*")]
+    left = [k for k in kinds if k is not None and k.kind in ("block", "claim", "handoff")]
+    assert left == []  # the handed-off chain, its claim and its record are gone
+
+
+def test_a_request_may_pin_its_way_when_the_instance_allows_it(engines: Any) -> None:
+    tokens = {w: prompt(4 * BS + 1, seed=i) for i, w in enumerate(("a", "s", "r"))}
+    writer = engines()
+    for rid, t in tokens.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(request_load_policy=True)
+    for rid, way in (("a", "async"), ("s", "split"), ("r", "recompute")):
+        reader.add(rid, tokens[rid], params={"redis_kv_load": way})
+        reader.run_until_idle()
+    stats = reader.take_stats()
+    assert (stats["chose_async"], stats["chose_split"], stats["chose_recompute"]) == (1, 1, 1)
+    assert stats["blocks_loaded"] == 8  # async and split: 4 blocks each
+    assert stats["tokens_recompute_chosen"] == 4 * BS
+    # without the setting, a request's wish is nobody's business
+    other = engines()
+    other.add("x", tokens["r"], params={"redis_kv_load": "recompute"})
+    other.run_until_idle()
+    assert other.take_stats()["chose_async"] == 1  # not measured yet: as always, it loads
+
+
+def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
+    """Figures fed in as the workers would send them: a store far slower than computing gets
+    recomputed, a fast one loaded."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=10 + i) for i in range(2)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(split_band_bytes=16 << 10)
+    policy = reader.connector.scheduler
+    policy._block_bytes, policy._bands = 32 << 10, 2
+    for tokens in (64, 128, 256, 512):  # about 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
+    for size in (1 << 20, 4 << 20):  # 1 MB/s: a block takes 32 ms, computing it 16 ms
+        policy.load_rate.add(size, size / 1e6)
+    reader.add("p0", prompts["p0"])
+    reader.run_until_idle()
+    assert reader.take_stats()["chose_recompute"] == 1
+    policy.load_rate = type(policy.load_rate)()
+    for size in (1 << 20, 4 << 20):  # 10 GB/s
+        policy.load_rate.add(size, size / 1e10)
+    reader.add("p1", prompts["p1"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats.get("chose_split", 0) + stats.get("chose_async", 0) == 1
+    assert stats["blocks_loaded"] == 6
+
+
+def test_a_split_never_reports_a_finished_load_nor_holds_the_request(engines: Any) -> None:
+    tokens = prompt(3 * BS + 4)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    assert "r" not in res.recving  # vLLM never waited for it
+    assert reader.sched.requests["r"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    reader.run_until_idle()
