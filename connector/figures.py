@@ -3,10 +3,11 @@ fast one rank loads from Redis, and how long vLLM's forward passes take for the 
 compute. Both are least-squares fits over recent samples the worker sends with its stats
 (``worker.py``), so they follow the store and the engine as they change.
 
-- Loads: ``seconds = overhead + bytes / bandwidth`` over the last loads (a rank's bytes, from
-  the first request to Redis to the last block in the KV cache), the newest weighing most
-  (half as much every ``LOAD_HALF_LIFE`` loads back): a store that got slower or faster is
-  followed within a few loads.
+- Loads: ``seconds = overhead + bytes / bandwidth`` (a rank's bytes, from the first request to
+  Redis to the last block in the KV cache). The overhead is fitted over the recent loads (it
+  shows only where their sizes differ); the bandwidth is the median of the newest
+  ``RECENT_LOADS`` loads' own, so a store that got ten times slower or faster is followed
+  within two loads, not averaged with what it was.
 - Forward passes: ``seconds = step + token * tokens + attention * context work``, where a
   step's context work is the sum over its requests of tokens x (the context each token attends
   to, on average): how attention grows with the prompt. Passes that computed many tokens and
@@ -27,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# loads kept for the fit, how many it needs, and how fast an older one's weight halves
+# loads kept for the overhead's fit, how many it needs, and how many the bandwidth is from
 LOAD_WINDOW = 32
 MIN_LOADS = 2
-LOAD_HALF_LIFE = 4
+RECENT_LOADS = 3
 # forward passes kept (each window) and how many the fit needs
 STEP_WINDOW = 64
 MIN_STEPS = 8
@@ -97,16 +98,14 @@ class LoadRate:
             return None
         sizes = np.array([s[0] for s in samples])
         times = np.array([s[1] for s in samples])
-        # the newest weighs 1, one LOAD_HALF_LIFE older 1/2, ...
-        weights = 0.5 ** (np.arange(len(samples))[::-1] / LOAD_HALF_LIFE)
-        overhead, per_byte = 0.0, float((weights * times).sum() / (weights * sizes).sum())
+        overhead = 0.0
         if sizes.max() > 1.5 * sizes.min():  # sizes spread enough to tell overhead from rate
-            x = np.stack([np.ones_like(sizes), sizes], axis=1)
-            root = np.sqrt(weights)
-            fit = _nonnegative_fit(x * root[:, None], times * root)
+            fit = _nonnegative_fit(np.stack([np.ones_like(sizes), sizes], axis=1), times)
             if fit[1] > 0:
-                overhead, per_byte = fit[0], fit[1]
-        return LoadFit(overhead, 1.0 / per_byte, len(samples))
+                overhead = min(fit[0], float(times.min()))
+        recent = samples[-RECENT_LOADS:]
+        rates = [b / max(t - overhead, 1e-3 * t) for b, t in recent]
+        return LoadFit(overhead, float(np.median(rates)), len(samples))
 
 
 class PrefillRate:

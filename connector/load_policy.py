@@ -21,10 +21,11 @@ wait, so each way costs its ``T`` plus ``R`` times the forward time it takes (th
 for a split, whose pass also waits for its loads; only the compute for the others): a busy
 engine prefers ``async``, which costs its forward passes nothing while it loads.
 
-A way that is pinned (``load_policy``, or a request's own) is taken as it is; ``split`` then
-loads the whole hit. Until the instance has measured loads and forward passes the choice is
-``async``, as the connector always did. A store judged too slow is still probed now and then
-(``PROBE_EVERY``), so a store that got faster is noticed.
+A way that is pinned (``load_policy``, or a request's own) is taken as it is: a pinned
+``split`` loads the best ``j`` where the figures are measured, the whole hit before. Until the
+instance has measured loads and forward passes the choice is ``async``, as the connector always
+did. A store judged too slow is still probed now and then (``PROBE_EVERY``), so a store that
+got faster is noticed.
 """
 
 from __future__ import annotations
@@ -76,14 +77,24 @@ class Decision:
     predicted_s: dict[str, float] = field(default_factory=dict)
 
 
-def pinned(way: Way, hit: Hit, split_ok: bool, reason: str = "pinned") -> Decision:
-    """``way`` as it is, over the whole hit (a split that is not possible here loads
-    asynchronously)."""
+def pinned(
+    way: Way,
+    hit: Hit,
+    split_ok: bool,
+    loads: LoadFit | None = None,
+    compute: ComputeFit | None = None,
+) -> Decision:
+    """``way`` as it is: the whole hit, or a split of the best size where the figures are
+    measured (a split that is not possible here loads asynchronously)."""
     if way is Way.RECOMPUTE:
-        return Decision(way, 0, reason)
+        return Decision(way, 0, "pinned")
     if way is Way.SPLIT and not split_ok:
         return Decision(Way.ASYNC, hit.blocks, "split unavailable")
-    return Decision(way, hit.blocks, reason)
+    if way is Way.SPLIT and loads is not None and compute is not None and hit.blocks > 0:
+        blocks, seconds = best_split(hit, loads, compute)
+        recompute = compute.seconds(hit.start * hit.block_size, hit.prompt_tokens)
+        return Decision(way, blocks, "pinned", _rounded({way: seconds, Way.RECOMPUTE: recompute}))
+    return Decision(way, hit.blocks, "pinned")
 
 
 def choose(

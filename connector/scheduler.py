@@ -572,14 +572,15 @@ class RedisConnectorScheduler:
         way = st.pin or (
             None if self.config.load_policy == "auto" else Way(self.config.load_policy)
         )
+        loads = self.load_rate.estimate() if self._block_bytes > 0 else None
+        compute = self.prefill_rate.estimate()
         if way is not None:
-            decision = pinned(way, hit, split_ok)
+            decision = pinned(way, hit, split_ok, loads, compute)
         else:
-            measured = self._block_bytes > 0
             decision = choose(
                 hit,
-                self.load_rate.estimate() if measured else None,
-                self.prefill_rate.estimate(),
+                loads,
+                compute,
                 others=max(0, len(self._reqs) - 1),
                 split_ok=split_ok,
                 probe=self._recomputed_in_row >= PROBE_EVERY,
@@ -636,7 +637,7 @@ class RedisConnectorScheduler:
             st.phase = Phase.RUNNING
             self._splits_planned.append(rid)
             predicted = st.decision.predicted_s if st.decision is not None else {}
-            if Way.SPLIT.value in predicted:
+            if Way.SPLIT.value in predicted and Way.RECOMPUTE.value in predicted:
                 budget = predicted[Way.SPLIT.value] + predicted[Way.RECOMPUTE.value]
                 timeout = min(timeout, budget)
         else:

@@ -143,3 +143,10 @@ def test_the_load_fit_follows_a_store_that_got_slower_within_a_few_loads() -> No
         rate.add(nbytes, nbytes / 2e7)  # then 20 MB/s
     fit = rate.estimate()
     assert fit is not None and fit.bytes_per_s < 4e7
+
+
+def test_a_pinned_split_is_sized_by_the_figures_once_measured() -> None:
+    d = pinned(Way.SPLIT, HIT, True, at(3.9), H100)
+    assert d.way is Way.SPLIT and d.blocks == best_split(HIT, at(3.9), H100)[0]
+    # what a split waits for at most is its prediction plus recomputing's: both are there
+    assert set(d.predicted_s) == {"split", "recompute"}

@@ -235,3 +235,25 @@ def test_a_split_never_reports_a_finished_load_nor_holds_the_request(engines: An
     assert "r" not in res.recving  # vLLM never waited for it
     assert reader.sched.requests["r"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
     reader.run_until_idle()
+
+
+def test_a_pinned_split_with_measured_figures_loads_the_best_part_and_computes_the_rest(
+    engines: Any,
+) -> None:
+    tokens = prompt(8 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    policy = reader.connector.scheduler
+    policy._block_bytes = 32 << 10
+    for n in (64, 128, 256, 512):  # 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(n, n * n / 2, 0.001 * n)
+    for size in (1 << 20, 4 << 20):  # a block in 16 ms: as long as computing 16 tokens
+        policy.load_rate.add(size, size / (2 << 20))
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    loaded = (8 * BS + 3 - res.output.num_scheduled_tokens["r"]) // BS
+    assert 0 < loaded < 8  # part of the hit, the rest computed in the same pass
+    assert not res.invalid
+    reader.run_until_idle()
+    assert reader.take_stats()["blocks_loaded"] == loaded

@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""Time to first token of each way to serve a hit in Redis -- ``recompute``, ``async`` (load it
+all, then compute), ``split`` (load its first part layer by layer while the forward pass
+computes the rest) and ``auto`` (the load policy's choice from what the instance measured) --
+on the same kind of prompts, in one run, with the store at three bandwidths: far below the
+break-even of the benchmark model, near it, and far above it.
+
+Two real vLLM CPU servers and one ``redis-server``: ``saver`` (share mode, on core 0) computes
+each document first, so its blocks are in Redis; ``loader`` (share mode, on core 1, with
+``request_load_policy``) then answers the document plus a question, each request pinning its
+way in ``kv_transfer_params`` (``auto`` leaves it to the policy). The loader reaches Redis
+through a relay that caps the bytes per second it forwards (``testing.relay``), changed between
+phases without restarting anything. Every request is a document the loader has never seen, so
+its prefix comes from Redis or is computed. Within a phase the ways take turns, so drift hits
+each alike, and ``auto`` learns the bandwidth from the loads the others make, as an instance
+learns it from its own.
+
+The break-even is measured first (unthrottled): the document's KV bytes over the time the
+loader takes to compute it; the phases run at ``--below`` and ``--near`` times that, and
+unthrottled. Prints a table (TTFT p50 and p90 per way; ``auto`` and ``split`` against the
+better of ``recompute`` and ``async``; what ``auto`` chose) and writes ``--json`` and a plot.
+
+    python -m scripts.bench_load_policy [--docs 8] [--doc-tokens 1500] [--layers 8]
+        [--json docs/bench_load_policy.json] [--plot docs/plots/load_policy.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from scripts.make_tiny_model import make_model
+from testing import stack
+from testing.redis_server import RedisServer, free_port
+from testing.relay import DelayRelay
+
+WAYS = ("recompute", "async", "split", "auto")
+CHOICES = ("chose_async", "chose_split", "chose_recompute")
+# a request's Redis deadline generous enough that no way is cut short on a busy 2-core host
+PATIENT = {"deadline_s": 60.0, "deadline_max_s": 120.0, "socket_timeout_s": 60.0}
+
+
+@dataclass
+class Phase:
+    name: str
+    bytes_per_s: float | None  # None: not throttled
+    ttft_s: dict[str, list[float]] = field(default_factory=dict)
+    cached_tokens: dict[str, list[int]] = field(default_factory=dict)
+    auto_chose: dict[str, int] = field(default_factory=dict)
+
+    def p(self, way: str, q: float) -> float:
+        values = sorted(self.ttft_s[way])
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    def p50(self, way: str) -> float:
+        return statistics.median(self.ttft_s[way])
+
+
+def documents(n: int, tokens: int, seed: int) -> list[str]:
+    """``n`` documents of ``tokens`` characters (one token each with the byte tokenizer)
+    that share no block."""
+    rng = random.Random(seed)
+    alphabet = string.ascii_letters + string.digits + "     .,"
+    return ["".join(rng.choice(alphabet) for _ in range(tokens)) for _ in range(n)]
+
+
+def complete(url: str, name: str, prompt: str, way: str | None = None) -> tuple[float, int]:
+    """One request answered with one token: (seconds, prompt tokens served from a cache)."""
+    body: dict[str, Any] = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if way is not None and way != "auto":
+        body["kv_transfer_params"] = {"redis_kv_load": way}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    took = time.perf_counter() - t0
+    r.raise_for_status()
+    details = (r.json().get("usage") or {}).get("prompt_tokens_details") or {}
+    return took, int(details.get("cached_tokens") or 0)
+
+
+def settle(client: redis.Redis, timeout_s: float = 60) -> int:
+    """Wait until Redis stops gaining keys (the saver's writes land after its answers)."""
+    deadline = time.monotonic() + timeout_s
+    last = -1
+    while time.monotonic() < deadline:
+        n = int(client.dbsize())
+        if n == last:
+            return n
+        last = n
+        time.sleep(0.3)
+    return last
+
+
+def choices(url: str) -> dict[str, float]:
+    totals = stack.metric_totals(url, tuple(f"vllm:redis_kv_{c}_total" for c in CHOICES))
+    return {c: totals[f"vllm:redis_kv_{c}_total"] for c in CHOICES}
+
+
+def run_phase(
+    phase: Phase,
+    relay: DelayRelay,
+    saver: str,
+    loader: str,
+    name: str,
+    client: redis.Redis,
+    docs: list[str],
+    questions: list[str],
+    warm: int,
+) -> None:
+    relay.rate_bytes_per_s = phase.bytes_per_s
+    for doc in docs:  # every document in Redis first
+        complete(saver, name, doc)
+    settle(client)
+    phase.ttft_s = {w: [] for w in WAYS}
+    phase.cached_tokens = {w: [] for w in WAYS}
+    chose: dict[str, float] = dict.fromkeys(CHOICES, 0.0)
+    rounds = len(docs) // len(WAYS)
+    for r in range(rounds):
+        order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]  # each way in each place
+        for i, way in enumerate(order):
+            doc = docs[r * len(WAYS) + i]
+            before = choices(loader) if way == "auto" else {}
+            took, cached = complete(loader, name, doc + questions[r], way)
+            if r < warm:
+                continue  # the phase's first round: the bandwidth just changed
+            phase.ttft_s[way].append(took)
+            phase.cached_tokens[way].append(cached)
+            if way == "auto":
+                after = choices(loader)
+                for c in CHOICES:
+                    chose[c] += after[c] - before[c]
+    phase.auto_chose = {c.removeprefix("chose_"): int(v) for c, v in chose.items() if v}
+
+
+def break_even(loader: str, saver: str, name: str, client: redis.Redis, docs: list[str]) -> float:
+    """The bandwidth at which loading a document takes as long as computing it: its KV bytes
+    in Redis over the loader's time to compute it (median)."""
+    before = _stored_bytes(client)
+    for doc in docs:
+        complete(saver, name, doc)
+    settle(client)
+    per_doc = (_stored_bytes(client) - before) / len(docs)
+    times = [complete(loader, name, doc, "recompute")[0] for doc in docs]
+    return per_doc / statistics.median(times)
+
+
+def _stored_bytes(client: redis.Redis) -> int:
+    return sum(int(client.strlen(k)) for k in client.scan_iter(match="kv:*", count=1000))
+
+
+def table(phases: list[Phase]) -> str:
+    head = (
+        "| store bandwidth | recompute | async | split | auto | auto / better of recompute "
+        "and async | split / better | auto chose |\n| --- | --- | --- | --- | --- | --- | --- "
+        "| --- |"
+    )
+    lines = [head]
+    for ph in phases:
+        best = min(ph.p50("recompute"), ph.p50("async"))
+        cells = [f"{1000 * ph.p50(w):.0f} ms (p90 {1000 * ph.p(w, 0.9):.0f})" for w in WAYS]
+        chose = ", ".join(f"{k} {v}" for k, v in sorted(ph.auto_chose.items())) or "-"
+        lines.append(
+            f"| {ph.name} | {' | '.join(cells)} | **{ph.p50('auto') / best:.2f}x** | "
+            f"**{ph.p50('split') / best:.2f}x** | {chose} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(phases: list[Phase], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(phases))
+    for way in WAYS:
+        ax.plot(xs, [1000 * ph.p50(way) for ph in phases], marker="o", label=way)
+    ax.set_xticks(list(xs), [ph.name for ph in phases])
+    ax.set_yscale("log")
+    ax.set_ylabel("TTFT p50 (ms, log)")
+    ax.set_xlabel("store bandwidth to the loading server")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", type=int, default=8, help="measured requests per way and phase")
+    ap.add_argument("--doc-tokens", type=int, default=1500)
+    ap.add_argument("--layers", type=int, default=8, help="of the tiny model")
+    ap.add_argument("--below", type=float, default=0.1, help="x the break-even bandwidth")
+    ap.add_argument("--near", type=float, default=1.0, help="x the break-even bandwidth")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--log-dir", type=Path)
+    args = ap.parse_args(argv)
+    name = "tiny-llama"
+    warm = 1
+    per_phase = (args.docs + warm) * len(WAYS)
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        tmp = Path(tmp_dir)
+        log_dir = args.log_dir or tmp / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        model = str(make_model(tmp / "model", layers=args.layers, q_heads=8, kv_heads=2))
+        all_docs = documents(3 * per_phase + 4, args.doc_tokens, seed=1)
+        questions = [f" Question {i}: what does it say?" for i in range(args.docs + warm)]
+        t0 = time.monotonic()
+        with RedisServer() as store, DelayRelay("127.0.0.1", store.port, 0.0) as relay:
+            client = redis.Redis.from_url(store.url)
+            stk = stack.Stack()
+            try:
+                saver = stk.add(stack.vllm_server(
+                    "saver", model=model, role="kv_both", log_dir=log_dir, port=free_port(),
+                    redis_url=store.url, core=0, extra_config={"mode": "share", **PATIENT},
+                ))  # fmt: skip
+                loader = stk.add(stack.vllm_server(
+                    "loader", model=model, role="kv_both", log_dir=log_dir, port=free_port(),
+                    redis_url=relay.url, core=1,
+                    extra_config={"mode": "share", "request_load_policy": True, **PATIENT},
+                ))  # fmt: skip
+                stack.wait_healthy([saver, loader])
+                print(f"servers up in {time.monotonic() - t0:.0f}s", flush=True)
+                for url in (saver.url, loader.url):  # first passes are slow: not measured
+                    complete(url, name, "warm up " * 60)
+                bstar = break_even(loader.url, saver.url, name, client, all_docs[:4])
+                print(f"break-even: {bstar / 1e6:.1f} MB/s", flush=True)
+                phases = [
+                    Phase(f"{args.below:g}x break-even ({args.below * bstar / 1e6:.1f} MB/s)",
+                          args.below * bstar),
+                    Phase(f"{args.near:g}x break-even ({args.near * bstar / 1e6:.1f} MB/s)",
+                          args.near * bstar),
+                    Phase("unthrottled", None),
+                ]  # fmt: skip
+                for k, phase in enumerate(phases):
+                    docs = all_docs[4 + k * per_phase : 4 + (k + 1) * per_phase]
+                    run_phase(phase, relay, saver.url, loader.url, name, client, docs,
+                              questions, warm)  # fmt: skip
+                    print(table([phase]).splitlines()[-1], flush=True)
+            finally:
+                stk.stop()
+        elapsed = time.monotonic() - t0
+    where = f"{os.uname().nodename}: {os.cpu_count()} cores, no GPU"
+    print(f"\n{where}; {args.docs} requests per way and phase, {args.doc_tokens}-token "
+          f"documents, {args.layers}-layer tiny Llama; break-even {bstar / 1e6:.1f} MB/s; "
+          f"{elapsed:.0f}s")  # fmt: skip
+    print(table(phases))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "machine": where, "args": {k: str(v) for k, v in vars(args).items()},
+            "break_even_bytes_per_s": bstar, "seconds": elapsed,
+            "phases": [asdict(ph) for ph in phases],
+        }, indent=1))  # fmt: skip
+    if args.plot:
+        plot(phases, args.plot, f"{where}; {args.doc_tokens}-token documents")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
