@@ -67,6 +67,7 @@ class LayeredLoad:
         self.nbytes = 0
         self.started = time.perf_counter()
         self.landed_s: float | None = None  # seconds from start until every band landed
+        self.band_landed_s: list[float] = []  # seconds from start until each band landed
         self.stall_s = 0.0  # time waits spent waiting
         self.misfits = 0
 
@@ -102,8 +103,9 @@ class LayeredLoad:
                                 break
                     with self._changed:
                         self._landed = band + 1
+                        self.band_landed_s.append(time.perf_counter() - self.started)
                         if self._landed == len(self.bands):
-                            self.landed_s = time.perf_counter() - self.started
+                            self.landed_s = self.band_landed_s[-1]
                         self._changed.notify_all()
             finally:
                 for generator in pieces:

@@ -432,90 +432,129 @@ class BlockMover:
         a staging buffer's worth of blocks at a time: the order a forward pass that waits for
         each band of layers before running them needs. Band 0 reads each value's header too
         (``select_head_into``); a value that cannot be read by ranges is read whole then. A
-        block that failed a band is not read again. Each piece's buffer is released when the
-        caller asks for the next one (or closes the generator). Raises
-        :class:`StagingBusyError` when no buffer comes free within ``timeout_s``, and the
-        store's typed errors."""
+        block that failed a band is not read again. With a ``prefetch`` executor the next
+        piece is received while the caller copies this one in (as :meth:`receive` does). Each
+        piece's buffer is released when the caller asks for the next one (or closes the
+        generator). Raises :class:`StagingBusyError` when no buffer comes free within
+        ``timeout_s``, and the store's typed errors."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         if not bands or bands[0][0] != 0 or bands[-1][1] != len(self.kv.names):
             raise ValueError(f"bands {list(bands)} do not cover the {len(self.kv.names)} layers")
-        # per block: the header later bands are read by (None: failed, or read whole)
-        headers: list[ValueHeader | None] = [None] * len(hashes)
-        buffer_bytes = self._load_pool.buffer_bytes
-        for band, (first, end) in enumerate(bands):
-            span = (end - first) * self.layer_raw_bytes
-            if band == 0:
-                todo = list(range(len(hashes)))
-                heads = [self.value_header_bytes(h) for h in hashes]
-                row_bytes = _aligned(max(heads) + span)
-            else:
-                todo = [i for i, h in enumerate(headers) if h is not None]
-                row_bytes = _aligned(span)
-            per_buffer = max(1, buffer_bytes // row_bytes)
-            starts = range(0, len(todo), per_buffer)
-            if not todo:  # every block failed an earlier band: the band lands, empty
-                yield BandPiece(self, band, (first, end), [], [], _EMPTY, 0, _EMPTY, True)
-                continue
-            for n, start in enumerate(starts):
-                part = todo[start : start + per_buffer]
-                buf = self._load_pool.acquire(timeout_s)
-                if buf is None:
-                    raise StagingBusyError(
-                        f"no load staging buffer came free in {timeout_s:.2f}s; raise "
-                        "max_inflight_bytes if loads often wait"
-                    )
-                try:
-                    rows = buf[: len(part) * row_bytes].view(len(part), row_bytes)
-                    keys = [hashes[i] for i in part]
-                    whole: list[int] = []
-                    if band == 0:
-                        ok, offset = self._read_heads(part, keys, heads, rows, end, headers, whole)
-                    else:
-                        offset = 0
-                        ok = self.store.select_tensors_into(
-                            keys,
-                            [headers[i] for i in part],  # type: ignore[misc]
-                            list(rows),
-                            first,
-                            end,
-                            connections=self.connections,
+        plan = _BandPlan(self, list(block_ids), list(hashes), list(bands))
+        spec = plan.next()
+        ahead: tuple[Future[BandPiece], torch.Tensor] | None = None
+        try:
+            while spec is not None:
+                if not spec.part:  # every block failed an earlier band: it lands, empty
+                    yield BandPiece(self, spec.band, spec.layers, [], [], _EMPTY, 0, _EMPTY, True)
+                    spec = plan.next()
+                    continue
+                piece = None
+                if ahead is not None:
+                    (fetched, spare), ahead = ahead, None
+                    try:
+                        piece = fetched.result()  # raises what the read-ahead raised
+                    except CancelledError:  # its executor shut down before it ran
+                        self._load_pool.release(spare)
+                if piece is None:
+                    buf = self._load_pool.acquire(timeout_s)
+                    if buf is None:
+                        raise StagingBusyError(
+                            f"no load staging buffer came free in {timeout_s:.2f}s; raise "
+                            "max_inflight_bytes if loads often wait"
                         )
-                        for i, good in zip(part, ok, strict=True):
-                            if not good:
-                                headers[i] = None
-                    piece = BandPiece(
-                        self,
-                        band,
-                        (first, end),
-                        [block_ids[i] for i in part],
-                        ok,
-                        rows,
-                        offset,
-                        buf,
-                        last_of_band=n == len(starts) - 1 and not whole,
-                    )
-                except BaseException:
-                    self._load_pool.release(buf)
-                    raise
+                    piece = self._fetch_piece(plan, spec, buf)
+                whole = plan.whole
+                plan.whole = []
+                following = plan.next()  # (what it reads depends on what this one found)
+                if following is not None and following.part and not whole:
+                    ahead = self._read_piece_ahead(plan, following)
                 try:
                     yield piece
                 finally:
-                    self._load_pool.release(buf)
+                    self._load_pool.release(piece.buffer)
                 if whole:  # read whole, after this piece's buffer went back
-                    chunks = self.receive(
-                        [block_ids[i] for i in whole], [hashes[i] for i in whole],
-                        timeout_s=timeout_s,
-                    )  # fmt: skip
-                    try:
-                        last = -(-len(whole) // self.chunk_blocks) - 1
-                        for c, chunk in enumerate(chunks):  # its buffer is held until the next
-                            yield BandPiece(
-                                self, band, (first, end), [], [], chunk.rows[:0], 0,
-                                chunk.buffer, n == len(starts) - 1 and c == last, [chunk],
-                            )  # fmt: skip
-                    finally:
-                        chunks.close()
+                    yield from self._whole_pieces(whole, spec, timeout_s)
+                spec = following
+        finally:
+            if ahead is not None:
+                fetched, spare = ahead
+                fetched.add_done_callback(functools.partial(self._abandoned, spare))
+
+    def _fetch_piece(self, plan: _BandPlan, spec: _PieceSpec, buf: torch.Tensor) -> BandPiece:
+        """Receive one piece into ``buf``; on an error ``buf`` is released and it is raised."""
+        try:
+            part = spec.part
+            rows = buf[: len(part) * spec.row_bytes].view(len(part), spec.row_bytes)
+            keys = [plan.hashes[i] for i in part]
+            first, end = spec.layers
+            if spec.band == 0:
+                ok, offset = self._read_heads(
+                    part, keys, plan.heads, rows, end, plan.headers, plan.whole
+                )
+            else:
+                offset = 0
+                ok = self.store.select_tensors_into(
+                    keys,
+                    [plan.headers[i] for i in part],  # type: ignore[misc]
+                    list(rows),
+                    first,
+                    end,
+                    connections=self.connections,
+                )
+                for i, good in zip(part, ok, strict=True):
+                    if not good:
+                        plan.headers[i] = None
+            return BandPiece(
+                self,
+                spec.band,
+                spec.layers,
+                [plan.block_ids[i] for i in part],
+                ok,
+                rows,
+                offset,
+                buf,
+                last_of_band=spec.last_of_band and not plan.whole,
+            )
+        except BaseException:
+            self._load_pool.release(buf)
+            raise
+
+    def _read_piece_ahead(
+        self, plan: _BandPlan, spec: _PieceSpec
+    ) -> tuple[Future[BandPiece], torch.Tensor] | None:
+        """Start receiving ``spec`` on the prefetch executor, if there is one, a staging
+        buffer is free and no load waits for one (reading ahead never delays a load)."""
+        if self.prefetch is None:
+            return None
+        spare = self._load_pool.try_acquire_spare()
+        if spare is None:
+            return None
+        try:
+            return self.prefetch.submit(self._fetch_piece, plan, spec, spare), spare
+        except RuntimeError:  # the executor was shut down: no reading ahead
+            self._load_pool.release(spare)
+            return None
+
+    def _whole_pieces(
+        self, whole: list[int], spec: _PieceSpec, timeout_s: float | None
+    ) -> Generator[BandPiece, None, None]:
+        """Band 0's values that could not be read by ranges, received whole a chunk at a time
+        (each chunk's buffer is held until the caller asks for the next)."""
+        plan_ids = spec.plan.block_ids
+        chunks = self.receive(
+            [plan_ids[i] for i in whole], [spec.plan.hashes[i] for i in whole], timeout_s=timeout_s
+        )
+        try:
+            last = -(-len(whole) // self.chunk_blocks) - 1
+            for c, chunk in enumerate(chunks):
+                yield BandPiece(
+                    self, spec.band, spec.layers, [], [], chunk.rows[:0], 0, chunk.buffer,
+                    spec.last_of_band and c == last, [chunk],
+                )  # fmt: skip
+        finally:
+            chunks.close()
 
     def _read_heads(
         self,
@@ -564,7 +603,7 @@ class BlockMover:
             self._load_pool.release(buf)
             raise
 
-    def _abandoned(self, spare: torch.Tensor, fetched: Future[LoadChunk]) -> None:
+    def _abandoned(self, spare: torch.Tensor, fetched: Future[Any]) -> None:
         """A prefetched chunk nobody will copy in: its buffer goes back (a failed fetch gave it
         back itself); its error is logged (the load it belonged to has ended, and said how)."""
         if fetched.cancelled() or fetched.exception() is None:
@@ -701,6 +740,57 @@ class BlockMover:
         if stream is None:
             stream = self._load_streams.stream = torch.cuda.Stream(device=self.kv.device)
         return stream
+
+
+@dataclass
+class _PieceSpec:
+    """One piece of a band load: which blocks (indices into the load's), into rows how wide."""
+
+    plan: _BandPlan
+    band: int
+    layers: tuple[int, int]
+    part: list[int]
+    row_bytes: int
+    last_of_band: bool
+
+
+class _BandPlan:
+    """What a band load reads next, from what it found so far: band 0 of every block, then
+    each later band of the blocks whose head was read by ranges and whose bands all arrived."""
+
+    def __init__(
+        self,
+        mover: BlockMover,
+        block_ids: list[int],
+        hashes: list[str],
+        bands: list[tuple[int, int]],
+    ) -> None:
+        self.block_ids, self.hashes, self.bands = block_ids, hashes, bands
+        self.heads = [mover.value_header_bytes(h) for h in hashes]  # expected header lengths
+        # per block: the header later bands are read by (None: failed, or read whole)
+        self.headers: list[ValueHeader | None] = [None] * len(hashes)
+        self.whole: list[int] = []  # band 0's blocks to read whole, found by the last piece
+        self._mover = mover
+        self._pieces = self._specs()
+
+    def next(self) -> _PieceSpec | None:
+        return next(self._pieces, None)
+
+    def _specs(self) -> Generator[_PieceSpec, None, None]:
+        buffer_bytes = self._mover._load_pool.buffer_bytes
+        for band, (first, end) in enumerate(self.bands):
+            span = (end - first) * self._mover.layer_raw_bytes
+            if band == 0:
+                todo = list(range(len(self.hashes)))
+                row_bytes = _aligned(max(self.heads, default=0) + span)
+            else:  # decided now: the band before has been received in full
+                todo = [i for i, h in enumerate(self.headers) if h is not None]
+                row_bytes = _aligned(span)
+            per_buffer = max(1, buffer_bytes // row_bytes)
+            starts = list(range(0, len(todo), per_buffer)) or [0]
+            for n, start in enumerate(starts):
+                part = todo[start : start + per_buffer]
+                yield _PieceSpec(self, band, (first, end), part, row_bytes, n == len(starts) - 1)
 
 
 _EMPTY = torch.empty(0, 0, dtype=torch.uint8)

@@ -1,5 +1,8 @@
-"""The data mover on a GPU: save and load GB/s, the forward-path cost of saving, and host-to-
-device from pinned staging against the machine's own pinned bandwidth.
+"""The data mover on a GPU: save and load GB/s, the forward-path cost of saving, host-to-
+device from pinned staging against the machine's own pinned bandwidth, and the split path: a
+layer-by-layer load (``datamover.LayeredLoad``) of the same blocks, when each band of layers
+lands, and how long a stand-in forward pass waits before each layer (without compute, and
+with each layer computing for as long as the whole load takes per layer: the break-even).
 
 Needs only PyTorch (with CUDA for the GPU figures), redis-py and a ``redis-server`` binary -- no
 vLLM. Synthetic paged KV caches of Llama-3-8B geometry (32 layers, 8 KV heads, head size 128,
@@ -17,14 +20,16 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import redis
 import torch
 
-from datamover import BlockMover, SaveItem
+from datamover import BlockMover, LayeredLoad, SaveItem
 from kvstore import LookupBuffer, chain_hashes
 from testing.redis_server import RedisServer
 
@@ -108,6 +113,43 @@ def compute_held_ms(
     return out
 
 
+def layered_load(
+    loader: BlockMover,
+    dst_ids: list[int],
+    hashes: list[str],
+    layer_compute_s: float,
+    band_bytes: int,
+) -> dict[str, Any]:
+    """One split load of ``hashes`` into ``dst_ids`` while a stand-in forward pass runs each
+    layer for ``layer_compute_s`` after waiting for it (CUDA: the wait, then a sleep standing
+    for the layer's kernels); when each band landed, how long each wait held its layer."""
+    bands = loader.layer_bands(band_bytes)
+    load = LayeredLoad(
+        [loader], dst_ids, hashes, bands, time.monotonic() + 120, after=loader.compute_fence()
+    )
+    runner = threading.Thread(target=load.run)
+    t0 = time.perf_counter()
+    runner.start()
+    waits = []
+    for layer in range(len(loader.kv.names)):
+        w0 = time.perf_counter()
+        assert load.wait(layer), load.error
+        waits.append((time.perf_counter() - w0) * 1e3)
+        if layer_compute_s:
+            time.sleep(layer_compute_s)
+    total = time.perf_counter() - t0
+    runner.join()
+    assert load.finish() == [], "a layered load failed"
+    return {
+        "bands": len(bands),
+        "GBps": load.nbytes / (load.landed_s or total) / 1e9,
+        "forward_s": total,
+        "band_landed_ms": [round(t * 1e3, 2) for t in load.band_landed_s],
+        "wait_ms_per_layer": [round(w, 2) for w in waits],
+        "stall_ms": round(load.stall_s * 1e3, 2),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -135,7 +177,12 @@ def main() -> int:
         client = redis.Redis.from_url(server.url)
         store = LookupBuffer(client, namespace="gpu", layout={"bench": "gpu"})
         kw = {"max_inflight_bytes": args.max_inflight_mib << 20, "connections": args.connections}
-        saver, loader = BlockMover(src, store, **kw), BlockMover(dst, store, **kw)
+        # the loader reads ahead on threads of its own, as the connector's worker does
+        prefetch = ThreadPoolExecutor(2, thread_name_prefix="bench-prefetch")
+        saver, loader = (
+            BlockMover(src, store, **kw),
+            BlockMover(dst, store, prefetch=prefetch, **kw),
+        )
         block_bytes = saver.raw_bytes
         results["block_bytes"] = block_bytes
         results["chunk_blocks"] = saver.chunk_blocks
@@ -178,6 +225,23 @@ def main() -> int:
             results["staging_to_cache_vs_pinned_h2d"] = (
                 results["staging_to_cache_GBps"] / results["pinned_h2d_GBps"]
             )
+
+        # -- the split path: the same blocks, band by band, a stand-in forward pass waiting
+        split: dict[str, Any] = {}
+        hashes = chain_hashes([args.rounds - 1, *range(args.blocks * 16 - 1)], 16)
+        dst_ids = [args.blocks + 8 + i for i in range(args.blocks)]
+        whole_s = statistics.median(load_s)
+        for name, per_layer in (("no compute", 0.0), ("break-even", whole_s / args.layers)):
+            runs = [
+                layered_load(loader, dst_ids, hashes, per_layer, 32 << 10)
+                for _ in range(args.rounds)
+            ]
+            split[name] = min(runs, key=lambda r: r["forward_s"])  # the median is below
+            split[name]["forward_s_median"] = statistics.median(r["forward_s"] for r in runs)
+        for name in src:
+            assert torch.equal(dst[name][args.blocks + 8 :], src[name][: args.blocks])
+        split["GBps_vs_whole_load"] = split["no compute"]["GBps"] / results["load_GBps"]
+        results["split"] = split
 
         # -- the forward path: stage_saves while the GPU is busy with a stand-in forward pass
         per_step: dict[str, float] = {}

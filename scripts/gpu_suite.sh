@@ -35,7 +35,7 @@ fi
 export PYTHONUNBUFFERED=1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 set +e
-python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_datamover.py 2>&1 | tee "$OUT_DIR/pytest.log"
+python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_datamover.py tests/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 python3 -m scripts.bench_gpu --out "$OUT_DIR/gpu.json" 2>&1 | tee "$OUT_DIR/bench.log"
 brc=${PIPESTATUS[0]}

@@ -18,6 +18,11 @@ longer to read than to compute at every length the model takes). The bandwidth a
 needs is the rate at which it would compute the same tokens: ``kv bytes per token x prefill
 tokens/s`` per GPU, and over the whole deployment for Redis shards.
 
+Each way the connector can serve a hit (``connector.load_policy``) is then predicted with the
+policy's own model: ``async`` loads it all first (``load(L)``), ``split`` loads its first part
+layer band by layer band while the forward pass computes the rest (the two overlap), and
+``auto`` takes the fastest of those and ``recompute``.
+
     python -m scripts.perf_model [--mfu 0.5] [--markdown] [--plot docs/plots/perf_model.png]
 """
 
@@ -30,7 +35,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from connector.figures import ComputeFit, LoadFit
+from connector.load_policy import Hit, choose
+from datamover.mover import layer_bands
+
 ROOT = Path(__file__).resolve().parents[1]
+# what the connector's defaults give a split: 16-token blocks, bands of at least 32 KiB
+BLOCK_TOKENS = 16
+SPLIT_BAND_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,28 @@ class Deployment:
                 lo = mid + 1
         return lo
 
+    def policies(
+        self, tokens: int, gbps_per_gpu: float, mfu: float, overhead_s: float
+    ) -> tuple[dict[str, float], str]:
+        """TTFT of a cached prefix of ``tokens`` per way (seconds), by the load policy's own
+        model with this deployment's figures, and what ``auto`` picks."""
+        peak = self.gpus * self.gpu.dense_tflops * 1e12 * mfu
+        m = self.model
+        compute = ComputeFit(
+            step_s=0.0,
+            token_s=2 * m.active_params / peak,
+            attention_s=m.layers * 2 * m.heads * (m.qk_dim + m.v_dim) / peak,
+            samples=0,
+        )
+        loads = LoadFit(overhead_s, gbps_per_gpu * 1e9, samples=0)
+        block = BLOCK_TOKENS * self.kv_bytes_per_rank
+        bands = len(layer_bands(m.layers, int(block / m.layers), SPLIT_BAND_BYTES))
+        hit = Hit(0, tokens // BLOCK_TOKENS, tokens, BLOCK_TOKENS, int(block), bands)
+        decision = choose(hit, loads, compute)
+        times = dict(decision.predicted_s)
+        times["auto"] = times[decision.way.value]
+        return times, decision.way.value
+
     def needed_gbps_per_gpu(self, tokens: int, mfu: float, overhead_s: float) -> float:
         """Store bandwidth per GPU at which loading a prompt (its overhead included) takes as
         long as computing it; infinite where computing it takes less than the overhead."""
@@ -148,15 +182,19 @@ class Measured:
     gpu_file: str
     shard_load_gbps: float  # one Redis master, loads of 2 MiB blocks, CPU VM client (2 cores)
     shard_file: str
+    h200_load_gbps: float  # the same on the H200 host
+    h200_file: str
 
     @classmethod
     def from_docs(cls) -> Measured:
         gpu_file = "docs/gpu/h100-2026-11-23b.json"
+        h200_file = "docs/gpu/h200-2026-11-26.json"
         shard_file = "docs/shards-2026-11-23.json"
         gpu = json.loads((ROOT / gpu_file).read_text())
+        h200 = json.loads((ROOT / h200_file).read_text())
         shards = json.loads((ROOT / shard_file).read_text())
         return cls(gpu["load_GBps"], gpu_file, shards["gbps"]["standalone"]["kvstore load"],
-                   shard_file)  # fmt: skip
+                   shard_file, h200["load_GBps"], h200_file)  # fmt: skip
 
 
 LENGTHS = (1024, 4096, 16384, 65536)
@@ -203,6 +241,7 @@ def report(mfu: float, overhead_s: float, measured: Measured, fast_gbps: float) 
             cells.append(f"{ms(d.recompute_s(n, mfu))} / {ms(d.load_s(n, b, overhead_s))} / "
                          f"{ms(d.load_s(n, fast_gbps, overhead_s))}")  # fmt: skip
         out.append(f"| {d.model.name}, {d.gpus}x {d.gpu.name} | " + " | ".join(cells) + " |")
+    out.append(policy_table(mfu, overhead_s, measured))
     out.append("\nRedis shards to serve an instance at its full prefill rate (2k prompts all "
                f"loaded), at {measured.shard_load_gbps:.2f} GB/s per shard (measured: "
                f"{measured.shard_file}):\n")  # fmt: skip
@@ -214,6 +253,36 @@ def report(mfu: float, overhead_s: float, measured: Measured, fast_gbps: float) 
         total = tps * d.kv_bytes_per_rank * d.gpus / 1e9
         shards = math.ceil(total / measured.shard_load_gbps)
         out.append(f"| {d.model.name}, {d.gpus}x {d.gpu.name} | {total:.1f} | {shards} |")
+    return "\n".join(out)
+
+
+POLICY_LENGTHS = (4096, 16384)
+
+
+def policy_table(mfu: float, overhead_s: float, measured: Measured) -> str:
+    """TTFT of the cached prefix per way at the bandwidths measured on the H100 and H200 hosts
+    and at 4 GB/s per GPU."""
+    out = [
+        "\nTTFT of the cached prefix per way the connector serves it (ms: recompute / async / "
+        "split / auto, and what auto picks; the load policy's own model, idle engine; "
+        f"{measured.gpu_load_gbps:.2f} and {measured.h200_load_gbps:.2f} GB/s measured: "
+        f"{measured.gpu_file}, {measured.h200_file}):\n"
+    ]
+    speeds = (measured.gpu_load_gbps, measured.h200_load_gbps, 4.0)
+    head = " | ".join(f"{n // 1024}k at {b:.2f} GB/s" for b in speeds for n in POLICY_LENGTHS)
+    out.append(f"| deployment | {head} |")
+    out.append("| --- |" + " --- |" * (len(speeds) * len(POLICY_LENGTHS)))
+    for d in DEPLOYMENTS:
+        cells = []
+        for b in speeds:
+            for n in POLICY_LENGTHS:
+                if n > d.model.max_len:
+                    cells.append("beyond context")
+                    continue
+                t, pick = d.policies(n, b, mfu, overhead_s)
+                cells.append(" / ".join(ms(t[w]) for w in ("recompute", "async", "split", "auto"))
+                             + f" ({pick})")  # fmt: skip
+        out.append(f"| {d.model.name}, {d.gpus}x {d.gpu.name} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,14 +22,22 @@ LAYERS = 4
 BANDS = [(0, 1), (1, 2), (2, 4)]
 
 
-def saved(device: str, blocks: int = 10) -> tuple[Any, Any, BlockMover, list[str], LookupBuffer]:
+PREFETCH = ThreadPoolExecutor(2, thread_name_prefix="test-prefetch")
+
+
+def saved(
+    device: str, blocks: int = 10, prefetch: bool = False
+) -> tuple[Any, Any, BlockMover, list[str], LookupBuffer]:
     src = caches(device, layers=LAYERS, blocks=32)
     dst = caches(device, layers=LAYERS, blocks=32, seed=None)
     store = store_on(own_fake_client())
     hashes = chain_hashes(list(range(blocks * 16)), 16)
     save_all(BlockMover(src, store, max_inflight_bytes=64 << 20), list(range(blocks)), hashes)
     # small staging: a band spans several pieces
-    return src, dst, BlockMover(dst, store, max_inflight_bytes=2 << 20), hashes, store
+    loader = BlockMover(
+        dst, store, max_inflight_bytes=2 << 20, prefetch=PREFETCH if prefetch else None
+    )
+    return src, dst, loader, hashes, store
 
 
 def same(src: Any, dst: Any, layer: int, src_ids: list[int], dst_ids: list[int]) -> bool:
@@ -36,9 +45,10 @@ def same(src: Any, dst: Any, layer: int, src_ids: list[int], dst_ids: list[int])
     return bool(torch.equal(src[name][src_ids].cpu(), dst[name][dst_ids].cpu()))
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_each_band_lands_before_its_wait_returns(device: str) -> None:
-    src, dst, mover, hashes, _ = saved(device)
+def test_each_band_lands_before_its_wait_returns(device: str, prefetch: bool) -> None:
+    src, dst, mover, hashes, _ = saved(device, prefetch=prefetch)
     dst_ids = list(range(20, 30))
     load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
     runner = threading.Thread(target=load.run)
@@ -50,6 +60,33 @@ def test_each_band_lands_before_its_wait_returns(device: str) -> None:
     assert load.finish() == []
     assert load.landed_s is not None and load.error is None
     assert load.nbytes == 10 * mover.raw_bytes
+    assert len(load.band_landed_s) == len(BANDS)
+    assert len(mover._load_pool._free) == mover._load_pool.count  # every buffer back
+
+
+def test_a_load_ended_with_a_piece_read_ahead_gives_its_staging_back() -> None:
+    _, dst, mover, hashes, store = saved("cpu", prefetch=True)
+    opened = threading.Event()
+    real = store.select_tensors_into
+
+    def held(*a: Any, **k: Any) -> Any:
+        opened.wait(30)
+        return real(*a, **k)
+
+    store.select_tensors_into = held  # type: ignore[method-assign]
+    dst_ids = list(range(20, 30))
+    load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 0.2)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    assert load.wait(0)
+    assert not load.wait(1)  # band 1's pieces are held (one of them read ahead)
+    opened.set()
+    runner.join(10)
+    deadline = time.monotonic() + 10
+    while len(mover._load_pool._free) != mover._load_pool.count:  # the read-ahead
+        assert time.monotonic() < deadline, "a staging buffer was never given back"
+        time.sleep(0.01)
+    assert not dst["model.layers.1.self_attn"][dst_ids].any()
 
 
 def test_a_band_late_past_the_deadline_ends_the_load_and_is_never_written() -> None:
