@@ -68,3 +68,6 @@ class RedisConnectorMetadata(KVConnectorMetadata):
     # tokens, and their context work (tokens x the context each attends to)
     step_tokens: int = 0
     step_attention: float = 0.0
+    # blocks to report failed with this step's output: left wrong in vLLM's prefix cache by a
+    # failed split, about to be read by this step's requests (the scheduler's _taint)
+    reject_blocks: list[int] = field(default_factory=list)

@@ -164,6 +164,7 @@ class _RequestState:
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
+    computed_tokens: int = 0  # what its last scheduled step leaves computed (vLLM's view)
     saved_blocks: int = 0  # leading blocks of save_hashes saved or known to be in Redis
     save_start: int | None = None  # saved_blocks when the first save was planned
     opening: Future[None] | None = None  # the "pending" record being written
@@ -210,6 +211,9 @@ class RedisConnectorScheduler:
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
         self._splits_running: list[str] = []
+        # block ids (first KV-cache group) vLLM's prefix cache holds with wrong KV after a
+        # failed split, until computed again (``_taint``)
+        self._tainted: set[int] = set()
         self.events = events  # KV events for routers, when vLLM publishes them
         self.layout = layout
         self.block_size = layout.block_size
@@ -703,6 +707,8 @@ class RedisConnectorScheduler:
             outcome = self._load_outcomes.get(owner[0])
             if outcome is not None:  # vLLM recomputes from the first failed block on
                 outcome[2] = min(outcome[2], owner[1])
+            if owner[0] in self._splits_running:  # (a failed async load was never cached)
+                self._taint(*owner)
             st = self._reqs.get(owner[0])
             if st is not None and st.same_chain:
                 # share mode: save the recomputed block again, so the bad value is replaced
@@ -801,26 +807,11 @@ class RedisConnectorScheduler:
             step_attention=attention,
         )
         self._pending_loads, self._pending_commits = [], []
+        progress, fresh = self._track_block_tables(scheduler_output)
+        if self._tainted:
+            meta.reject_blocks = self._screen_tainted(scheduler_output, progress, fresh, meta)
         if not self.config.saves:
             return meta
-        progress: list[tuple[str, int]] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is not None:
-                st.block_ids = self._per_group(new.block_ids)
-                progress.append((new.req_id, new.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids or not st.block_ids:
-                st.block_ids = self._per_group(new_ids)
-            elif new_ids:
-                for ids, more in zip(st.block_ids, self._per_group(new_ids), strict=True):
-                    ids.extend(more)
-            progress.append((req_id, cached.num_computed_tokens[i]))
         for req_id, computed in progress:
             st = self._reqs[req_id]
             if st.phase is not Phase.RUNNING:
@@ -852,6 +843,95 @@ class RedisConnectorScheduler:
         if self._state_groups:
             meta.saves += self._state_saves(scheduler_output)
         return meta
+
+    def _track_block_tables(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[tuple[str, int]], dict[str, list[int]]]:
+        """Keep each scheduled request's block table; (request, tokens computed before this
+        step) of each, and the blocks vLLM allocated it afresh (first KV-cache group)."""
+        progress: list[tuple[str, int]] = []
+        fresh: dict[str, list[int]] = {}
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = self._per_group(new.block_ids)
+                progress.append((new.req_id, new.num_computed_tokens))
+                st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                first = new.num_computed_tokens // self.block_size  # (before: cached hits)
+                fresh[new.req_id] = st.block_ids[0][first:] if st.block_ids else []
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i]
+            if req_id in cached.resumed_req_ids or not st.block_ids:
+                st.block_ids = self._per_group(new_ids)
+                first = computed // self.block_size
+                fresh[req_id] = st.block_ids[0][first:] if st.block_ids else []
+            elif new_ids:
+                more_ids = self._per_group(new_ids)
+                for ids, more in zip(st.block_ids, more_ids, strict=True):
+                    ids.extend(more)
+                fresh[req_id] = more_ids[0] if more_ids else []
+            progress.append((req_id, computed))
+            st.computed_tokens = computed + scheduled.get(req_id, 0)
+        return progress, fresh
+
+    def _taint(self, req_id: str, position: int) -> None:
+        """A split of ``req_id`` failed from chain position ``position``: vLLM keeps its blocks
+        from there on in its prefix cache (it allocated them cached, and under
+        kv_load_failure_policy=recompute does not evict them) holding KV that is wrong -- not
+        loaded, or computed over what was not. Its request computes them again; until a
+        request has, no other may run on them (``_screen_tainted``)."""
+        st = self._reqs.get(req_id)
+        if st is not None and st.block_ids:  # (only full blocks are cached)
+            self._tainted.update(st.block_ids[0][position : st.computed_tokens // self.block_size])
+
+    def _screen_tainted(
+        self,
+        scheduler_output: SchedulerOutput,
+        progress: list[tuple[str, int]],
+        fresh: dict[str, list[int]],
+        meta: RedisConnectorMetadata,
+    ) -> list[int]:
+        """The tainted blocks (``_taint``) this step's requests would run on: reported as
+        failed blocks with this step's output, so vLLM drops those requests' tokens and
+        computes the blocks again -- the same path as a failed load. A block is clean again
+        once vLLM handed it out afresh (its old prefix-cache entry is gone) or a request whose
+        own context is clean computed all of it. A request whose context holds a tainted block
+        taints what it computes too (vLLM caches it when it allocates it, so another request
+        of the same step may read it): settled until nothing changes."""
+        bs = self.block_size
+        context: dict[str, list[int]] = {}  # blocks each request's step runs on, computed
+        whole: dict[str, list[int]] = {}  # blocks it completes from their first token on
+        cached: dict[str, list[int]] = {}  # full blocks it computes (vLLM caches them)
+        for req_id, computed in progress:
+            ids = self._reqs[req_id].block_ids
+            table = ids[0] if ids else []
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            context[req_id] = table[: computed // bs]
+            whole[req_id] = table[-(-computed // bs) : done // bs]
+            cached[req_id] = table[computed // bs : done // bs]
+        for handed_out in fresh.values():  # out of the prefix cache: what it held is gone
+            self._tainted.difference_update(handed_out)
+        for spec in meta.loads:  # written whole by a load (a failed one taints anew)
+            self._tainted.difference_update(spec.block_ids[0] if spec.block_ids else [])
+        bad: set[str] = set()
+        while True:
+            cleaned = {b for r, ids in whole.items() if r not in bad for b in ids}
+            tainted = (self._tainted | {b for r in bad for b in cached[r]}) - cleaned
+            now_bad = {r for r, ids in context.items() if any(b in tainted for b in ids)}
+            if now_bad <= bad:
+                break
+            bad |= now_bad
+        rejected = {b for r in bad for b in context[r] if b in tainted}
+        self._tainted = tainted
+        if rejected:
+            self.stats.add(tainted_blocks_rejected=len(rejected))
+        return sorted(rejected)
 
     def _positional_blocks(self, st: _RequestState) -> int:
         """The blocks every attention group's table holds (a state group's table is as long

@@ -121,6 +121,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_tokens_recompute_chosen",
         "Prompt tokens found in Redis that the load policy chose to compute instead",
     ),
+    "tainted_blocks_rejected": (
+        "vllm:redis_kv_tainted_blocks_rejected",
+        "Blocks a failed split left wrong in vLLM's prefix cache (its request gone before "
+        "computing them again) that another request was about to run on: recomputed instead",
+    ),
     "split_loads_failed": (
         "vllm:redis_kv_split_loads_failed",
         "Split loads whose bands did not all land in their forward pass (their blocks were "

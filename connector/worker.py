@@ -331,6 +331,9 @@ class RedisConnectorWorker:
         here, and acted on after this step's saves are staged (or in ``get_finished``)."""
         with self._lock:
             self._commits_received.extend(meta.commits)
+            # blocks a failed split left wrong, which this step's requests would read: vLLM
+            # recomputes them from this step's output on
+            self._failed_block_ids.update(meta.reject_blocks)
         now = time.monotonic()
         # on this thread, which launches the forward passes: the blocks these loads write may
         # still have writes of an earlier step pending on the GPU

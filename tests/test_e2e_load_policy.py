@@ -20,7 +20,9 @@ Whether vLLM issue #49250 (wrong output after a connector rejects a synchronous 
 this path: a split whose first block is damaged in Redis fails in its forward pass; vLLM drops
 that step's token and computes the prompt again (vLLM's V1 model runner, synchronous
 scheduling: what the connector requires before it splits). The answer must equal the cold
-pass's, bit for bit.
+pass's, bit for bit. (The other half of #49250's fix in vLLM -- blocks of a failed synchronous
+load left in the prefix cache when their request goes away first -- is the connector's to
+guard against: ``tests/test_split_loads.py`` and the fuzzer, on vLLM's real scheduler.)
 """
 
 from __future__ import annotations

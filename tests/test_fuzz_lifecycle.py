@@ -2,7 +2,8 @@
 sides (``testing.sim_engine``), on fakeredis and on a real redis-server.
 
 Random interleavings of: new requests (shared prefixes, ``cache_salt``, LoRA adapters, prompt
-embeddings, prompts shorter than a block), aborts in every state, preemption, allocation
+embeddings, prompts shorter than a block; one instance of each pair serves its hits as split
+loads, layer by layer in the forward pass), aborts in every state, preemption, allocation
 failures (a small KV cache), loads and saves that are slow, fail, or meet corrupt or foreign
 values, blocks evicted, a store that goes away and comes back (the breaker), the KV cache put
 to sleep and woken, vLLM's prefix cache reset. Share mode runs two instances on one pool;
@@ -297,6 +298,14 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.fates: list[tuple[SimEngine, str, str, int]] = []  # (engine, request, what, steps)
         self.answers: list[str] = []  # deadline violations of lookup answers
 
+    def splitting(self) -> dict[str, Any]:
+        """An instance that serves every hit as a split load (a synchronous, layer-by-layer
+        load in the forward pass: ``load_policy``), in bands of one layer; the hybrid engines
+        cannot split (several KV-cache groups), so theirs loads as the others do."""
+        if self.engine is not SimEngine:
+            return {}
+        return {"load_policy": "split", "split_band_bytes": 16 << 10}
+
     def make(self, role: str, **kw: Any) -> SimEngine:
         cfg = {**ENGINE, **CONNECTOR, **kw}
         e = self.engine(self.model, role, self.store.url, **cfg)  # type: ignore[arg-type]
@@ -548,7 +557,7 @@ class ShareMachine(LifecycleMachine):
 
     @initialize()
     def start(self) -> None:
-        self.make("kv_both")
+        self.make("kv_both", **self.splitting())
         # KV events on: a finished request is freed only once its saves are confirmed
         self.make("kv_both", kv_events=True)
 
@@ -595,7 +604,7 @@ class ConsumeMachine(LifecycleMachine):
     @initialize()
     def start(self) -> None:
         self.producer = self.make("kv_producer")
-        self.consumers = [self.make("kv_consumer"), self.make("kv_consumer")]
+        self.consumers = [self.make("kv_consumer"), self.make("kv_consumer", **self.splitting())]
         for c in self.consumers:
             self._trace(c)
 

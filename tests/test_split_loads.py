@@ -257,3 +257,34 @@ def test_a_pinned_split_with_measured_figures_loads_the_best_part_and_computes_t
     assert not res.invalid
     reader.run_until_idle()
     assert reader.take_stats()["blocks_loaded"] == loaded
+
+
+def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_recomputed(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """vLLM caches a synchronous load's blocks when it allocates them, and under
+    kv_load_failure_policy=recompute keeps a failed one cached, counting on its request to
+    compute it again. A request aborted before that leaves it in vLLM's prefix cache: the
+    next request with that prefix must not run on it."""
+    tokens = prompt(6 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    store: LookupBuffer = reader.worker.store
+    real = store.select_head_into
+
+    def without_fourth(hashes: Any, *a: Any, **k: Any) -> Any:
+        fake_redis.delete(store.redis_key(hashes[3]))
+        return real(hashes, *a, **k)
+
+    store.select_head_into = without_fourth  # type: ignore[method-assign]
+    reader.add("a", tokens)
+    res = first_step_of(reader, "a")
+    assert res.invalid  # its split failed at the fourth block
+    reader.abort("a")  # before it computes the block again
+    reader.add("b", tokens)  # the same prefix: vLLM's own cache has it
+    reader.run_until_idle()
+    assert reader.finish_reasons["b"] == "length"
+    # b ran on the cached blocks (no lookup beyond them), and was made to compute the bad one
+    # and those after it again, once
+    assert reader.take_stats()["tainted_blocks_rejected"] >= 1
+    assert not reader.connector.scheduler._tainted  # computed again: clean
