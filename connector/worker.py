@@ -358,21 +358,22 @@ class RedisConnectorWorker:
     def _start_split(self, spec: LoadSpec, now: float, fence: Any) -> None:
         """A split load of this step (see the module docstring): started now, on a thread of
         its own; this step's forward pass waits for its layers, its end ends it."""
-        movers = [sm.mover for sm in self._slices[0]] if self._split_bands else []
-        load = LayeredLoad(
-            movers or self.movers[:1],
-            spec.block_ids[0],
-            spec.hashes,
-            self._split_bands or [(0, len(self.movers[0].kv.names))],
-            now + spec.timeout_s,
-            after=fence,
-        )
         with self._lock:
+            if self._asleep or not self._split_bands:
+                # no KV cache to write (asleep), or a layout the scheduler side never splits:
+                # every block failed, reported with this step's output
+                self._failed_block_ids.update(spec.block_ids[0])
+                self.stats.add(split_loads_failed=1)
+                return
+            load = LayeredLoad(
+                [sm.mover for sm in self._slices[0]],
+                spec.block_ids[0],
+                spec.hashes,
+                self._split_bands,
+                now + spec.timeout_s,
+                after=fence,
+            )
             self._splits[spec.req_id] = _Split(spec, load)
-            refused = self._asleep or not movers
-        if refused:  # asleep, or a layout the scheduler side should not have split
-            load.cancel()
-            return
 
         def claim() -> bool:
             return self._claim(spec)

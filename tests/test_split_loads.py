@@ -288,3 +288,29 @@ def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_reco
     # and those after it again, once
     assert reader.take_stats()["tainted_blocks_rejected"] >= 1
     assert not reader.connector.scheduler._tainted  # computed again: clean
+
+
+def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recomputed(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(5 * BS + 1)
+    producer = engines("kv_producer")
+    producer.add("p", tokens)
+    producer.run_until_idle()
+    consumer = engines("kv_consumer", **SPLIT)
+    consumer.add("c", tokens, params=producer.finished_params["p"])
+    for _ in range(200):  # the KV cache sleeps in the step that plans the split
+        consumer.worker_conn.unregister_kv_caches()
+        res = consumer.step()
+        consumer.worker_conn.restore_kv_caches()
+        if res.output.kv_connector_metadata.loads:
+            break
+        time.sleep(0.005)
+    else:
+        raise AssertionError("no split was planned")
+    assert len(res.invalid) == 5  # every block: vLLM computes them
+    consumer.run_until_idle()
+    stats = consumer.take_stats()
+    assert stats["split_loads_failed"] == 1 and "blocks_loaded" not in stats
+    kinds = [parse_key(k.decode()) for k in fake_redis.keys("kv:vllm:*")]
+    assert not [k for k in kinds if k is not None and k.kind in ("block", "handoff")]
