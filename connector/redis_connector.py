@@ -194,6 +194,11 @@ def split_refusal(vllm_config: VllmConfig, layout: KVLayout) -> str | None:
         )
     if vllm_config.parallel_config.pipeline_parallel_size > 1:
         return "pipeline parallelism runs steps concurrently: a split must end with its step"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return (
+            "speculative decoding: vLLM reports a step's failed blocks before its drafter's "
+            "layers run, so a split could not say whether they read what it loaded"
+        )
     return None
 
 

@@ -808,13 +808,15 @@ class RedisConnectorScheduler:
         )
         self._pending_loads, self._pending_commits = [], []
         progress, fresh = self._track_block_tables(scheduler_output)
+        held: set[str] = set()  # requests whose blocks of this step are saved a step later
         if self._tainted:
-            meta.reject_blocks = self._screen_tainted(scheduler_output, progress, fresh, meta)
+            meta.reject_blocks, held = self._screen_tainted(scheduler_output, progress, fresh, meta)
         if not self.config.saves:
             return meta
+        held |= self._reading_splits(progress, meta)
         for req_id, computed in progress:
             st = self._reqs[req_id]
-            if st.phase is not Phase.RUNNING:
+            if st.phase is not Phase.RUNNING or req_id in held:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             full = min(
@@ -890,20 +892,39 @@ class RedisConnectorScheduler:
         if st is not None and st.block_ids:  # (only full blocks are cached)
             self._tainted.update(st.block_ids[0][position : st.computed_tokens // self.block_size])
 
+    def _reading_splits(
+        self, progress: list[tuple[str, int]], meta: RedisConnectorMetadata
+    ) -> set[str]:
+        """This step's requests that run on blocks a split of this step loads (the split's
+        own request, and any whose prefix-cache hit is on them): what they compute depends on
+        the split landing, on every TP rank, which only the step's output says. Their blocks
+        are saved a step later -- never to put KV computed over a failed load in the pool."""
+        loading = {b for spec in meta.loads if spec.layered for b in spec.block_ids[0]}
+        if not loading:
+            return set()
+        bs = self.block_size
+        out = set()
+        for req_id, computed in progress:
+            ids = self._reqs[req_id].block_ids
+            if ids and loading.intersection(ids[0][: computed // bs]):
+                out.add(req_id)
+        return out
+
     def _screen_tainted(
         self,
         scheduler_output: SchedulerOutput,
         progress: list[tuple[str, int]],
         fresh: dict[str, list[int]],
         meta: RedisConnectorMetadata,
-    ) -> list[int]:
+    ) -> tuple[list[int], set[str]]:
         """The tainted blocks (``_taint``) this step's requests would run on: reported as
         failed blocks with this step's output, so vLLM drops those requests' tokens and
         computes the blocks again -- the same path as a failed load. A block is clean again
         once vLLM handed it out afresh (its old prefix-cache entry is gone) or a request whose
         own context is clean computed all of it. A request whose context holds a tainted block
         taints what it computes too (vLLM caches it when it allocates it, so another request
-        of the same step may read it): settled until nothing changes."""
+        of the same step may read it): settled until nothing changes. Returns the blocks to
+        report and the requests that run on them (nothing they compute now is saved)."""
         bs = self.block_size
         context: dict[str, list[int]] = {}  # blocks each request's step runs on, computed
         whole: dict[str, list[int]] = {}  # blocks it completes from their first token on
@@ -931,7 +952,7 @@ class RedisConnectorScheduler:
         self._tainted = tainted
         if rejected:
             self.stats.add(tainted_blocks_rejected=len(rejected))
-        return sorted(rejected)
+        return sorted(rejected), bad
 
     def _positional_blocks(self, st: _RequestState) -> int:
         """The blocks every attention group's table holds (a state group's table is as long

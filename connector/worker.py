@@ -417,12 +417,13 @@ class RedisConnectorWorker:
             splits, self._splits = self._splits, {}
         for req_id, split in splits.items():
             load = split.load
+            sample = load.transfer_sample()  # (before finish: the time it ran)
             failed = load.finish()
             self.stats.add(bytes_loaded=load.nbytes)
             self.stats.observe("split_stall_seconds", load.stall_s)
             self.stats.observe("load_seconds", time.perf_counter() - load.started)
-            if load.landed_s is not None and not failed and load.nbytes:
-                self.stats.sample("load_samples", load.nbytes, load.landed_s)
+            if sample is not None:  # a failed split too: a store that got slower shows
+                self.stats.sample("load_samples", *sample)
             if load.misfits:
                 self._warn(
                     "layout",

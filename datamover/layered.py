@@ -75,13 +75,35 @@ class LayeredLoad:
     def ended(self) -> bool:
         return self._ended
 
+    def band_bytes(self, band: int) -> int:
+        """The bytes of every block's band ``band`` (one mover's)."""
+        first, end = self.bands[band]
+        return len(self.block_ids) * (end - first) * self.movers[0].layer_raw_bytes
+
+    def transfer_sample(self) -> tuple[int, float] | None:
+        """(bytes, seconds) this load says of the store's bandwidth: its bytes and the time
+        every band took to land; for a load that ended first, what landed plus the band it
+        was waiting for, over the time it ran -- an upper bound, so a store that got slower
+        is noticed by failed loads too. None when it says nothing (an error, nothing asked)."""
+        if self.landed_s is not None:
+            return (self.nbytes, self.landed_s) if self.nbytes else None
+        if self.error is not None or not self.block_ids:
+            return None
+        waiting = min(self._landed, len(self.bands) - 1)
+        nbytes = self.nbytes + self.band_bytes(waiting) * len(self.movers)
+        return nbytes, time.perf_counter() - self.started
+
     def run(self, before: Callable[[], bool] | None = None) -> None:
         """Receive and write band by band until every band landed or the load ended.
         ``before()`` runs first (consume mode: the handoff's claim); False fails the load.
         Never raises: an error ends the load (``error``)."""
         try:
+            if self._ended:  # ended before its thread ran (its deadline, a cancel)
+                return
             if before is not None and not before():
                 self._end()
+                return
+            if self._ended:
                 return
             pieces = [
                 m.receive_bands(
@@ -96,6 +118,8 @@ class LayeredLoad:
                 for band in range(len(self.bands)):
                     for generator in pieces:
                         while True:
+                            if self._ended:  # nobody will read what comes: stop reading
+                                return
                             piece = next(generator)
                             if not self._write(piece):
                                 return

@@ -618,9 +618,13 @@ class BlockMover:
 
     def _payload_offset(self, row: torch.Tensor, value: Mapping[str, torch.Tensor]) -> int | None:
         """Where the value's layers start in ``row`` when they lie there back to back (the
-        value was received in place, uncompressed); else None."""
+        value was received in place, uncompressed) at an offset the cache's dtype can be
+        viewed at; else None (the layers are then stacked: a valid value whose header was
+        not padded puts its payload at any byte)."""
         base = row.data_ptr()
         first = next(iter(value.values())).data_ptr() - base
+        if first % self.kv.dtype.itemsize:
+            return None
         layer_bytes = self.raw_bytes // len(self.kv.names)
         for layer, t in enumerate(value.values()):
             at = first + layer * layer_bytes

@@ -107,6 +107,9 @@ def make_configs(
             max_model_len=4096,
             enable_chunked_prefill=True,
             is_encoder_decoder=False,
+            # the simulator steps synchronously, as vLLM's CPU platform does (0.33 would
+            # otherwise default to asynchronous scheduling)
+            async_scheduling=False,
         ),
         cache_config=CacheConfig(block_size=BS, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(

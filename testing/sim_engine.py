@@ -141,6 +141,7 @@ class SimEngine:
         # this step's forward pass: the layers that ran, and the split loads it carries
         self._layers_run: set[int] = set()
         self._splits: dict[str, list[int]] = {}  # request -> the block ids it loads
+        self._admitted: set[str] = set()
         self._split_checks: list[tuple[str, int, str]] = []  # (request, block, violation)
         self.layers_waited: list[str] = []  # wait_for_layer_load calls, in order (all steps)
         # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
@@ -214,6 +215,11 @@ class SimEngine:
         split = req_id in self._splits
         for b in block_ids:
             owners = self.owners.get(b, set())
+            if split:
+                # vLLM caches a synchronous load's blocks when it allocates them, so a request
+                # admitted later in the same step may run on them as a prefix-cache hit: it
+                # reads each layer after that layer's wait, once the split's band landed
+                owners = {o for o in owners if o[0] not in self._admitted or o[0] == req_id}
             if req is None or owners != {(req_id, group)}:
                 self.write_violations.append(
                     f"group {group} block {b} written for {req_id} while vLLM gives it to "
@@ -282,6 +288,9 @@ class SimEngine:
         conn.bind_connector_metadata(meta)
         self._layers_run = set()
         self._splits = {s.req_id: list(s.block_ids[0]) for s in meta.loads if s.layered}
+        # requests whose block table vLLM (re)built in this step's scheduling
+        cached = out.scheduled_cached_reqs
+        self._admitted = {r.req_id for r in out.scheduled_new_reqs} | set(cached.resumed_req_ids)
         self._split_checks = []
         if out.has_sync_kv_loads:  # a synchronous load feeds this step's forward pass
             conn.start_load_kv(None)  # type: ignore[arg-type]
@@ -487,7 +496,9 @@ class SimEngine:
             "scheduler load blocks": sched._load_blocks,
             "scheduler load outcomes": sched._load_outcomes,
             "scheduler consumed handoffs": sched._consumed,
+            "scheduler splits": dict.fromkeys(sched._splits_planned + sched._splits_running),
             "worker loads and saves": {r: True for r in worker.tracked_requests()},
+            "worker splits": worker._splits,
         }
         return [f"{what}: {sorted(map(str, v))[:5]}" for what, v in held.items() if v]
 

@@ -304,6 +304,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         cannot split (several KV-cache groups), so theirs loads as the others do."""
         if self.engine is not SimEngine:
             return {}
+        # splits need vLLM's V1 model runner (vLLM #49250), not the default with Triton (0.33)
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         return {"load_policy": "split", "split_band_bytes": 16 << 10}
 
     def make(self, role: str, **kw: Any) -> SimEngine:

@@ -4,6 +4,7 @@ checks on a GPU (``scripts/gpu_suite.sh``)."""
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,7 @@ import torch
 
 from datamover import BlockMover, LayeredLoad
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+from kvstore.codec import read_header
 
 from .test_datamover import DEVICES, caches, own_fake_client, save_all, store_on
 from .test_tensor_reads import _without_tensor_checksums
@@ -182,3 +184,73 @@ def test_a_cancelled_load_writes_nothing_more() -> None:
     runner.join(10)
     assert not any(t[dst_ids].any() for t in dst.values())
     assert sorted(load.finish()) == dst_ids
+
+
+def _unpadded(value: bytes) -> bytes:
+    """``value`` with its header not padded to 8 bytes: the payload at an odd offset. Valid
+    (safetensors does not require the padding; a writer of another version may skip it)."""
+    (n,) = struct.unpack_from("<Q", value)
+    head = value[8 : 8 + n].rstrip(b" ")
+    if (8 + len(head)) % 2 == 0:
+        head += b" "
+    return struct.pack("<Q", len(head)) + head + value[8 + n :]
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_a_value_whose_payload_lies_at_an_odd_offset_loads(layered: bool) -> None:
+    """Found by a review: viewing its bytes as bf16 in place raised, and failed every block
+    of the load (a whole load's too); such values are stacked instead."""
+    src, dst, mover, hashes, store = saved("cpu")
+    key = store.redis_key(hashes[4])
+    store.client.set(key, _unpadded(store.client.get(key)))
+    assert read_header(store.client.get(key)).block_hash == hashes[4]
+    dst_ids = list(range(20, 30))
+    if layered:
+        load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
+        load.run()
+        for layer in range(LAYERS):
+            load.wait(layer)
+        assert load.finish() == [] and load.error is None
+    else:
+        loaded = [b for chunk in mover.receive(dst_ids, hashes, timeout_s=5)
+                  for b in chunk.copy_in()[0]]  # fmt: skip
+        assert sorted(loaded) == dst_ids
+    for layer in range(LAYERS):
+        assert same(src, dst, layer, list(range(10)), dst_ids)
+
+
+def test_a_load_ended_before_its_thread_runs_neither_claims_nor_reads() -> None:
+    _, _, mover, hashes, store = saved("cpu")
+    before = store.stats().bytes_in
+    claims: list[bool] = []
+    load = LayeredLoad([mover], list(range(20, 30)), hashes, BANDS, time.monotonic() + 30)
+    load.cancel()
+    load.run(before=lambda: claims.append(True) or True)
+    assert claims == []
+    assert store.stats().bytes_in == before
+    assert sorted(load.finish()) == list(range(20, 30))
+
+
+def test_a_failed_load_still_says_how_slow_the_store_was() -> None:
+    """A load that ended waiting for a band gives an upper bound on the bandwidth (what landed
+    and the band it waited for, over the time it ran): a store that got slower shows in the
+    figures even when every split fails."""
+    _, _, mover, hashes, store = saved("cpu")
+    real = store.select_tensors_into
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(0.3)
+        return real(*a, **k)
+
+    store.select_tensors_into = slow  # type: ignore[method-assign]
+    load = LayeredLoad([mover], list(range(20, 30)), hashes, BANDS, time.monotonic() + 0.1)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    assert load.wait(0)
+    assert not load.wait(1)
+    sample = load.transfer_sample()
+    runner.join(10)
+    assert sample is not None
+    nbytes, seconds = sample
+    assert nbytes == load.band_bytes(0) + load.band_bytes(1)
+    assert seconds >= 0.1

@@ -36,6 +36,13 @@ def prompt(n: int, seed: int = 1) -> list[int]:
     return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
 
 
+@pytest.fixture(autouse=True)
+def v1_model_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits need vLLM's V1 model runner (vLLM #49250), which a vLLM with Triton (0.33's
+    CUDA wheel) would not pick by default."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
 @pytest.fixture
 def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
     made: list[SimEngine] = []
@@ -314,3 +321,124 @@ def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recompu
     assert stats["split_loads_failed"] == 1 and "blocks_loaded" not in stats
     kinds = [parse_key(k.decode()) for k in fake_redis.keys("kv:vllm:*")]
     assert not [k for k in kinds if k is not None and k.kind in ("block", "handoff")]
+
+
+def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engines: Any) -> None:
+    """Found by a review: only splits that landed gave a sample, so once the store slowed
+    every split failed and auto kept choosing them. A failed one now says how slow it was."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=20 + i) for i in range(8)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(split_band_bytes=16 << 10)
+    policy = reader.connector.scheduler
+    for tokens in (64, 128, 256, 512):  # about 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
+    for size in (1 << 20, 4 << 20):  # 10 GB/s, as measured
+        policy.load_rate.add(size, size / 1e10)
+    store: LookupBuffer = reader.worker.store
+    real = store.select_tensors_into
+
+    def slow(*a: Any, **k: Any) -> Any:  # ... and now each band takes half a second
+        time.sleep(0.5)
+        return real(*a, **k)
+
+    store.select_tensors_into = slow  # type: ignore[method-assign]
+    ways = []
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+        reader.run_until_idle()
+        chose = {k: v for k, v in reader.take_stats().items() if k.startswith("chose_")}
+        ways.append(next(iter(chose)))
+    assert ways[0] == "chose_split"  # as measured before
+    assert ways[-3:] == ["chose_recompute"] * 3, ways  # learnt from its failed splits
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_blocks_computed_over_a_split_are_saved_only_once_it_is_known_to_have_landed(
+    engines: Any, fake_redis: fakeredis.FakeRedis, fails: bool
+) -> None:
+    """What a forward pass computes over a split's blocks depends on the split landing (on
+    every TP rank), which only the step's output says: those blocks are saved a step later,
+    so KV computed over a failed load never reaches the pool (a real model's KV after a wrong
+    prefix is wrong; this stand-in's is not, so the test watches what is saved when)."""
+    first = prompt(4 * BS, seed=31)
+    writer = engines()
+    writer.add("w", first + prompt(2, seed=32))
+    writer.run_until_idle()
+    reader = engines(**SPLIT)
+    staged: list[tuple[int, list[str]]] = []
+    real_stage = reader.worker._stage_and_submit
+
+    def stage(specs: Any) -> None:
+        staged.append((reader.steps, [s.req_id for s in specs]))
+        real_stage(specs)
+
+    reader.worker._stage_and_submit = stage  # type: ignore[method-assign]
+    reader.steps = 0
+    real_step = reader.step
+
+    def counted_step() -> Any:
+        reader.steps += 1
+        return real_step()
+
+    reader.step = counted_step  # type: ignore[method-assign]
+    if fails:
+        store: LookupBuffer = reader.worker.store
+        real = store.select_head_into
+
+        def without_third(hashes: Any, *a: Any, **k: Any) -> Any:
+            fake_redis.delete(store.redis_key(hashes[2]))
+            return real(hashes, *a, **k)
+
+        store.select_head_into = without_third  # type: ignore[method-assign]
+    tokens = first + prompt(3 * BS + 2, seed=33)  # 4 blocks in Redis, 3 more computed
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    split_step = reader.steps
+    assert bool(res.invalid) is fails
+    reader.run_until_idle()
+    assert all("r" not in reqs for step, reqs in staged if step == split_step)
+    assert any("r" in reqs for step, reqs in staged if step > split_step)
+    # the new tail; after a failure, the missing block and every block after it as well
+    # (vLLM computed them again, and the pool may lack them)
+    assert reader.take_stats()["blocks_saved"] == (5 if fails else 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"use_v2_model_runner": True}, "49250"),
+        ({"async_scheduling": True}, "49250"),
+        ({"pipeline_parallel_size": 2}, "pipeline"),
+        ({"speculative_config": object()}, "speculative"),
+    ],
+)
+def test_no_split_where_vllm_would_not_undo_a_failed_one(change: dict, why: str) -> None:
+    """vLLM's V2 model runner and asynchronous scheduling give wrong output after a failed
+    synchronous load (vLLM #49250); pipeline parallelism and speculative decoding run parts of
+    a step where the split cannot end with it. There auto chooses between loading everything
+    and recomputing, and a pinned split fails the startup, saying why."""
+    from types import SimpleNamespace
+
+    from connector.layout import KVLayout
+    from connector.redis_connector import split_refusal
+
+    layout = KVLayout("m", BS, 2, 64, "float32", ("l0", "l1"), 1)
+
+    def engine(**changed: Any) -> Any:
+        return SimpleNamespace(
+            use_v2_model_runner=changed.get("use_v2_model_runner", False),
+            scheduler_config=SimpleNamespace(
+                async_scheduling=changed.get("async_scheduling", False)
+            ),
+            parallel_config=SimpleNamespace(
+                pipeline_parallel_size=changed.get("pipeline_parallel_size", 1)
+            ),
+            speculative_config=changed.get("speculative_config"),
+        )
+
+    assert split_refusal(engine(), layout) is None
+    assert why in (split_refusal(engine(**change), layout) or "")
