@@ -50,10 +50,10 @@ import functools
 import logging
 import math
 import threading
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -66,6 +66,7 @@ from .paged import PagedKV
 
 logger = logging.getLogger("datamover")
 
+T = TypeVar("T")
 # Header room per value beyond the probe's: the caller's metadata, longer numbers.
 _HEADER_SLACK = 512
 DEFAULT_CHUNK_BYTES = 32 << 20
@@ -358,21 +359,10 @@ class BlockMover:
         try:
             for i, start in enumerate(starts):
                 ids, keys = list(block_ids[start : start + n]), hashes[start : start + n]
-                chunk = None
-                if ahead is not None:
-                    (fetched, spare), ahead = ahead, None
-                    try:
-                        chunk = fetched.result()  # raises what the prefetch raised
-                    except CancelledError:  # its executor shut down before it ran
-                        self._load_pool.release(spare)
-                if chunk is None:
-                    buf = self._load_pool.acquire(timeout_s)
-                    if buf is None:
-                        raise StagingBusyError(
-                            f"no load staging buffer came free in {timeout_s:.2f}s; raise "
-                            "max_inflight_bytes if loads often wait"
-                        )
-                    chunk = self._fetch(ids, keys, buf)
+                read, ahead = ahead, None
+                chunk = self._read_ahead_or_now(
+                    read, timeout_s, functools.partial(self._fetch, ids, keys)
+                )
                 try:
                     if self.prefetch is not None and i + 1 < len(starts):
                         ahead = self._read_ahead(starts[i + 1], block_ids, hashes)
@@ -383,6 +373,29 @@ class BlockMover:
             if ahead is not None:
                 fetched, spare = ahead
                 fetched.add_done_callback(functools.partial(self._abandoned, spare))
+
+    def _read_ahead_or_now(
+        self,
+        ahead: tuple[Future[T], torch.Tensor] | None,
+        timeout_s: float | None,
+        fetch: Callable[[torch.Tensor], T],
+    ) -> T:
+        """What was read ahead (raising what it raised); or, with nothing read ahead (or its
+        executor shut down before it ran), ``fetch`` now into a staging buffer that comes
+        free within ``timeout_s`` (:class:`StagingBusyError` when none does)."""
+        if ahead is not None:
+            fetched, spare = ahead
+            try:
+                return fetched.result()
+            except CancelledError:
+                self._load_pool.release(spare)
+        buf = self._load_pool.acquire(timeout_s)
+        if buf is None:
+            raise StagingBusyError(
+                f"no load staging buffer came free in {timeout_s:.2f}s; raise "
+                "max_inflight_bytes if loads often wait"
+            )
+        return fetch(buf)
 
     def _read_ahead(
         self, start: int, block_ids: Sequence[int], hashes: Sequence[str]
@@ -450,21 +463,10 @@ class BlockMover:
                     yield BandPiece(self, spec.band, spec.layers, [], [], _EMPTY, 0, _EMPTY, True)
                     spec = plan.next()
                     continue
-                piece = None
-                if ahead is not None:
-                    (fetched, spare), ahead = ahead, None
-                    try:
-                        piece = fetched.result()  # raises what the read-ahead raised
-                    except CancelledError:  # its executor shut down before it ran
-                        self._load_pool.release(spare)
-                if piece is None:
-                    buf = self._load_pool.acquire(timeout_s)
-                    if buf is None:
-                        raise StagingBusyError(
-                            f"no load staging buffer came free in {timeout_s:.2f}s; raise "
-                            "max_inflight_bytes if loads often wait"
-                        )
-                    piece = self._fetch_piece(plan, spec, buf)
+                read, ahead = ahead, None
+                piece = self._read_ahead_or_now(
+                    read, timeout_s, functools.partial(self._fetch_piece, plan, spec)
+                )
                 whole = plan.whole
                 plan.whole = []
                 following = plan.next()  # (what it reads depends on what this one found)
