@@ -19,10 +19,14 @@ ROOT = Path(__file__).resolve().parents[1]
 # prompt tokens, 0.5 s a lookup, 5 s a read -- were each passed while a 2-core machine was
 # loaded: a TP 2 instance's read timed out and it recomputed). What a deadline or a timeout
 # does is test_e2e_faults' and the fuzzer's to check.
+# They also load every hit: where loading is slower than computing (a relay that delays every
+# reply, a busy machine) the load policy rightly recomputes, and a test of the load path would
+# see no load. What the policy chooses is test_e2e_load_policy's to check.
 PATIENT = {
     "deadline_s": 30.0,  # (deadline_max_s, 30 s, caps it anyway)
     "control_timeout_s": 5.0,
     "socket_timeout_s": 30.0,
+    "load_policy": "async",
 }
 RUNNER = ROOT / "testing" / "engine_runner.py"
 

@@ -90,6 +90,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str
     out: dict[str, Any] = {}
     with RedisServer() as server, DelayRelay("127.0.0.1", server.port, 0.0) as relay:
         share = {"role": "kv_both", "extra": {"mode": "share", **PATIENT}}
+        chooses = {**PATIENT, "load_policy": "auto"}  # (PATIENT pins async)
         plain = start_engine(tmp, "plain", tiny_model, phases * 2, core=1, **RUN)
         try:
             saver = start_engine(tmp, "saver", tiny_model, phases, core=0, url=server.url,
@@ -117,7 +118,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str
         loader = start_engine(
             tmp, "loader", tiny_model, one_per_phase(PROMPTS, order), core=0, url=relay.url,
             role="kv_both", params=params, gates={len(FAST): gate},
-            extra={"mode": "share", "request_load_policy": True, **PATIENT}, **RUN,
+            extra={"mode": "share", "request_load_policy": True, **chooses}, **RUN,
         )  # fmt: skip
         try:
             wait_at_gate(gate)
