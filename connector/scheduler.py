@@ -46,8 +46,10 @@ RUNNING: computing, after its load or with nothing to load.
       before those layers run (the worker's ``wait_for_layer_load``), and ends it with the
       step: a band late past its timeout fails the load, and its blocks come back as invalid
       block ids in that step's output (vLLM recomputes them and drops the step's token).
-      build_connector_meta of the next step counts it (and, consume mode, drops the handoff):
-      splits are chosen only where vLLM schedules the next step after this one's output.
+      update_connector_output of that output counts it (and, consume mode, drops the handoff;
+      failing that, build_connector_meta of the next step does): splits are chosen only where
+      vLLM schedules the next step after this one's output. What the step computes over the
+      split's blocks is saved a step later, once the output says it landed on every rank.
   build_connector_meta: plan the saves of the prompt blocks this step completes.
   update_connector_output, invalid blocks (or, for a model with several KV-cache groups, the
       whole load failed): save the recomputed blocks again (share mode).
@@ -382,12 +384,15 @@ class RedisConnectorScheduler:
             return None
         if asked not in tuple(w.value for w in Way):
             self.stats.add(transfer_params_ignored=1)
-            logger.warning(
-                "request %s: %s=%r is not auto, async, split or recompute; ignored",
-                request.request_id,
-                LOAD_POLICY_KEY,
-                str(asked)[:32],
-            )
+            total = self.failures.add("params:load_policy")
+            if total:
+                logger.warning(
+                    "request %s: %s=%r is not auto, async, split or recompute; ignored (%d so far)",
+                    request.request_id,
+                    LOAD_POLICY_KEY,
+                    str(asked)[:32],
+                    total,
+                )
             return None
         return Way(asked)
 
