@@ -1106,7 +1106,7 @@ class RedisConnectorScheduler:
                 "needs: %s)",
                 self.config.namespace,
                 exc,
-                acl_rule(["reset", "sweep"]),
+                acl_rule(["generation", "reset", "sweep"], self.config.namespace),
             )
             return False
         self.stats.add(resets=1)

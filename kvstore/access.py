@@ -20,7 +20,7 @@ from .errors import (
 from .generations import Generations
 from .guard import Guard
 from .handoff import HandoffRecords
-from .keys import KeySpace
+from .keys import DEFAULT_KEY_PREFIX, KeySpace
 from .transport import Transport
 
 logger = logging.getLogger("kvstore")
@@ -43,18 +43,40 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
     "block_info": ("STRLEN", "PTTL"),
     "renew": ("PEXPIRE", "PERSIST"),
-    # the namespace's generation: read with lookups, put back if it vanished (SET NX)
-    "generation": ("GET", "SET"),
+    # the namespace's generation, read with lookups (only "reset" writes it)
+    "generation": ("GET",),
     "reset": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),  # kvstore reset, vLLM's reset_cache
     "sweep": ("SCAN", "UNLINK"),  # unlinking an older generation's blocks
 }
 
+# what writes: a role with none of these gets read-only key patterns
+_WRITES = frozenset(("insert", "handoff_claim", "drop_select", "delete", "renew", "reset", "sweep"))
 
-def acl_rule(operations: Iterable[str], key_pattern: str = "kv:*") -> str:
-    """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)."""
-    commands = dict.fromkeys(c for op in operations for c in ACCESS[op])
+
+def acl_rule(
+    operations: Iterable[str], namespace: str = "*", key_prefix: str = DEFAULT_KEY_PREFIX
+) -> str:
+    """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)
+    in one namespace (a tenant: its own keys, counter and secret; "*" for every namespace).
+
+    A namespace's keys are ``<prefix>:<ns>:<fingerprint>:...`` (``~<prefix>:<ns>:*:*``) and
+    its generation counter ``<prefix>:<ns>:generation``, which that pattern does not match:
+    only a rule with "reset" may write it; the others read it (``%R~``, Redis >= 7, Valkey).
+    A rule without any write gets read-only keys."""
+    ops = list(dict.fromkeys(operations))
+    unknown = set(ops) - set(ACCESS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
+    commands = dict.fromkeys(c for op in ops for c in ACCESS[op])
     perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands)
-    return f"{perms} ~{key_pattern}"
+    base = f"{key_prefix}:{namespace}"
+    writes = any(op in _WRITES for op in ops)
+    patterns = [f"{'~' if writes else '%R~'}{base}:*:*"]
+    if "reset" in ops:
+        patterns.append(f"~{base}:generation")
+    elif "generation" in ops:
+        patterns.append(f"%R~{base}:generation")
+    return f"{perms} {' '.join(patterns)}"
 
 
 def check_topology(address: StoreAddress | None, transport: Transport, guard: Guard) -> None:
@@ -111,7 +133,7 @@ def check_access(
         "handoff_read": lambda: ctl.get(probe),
         "handoff_claim": lambda: handoffs.check_script(probe, _PROBE_TTL_MS),
         "drop_select": lambda: claims.check_scripts(probe),
-        "reset": lambda: generations.check_script(probe),
+        "reset": generations.check_script,
         "delete": lambda: ctl.unlink(probe),
     }
     # operations of several commands outside a script: each command probed on its own, so
@@ -126,10 +148,8 @@ def check_access(
             ("PERSIST", lambda: ctl.persist(probe)),
             ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),  # never left forever
         ],
-        "generation": [
-            ("GET", lambda: ctl.get(probe)),
-            ("SET", lambda: ctl.set(probe, b"0", nx=True, px=_PROBE_TTL_MS)),
-        ],
+        # the counter itself: a rule may reach the namespace's blocks but not its counter
+        "generation": [("GET", lambda: ctl.get(keys.generation()))],
         "sweep": [
             ("SCAN", lambda: ctl.scan(0, match=probe, count=1)),
             ("UNLINK", lambda: ctl.unlink(probe)),
@@ -139,17 +159,34 @@ def check_access(
     order += ["handoff_claim"]
     order += ["block_info", "renew", "generation", "reset", "drop_select", "sweep", "delete"]
     assert set(order) == set(ACCESS), "every operation has a probe"
-    for op in (o for o in order if o in ops):
-        if op in commands:
-            for command, step in commands[op]:
-                guard.call(command, step)
-            continue
-        scripted = op in ("drop_select", "handoff_claim", "reset")
-        command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
-        try:
-            guard.call(command, steps[op])
-        except StoreCommandError as exc:
-            if not scripted:
-                raise
-            # inside a script a refused command is a plain script error (no NOPERM code)
-            raise permission_error(guard.safe_url, command, str(exc)) from None
+    try:
+        for op in (o for o in order if o in ops):
+            _probe(op, guard, steps, commands)
+    except StorePermissionError as exc:
+        rule = acl_rule(operations, keys.namespace, keys.prefix)
+        raise StorePermissionError(
+            f"{exc}\nThe whole rule for what this instance does in namespace "
+            f"{keys.namespace!r}: ACL SETUSER <user> {rule}",
+            command=exc.command,
+        ) from None
+
+
+def _probe(
+    op: str,
+    guard: Guard,
+    steps: dict[str, Callable[[], object]],
+    commands: dict[str, list[tuple[str, Callable[[], object]]]],
+) -> None:
+    if op in commands:
+        for command, step in commands[op]:
+            guard.call(command, step)
+        return
+    scripted = op in ("drop_select", "handoff_claim", "reset")
+    command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
+    try:
+        guard.call(command, steps[op])
+    except StoreCommandError as exc:
+        if not scripted:
+            raise
+        # inside a script a refused command is a plain script error (no NOPERM code)
+        raise permission_error(guard.safe_url, command, str(exc)) from None

@@ -10,11 +10,17 @@ the serving path.
 
 The counter never goes back for a client: it remembers the highest generation it read, and
 when it reads less (the counter evicted, flushed, restored from an older snapshot -- or lost,
-then bumped by a reset made since, which looks the same) it starts a generation past what it
-knew: known + 1, never known, so a reset made after the loss still invalidates every block
-this client could name. Clients converge on one generation (one left remembering less would
-otherwise disagree for good: a consumer ignores every handoff named in another generation);
-the price of a lost counter is one invalidation of the pool.
+then bumped by a reset made since, which looks the same) it keeps naming blocks by what it
+knew. Only a user allowed to write the counter (the admin's ACL rule: resets) changes it:
+such a client raises a lower counter to known + 1, never known, so a reset made after the loss
+still invalidates every block this client could name, and clients converge on one generation;
+the price of a lost counter is one invalidation of the pool. A user that may only read it (a
+producer, a consumer) writes nothing: a missing counter reads 0, and it warns once when the
+counter reads less than it knows. ``kvstore reset`` heals such a pool.
+
+A counter is a decimal of at most 2**53 (a double holds every integer up to it exactly), read
+the same way by the scripts (Lua's numbers are doubles) and by Python; anything else -- text,
+"1e1", a number past the bound -- reads 0, and a reset past the bound is refused.
 """
 
 from __future__ import annotations
@@ -33,12 +39,25 @@ logger = logging.getLogger("kvstore")
 
 SWEEP_BATCH = 1000  # keys per SCAN page and per UNLINK
 
-# A counter that is not a plain decimal (garbage, "1e1") reads 0, in Lua as in Python: clients
-# must agree on what a counter says
-_READ_LUA = """
+MAX_GENERATION = 2**53
+_MAX_DIGITS = str(MAX_GENERATION).encode()  # 16 digits
+
+# A counter that is not a plain decimal of at most 2**53 reads 0, in Lua as in Python: clients
+# must agree on what a counter says. Digits are compared as text (equal lengths compare as
+# numbers), never as a double, which would round 2**53 + 1 down into range.
+_READ_LUA = f"""
 local raw = redis.call('GET', KEYS[1])
 local current = 0
-if raw and string.match(raw, '^%d+$') then current = tonumber(raw) end
+if raw and string.match(raw, '^%d+$') and (#raw < {len(_MAX_DIGITS)} or
+    (#raw == {len(_MAX_DIGITS)} and raw <= '{_MAX_DIGITS.decode()}')) then
+  current = tonumber(raw)
+end
+"""
+
+_EXHAUSTED = f"""
+if current >= {MAX_GENERATION} then
+  return redis.error_reply('KVSTORE generation counter at its bound of 2**53: flush the namespace')
+end
 """
 
 # max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
@@ -47,6 +66,9 @@ BUMP_LUA = (
     + """
 local floor = tonumber(ARGV[1])
 if floor > current then current = floor end
+"""
+    + _EXHAUSTED
+    + """
 current = current + 1
 redis.call('SET', KEYS[1], current, 'KEEPTTL')
 return current
@@ -59,6 +81,10 @@ RAISE_LUA = (
     + """
 local known = tonumber(ARGV[1])
 if current < known then
+  current = known
+"""
+    + _EXHAUSTED
+    + """
   current = known + 1
   redis.call('SET', KEYS[1], current, 'KEEPTTL')
 end
@@ -68,12 +94,15 @@ return current
 
 
 def parse_generation(reply: Any) -> int:
-    """A counter's GET reply as a generation: a plain decimal; a missing or unreadable counter
-    reads 0 (as the scripts read it)."""
+    """A counter's GET reply as a generation: a plain decimal of at most 2**53; a missing or
+    unreadable counter reads 0 (as the scripts read it)."""
     raw = reply.encode() if isinstance(reply, str) else reply
-    if isinstance(raw, (bytes, bytearray)) and raw.isdigit():
-        return int(raw)
-    if isinstance(raw, int) and raw >= 0:
+    if isinstance(raw, (bytes, bytearray)) and raw.isdigit() and raw.isascii():
+        width = len(_MAX_DIGITS)
+        if len(raw) < width or (len(raw) == width and bytes(raw) <= _MAX_DIGITS):
+            return int(raw)
+        return 0
+    if isinstance(raw, int) and 0 <= raw <= MAX_GENERATION:
         return raw
     return 0
 
@@ -110,12 +139,11 @@ class Generations:
         return known
 
     def _raise(self, known: int, reply: Any) -> int:
-        """The counter reads less than this client knows: make it known + 1 (atomic; a reset
-        made meanwhile wins). A user without EVALSHA (the producer's and share mode's ACL
-        rules) can still fill a vanished counter (SET NX); a lower one it leaves, keeps its own
-        generation, and says so once (it loads nothing named before it, but may disagree with
-        other instances). Neither is tried again for the same reading: a lookup pays no extra
-        round trips for it."""
+        """The counter reads less than this client knows (or is missing): make it known + 1
+        (atomic; a reset made meanwhile wins). A user that may not write the counter (every
+        rule but the admin's) keeps its own generation and says so once: it loads nothing
+        named before it, but may disagree with other instances until the next reset. Neither
+        is tried again for the same reading: a lookup pays no extra round trips for it."""
         if reply == self._left_below:
             return known
         if self._scripts_refused is None:
@@ -129,25 +157,16 @@ class Generations:
                 return known  # Redis failing or slow: counted by the guard; the next read retries
             else:
                 return self._adopt(parse_generation(value))
-        if reply is None:
-
-            def fill(pipe: Any) -> None:
-                pipe.set(self.key, known + 1, nx=True)
-
-            try:
-                if self._guard.call("SET", lambda: self._transport.pipeline(fill))[0]:
-                    return self._adopt(known + 1)
-            except KVStoreError:
-                pass  # counted by the guard; the next read retries
-            return known  # (or another client filled it first: the next read sees it)
         self._left_below = reply
         logger.warning(
-            "kvstore: the namespace's generation counter reads %r, less than this client "
-            "knows (%d), and this user may not raise it (%s): instances may name blocks in "
-            "different generations until the next reset; allow +evalsha +script|load",
-            reply,
+            "kvstore: the namespace's generation counter %s, less than this client knows "
+            "(%d), and this user may not raise it (%s): this instance keeps generation %d; "
+            "instances may name blocks in different generations until `kvstore reset` (the "
+            "admin's ACL rule) makes them agree",
+            "is missing" if reply is None else f"reads {reply!r}"[:80],
             known,
             self._scripts_refused,
+            known,
         )
         return known
 
@@ -170,10 +189,11 @@ class Generations:
         new = self._guard.call("EVALSHA", lambda: self._bump_script(keys=[self.key], args=[floor]))
         return self.observe(new)
 
-    def check_script(self, key: str) -> None:
-        """Run the bump script on ``key`` (``LookupBuffer.check_access``): it keeps the key's
-        TTL, so a probe key still expires. Raises what the server refuses."""
-        self._bump_script(keys=[key], args=[0])
+    def check_script(self) -> None:
+        """Run the raise script on the counter with nothing known (``check_access``): it
+        writes nothing, but the server checks the user may write the key the script declares.
+        Raises what the server refuses."""
+        self._raise_script(keys=[self.key], args=[0])
 
     def sweep(self, below: int, stop: Callable[[], bool] = lambda: False) -> int:
         """UNLINK this namespace's blocks (and claimed blocks) of generations before ``below``,

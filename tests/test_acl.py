@@ -45,7 +45,7 @@ def test_the_readme_rule_is_what_the_code_needs_and_enough(
     private_redis: RedisServer, role: str, mode: str, label: str
 ) -> None:
     rule = documented_rule(label)
-    assert rule == acl_rule(needed(role, mode))
+    assert rule == acl_rule(needed(role, mode), "vllm")
     admin = redis.Redis.from_url(private_redis.url)
     admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
     url = f"redis://u:pw@127.0.0.1:{private_redis.port}/0"
@@ -98,7 +98,7 @@ def test_a_consuming_read_refused_by_acl_names_the_command_and_gives_back(
 ) -> None:
     # the claim and its reads go in one request: the error must name what the server refused,
     # not the script the request began with, and the blocks must stay where they were
-    rule = acl_rule(["drop_select"]).replace(f" {lost} ", " ")
+    rule = acl_rule(["drop_select"], "vllm").replace(f" {lost} ", " ")
     assert lost not in rule.split()
     admin = redis.Redis.from_url(private_redis.url)
     admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
@@ -112,3 +112,34 @@ def test_a_consuming_read_refused_by_acl_names_the_command_and_gives_back(
     got = owner.drop_select(["a" * 32])[0]  # still there, under its own key
     assert got is not None and torch.equal(got["kv"], torch.ones(4))
     owner.close()
+
+
+def test_the_readmes_admin_rule_is_what_resets_need_and_enough(private_redis: RedisServer) -> None:
+    rule = documented_rule(
+        "admin: resets (vLLM's `reset_prefix_cache` with the connector, `kvstore reset`) and "
+        "their sweep"
+    )
+    assert rule == acl_rule(["ping", "generation", "reset", "sweep"], "vllm")
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "adm", "reset", "on", ">pw", *rule.split())
+    url = f"redis://adm:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="vllm", fingerprint="fp") as buf:
+        buf.check_access(["ping", "generation", "reset", "sweep"])
+        assert buf.reset() == 1 and buf.sweep() == 0
+
+
+def test_a_rule_that_cannot_read_the_counter_is_named_with_the_whole_rule(
+    private_redis: RedisServer,
+) -> None:
+    # the probe key matches the block pattern; the counter does not: it is probed itself
+    rule = documented_rule("`kv_consumer`, share mode").replace(" %R~kv:vllm:generation", "")
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.execute_command("ACL", "SETUSER", "nogen", "reset", "on", ">pw", *rule.split())
+    url = f"redis://nogen:pw@127.0.0.1:{private_redis.port}/0"
+    cfg = RedisConnectorConfig(url=url, role="kv_consumer", mode="share")
+    with (
+        LookupBuffer.from_url(url, namespace="vllm", check=False) as buf,
+        pytest.raises(StorePermissionError) as info,
+    ):
+        buf.check_access(cfg.operations("scheduler"))
+    assert "%R~kv:vllm:generation" in str(info.value) and "pw" not in str(info.value)

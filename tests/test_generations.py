@@ -9,7 +9,7 @@ import pytest
 import redis
 import torch
 
-from kvstore import LookupBuffer, StorePermissionError
+from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 from kvstore.access import acl_rule
 from kvstore.keys import at_generation, generation_of, parse_key
 from testing.redis_server import RedisServer
@@ -148,7 +148,7 @@ def test_resets_run_on_a_real_server_under_the_documented_acl(
     private_redis: RedisServer,
 ) -> None:
     admin = redis.Redis.from_url(private_redis.url)
-    rule = acl_rule(["ping", "generation", "lookup", "insert", "reset", "sweep"])
+    rule = acl_rule(["ping", "generation", "lookup", "insert", "reset", "sweep"], "ns")
     admin.execute_command("ACL", "SETUSER", "resetter", "reset", "on", ">pw", *rule.split())
     url = f"redis://resetter:pw@127.0.0.1:{private_redis.port}/0"
     with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
@@ -159,7 +159,7 @@ def test_resets_run_on_a_real_server_under_the_documented_acl(
         assert buf.read_generation() == 1
     # a user without the script commands is told which one is missing
     admin.execute_command(
-        "ACL", "SETUSER", "plain", "reset", "on", ">pw", *acl_rule(["ping", "insert"]).split()
+        "ACL", "SETUSER", "plain", "reset", "on", ">pw", *acl_rule(["ping", "insert"], "ns").split()
     )
     url = f"redis://plain:pw@127.0.0.1:{private_redis.port}/0"
     with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
@@ -169,33 +169,75 @@ def test_resets_run_on_a_real_server_under_the_documented_acl(
             buf.reset()
 
 
-def test_a_user_without_scripts_puts_a_vanished_counter_back_and_warns_of_a_lower_one(
+def test_a_reader_of_the_counter_never_writes_it_and_warns_once_of_a_lower_one(
     private_redis: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The share-mode and producer ACL rules have no EVALSHA: such a client still fills a
-    counter that vanished (SET NX, past what it knew); one that reads lower it cannot raise,
-    says so once, and does not try again on every lookup."""
+    """The producer's and consumers' rules may only read the counter: a client under them
+    keeps the generation it knew when the counter vanishes or reads lower, writes nothing
+    (not even SET NX), says so once, and does not try again on every lookup."""
     admin = redis.Redis.from_url(private_redis.url)
     admin.set("kv:ns:generation", 3)
-    rule = acl_rule(["ping", "generation", "lookup", "insert"])
-    assert "evalsha" not in rule
+    rule = acl_rule(["ping", "generation", "lookup", "insert"], "ns")
+    assert "%R~kv:ns:generation" in rule.split()
     admin.execute_command("ACL", "SETUSER", "sharer", "reset", "on", ">pw", *rule.split())
     url = f"redis://sharer:pw@127.0.0.1:{private_redis.port}/0"
+
+    def calls(cmd: str) -> tuple[int, int]:
+        stats = admin.info("commandstats").get(f"cmdstat_{cmd}", {})
+        return stats.get("calls", 0), stats.get("rejected_calls", 0)
+
     with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
         assert buf.read_generation() == 3
         admin.delete("kv:ns:generation")
-        assert buf.read_generation() == 4 and admin.get("kv:ns:generation") == b"4"
-        admin.set("kv:ns:generation", 1)
-
-        def calls(cmd: str) -> tuple[int, int]:
-            stats = admin.info("commandstats").get(f"cmdstat_{cmd}", {})
-            return stats.get("calls", 0), stats.get("rejected_calls", 0)
-
         with caplog.at_level("WARNING", logger="kvstore"):
-            assert buf.read_generation() == 4
+            assert buf.read_generation() == 3
+            assert admin.get("kv:ns:generation") is None  # a missing counter stays missing
+            admin.set("kv:ns:generation", 1)
+            assert buf.read_generation() == 3
             before = calls("evalsha"), calls("set")
-            assert [buf.read_generation() for _ in range(5)] == [4] * 5
+            assert [buf.read_generation() for _ in range(5)] == [3] * 5
             assert (calls("evalsha"), calls("set")) == before  # no retries per lookup
-        assert admin.get("kv:ns:generation") == b"1"  # left as it was: no script allowed
+        assert admin.get("kv:ns:generation") == b"1"  # left as it was
         warnings = [r for r in caplog.records if "may not raise it" in r.getMessage()]
-        assert len(warnings) == 1 and "+evalsha" in warnings[0].getMessage()
+        assert len(warnings) == 2  # once for the missing counter, once for the lower one
+        assert "kvstore reset" in warnings[0].getMessage()
+    # the admin's rule heals it: past what it knew
+    rule = acl_rule(["ping", "generation", "reset"], "ns")
+    admin.execute_command("ACL", "SETUSER", "healer", "reset", "on", ">pw", *rule.split())
+    url = f"redis://healer:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="ns", fingerprint="fp") as buf:
+        buf.check_access(["generation", "reset"])
+        assert buf.read_generation() == 1
+        assert buf.reset() == 2
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    ("stored", "reads"),
+    [
+        (b"7", 7),
+        (b"0000000000000005", 5),
+        (str(2**53 - 1).encode(), 2**53 - 1),
+        (str(2**53).encode(), 2**53),
+        (str(2**53 + 1).encode(), 0),  # a double would round it down into range
+        (b"99999999999999999999", 0),
+        (b"1e20", 0),
+        (b"-3", 0),
+        (b"\xd9\xa3", 0),  # a non-ASCII digit
+    ],
+)
+def test_a_counter_reads_the_same_in_lua_and_python_and_stops_at_2_pow_53(
+    private_redis: RedisServer, stored: bytes, reads: int
+) -> None:
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.set("kv:ns:generation", stored)
+    with LookupBuffer.from_url(private_redis.url, namespace="ns", fingerprint="fp") as buf:
+        assert buf.read_generation() == reads  # Python's reading
+    with LookupBuffer.from_url(private_redis.url, namespace="ns", fingerprint="fp") as buf:
+        if reads == 2**53:
+            with pytest.raises(KVStoreError, match="2\\*\\*53"):
+                buf.reset()
+            assert admin.get("kv:ns:generation") == stored
+        else:
+            assert buf.reset() == reads + 1  # the script's reading, plus one
+            assert admin.get("kv:ns:generation") == str(reads + 1).encode()

@@ -54,7 +54,7 @@ def keys_without_ttl(server: RedisServer) -> list[bytes]:
 
 
 def test_the_documented_rule_is_enough_for_every_operation(private_redis: RedisServer) -> None:
-    url = acl_user(private_redis, "full", acl_rule(ALL_OPS, "kv:acl:*"))
+    url = acl_user(private_redis, "full", acl_rule(ALL_OPS, "acl"))
     with LookupBuffer.from_url(url, namespace="acl", ttl_s=60) as buf:
         buf.check_access(ALL_OPS)
         buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
@@ -69,7 +69,7 @@ def test_the_documented_rule_is_enough_for_every_operation(private_redis: RedisS
 
 @pytest.mark.parametrize("missing", sorted({c for cs in ACCESS.values() for c in cs}))
 def test_a_missing_permission_is_named_at_startup(private_redis: RedisServer, missing: str) -> None:
-    rule = without(acl_rule(ALL_OPS, "kv:acl:*"), missing)
+    rule = without(acl_rule(ALL_OPS, "acl"), missing)
     url = acl_user(private_redis, "partial", rule)
     with (
         LookupBuffer.from_url(url, namespace="acl", check=False) as buf,
@@ -81,7 +81,7 @@ def test_a_missing_permission_is_named_at_startup(private_redis: RedisServer, mi
 
 
 def test_a_key_pattern_outside_the_acl_is_a_permission_error(private_redis: RedisServer) -> None:
-    url = acl_user(private_redis, "other", acl_rule(ALL_OPS, "other:*"))
+    url = acl_user(private_redis, "other", acl_rule(ALL_OPS, "other"))
     with LookupBuffer.from_url(url, namespace="acl", check=False) as buf:
         with pytest.raises(StorePermissionError, match="SET"):
             buf.check_access(["insert"])
@@ -97,7 +97,7 @@ def test_drop_select_without_a_script_permission_fails_loudly_and_strands_nothin
 ) -> None:
     with LookupBuffer.from_url(private_redis.url, namespace="acl", ttl_s=60) as admin:
         admin.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
-    rule = without(acl_rule(ALL_OPS, "kv:acl:*"), missing)
+    rule = without(acl_rule(ALL_OPS, "acl"), missing)
     url = acl_user(private_redis, "nope", rule)
     # never silent misses: a refused command inside the claim script is an error, raised
     # before the script changed anything (a refused RENAME: by redis.acl_check_cmd)
