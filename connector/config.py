@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import InvalidArgumentError, parse_url
+from kvstore.value_auth import load_secret
 
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
@@ -169,6 +170,11 @@ class RedisConnectorConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # the namespace's secret (value_auth.py): every value is signed with it, and only values
+    # signed with it are loaded. From a file or an environment variable, never in this config
+    # (vLLM logs it) or the URL; at most one of the two
+    secret_file: str | None = None
+    secret_env: str | None = None
     # set by the connector, not by users: why this engine cannot compute on top of loaded KV
     # (it then saves but never loads)
     cannot_load: str | None = None
@@ -227,6 +233,8 @@ class RedisConnectorConfig:
                 'e.g. {"url": "redis://redis:6379/0"}'
             )
         parse_url(url)  # a bad URL fails here, at startup, with a redacted message
+        # an unreadable or short secret fails here too, naming its source, never its bytes
+        load_secret(secret_file=extra.get("secret_file"), secret_env=extra.get("secret_env"))
         if "load_timeout_s" in extra:  # the name before per-request deadlines
             extra.setdefault("deadline_s", extra.pop("load_timeout_s"))
         known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role", "cannot_load")}

@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from datamover import layer_bands
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
+from kvstore.value_auth import load_secret
 
 from .config import RedisConnectorConfig
 from .events import KVEventsEmitter, StoredPrefixReports, events_wanted, hash_block_size
@@ -269,6 +270,7 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             tls_ca_file=self.rc.tls_ca_file,
             tls_cert_file=self.rc.tls_cert_file,
             tls_key_file=self.rc.tls_key_file,
+            secret=load_secret(secret_file=self.rc.secret_file, secret_env=self.rc.secret_env),
             breaker_failures=self.rc.breaker_failures,
             breaker_probe_s=self.rc.breaker_probe_s,
             check=False,

@@ -197,6 +197,7 @@ class BlockMover:
             [bytes(self.raw_bytes)],
             fingerprint=store.fingerprint,
             block_hash="0" * 32,
+            value_key=store.value_key,
         )
         header_bytes = memoryview(probe[0]).nbytes
         # a value this mover writes has a header of exactly this length: where a layer-by-layer
@@ -316,12 +317,10 @@ class BlockMover:
             values = [
                 (
                     item.block_hash,
-                    frame_parts(
+                    self.store.frame_parts(
                         self.entries,
                         [pieces[layer, i] for layer in range(layers)],
-                        fingerprint=self.store.fingerprint,
-                        block_hash=item.block_hash,
-                        compression=self.store.compression,
+                        item.block_hash,
                     ),
                 )
                 for i, item in enumerate(chunk.items)
@@ -430,6 +429,7 @@ class BlockMover:
             [bytes(self.raw_bytes)],
             fingerprint=self.store.fingerprint,
             block_hash=block_hash,
+            value_key=self.store.value_key,
         )
         return memoryview(probe[0]).nbytes
 

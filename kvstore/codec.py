@@ -13,6 +13,14 @@ their offsets, so a reader that takes some of a value's tensors by ``GETRANGE`` 
 read: ``tensor_reads.py``; values written before it have none and are read whole), ``created``
 (UTC).
 
+A store given its namespace's secret (``value_auth.ValueKey``) signs its values: ``mac`` is a
+keyed BLAKE3 tag (32 hex digits) of the whole header as stored, with the tag's own digits
+zeroed; ``tensor_checksums`` are keyed tags of each tensor's bytes (32 hex digits each) and
+``checksum`` the tag of those tags (of the compressed payload, for lz4). The header tag covers
+the checksums, so header and payload are authenticated together, and a range read verifies what
+it read on its own. Such a reader takes no unsigned value, and a reader without the secret no
+signed one: each is a counted miss.
+
 The framing is written here rather than with ``safetensors.torch.save`` because that copies each
 tensor twice and cannot embed a checksum of its own payload; the tests load our values with the
 safetensors library to keep the framing honest.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hmac
 import json
 import re
 import struct
@@ -37,6 +46,7 @@ import torch
 import xxhash
 
 from .errors import CorruptValueError, InvalidArgumentError, InvalidValueError
+from .value_auth import MAC_HEX, ValueKey
 
 FORMAT_VERSION = "1"
 # what a value's pieces may be: anything with the buffer protocol (bytes, memoryview, numpy)
@@ -60,6 +70,8 @@ def lz4_block() -> Any:
 MAX_HEADER_BYTES = 1 << 20
 _META_PREFIX = "kvstore."
 _CHECKSUM_WIDTH = 16  # hex digits of xxh3_64, fixed so the header length is known before hashing
+_MAC_MARKER = b'"kvstore.mac":"'
+_MAC_ZEROS = "0" * MAC_HEX
 _HEX = frozenset("0123456789abcdef")
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
@@ -110,6 +122,7 @@ class ValueHeader:
     # each tensor's xxh3_64 (hex), aligned with ``tensors``; empty for a value written without
     # them (older writers) or compressed: such a value can only be read whole
     tensor_checksums: tuple[str, ...] = ()
+    mac: str = ""  # the header's keyed tag: "" for a value written without a secret
 
 
 _clock: tuple[int, str] = (-1, "")  # (a UTC second, its ISO text): formatted once a second
@@ -139,6 +152,7 @@ def _value_header(
     metadata: dict[str, str],
     tensor_checksums: str = "",
     pad_to: int | None = None,
+    value_key: ValueKey | None = None,
 ) -> bytes:
     """A value's header: the same bytes as ``json.dumps`` (ensure_ascii, compact) of
     ``{"__metadata__": {kvstore's fields, then the caller's}, name: spec, ...}``, behind its
@@ -150,15 +164,22 @@ def _value_header(
     head, mid = _header_head(fingerprint, codec)
     caller = "".join([f",{_json_str(k)}:{_json_str(v)}" for k, v in metadata.items()])
     per_tensor = f',"kvstore.tensor_checksums":"{tensor_checksums}"' if tensor_checksums else ""
+    mac = f',"kvstore.mac":"{_MAC_ZEROS}"' if value_key is not None else ""
     # the checksums (hex) and the time (ISO digits) are ours and need no escaping
     raw = (
         f'{head}{_json_str(block_hash)}{mid}{raw_bytes}","kvstore.payload_bytes":"'
-        f'{payload_bytes}","kvstore.checksum":"{checksum}"{per_tensor},"kvstore.created":'
+        f'{payload_bytes}","kvstore.checksum":"{checksum}"{per_tensor}{mac},"kvstore.created":'
         f'"{created}"{caller}}}{_entries_json(tuple(entries))}}}'
     ).encode("ascii")
     # safetensors pads the header with spaces so the payload starts 8-byte aligned
     size = pad_to if pad_to is not None else len(raw) + (-(8 + len(raw)) % 8)
-    return struct.pack("<Q", size) + raw.ljust(size, b" ")
+    header = struct.pack("<Q", size) + raw.ljust(size, b" ")
+    if value_key is None:
+        return header
+    # the tag of the header as stored, its own digits zeroed; the marker is written once
+    # above (the caller's metadata may not use kvstore.* names; a tensor's spec is an object)
+    at = header.index(_MAC_MARKER) + len(_MAC_MARKER)
+    return header[:at] + value_key.tag(header).encode("ascii") + header[at + MAC_HEX :]
 
 
 # what json.dumps (ensure_ascii) writes for a str; half the cost of dumping a dict of eight
@@ -236,6 +257,7 @@ class StagedValue:
     block_hash: str
     metadata: dict[str, str]
     created: str
+    value_key: ValueKey | None = None  # signs the value when set
 
     @property
     def nbytes(self) -> int:
@@ -262,6 +284,7 @@ def _staged_header(
         metadata=staged.metadata,
         tensor_checksums=tensor_checksums,
         pad_to=pad_to,
+        value_key=staged.value_key,
     )
 
 
@@ -338,6 +361,7 @@ def stage_value(
     metadata: Mapping[str, str] | None = None,
     max_value_bytes: int | None = None,
     out: torch.Tensor | None = None,
+    value_key: ValueKey | None = None,
 ) -> StagedValue:
     """Copy ``tensors`` (any device, any strides) once, straight into ``out`` (a CPU uint8
     tensor, e.g. pinned staging memory reused across calls) or a fresh buffer, behind room for
@@ -352,8 +376,9 @@ def stage_value(
         block_hash=block_hash,
         metadata=_check_metadata(metadata),
         created=_now_iso(),
+        value_key=value_key,
     )
-    placeholder = "0" * _CHECKSUM_WIDTH
+    placeholder = "0" * _digest_width(value_key)
     staged.header_bytes = len(
         _staged_header(staged, "none", placeholder, raw_bytes, placeholder * len(entries))
     )
@@ -384,13 +409,13 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
     whole = memoryview(staged.buffer[: staged.nbytes].numpy()).cast("B")  # type: ignore[arg-type]
     payload = whole[staged.header_bytes :]
     if compression == "none":
-        checksum = xxhash.xxh3_64_hexdigest(payload)
+        per_tensor = _tensor_digests(staged.entries, [payload], staged.value_key)
         header = _staged_header(
             staged,
             "none",
-            checksum,
+            _payload_digest([payload], per_tensor, staged.value_key),
             staged.raw_bytes,
-            _tensor_digests(staged.entries, [payload]),
+            per_tensor,
             pad_to=staged.header_bytes - 8,
         )
         whole[: len(header)] = header
@@ -399,19 +424,46 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
     return memoryview(header + packed)
 
 
-def _tensor_digests(entries: Sequence[TensorEntry], pieces: Sequence[Buffer]) -> str:
-    """The ``tensor_checksums`` field: each entry's ``xxh3_64`` (hex) over its bytes of the
-    payload that ``pieces`` hold back to back, in the entries' order. Pieces usually are the
-    tensors one for one; any other cut is walked."""
+def _digest_width(value_key: ValueKey | None) -> int:
+    """Hex digits of one checksum: an xxh3_64, or a keyed tag."""
+    return MAC_HEX if value_key is not None else _CHECKSUM_WIDTH
+
+
+def _digest(data: Buffer, value_key: ValueKey | None) -> str:
+    return value_key.tag(data) if value_key is not None else xxhash.xxh3_64_hexdigest(data)
+
+
+def _payload_digest(
+    pieces: Sequence[Buffer], tensor_digests: str, value_key: ValueKey | None
+) -> str:
+    """The ``checksum`` field of an uncompressed value: the ``xxh3_64`` of its payload; signed,
+    the tag of its tensors' tags (they cover every payload byte; one pass over the bytes)."""
+    if value_key is not None:
+        return value_key.tag(tensor_digests.encode("ascii"))
+    if len(pieces) == 1:  # half the cost of a streaming digest, for a 64 KiB value
+        return xxhash.xxh3_64_hexdigest(pieces[0])
+    digest = xxhash.xxh3_64()
+    for p in pieces:
+        digest.update(p)
+    return digest.hexdigest()
+
+
+def _tensor_digests(
+    entries: Sequence[TensorEntry], pieces: Sequence[Buffer], value_key: ValueKey | None = None
+) -> str:
+    """The ``tensor_checksums`` field: each entry's ``xxh3_64`` (or keyed tag) in hex over its
+    bytes of the payload that ``pieces`` hold back to back, in the entries' order. Pieces
+    usually are the tensors one for one; any other cut is walked."""
     views = [memoryview(p).cast("B") for p in pieces]
     if len(views) == len(entries) and all(
         len(v) == e.end - e.start for v, e in zip(views, entries, strict=True)
     ):
-        return "".join([xxhash.xxh3_64_hexdigest(v) for v in views])
+        return "".join([_digest(v, value_key) for v in views])
     out: list[str] = []
     piece, at = 0, 0  # the piece the next byte is in, and where in it
     for e in entries:
-        digest, left = xxhash.xxh3_64(), e.end - e.start
+        left = e.end - e.start
+        digest: Any = value_key.hasher() if value_key is not None else xxhash.xxh3_64()
         while left:
             take = min(left, len(views[piece]) - at)
             digest.update(views[piece][at : at + take])
@@ -419,24 +471,33 @@ def _tensor_digests(entries: Sequence[TensorEntry], pieces: Sequence[Buffer]) ->
             at += take
             if at == len(views[piece]):
                 piece, at = piece + 1, 0
-        out.append(digest.hexdigest())
+        out.append(digest.hexdigest(MAC_HEX // 2) if value_key is not None else digest.hexdigest())
     return "".join(out)
 
 
-def tensor_checksums_ok(header: ValueHeader, first: int, end: int, payload: Buffer) -> bool:
+def tensor_checksums_ok(
+    header: ValueHeader,
+    first: int,
+    end: int,
+    payload: Buffer,
+    value_key: ValueKey | None = None,
+) -> bool:
     """Whether ``payload`` -- the bytes of tensors ``[first, end)`` of a value with ``header``,
-    back to back -- hashes to the header's checksums of those tensors. False when the header
+    back to back -- hashes to the header's checksums of those tensors (keyed tags, with
+    ``value_key``: its header must have been read with the same key). False when the header
     has none (a value only a whole read can verify) or ``payload`` is not exactly their size."""
     if not header.tensor_checksums or not 0 <= first < end <= len(header.tensors):
         return False
+    if (value_key is None) != (not header.mac):
+        return False  # signed, but no key to verify it with; or the reverse
     view = memoryview(payload).cast("B")
     base = header.tensors[first].start
     if len(view) != header.tensors[end - 1].end - base:
         return False
     for i in range(first, end):
         e = header.tensors[i]
-        digest = xxhash.xxh3_64_hexdigest(view[e.start - base : e.end - base])
-        if digest != header.tensor_checksums[i]:
+        digest = _digest(view[e.start - base : e.end - base], value_key)
+        if not hmac.compare_digest(digest, header.tensor_checksums[i]):
             return False
     return True
 
@@ -444,7 +505,7 @@ def tensor_checksums_ok(header: ValueHeader, first: int, end: int, payload: Buff
 def _compressed(staged: StagedValue, compression: str, payload: Buffer) -> tuple[bytes, bytes]:
     """A compressed value: its header and its compressed payload."""
     packed = lz4_block().compress(payload, store_size=False)
-    checksum = xxhash.xxh3_64_hexdigest(packed)
+    checksum = _digest(packed, staged.value_key)
     return _staged_header(staged, compression, checksum, len(packed)), packed
 
 
@@ -476,16 +537,19 @@ def frame_parts(
     block_hash: str,
     compression: str = "none",
     metadata: Mapping[str, str] | None = None,
+    value_key: ValueKey | None = None,
 ) -> list[Buffer]:
     """A value as a list of buffers to send back to back: its header, then ``pieces`` (the
     payload, in ``entries`` order, each piece where it already is). Uncompressed, nothing is
     copied: the checksum streams over the pieces and they go to the socket as they are. With
-    lz4 the payload is compressed into one new buffer."""
+    lz4 the payload is compressed into one new buffer. ``value_key`` signs it."""
     raw_bytes = sum(memoryview(p).nbytes for p in pieces)
     expected = entries[-1].end if entries else 0
     if raw_bytes != expected:
         raise InvalidArgumentError(f"pieces hold {raw_bytes} bytes, the entries {expected}")
-    return _framed(entries, pieces, raw_bytes, fingerprint, block_hash, compression, metadata)
+    return _framed(
+        entries, pieces, raw_bytes, fingerprint, block_hash, compression, metadata, value_key
+    )
 
 
 def _framed(
@@ -496,21 +560,17 @@ def _framed(
     block_hash: str,
     compression: str,
     metadata: Mapping[str, str] | None,
+    value_key: ValueKey | None = None,
 ) -> list[Buffer]:
     """:func:`frame_parts` once ``pieces`` are known to hold ``raw_bytes``, as ``entries`` say."""
     if compression not in CODECS:
         raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
     meta = _check_metadata(metadata)
     if compression == "none":
-        if len(pieces) == 1:  # half the cost of a streaming digest, for a 64 KiB value
-            checksum = xxhash.xxh3_64_hexdigest(pieces[0])
-        else:
-            digest = xxhash.xxh3_64()
-            for p in pieces:
-                digest.update(p)
-            checksum = digest.hexdigest()
-        # (each piece is hashed again right after: in the CPU cache, ~10% of the hashing)
-        per_tensor = _tensor_digests(entries, pieces)
+        # unsigned, each piece is hashed twice (the value, then its tensors: the second pass
+        # finds them in the CPU cache, ~10% of the hashing); signed, once
+        per_tensor = _tensor_digests(entries, pieces, value_key)
+        checksum = _payload_digest(pieces, per_tensor, value_key)
         header = _value_header(
             entries,
             fingerprint=fingerprint,
@@ -522,6 +582,7 @@ def _framed(
             created=_now_iso(),
             metadata=meta,
             tensor_checksums=per_tensor,
+            value_key=value_key,
         )
         return [header, *pieces]
     staged = StagedValue(
@@ -533,6 +594,7 @@ def _framed(
         block_hash=block_hash,
         metadata=meta,
         created=_now_iso(),
+        value_key=value_key,
     )
     return list(_compressed(staged, compression, b"".join(pieces)))
 
@@ -545,6 +607,7 @@ def frame_tensors(
     metadata: Mapping[str, str] | None = None,
     compression: str = "none",
     max_value_bytes: int | None = None,
+    value_key: ValueKey | None = None,
 ) -> list[Buffer] | None:
     """``tensors`` in CPU memory framed as :func:`frame_parts` does, around their own bytes:
     uncompressed, nothing is copied (a non-contiguous tensor is made contiguous first). The
@@ -554,7 +617,9 @@ def frame_tensors(
     if not all(t.is_cpu for _, t in items):
         return None
     pieces = [_bytes_of(t) for _, t in items]  # exactly the entries' bytes, in their order
-    return _framed(entries, pieces, raw_bytes, fingerprint, block_hash, compression, metadata)
+    return _framed(
+        entries, pieces, raw_bytes, fingerprint, block_hash, compression, metadata, value_key
+    )
 
 
 def _bytes_of(t: torch.Tensor) -> Any:
@@ -583,11 +648,12 @@ def encode_value(
     compression: str = "none",
     max_value_bytes: int | None = None,
     out: torch.Tensor | None = None,
+    value_key: ValueKey | None = None,
 ) -> memoryview:
     """Serialise ``tensors`` into one value: :func:`stage_value` then :func:`finish_value`.
 
     ``out`` receives the uncompressed value; the result is then a view on ``out`` unless it
-    is compressed.
+    is compressed. ``value_key`` signs it.
     """
     if compression not in CODECS:
         raise InvalidArgumentError(f"compression must be one of {CODECS}, got {compression!r}")
@@ -598,6 +664,7 @@ def encode_value(
         metadata=metadata,
         max_value_bytes=max_value_bytes,
         out=out,
+        value_key=value_key,
     )
     return finish_value(staged, compression)
 
@@ -606,9 +673,16 @@ def _corrupt(reason: str, detail: str) -> CorruptValueError:
     return CorruptValueError(reason, detail)
 
 
-def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -> ValueHeader:
-    """Parse and validate a value's header; raises :class:`CorruptValueError`."""
-    return _read_header(value, max_value_bytes)[0]
+def read_header(
+    value: bytes | memoryview,
+    max_value_bytes: int | None = None,
+    value_key: ValueKey | None = None,
+) -> ValueHeader:
+    """Parse and validate a value's header; raises :class:`CorruptValueError`. With
+    ``value_key`` its MAC is verified too; without, a signed header is parsed unverified
+    (``header.mac`` says it is signed): for people looking, never for loading."""
+    authenticate = value_key is not None
+    return _read_header(value, max_value_bytes, value_key=value_key, authenticate=authenticate)[0]
 
 
 # A header is JSON, and parsing and validating it cost 10 us (one tensor) to 50 us (sixteen) per
@@ -621,7 +695,7 @@ def read_header(value: bytes | memoryview, max_value_bytes: int | None = None) -
 # comparison does not see), is parsed in full every time. The per-tensor checksums are
 # optional (values written before them have none).
 _VARYING = (b'"kvstore.key":"', b'"kvstore.checksum":"', b'"kvstore.created":"')
-_OPTIONAL_VARYING = (b'"kvstore.tensor_checksums":"',)
+_OPTIONAL_VARYING = (b'"kvstore.tensor_checksums":"', _MAC_MARKER)
 _PLAIN = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 _PLAIN_CLASS = b"[" + re.escape(_PLAIN) + b"]"  # _PLAIN as a regular expression's class
 _HEX_BYTES = b"0123456789abcdef"
@@ -684,10 +758,10 @@ def _cached_layout(raw: bytes) -> tuple[_Layout, dict[str, bytes]] | None:
     return None
 
 
-def _split_tensor_checksums(text: bytes | str, tensors: int) -> tuple[str, ...] | None:
-    """``tensor_checksums`` as one hex digest per tensor; None when it is not that."""
+def _split_tensor_checksums(text: bytes | str, tensors: int, width: int) -> tuple[str, ...] | None:
+    """``tensor_checksums`` as one hex digest of ``width`` digits per tensor; None when it is
+    not that."""
     data = text.encode("ascii") if isinstance(text, str) else text
-    width = _CHECKSUM_WIDTH
     if len(data) != width * tensors or data.translate(None, _HEX_BYTES):
         return None
     decoded = data.decode("ascii")
@@ -711,6 +785,8 @@ def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) ->
     expected = {0: header.block_hash, 1: header.checksum, 2: header.created}
     if header.tensor_checksums:
         expected[3] = "".join(header.tensor_checksums)
+    if header.mac:
+        expected[4] = header.mac
     if values != expected:
         return
     pattern, at = b"", 0
@@ -725,10 +801,17 @@ def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) ->
 
 
 def _read_header(
-    value: bytes | memoryview, max_value_bytes: int | None, *, whole: bool = True
+    value: bytes | memoryview,
+    max_value_bytes: int | None,
+    *,
+    whole: bool = True,
+    value_key: ValueKey | None = None,
+    authenticate: bool = True,
 ) -> tuple[ValueHeader, tuple[_Run, ...]]:
     """Parse and check the header at the start of ``value``: the whole value (``whole``: its
-    payload must be the size the header says) or its first bytes."""
+    payload must be the size the header says) or its first bytes. With ``authenticate`` a
+    signed header must verify with ``value_key``, and with a key an unsigned one is refused
+    (``CorruptValueError`` "no-secret", "unsigned", "forged")."""
     if len(value) < 8:
         raise _corrupt("truncated", f"{len(value)} bytes is shorter than a header length")
     (n,) = struct.unpack_from("<Q", value, 0)
@@ -749,8 +832,11 @@ def _read_header(
         fields["block_hash"] = varying["v0"].decode("ascii")
         fields["checksum"] = varying["v1"].decode("ascii")
         fields["created"] = varying["v2"].decode("ascii")
+        if varying.get("v4") is not None:
+            fields["mac"] = varying["v4"].decode("ascii")
         if varying.get("v3") is not None:
-            per_tensor = _split_tensor_checksums(varying["v3"], len(header.tensors))
+            width = MAC_HEX if header.mac else _CHECKSUM_WIDTH
+            per_tensor = _split_tensor_checksums(varying["v3"], len(header.tensors), width)
             if per_tensor is None:
                 raise _corrupt("not-kvstore", "malformed kvstore.tensor_checksums")
             fields["tensor_checksums"] = per_tensor
@@ -762,6 +848,8 @@ def _read_header(
         runs = _runs(header.tensors)
         # the cache keeps its own metadata dict: the caller may change the one returned
         _remember(raw, dataclasses.replace(header, metadata=dict(header.metadata)), runs)
+    if authenticate:
+        _authenticate(value, header, value_key)
     if whole and len(value) - header.header_bytes != header.payload_bytes:
         raise _corrupt(
             "truncated",
@@ -769,6 +857,44 @@ def _read_header(
             f"{header.payload_bytes}",
         )
     return header, runs
+
+
+def _authenticate(
+    value: bytes | memoryview, header: ValueHeader, value_key: ValueKey | None
+) -> None:
+    """Check a parsed header's MAC: the keyed tag of the header bytes as stored, its own
+    digits zeroed. The tag's place is its marker's one occurrence in the bytes (JSON escapes
+    every quote inside a string, so the marker cannot hide in a name or a value)."""
+    if value_key is None:
+        if header.mac:
+            raise _corrupt(
+                "no-secret",
+                "the value is signed (kvstore.mac) and this reader has no secret for its "
+                "namespace: configure the namespace's secret_file or secret_env",
+            )
+        return
+    if not header.mac:
+        raise _corrupt(
+            "unsigned",
+            "the value carries no MAC and this reader's namespace has a secret: it was "
+            "written by a writer without the secret",
+        )
+    raw = bytes(memoryview(value)[: header.header_bytes])
+    at = raw.find(_MAC_MARKER)
+    start = at + len(_MAC_MARKER)
+    if (
+        at < 0
+        or raw.find(_MAC_MARKER, start) >= 0
+        or raw[start : start + MAC_HEX] != (header.mac.encode("ascii"))
+    ):
+        raise _corrupt("forged", "the header's kvstore.mac is not where it is written")
+    zeroed = raw[:start] + _MAC_ZEROS.encode("ascii") + raw[start + MAC_HEX :]
+    if not value_key.verify(zeroed, header.mac):
+        raise _corrupt(
+            "forged",
+            "the header's MAC does not verify: written without this namespace's secret, "
+            "or with another one",
+        )
 
 
 def _check_size(header: ValueHeader, max_value_bytes: int | None) -> None:
@@ -832,10 +958,18 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise _corrupt("not-kvstore", f"malformed header field ({exc!r})") from None
+    if "kvstore.mac" in meta:
+        mac = meta["kvstore.mac"]
+        if not isinstance(mac, str) or _split_tensor_checksums(mac, 1, MAC_HEX) is None:
+            raise _corrupt("not-kvstore", "malformed kvstore.mac")
+        header = dataclasses.replace(header, mac=mac)
     if "kvstore.tensor_checksums" in meta:
         text = meta["kvstore.tensor_checksums"]
+        width = MAC_HEX if header.mac else _CHECKSUM_WIDTH
         per_tensor = (
-            _split_tensor_checksums(text, len(header.tensors)) if isinstance(text, str) else None
+            _split_tensor_checksums(text, len(header.tensors), width)
+            if isinstance(text, str)
+            else None
         )
         if per_tensor is None or codec != "none":
             raise _corrupt("not-kvstore", "malformed kvstore.tensor_checksums")
@@ -864,9 +998,26 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
     return header
 
 
-def checksum_ok(value: bytes | memoryview, header: ValueHeader) -> bool:
-    """Whether the stored payload hashes to the header's checksum."""
-    return xxhash.xxh3_64_hexdigest(memoryview(value)[header.header_bytes :]) == header.checksum
+def checksum_ok(
+    value: bytes | memoryview, header: ValueHeader, value_key: ValueKey | None = None
+) -> bool:
+    """Whether the stored payload hashes to the header's checksum. A signed value's checksum
+    is keyed: without ``value_key`` it never verifies (its header must have been read with
+    the key: ``read_header``)."""
+    payload = memoryview(value)[header.header_bytes :]
+    if not header.mac:
+        return xxhash.xxh3_64_hexdigest(payload) == header.checksum
+    if value_key is None:
+        return False
+    if not header.tensor_checksums:  # compressed: the tag of the stored payload
+        return value_key.verify(payload, header.checksum)
+    # uncompressed: every tensor's tag (they cover the payload), then the tag of the tags
+    tags = "".join(header.tensor_checksums).encode("ascii")
+    if not value_key.verify(tags, header.checksum):
+        return False
+    return not header.tensors or tensor_checksums_ok(
+        header, 0, len(header.tensors), payload, value_key
+    )
 
 
 def decode_value(
@@ -876,13 +1027,18 @@ def decode_value(
     block_hash: str | None,
     max_value_bytes: int | None = None,
     copy: bool = True,
+    value_key: ValueKey | None = None,
+    max_raw_bytes: int | None = None,
 ) -> tuple[ValueHeader, dict[str, torch.Tensor]]:
     """Validate and decode one value; raises :class:`CorruptValueError` on anything off.
 
     With ``copy=False`` uncompressed tensors are views on ``value`` (no copy at all; read-only
     when ``value`` is): for callers that own ``value`` or copy the tensors on straight away.
+    ``value_key``: the namespace's key; the value must be signed with it. ``max_raw_bytes``:
+    the most a compressed value may decompress to (the size the caller expects), checked
+    before any memory is spent.
     """
-    header, runs = _read_header(value, max_value_bytes)
+    header, runs = _read_header(value, max_value_bytes, value_key=value_key)
     if header.fingerprint != fingerprint:
         raise _corrupt(
             "fingerprint",
@@ -890,10 +1046,21 @@ def decode_value(
         )
     if block_hash is not None and header.block_hash != block_hash:
         raise _corrupt("key", f"value was written for block {header.block_hash}")
-    if not checksum_ok(value, header):
-        raise _corrupt("checksum", "payload checksum mismatch")
+    if not checksum_ok(value, header, value_key):
+        raise _corrupt("forged" if header.mac else "checksum", "payload checksum mismatch")
     payload = memoryview(value)[header.header_bytes :]
     if header.codec == "lz4":
+        # lz4 expands at most 255-fold: a header that claims more lies, and what it claims
+        # would be allocated before a byte is decompressed
+        bound = len(payload) * 255 + 16
+        if max_raw_bytes is not None:
+            bound = min(bound, max_raw_bytes)
+        if header.raw_bytes > bound:
+            raise _corrupt(
+                "oversize",
+                f"a {len(payload)}-byte lz4 payload claims {header.raw_bytes} bytes; at most "
+                f"{bound} are expected",
+            )
         try:
             lz4 = lz4_block()
         except InvalidArgumentError as exc:  # another instance compresses; this one cannot read

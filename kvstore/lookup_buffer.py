@@ -47,7 +47,7 @@ import xxhash
 
 from .access import ACCESS, acl_rule, check_access, check_topology
 from .claims import Claimer
-from .codec import CODECS, FORMAT_VERSION, TensorEntry, ValueHeader, lz4_block
+from .codec import CODECS, FORMAT_VERSION, TensorEntry, ValueHeader, frame_parts, lz4_block
 from .connection import StoreAddress, make_client, parse_url
 from .counters import Counters, StoreStats
 from .errors import InvalidArgumentError
@@ -61,6 +61,7 @@ from .survey import Survey, survey
 from .tensor_reads import HeadMiss, TensorReader
 from .transport import READ_DEPTH, Transport
 from .ttl import ChainTtl
+from .value_auth import ValueKey
 from .writes import Writer
 
 __all__ = [
@@ -106,6 +107,7 @@ class LookupBuffer:
         breaker_probe_s: float = 0.5,
         read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
+        secret: bytes | None = None,
     ) -> None:
         if isinstance(client, (str, bytes)):  # the easiest mistake: it failed deep inside
             raise InvalidArgumentError(
@@ -127,6 +129,8 @@ class LookupBuffer:
         if (read_depth is not None and read_depth < 1) or read_connections < 1:
             raise InvalidArgumentError("read_depth and read_connections must be >= 1")
         self.keys = KeySpace(key_prefix, namespace, fingerprint or layout_fingerprint(layout))
+        # signs every value written and takes only values signed with it (value_auth.py)
+        self.value_key = ValueKey(secret, namespace) if secret is not None else None
         self.namespace = namespace
         self.fingerprint = self.keys.fingerprint
         self.key_prefix = key_prefix
@@ -183,6 +187,7 @@ class LookupBuffer:
             fingerprint=self.fingerprint,
             max_value_bytes=self.max_value_bytes,
             connections=self._read_connections,
+            value_key=self.value_key,
         )
         self._tensor_reader = TensorReader(
             self._transport,
@@ -191,6 +196,7 @@ class LookupBuffer:
             fingerprint=self.fingerprint,
             max_value_bytes=self.max_value_bytes,
             log_bad=self._reader.log_bad,
+            value_key=self.value_key,
         )
         self._writer = Writer(
             self._transport,
@@ -200,6 +206,7 @@ class LookupBuffer:
             self._counters,
             compression=self.compression,
             max_value_bytes=self.max_value_bytes,
+            value_key=self.value_key,
         )
         self._handoffs = HandoffRecords(self._transport, self.guard, self.keys, self.ttl)
 
@@ -243,6 +250,7 @@ class LookupBuffer:
         breaker_probe_s: float = 0.5,
         read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
+        secret: bytes | None = None,
         check: bool = True,
     ) -> LookupBuffer:
         """Connect to ``url``. With ``check`` (default) the server is pinged now, so a wrong URL,
@@ -287,6 +295,7 @@ class LookupBuffer:
             breaker_probe_s=breaker_probe_s,
             read_depth=read_depth,
             read_connections=read_connections,
+            secret=secret,
         )
         buf.address = address
         buf._transport.owns_clients = True
@@ -429,6 +438,20 @@ class LookupBuffer:
         blocks get slightly shorter TTLs (see the module docstring).
         """
         self._writer.insert_parts([(h, [v]) for h, v in items], positions=positions)
+
+    def frame_parts(
+        self, entries: Sequence[TensorEntry], pieces: Sequence[Any], block_hash: str
+    ) -> list[Any]:
+        """One value of this store (its fingerprint, compression and secret) as buffers for
+        :meth:`insert_parts`, around ``pieces`` where they lie (``codec.frame_parts``)."""
+        return frame_parts(
+            entries,
+            pieces,
+            fingerprint=self.fingerprint,
+            block_hash=block_hash,
+            compression=self.compression,
+            value_key=self.value_key,
+        )
 
     def insert_parts(
         self,

@@ -22,6 +22,7 @@ from .errors import (
 )
 from .guard import Guard
 from .transport import Destination, Transport
+from .value_auth import ValueKey
 from .wire import Oversize
 
 logger = logging.getLogger("kvstore")
@@ -55,7 +56,9 @@ class Reader:
         fingerprint: str,
         max_value_bytes: int,
         connections: int = READ_CONNECTIONS,
+        value_key: ValueKey | None = None,
     ) -> None:
+        self._value_key = value_key
         self._transport = transport
         self._guard = guard
         self._claims = claims
@@ -140,11 +143,13 @@ class Reader:
     ) -> Callable[[int, Any], Checked]:
         """``Transport.get_values``' ``each`` for replies ``i`` of ``hashes`` landing in
         ``dests``: the reply as ``_check`` takes it, checked."""
-        return lambda i, got: self._check(hashes[i], _as_raw(got, dests[i]))
+        return lambda i, got: self._check(hashes[i], _as_raw(got, dests[i]), _room(dests[i]))
 
-    def _check(self, block_hash: str, value: Any) -> Checked:
+    def _check(self, block_hash: str, value: Any, room: int | None = None) -> Checked:
         """Decode and check one value (``codec.decode_value``): never raises, so it can run on
-        a receiving thread; an invalid value comes back as its error."""
+        a receiving thread; an invalid value comes back as its error. ``room``: the size of the
+        buffer the caller gave for it, which bounds what a compressed value may expand to (a
+        caller sizes it for the values it expects)."""
         if value is None:
             return Checked(None, 0, None)
         try:
@@ -162,6 +167,8 @@ class Reader:
                 block_hash=block_hash,
                 max_value_bytes=self._max_value_bytes,
                 copy=False,
+                value_key=self._value_key,
+                max_raw_bytes=room,
             )
         except CorruptValueError as exc:
             return Checked(None, 0, exc)
@@ -199,6 +206,11 @@ class Reader:
                     err,
                     key,
                 )
+
+
+def _room(dest: Destination) -> int | None:
+    """The size of a caller's buffer; None for a value received into a buffer of its own."""
+    return len(dest) if isinstance(dest, memoryview) else None
 
 
 def _as_raw(got: Any, dest: Destination) -> Any:

@@ -28,6 +28,7 @@ from .counters import Counters
 from .errors import CorruptValueError
 from .guard import Guard
 from .transport import Transport
+from .value_auth import ValueKey
 from .wire import Oversize
 
 # how bad values are reported (``Reader.log_bad``: each key warned about once)
@@ -52,7 +53,9 @@ class TensorReader:
         fingerprint: str,
         max_value_bytes: int,
         log_bad: BadValueLog,
+        value_key: ValueKey | None = None,
     ) -> None:
+        self._value_key = value_key
         self._transport = transport
         self._guard = guard
         self._counters = counters
@@ -121,7 +124,9 @@ class TensorReader:
             return CorruptValueError("wrong-type", "the key does not hold a value of this range")
         data = view[:got]
         try:
-            header, _ = _read_header(data, self._max_value_bytes, whole=False)
+            header, _ = _read_header(
+                data, self._max_value_bytes, whole=False, value_key=self._value_key
+            )
         except CorruptValueError as exc:
             # a header longer than the range read is valid but not where it was expected
             return HeadMiss.WHOLE if exc.reason == "truncated" else exc
@@ -143,7 +148,7 @@ class TensorReader:
             return CorruptValueError("layout", "its tensors are not this layout's")
         if got != want:
             return CorruptValueError("truncated", f"{got} bytes of the {want} asked for")
-        if not tensor_checksums_ok(header, 0, tensors, data[header_bytes:want]):
+        if not tensor_checksums_ok(header, 0, tensors, data[header_bytes:want], self._value_key):
             return CorruptValueError("checksum", "a tensor checksum does not match")
         return header
 
@@ -174,7 +179,7 @@ class TensorReader:
                 return CorruptValueError("truncated", "the value is gone")
             if isinstance(got, Oversize) or not isinstance(got, int) or got != stop - start:
                 return CorruptValueError("truncated", "the value is not the one read first")
-            if not tensor_checksums_ok(headers[i], first, end, views[i][:got]):
+            if not tensor_checksums_ok(headers[i], first, end, views[i][:got], self._value_key):
                 return CorruptValueError("checksum", "a tensor checksum does not match")
             return None
 

@@ -16,6 +16,7 @@ from .guard import Guard
 from .keys import KeySpace
 from .transport import Transport
 from .ttl import ChainTtl
+from .value_auth import ValueKey
 
 # Scratch memory kept per thread for framing values in insert_many (see there).
 _SCRATCH_LIMIT = 64 << 20
@@ -32,7 +33,9 @@ class Writer:
         *,
         compression: str,
         max_value_bytes: int,
+        value_key: ValueKey | None = None,
     ) -> None:
+        self._value_key = value_key
         self._transport = transport
         self._guard = guard
         self._keys = keys
@@ -59,6 +62,7 @@ class Writer:
             compression=self._compression,
             max_value_bytes=self._max_value_bytes,
             out=out,
+            value_key=self._value_key,
         )
 
     def insert_many(
@@ -86,6 +90,7 @@ class Writer:
                     metadata=metadata,
                     compression=self._compression,
                     max_value_bytes=self._max_value_bytes,
+                    value_key=self._value_key,
                 )
                 if in_place
                 else None
