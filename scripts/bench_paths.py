@@ -27,6 +27,12 @@ GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py
 
 ``--sweep`` instead measures ``select_into`` for each read depth (replies in flight per
 connection) and number of connections, per size: how kvstore's read defaults were chosen.
+
+``--mac`` instead measures what a namespace secret costs (``kvstore/value_auth.py``): the MAC
+constructions one core can run (xxh3_64, today's unkeyed checksum; keyed BLAKE3, the one
+chosen; HMAC-SHA256 and keyed BLAKE2b from hashlib), then the data mover's write
+(``insert_parts``) and read (``select_into``) paths with and without a secret, on values of
+``--layers`` tensors as the mover frames them, interleaved in the same rounds.
 """
 
 from __future__ import annotations
@@ -464,6 +470,75 @@ def sweep_size(
     return {name: batch * size / t / 1e9 for name, t in seconds.items()}
 
 
+def mac_size(url: str, size: int, batch: int, rounds: int, warm: bool, layers: int) -> dict:
+    """GB/s of each MAC construction over one value, and of the mover's paths with and
+    without a secret, timed as :func:`bench_size` times its paths."""
+    import hashlib
+    import hmac
+
+    import xxhash
+
+    from kvstore.value_auth import ValueKey
+
+    secret = os.urandom(32)
+    key = ValueKey(secret, "mac")
+    raw_key = os.urandom(32)
+    payloads = [os.urandom(size) for _ in range(batch)]
+    views = [memoryview(p) for p in payloads]
+
+    def over_all(fn: Callable[[memoryview], object]) -> Path_:
+        def run() -> None:
+            for v in views:
+                fn(v)
+
+        return run
+
+    constructions: dict[str, Path_] = {
+        "xxh3_64 (unkeyed, today)": over_all(xxhash.xxh3_64_hexdigest),
+        "keyed BLAKE3 (chosen)": over_all(key.tag),
+        "HMAC-SHA256": over_all(lambda v: hmac.digest(raw_key, v, "sha256")),
+        "keyed BLAKE2b": over_all(lambda v: hashlib.blake2b(v, key=raw_key).digest()),
+    }
+    layer = size // layers
+    entries, _ = plan_entries([f"l{i}" for i in range(layers)], torch.uint8, [layer])
+    pieces = [[v[i * layer : (i + 1) * layer] for i in range(layers)] for v in views]
+    hashes = chain_hashes(list(range(batch * 16)), 16)[:batch]
+    dests = [torch.empty(size + 16384, dtype=torch.uint8) for _ in range(batch)]
+    stores = {
+        "no secret": LookupBuffer.from_url(url, namespace="mac", fingerprint="plain"),
+        "secret": LookupBuffer.from_url(url, namespace="mac", fingerprint="signed", secret=secret),
+    }
+
+    def write(store: LookupBuffer) -> Path_:
+        def run() -> None:
+            items = [
+                (h, store.frame_parts(entries, p, h)) for h, p in zip(hashes, pieces, strict=True)
+            ]
+            store.insert_parts(items)
+
+        return run
+
+    def read(store: LookupBuffer) -> Path_:
+        def run() -> None:
+            got = store.select_into(hashes, dests)
+            assert all(g is not None for g in got), "kvstore missed a value"
+
+        return run
+
+    paths = {**constructions}
+    for name, store in stores.items():
+        paths[f"insert_parts x1, {name}"] = write(store)
+    for name, store in stores.items():
+        paths[f"select_into x1, {name}"] = read(store)
+    for name in stores:
+        paths[f"insert_parts x1, {name}"]()  # readable before the first timed read
+    repeat = max(1, -(-SAMPLE_BYTES // (batch * size)))
+    seconds = median_seconds(paths, rounds, repeat=repeat, before=None if warm else CacheEvictor())
+    for store in stores.values():
+        store.close()
+    return {name: batch * size / t / 1e9 for name, t in seconds.items()}
+
+
 def print_cpu(cpu: dict[int, CpuSpent], sizes: list[int], names: list[str], batch: int) -> None:
     print(
         "\nCPU ms per GB moved (this process's threads / redis-server), and the share of the wall "
@@ -513,7 +588,52 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not evict the CPU caches before each sample (see CacheEvictor)",
     )
+    ap.add_argument(
+        "--mac",
+        action="store_true",
+        help="what a namespace secret costs: MAC constructions, and the mover's paths with and "
+        "without a secret",
+    )
+    ap.add_argument("--layers", type=int, default=32, help="tensors per value for --mac")
     args = ap.parse_args(argv)
+    if args.mac:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+        with RedisServer() as server:
+            got = {
+                s: mac_size(server.url, s, args.batch, args.rounds, args.warm, args.layers)
+                for s in sizes
+            }
+        machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
+        caches = "warm caches" if args.warm else "caches evicted before each sample"
+        print(
+            f"GB/s (one core for the constructions), median of {args.rounds} interleaved rounds, "
+            f"batches of {args.batch}, values of {args.layers} tensors, {caches}; {machine}"
+        )
+        print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
+        print("| --- |" + " --- |" * len(sizes))
+        for name in got[sizes[0]]:
+            print(f"| {name} | " + " | ".join(f"{got[s][name]:.2f}" for s in sizes) + " |")
+        for s in sizes:
+            g = got[s]
+            print(
+                f"{s >> 10} KiB, secret / no secret: insert_parts "
+                f"{g['insert_parts x1, secret'] / g['insert_parts x1, no secret']:.2f}x, "
+                f"select_into {g['select_into x1, secret'] / g['select_into x1, no secret']:.2f}x"
+            )
+        if args.json:
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "machine": machine,
+                        "batch": args.batch,
+                        "rounds": args.rounds,
+                        "layers": args.layers,
+                        "gbps": {str(s): r for s, r in got.items()},
+                    },
+                    indent=2,
+                )
+            )
+        return 0
     if args.sweep:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
         cpu: dict[int, CpuSpent] = {}

