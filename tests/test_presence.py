@@ -129,7 +129,7 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
 ) -> None:
     store.insert_many([(h, value()) for h in chain_hashes(TOKENS, BS)[:3]])
     cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
-                      layout_file=str(layout_file))  # fmt: skip
+                      layout_file=str(layout_file), enable_kv_presence=True)  # fmt: skip
     gen = run_server(build_app(cfg))
     url = next(gen)
     try:
@@ -145,7 +145,7 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
     cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
-                      layout_file=str(broken))  # fmt: skip
+                      layout_file=str(broken), enable_kv_presence=True)  # fmt: skip
     misconfigured = run_server(build_app(cfg))
     try:
         with httpx.Client(base_url=next(misconfigured), timeout=30) as c:
@@ -153,7 +153,8 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
             assert r.status_code == 500 and "not a connector layout" in r.json()["error"]["message"]
     finally:
         next(misconfigured, None)
-    bare = run_server(build_app(ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])))
+    bare = run_server(build_app(ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"],
+                                            enable_kv_presence=True)))  # fmt: skip
     try:
         with httpx.Client(base_url=next(bare), timeout=30) as c:
             r = c.post("/kv/presence", json={"token_ids": TOKENS})
@@ -197,7 +198,7 @@ def test_a_salted_prompt_is_found_with_the_salt_the_connector_gives_its_request(
     )  # fmt: skip
     assert path_only.returncode == 2 and "lora_name" in path_only.stderr
     cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
-                      layout_file=str(layout_file))  # fmt: skip
+                      layout_file=str(layout_file), enable_kv_presence=True)  # fmt: skip
     gen = run_server(build_app(cfg))
     try:
         with httpx.Client(base_url=next(gen), timeout=30) as c:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from connector.proxy import ProxyConfig, build_app
 from testing import stack
@@ -100,11 +101,12 @@ def test_prefill_then_decode_with_transfer_params(echo_backend: str) -> None:
     cfg = ProxyConfig([echo_backend], [echo_backend])
     r = call(cfg, "POST", "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 7},
              headers={"x-request-id": "abc"})  # fmt: skip
-    assert r.status_code == 200 and r.headers["x-request-id"] == "abc"
+    assert r.status_code == 200 and r.headers["x-request-id"] == "abc"  # the client's, echoed
     (pre_id, pre), (dec_id, dec) = SEEN
     assert pre["max_tokens"] == 1 and pre["stream"] is False and "kv_transfer_params" not in pre
     assert dec["max_tokens"] == 7 and dec["kv_transfer_params"] == {"redis_kv": {"num_blocks": 2}}
-    assert (pre_id, dec_id) == ("abc-prefill", "abc")
+    # the backends see the proxy's own id (the client's could be another client's)
+    assert dec_id is not None and dec_id.startswith("proxy-") and pre_id == dec_id + "-prefill"
 
 
 def test_a_pool_answers_requests_whole_in_turn(echo_backend: str) -> None:
@@ -132,7 +134,8 @@ def test_a_pool_answers_requests_whole_in_turn(echo_backend: str) -> None:
     ]
     assert all(b["max_tokens"] == 5 and "kv_transfer_params" not in b for _, b in SEEN)
     r = call(ProxyConfig([], [echo_backend, DOWN]), "GET", "/health")
-    assert r.status_code == 200 and r.json()["pool"] == {echo_backend: True, DOWN: False}
+    assert r.status_code == 200 and r.json()["pool"] == {"up": 1, "down": 1}
+    assert r.json()["servers"]["pool"] == {echo_backend: True, DOWN: False}
     r = call(ProxyConfig([], [DOWN]), "POST", "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 502 and "no pool server" in r.json()["error"]["message"]
 
@@ -213,7 +216,9 @@ def test_backend_errors_keep_their_status(failing_backend: str) -> None:
 def test_health_reports_each_backend(echo_backend: str) -> None:
     r = call(ProxyConfig([echo_backend], [DOWN]), "GET", "/health")
     assert r.status_code == 503
-    assert r.json()["prefill"] == {echo_backend: True} and r.json()["decode"] == {DOWN: False}
+    assert r.json()["prefill"] == {"up": 1, "down": 0}
+    assert r.json()["decode"] == {"up": 0, "down": 1}
+    assert r.json()["servers"] == {"prefill": {echo_backend: True}, "decode": {DOWN: False}}
     r = call(ProxyConfig([echo_backend], [echo_backend]), "GET", "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
 
@@ -384,3 +389,340 @@ def test_min_tokens_and_n_are_not_sent_to_prefill(echo_backend: str) -> None:
     (_, pre), (_, dec) = SEEN
     assert "min_tokens" not in pre and "n" not in pre and pre["max_tokens"] == 1
     assert dec["min_tokens"] == 4 and dec["n"] == 2 and dec["max_tokens"] == 8
+
+
+# -- hostile callers -----------------------------------------------------------------------------
+
+KEY = "sk-proxy-0123456789"
+KV_KEY = "sk-kv-9876543210"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and isinstance(err["message"], str) and "type" in err
+    return dict(err)
+
+
+def test_the_api_key_guards_every_path_but_health(echo_backend: str) -> None:
+    cfg = ProxyConfig([echo_backend], [echo_backend], api_key=KEY)
+    assert KEY not in repr(cfg)
+    body = {"prompt": "x", "max_tokens": 2}
+    refused = call_in_turn(cfg, "POST", "/v1/completions", [
+        {"json": body},
+        {"json": body, "headers": bearer("wrong")},
+        {"json": body, "headers": {"Authorization": KEY}},  # no scheme
+        {"json": body, "headers": {"Authorization": f"Basic {KEY}"}},
+        {"json": body, "headers": bearer(KEY + "x")},
+    ])  # fmt: skip
+    for r in refused:
+        assert assert_openai_error(r, 401)["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer" and KEY not in r.text
+    assert SEEN == []  # nothing reached a backend
+    for method, path in (("GET", "/v1/models"), ("GET", "/kv/routing"), ("GET", "/nope"),
+                         ("POST", "/kv/presence"), ("GET", "/docs")):  # fmt: skip
+        assert_openai_error(call(cfg, method, path), 401)
+    r = call(cfg, "POST", "/v1/completions", json=body, headers=bearer(KEY))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "x"
+    assert call(cfg, "GET", "/kv/routing", headers=bearer(KEY)).status_code == 200  # no kv key
+    assert call(cfg, "GET", "/health").status_code == 200  # load balancers ask without a key
+
+
+def test_the_kv_key_guards_kv_paths_apart_from_the_api_key(echo_backend: str) -> None:
+    cfg = ProxyConfig([echo_backend], [echo_backend], api_key=KEY, kv_api_key=KV_KEY)
+    assert KV_KEY not in repr(cfg)
+    assert_openai_error(call(cfg, "GET", "/kv/routing", headers=bearer(KEY)), 401)
+    assert call(cfg, "GET", "/kv/routing", headers=bearer(KV_KEY)).status_code == 200
+    r = call(cfg, "POST", "/v1/completions", json={"prompt": "x"}, headers=bearer(KV_KEY))
+    assert_openai_error(r, 401)
+    # a kv key alone: the OpenAI endpoints stay open, as vLLM's without --api-key
+    cfg = ProxyConfig([echo_backend], [echo_backend], kv_api_key=KV_KEY)
+    assert call(cfg, "POST", "/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert_openai_error(call(cfg, "GET", "/kv/routing"), 401)
+
+
+def test_health_shows_counts_to_anyone_and_servers_to_kv_callers(echo_backend: str) -> None:
+    cfg = ProxyConfig([echo_backend], [DOWN], api_key=KEY, kv_api_key=KV_KEY)
+    anyone, with_api_key, with_kv_key = call_in_turn(
+        cfg, "GET", "/health", [{}, {"headers": bearer(KEY)}, {"headers": bearer(KV_KEY)}]
+    )
+    assert anyone.status_code == 503
+    assert anyone.json() == {
+        "status": "degraded", "prefill": {"up": 1, "down": 0}, "decode": {"up": 0, "down": 1}
+    }  # fmt: skip
+    assert "127.0.0.1" not in anyone.text and with_api_key.json() == anyone.json()
+    servers = with_kv_key.json()["servers"]
+    assert servers == {"prefill": {echo_backend: True}, "decode": {DOWN: False}}
+
+
+def test_the_command_reads_keys_like_vllm_and_listens_on_loopback(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from connector import proxy
+
+    started: dict = {}
+    monkeypatch.setattr(proxy.uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    monkeypatch.setenv("VLLM_API_KEY", KEY)
+    monkeypatch.setenv("VLLM_REDIS_PROXY_KV_API_KEY", KV_KEY)
+    caplog.set_level(logging.DEBUG)
+    assert proxy.main(["--prefill", DOWN, "--decode", DOWN]) == 0
+    assert started["host"] == "127.0.0.1"
+
+    async def ask(app: FastAPI, path: str, key: str | None) -> int:
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                return (await c.get(path, headers=bearer(key) if key else {})).status_code
+
+    app = started["app"]
+    assert asyncio.run(ask(app, "/v1/models", None)) == 401
+    assert asyncio.run(ask(app, "/v1/models", KEY)) == 502  # let in; no decode server
+    assert asyncio.run(ask(app, "/kv/routing", KEY)) == 401
+    assert asyncio.run(ask(app, "/kv/routing", KV_KEY)) == 200
+    monkeypatch.delenv("VLLM_REDIS_PROXY_KV_API_KEY")
+    proxy.main(["--pool", DOWN, "--api-key", "from-the-flag", "--host", "0.0.0.0",
+                "--enable-kv-presence"])  # fmt: skip
+    app = started["app"]
+    assert started["host"] == "0.0.0.0"
+    assert asyncio.run(ask(app, "/v1/models", KEY)) == 401  # the flag wins over the env
+    assert asyncio.run(ask(app, "/kv/routing", "from-the-flag")) == 200  # no kv key: the API key
+    assert KEY not in caplog.text and KV_KEY not in caplog.text
+    assert "from-the-flag" not in caplog.text
+
+
+def test_presence_is_off_unless_enabled() -> None:
+    r = call(ProxyConfig([DOWN], [DOWN]), "POST", "/kv/presence", json={"token_ids": [1, 2]})
+    assert "--enable-kv-presence" in assert_openai_error(r, 404)["message"]
+    r = call(ProxyConfig([DOWN], [DOWN], enable_kv_presence=True), "POST", "/kv/presence",
+             json={"token_ids": [1, 2]})  # fmt: skip
+    assert "--redis-url" in assert_openai_error(r, 501)["message"]  # on, but not configured
+
+
+def test_presence_is_rate_limited_per_client() -> None:
+    cfg = ProxyConfig([DOWN], [DOWN], enable_kv_presence=True, kv_presence_rate=0.01,
+                      kv_presence_burst=2)  # fmt: skip
+    answers = call_in_turn(cfg, "POST", "/kv/presence", [{"json": {"token_ids": [1]}}] * 3)
+    assert [r.status_code for r in answers] == [501, 501, 429]
+    assert_openai_error(answers[2], 429)
+    assert int(answers[2].headers["retry-after"]) >= 1
+
+
+def test_token_buckets_refill_and_keep_clients_apart() -> None:
+    from connector.proxy import TokenBuckets
+
+    now = [0.0]
+    buckets = TokenBuckets(rate=2.0, burst=2, max_clients=2, clock=lambda: now[0])
+    assert [buckets.take("a") for _ in range(2)] == [0, 0]
+    assert buckets.take("a") == pytest.approx(0.5)  # one token comes back in 1/2 s
+    assert buckets.take("b") == 0  # another address has its own
+    now[0] = 0.5
+    assert buckets.take("a") == 0
+    buckets.take("c")  # a third address: the least recently seen ("b") is forgotten
+    assert set(buckets._buckets) == {"a", "c"}
+
+
+def test_presence_refuses_a_huge_query_before_tokenizing_or_asking_redis() -> None:
+    tokenized: list[dict] = []
+    app = FastAPI()
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        tokenized.append(await request.json())
+        return JSONResponse({"tokens": list(range(5))})
+
+    gen = run_server(app)
+    backend = next(gen)
+    try:
+        # a store that is not there: any Redis work would answer 503, not 413
+        store = f"redis://127.0.0.1:{free_port()}/0"
+        cfg = ProxyConfig([DOWN], [backend], enable_kv_presence=True, redis_url=store,
+                          layout_file="/none")  # fmt: skip
+        million = call(cfg, "POST", "/kv/presence", json={"token_ids": [7] * 1_000_000})
+        assert "131072" in assert_openai_error(million, 413)["message"]  # the default limit
+        long_text = call(cfg, "POST", "/kv/presence", json={"prompt": "a" * (131072 * 16 + 1)})
+        assert_openai_error(long_text, 413)
+        assert tokenized == []
+        cfg.kv_presence_max_tokens = 4  # a prompt of 5 tokens, known once tokenized
+        assert_openai_error(call(cfg, "POST", "/kv/presence", json={"prompt": "hello"}), 413)
+        assert len(tokenized) == 1
+    finally:
+        next(gen, None)
+
+
+def test_a_body_over_the_limit_is_refused_by_its_content_length(echo_backend: str) -> None:
+    cfg = ProxyConfig([echo_backend], [echo_backend], max_body_bytes=1000)
+    r = call(cfg, "POST", "/v1/completions", json={"prompt": "x" * 2000})
+    assert "--max-body-bytes" in assert_openai_error(r, 413)["message"]
+    assert SEEN == []
+    assert call(cfg, "POST", "/v1/completions", json={"prompt": "x" * 900}).status_code == 200
+
+
+def test_a_chunked_body_is_read_no_further_than_the_limit() -> None:
+    """64 MiB sent without a Content-Length: refused once a bit more than the default 16 MiB
+    has come, the rest never read."""
+    mib = b"x" * (1 << 20)
+    pulled = [0]
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"prompt": "'
+        for _ in range(64):
+            pulled[0] += 1
+            yield mib
+
+    r = call(ProxyConfig([DOWN], [DOWN]), "POST", "/v1/completions", content=body())
+    assert_openai_error(r, 413)
+    assert pulled[0] <= 17
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b'{"prompt": [9223372036854775808]}', "token ids"),  # 2**63
+        (b'{"prompt": [[1, 2], [3, -1]]}', "token ids"),
+        (b'{"prompt": [1, true]}', "token ids"),
+        (b'{"prompt": [1e400]}', "out of range"),
+        (b'{"prompt": "x", "temperature": NaN}', "not a JSON number"),
+        (b'{"prompt": "x", "top_p": -Infinity}', "not a JSON number"),
+        (b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", "not valid JSON"),
+        (b'{"prompt": "x", "n": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    ],
+)
+def test_numbers_no_backend_could_take_are_400_not_500(body: bytes, reason: str) -> None:
+    r = call(ProxyConfig([DOWN], [DOWN]), "POST", "/v1/completions", content=body)
+    assert reason in assert_openai_error(r, 400)["message"]
+
+
+@pytest.mark.parametrize(
+    "prefill_answer",
+    [b"not json", b"[1, 2]", b'{"kv_transfer_params": "a string"}', b'{"x": NaN'],
+)
+def test_a_prefill_answer_that_is_not_a_json_object_is_a_502(prefill_answer: bytes) -> None:
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return Response(prefill_answer, media_type="application/json")
+
+    gen = run_server(app)
+    backend = next(gen)
+    try:
+        r = call(ProxyConfig([backend], [DOWN]), "POST", "/v1/completions", json={"prompt": "x"})
+    finally:
+        next(gen, None)
+    assert "prefill server" in assert_openai_error(r, 502)["message"]
+
+
+def test_a_tokenize_answer_with_impossible_token_ids_is_a_502() -> None:
+    app = FastAPI()
+
+    @app.post("/tokenize")
+    async def tokenize() -> JSONResponse:
+        return JSONResponse({"tokens": [2**64, 1]})
+
+    gen = run_server(app)
+    backend = next(gen)
+    try:
+        cfg = ProxyConfig([DOWN], [backend], enable_kv_presence=True)
+        r = call(cfg, "POST", "/kv/presence", json={"prompt": "hello"})
+    finally:
+        next(gen, None)
+    assert "/tokenize" in assert_openai_error(r, 502)["message"]
+
+
+def test_no_error_is_a_bare_500_or_shows_a_traceback(
+    echo_backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from connector import proxy
+
+    def broken(body: dict) -> dict:
+        raise RuntimeError("internal detail 42")
+
+    monkeypatch.setattr(proxy, "prefill_request", broken)
+    r = call(ProxyConfig([echo_backend], [echo_backend]), "POST", "/v1/completions",
+             json={"prompt": "x"})  # fmt: skip
+    err = assert_openai_error(r, 500)
+    assert "internal detail 42" not in r.text and "Traceback" not in r.text
+    assert err["message"] == "internal error in the proxy"
+    assert "internal detail 42" in caplog.text  # the operator gets the traceback
+    assert_openai_error(call(ProxyConfig([DOWN], [DOWN]), "GET", "/nope"), 404)
+    wrong_method = call(ProxyConfig([DOWN], [DOWN]), "GET", "/v1/completions")
+    assert_openai_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
+
+
+def test_backend_credentials_reach_no_client_and_no_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend URL with user:password: the proxy authenticates with it, and shows it
+    nowhere -- errors, /health, /kv/routing, its own and httpx's log lines."""
+    import base64
+
+    secret = "hunter2-secret"
+    expected = "Basic " + base64.b64encode(f"proxy:{secret}".encode()).decode()
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        if request.headers.get("authorization") != expected:
+            return JSONResponse({"error": {"message": "who are you"}}, status_code=401)
+        return JSONResponse({"choices": [{"text": "x"}], "kv_transfer_params": {"a": 1}})
+
+    gen = run_server(app)
+    backend = next(gen)
+    caplog.set_level(logging.DEBUG)
+    try:
+        with_secret = backend.replace("http://", f"http://proxy:{secret}@")
+        down = DOWN.replace("http://", f"http://proxy:{secret}@")
+        cfg = ProxyConfig([with_secret], [down])
+        failed, health, routing = (
+            call(cfg, "POST", "/v1/completions", json={"prompt": "x"}),
+            call(cfg, "GET", "/health"),
+            call(cfg, "GET", "/kv/routing"),
+        )
+        ok = call(ProxyConfig([with_secret], [with_secret]), "POST", "/v1/completions",
+                  json={"prompt": "x"})  # fmt: skip
+    finally:
+        next(gen, None)
+    assert "decode server" in assert_openai_error(failed, 502)["message"]  # prefill let us in
+    assert ok.status_code == 200, ok.text
+    assert health.json()["servers"] == {"prefill": {backend: False}, "decode": {DOWN: False}}
+    for text in (failed.text, health.text, routing.text, caplog.text):
+        assert secret not in text
+    assert "127.0.0.1" in caplog.text  # the log did name the servers
+
+
+def test_urls_are_shown_without_credentials() -> None:
+    from connector.proxy import redact_url, scrub_credentials, split_credentials
+
+    assert redact_url("http://u:p@h:8100/x?token=t") == "http://***@h:8100/x"
+    assert redact_url("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
+    assert redact_url("http://only-a-token@h") == "http://***@h"
+    assert scrub_credentials("failed on http://u:p@h:1/v1 and tcp://x@y") == (
+        "failed on http://***@h:1/v1 and tcp://***@y"
+    )
+    url, auth = split_credentials("http://us%40er:p%3Ass@h:81/")
+    assert url == "http://h:81" and auth is not None
+    assert split_credentials("http://h:81/") == ("http://h:81", None)
+
+
+def test_client_transfer_params_and_request_ids_never_reach_a_backend(echo_backend: str) -> None:
+    """kv_transfer_params name a handoff: a client's would make the decode server load another
+    request's KV. The proxy sets them from the prefill answer only, and names requests itself."""
+    stolen = {"redis_kv": {"handoff": "someone-elses", "num_blocks": 9}, "redis_kv_load": "split"}
+    body = {"prompt": "x", "kv_transfer_params": stolen, "request_id": "victim-id"}
+    r = call(ProxyConfig([echo_backend], [echo_backend]), "POST", "/v1/completions", json=body,
+             headers={"X-Request-Id": "victim-id"})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-request-id"] == "victim-id"  # echoed only
+    (pre_id, pre), (dec_id, dec) = SEEN
+    assert "kv_transfer_params" not in pre
+    assert dec["kv_transfer_params"] == {"redis_kv": {"num_blocks": 2}}  # the prefill's
+    assert "request_id" not in pre and "request_id" not in dec
+    assert "victim" not in f"{pre_id} {dec_id}"
+    SEEN.clear()
+    r = call(ProxyConfig([], [echo_backend]), "POST", "/v1/completions", json=body,
+             headers={"X-Request-Id": "bad id\twith odd bytes"})  # fmt: skip
+    ((pool_id, pooled),) = SEEN
+    assert "kv_transfer_params" not in pooled and "request_id" not in pooled
+    assert r.headers["x-request-id"] == pool_id  # an id it would not echo: the proxy's own
