@@ -93,6 +93,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "prompt) and were ignored",
     ),
     "redis_errors": ("vllm:redis_kv_redis_errors", "Redis operations that raised an error"),
+    "values_invalid": (
+        "vllm:redis_kv_values_invalid",
+        "Values read from Redis that were not a valid block of this layout (corrupt, truncated, "
+        "oversize, another layout, unauthenticated): counted misses, recomputed",
+    ),
+    "values_unauthenticated": (
+        "vllm:redis_kv_values_unauthenticated",
+        "Of those, values that failed the namespace secret's MAC check (forged, unsigned, or "
+        "signed while this instance has no secret): someone without the secret wrote them",
+    ),
     "resets": (
         "vllm:redis_kv_resets",
         "Namespace resets this instance made (reset_prefix_cache with the connector): every "

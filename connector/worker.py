@@ -60,6 +60,7 @@ from kvstore import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from kvstore.value_auth import UNAUTHENTICATED
 
 from .config import RedisConnectorConfig
 from .layout import HeadSlice, KVGroup, KVLayout
@@ -153,6 +154,7 @@ class RedisConnectorWorker:
         self.layout = layout
         self.tp_rank = tp_rank
         self.store = store
+        self._invalid_seen = (0, 0)  # the store's (invalid, unauthenticated) values reported
         self.stats = StatsBuffer()
         self._lock = threading.Lock()
         self._kv: dict[str, torch.Tensor] = {}
@@ -879,6 +881,17 @@ class RedisConnectorWorker:
             self.stats.sample("rank_block_bytes", block)
             if self._split_bands:
                 self.stats.sample("split_bands", len(self._split_bands))
+        # the store's invalid values since the last report (its counters are cumulative)
+        snap = self.store.stats()
+        invalid = snap.corrupt
+        unauthenticated = sum(snap.corrupt_by_reason.get(r, 0) for r in UNAUTHENTICATED)
+        seen_invalid, seen_unauthenticated = self._invalid_seen
+        if invalid > seen_invalid:
+            self._invalid_seen = (invalid, unauthenticated)
+            self.stats.add(
+                values_invalid=invalid - seen_invalid,
+                values_unauthenticated=unauthenticated - seen_unauthenticated,
+            )
         return self.stats.take()
 
     def shutdown_pending(self, timeout_s: float) -> int:

@@ -26,6 +26,9 @@ from .errors import InvalidArgumentError
 logger = logging.getLogger("kvstore")
 
 MAC_HEX = 32  # hex digits of a tag: 128 bits
+# the reasons (``CorruptValueError.reason``) of values that fail the MAC check: a tag that does
+# not verify, none where the reader has a secret, one where it has none
+UNAUTHENTICATED = ("forged", "unsigned", "no-secret")
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096  # a secret file is a few dozen bytes; a larger one is a wrong path
 _CONTEXT = "vllm-redis-kvstore 2026-11-27 value MAC v1"

@@ -68,6 +68,7 @@ def make_worker(
     mode: str = "share",
     compression: str = "none",
     dtype: torch.dtype = torch.float32,
+    secret: bytes | None = None,
 ) -> tuple[RedisConnectorWorker, dict[str, torch.Tensor]]:
     cfg = RedisConnectorConfig(
         url="redis://x",
@@ -77,7 +78,11 @@ def make_worker(
         compression=compression,
     )
     store = LookupBuffer(
-        client, namespace="w", fingerprint=layout(dtype).fingerprint(0), compression=compression
+        client,
+        namespace="w",
+        fingerprint=layout(dtype).fingerprint(0),
+        compression=compression,
+        secret=secret,
     )
     worker = RedisConnectorWorker(cfg, layout(dtype), store)
     caches = shared_kv_buffer(physical, device, dtype, kernel_split)
@@ -244,6 +249,32 @@ def test_missing_and_corrupt_blocks_are_reported_and_the_request_still_finishes(
     # worker counts only its own bytes
     stats = dst.take_stats()
     assert "blocks_loaded" not in stats and 0 < stats["bytes_loaded"] < 4 * dst.movers[0].raw_bytes
+    assert stats["values_invalid"] == 1 and stats.get("values_unauthenticated", 0) == 0
+    assert "values_invalid" not in dst.take_stats()  # reported once
+
+
+def test_blocks_saved_without_the_namespace_secret_are_never_loaded_and_are_counted() -> None:
+    client = fakeredis.FakeRedis()
+    secret = b"the namespace's secret, 32 bytes"
+    plain, plain_kv = make_worker(client)
+    signed, signed_kv = make_worker(client, secret=secret)
+    dst, dst_kv = make_worker(client, secret=secret)
+    fill_random(plain_kv)
+    fill_random(signed_kv, seed=1)
+    hashes = chain_hashes(list(range(4 * N)), N)
+    save(plain, "p", [0, 1], hashes[:2])
+    save(signed, "s", [2, 3], hashes[2:4])
+    dst.start_load_kv(load("d", [10, 11], hashes[:2]))
+    wait_loaded(dst, "d")
+    assert dst.get_block_ids_with_load_errors() == {10, 11}
+    assert all(int(t[[10, 11]].count_nonzero()) == 0 for t in dst_kv.values())
+    stats = dst.take_stats()
+    assert stats["values_invalid"] == stats["values_unauthenticated"] == 2
+    dst.start_load_kv(load("e", [12, 13], hashes[2:4]))
+    wait_loaded(dst, "e")
+    assert dst.get_block_ids_with_load_errors() == set()
+    for name, t in dst_kv.items():
+        assert same_bytes(t[[12, 13]], signed_kv[name][[2, 3]])
 
 
 def test_redis_down_fails_the_blocks_not_the_engine() -> None:
