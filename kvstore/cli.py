@@ -32,19 +32,52 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.cluster import RedisCluster
 
-from .connection import make_client, parse_url, translated_errors
+from .connection import error_code, make_client, parse_url, translated_errors
 from .errors import CorruptValueError, InvalidArgumentError, KVStoreError
 from .keys import DEFAULT_KEY_PREFIX, parse_key
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.text import Text
 
 _SCAN_COUNT = 1000
+_SHOWN_CHARS = 300  # of one name or field in the human output (--json keeps them whole)
 
 
-def _scan(client: redis.Redis, pattern: str) -> Iterator[str]:
-    for key in client.scan_iter(match=pattern, count=_SCAN_COUNT):
-        yield key.decode() if isinstance(key, bytes) else str(key)
+def _scan(client: redis.Redis, pattern: str) -> Iterator[tuple[str, bytes]]:
+    """Keys as (name to show and parse, the key's own bytes to send back). A key need not be
+    UTF-8: its other bytes are shown as ``\\xNN`` and it is addressed by its bytes."""
+    # a pattern from the command line may hold bytes that were not UTF-8: sent as they were
+    for key in client.scan_iter(match=os.fsencode(pattern), count=_SCAN_COUNT):
+        raw = key if isinstance(key, bytes) else str(key).encode()
+        yield raw.decode(errors="backslashreplace"), raw
+
+
+def _glob_literal(text: str) -> str:
+    """``text`` matching only itself in a SCAN pattern: a namespace named ``a*`` or ``[/x]``
+    must not select (or flush) other namespaces' keys."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+def _printable(value: object, limit: int | None = _SHOWN_CHARS) -> str:
+    """Text from Redis (or a value's header) as a terminal may show it: control and other
+    unprintable characters -- ANSI escapes, bytes that were not UTF-8 -- spelled as Python
+    escapes, and past ``limit`` characters cut, saying how many."""
+    text = str(value)
+    cut = ""
+    if limit is not None and len(text) > limit:
+        text, cut = text[:limit], f"... ({len(text) - limit} more characters)"
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+    return text + cut
+
+
+def _shown(value: object, limit: int | None = _SHOWN_CHARS, style: str = "") -> Text:
+    """``value`` as rich text, never as markup: a name like ``[/x]`` or ``[bold]`` is shown as
+    it is instead of failing the whole output or styling it."""
+    from rich.text import Text
+
+    return Text(_printable(value, limit), style=style)
 
 
 @dataclass
@@ -73,20 +106,27 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
     """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range. Streams: keys
     are read as SCAN returns them, :data:`_SCAN_COUNT` per pipeline, and only running totals
     are kept, so a namespace of millions of blocks costs bounded client memory."""
-    pattern = f"{prefix}:{namespace or '*'}:*"
+    pattern = f"{_glob_literal(prefix)}:{_glob_literal(namespace) if namespace else '*'}:*"
     groups: dict[tuple[str, str], _Group] = defaultdict(_Group)
     others: dict[str, int] = defaultdict(int)  # claims, handoff and document records, probes
     now = time.time()
 
-    def flush(batch: list[tuple[str, str, str]]) -> None:
+    def flush(batch: list[tuple[str, str, bytes]]) -> None:
         pipe = client.pipeline(transaction=False)
         for _, _, k in batch:
             pipe.strlen(k)
             pipe.pttl(k)
             pipe.getrange(k, 0, 1023)
-        replies = pipe.execute()
+        # one key of another type (WRONGTYPE) must not fail the listing of the others
+        replies = pipe.execute(raise_on_error=False)
         for i, (ns, fp, _) in enumerate(batch):
             size, pttl, head = replies[3 * i : 3 * i + 3]
+            errors = [r for r in (size, pttl, head) if isinstance(r, Exception)]
+            if errors:
+                if any(error_code(e) != "WRONGTYPE" for e in errors):
+                    raise errors[0]  # NOPERM and the like: about the server, not this key
+                others["wrong-type"] += 1
+                continue
             if pttl == -2:  # expired or deleted since SCAN saw it
                 continue
             created = created_epoch(head)
@@ -94,15 +134,15 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
                 int(size), pttl / 1000 if pttl >= 0 else None, now - created if created else None
             )
 
-    batch: list[tuple[str, str, str]] = []
-    for key in _scan(client, pattern):
+    batch: list[tuple[str, str, bytes]] = []
+    for key, raw in _scan(client, pattern):
         parsed = parse_key(key, prefix)
         if parsed is None:
             continue
         if parsed.kind != "block":
             others[parsed.kind] += 1
             continue
-        batch.append((parsed.namespace, parsed.fingerprint, key))
+        batch.append((parsed.namespace, parsed.fingerprint, raw))
         if len(batch) >= _SCAN_COUNT:
             flush(batch)
             batch = []
@@ -128,9 +168,11 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
         "handoff": "(handoff commit records)",
         "probe": "(permission probes)",
         "document": "(warmed-document records)",
+        "generation": "(namespace generations)",
+        "wrong-type": "(block keys that do not hold a string)",
     }
     for kind, count in sorted(others.items()):
-        rows.append({"namespace": labels[kind], "blocks": count})
+        rows.append({"namespace": labels.get(kind, f"({kind} records)"), "blocks": count})
     return rows
 
 
@@ -143,53 +185,73 @@ def created_epoch(head: bytes) -> float | None:
     match = _CREATED.search(head)
     if match is None:
         return None
-    try:
+    try:  # any bytes may stand there: not UTF-8, not a date, out of range
         when = datetime.fromisoformat(match[1].decode().replace("Z", "+00:00"))
-    except ValueError:
+        if when.tzinfo is None:  # written without a zone: it is UTC all the same
+            when = when.replace(tzinfo=timezone.utc)
+        return when.timestamp()
+    except (ValueError, OverflowError, OSError):
         return None
-    if when.tzinfo is None:  # written without a zone: it is UTC all the same
-        when = when.replace(tzinfo=timezone.utc)
-    return when.timestamp()
 
 
-def inspect_key(client: redis.Redis, key: str) -> dict[str, Any]:
+def inspect_key(client: redis.Redis, key: str | bytes) -> dict[str, Any]:
+    """A value's header and checks. ``key`` as bytes, or as text: a command-line argument's
+    bytes that were not UTF-8 come back as they were (``os.fsencode``)."""
     from .codec import checksum_ok, read_header  # torch: only for this command
 
-    value = client.get(key)
+    raw = key if isinstance(key, bytes) else os.fsencode(key)
+    name = raw.decode(errors="backslashreplace")
+    value = client.get(raw)
     if not isinstance(value, bytes):
-        return {"key": key, "exists": False}
+        return {"key": name, "exists": False}
     out: dict[str, Any] = {
-        "key": key,
+        "key": name,
         "exists": True,
         "bytes": len(value),
-        "ttl_s": (lambda t: None if t < 0 else t / 1000)(client.pttl(key)),
+        "ttl_s": (lambda t: None if t < 0 else t / 1000)(client.pttl(raw)),
     }
     try:
         header = read_header(value)
+        # a signed value's checksum is keyed: this command has no secret to verify it with
+        sum_ok = None if header.mac else checksum_ok(value, header)
+        parsed = parse_key(name)
+        fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
+        fields = dict(
+            valid=sum_ok is not False and fingerprint_ok,
+            signed=bool(header.mac),
+            checksum=header.checksum,
+            checksum_ok=sum_ok,
+            fingerprint=header.fingerprint,
+            fingerprint_matches_key=fingerprint_ok,
+            block_hash=header.block_hash,
+            format=header.format_version,
+            codec=header.codec,
+            raw_bytes=header.raw_bytes,
+            payload_bytes=header.payload_bytes,
+            created=header.created,
+            metadata=header.metadata,
+            tensors=[
+                {
+                    "name": e.name,
+                    "dtype": e.dtype,
+                    "shape": list(e.shape),
+                    "bytes": e.end - e.start,
+                }
+                for e in header.tensors
+            ],
+        )
     except CorruptValueError as exc:
         out.update(valid=False, reason=exc.reason, detail=str(exc))
         return out
-    sum_ok = checksum_ok(value, header)
-    parsed = parse_key(key)
-    fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
-    out.update(
-        valid=sum_ok and fingerprint_ok,
-        checksum=header.checksum,
-        checksum_ok=sum_ok,
-        fingerprint=header.fingerprint,
-        fingerprint_matches_key=fingerprint_ok,
-        block_hash=header.block_hash,
-        format=header.format_version,
-        codec=header.codec,
-        raw_bytes=header.raw_bytes,
-        payload_bytes=header.payload_bytes,
-        created=header.created,
-        metadata=header.metadata,
-        tensors=[
-            {"name": e.name, "dtype": e.dtype, "shape": list(e.shape), "bytes": e.end - e.start}
-            for e in header.tensors
-        ],
-    )
+    except Exception as exc:  # any header content is data to report, never a traceback
+        # a header the codec's checks let through but cannot use (a number like 1e999)
+        out.update(
+            valid=False,
+            reason="corrupt-header",
+            detail=f"the header does not decode: {type(exc).__name__}: {exc}",
+        )
+        return out
+    out.update(fields)
     return out
 
 
@@ -219,7 +281,7 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
     info_mem, info_stats, info_server = info("memory"), info("stats"), info("server")
     keys = blocks = 0
     namespaces: dict[str, int] = defaultdict(int)
-    for key in _scan(client, f"{prefix}:*"):
+    for key, _ in _scan(client, f"{_glob_literal(prefix)}:*"):
         keys += 1
         parsed = parse_key(key, prefix)
         if parsed:
@@ -246,11 +308,15 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
     }
 
 
+def _namespace_pattern(prefix: str, namespace: str) -> str:
+    return f"{_glob_literal(prefix)}:{_glob_literal(namespace)}:*"
+
+
 def flush_namespace(client: redis.Redis, prefix: str, namespace: str) -> int:
     deleted = 0
-    batch: list[str] = []
-    for key in _scan(client, f"{prefix}:{namespace}:*"):
-        batch.append(key)
+    batch: list[bytes] = []
+    for _, raw in _scan(client, _namespace_pattern(prefix, namespace)):
+        batch.append(raw)
         if len(batch) >= 500:
             deleted += int(client.unlink(*batch))
             batch = []
@@ -320,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     p_pr.add_argument("--lora-path", default="", help="... and its path, as the server has it")
     args = ap.parse_args(argv)
     from rich.console import Console  # after parsing: --help stays fast
-    from rich.markup import escape  # messages and keys may hold "[...]": never markup
+    from rich.text import Text
 
-    # emoji off: rich would render key parts such as ":b:" as emoji
+    # emoji off: rich would render key parts such as ":b:" as emoji. Everything that comes
+    # from Redis, a value or the user is printed as Text (_shown), never as markup.
     console = Console(emoji=False, highlight=False)
     err = Console(stderr=True, emoji=False, highlight=False)
     try:
@@ -331,89 +398,110 @@ def main(argv: list[str] | None = None) -> int:
         with translated_errors(address.safe_url):
             return _run(args, client, console, err)
     except KVStoreError as exc:
-        err.print(f"[red]error:[/red] {escape(str(exc))}")
+        err.print(Text.assemble(("error:", "red"), " ", _shown(exc, limit=None)))
         return 2
 
 
+def _json(data: object, indent: int | None = 2) -> None:
+    """``data`` for machines: any value a header held is written (``str`` of what JSON has no
+    form for), and text that was not UTF-8 stays escaped."""
+    print(json.dumps(data, indent=indent, default=str))
+
+
 def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: Console) -> int:
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     if args.cmd == "ls":
         rows = list_prefixes(client, args.prefix, args.namespace)
         if args.json:
-            print(json.dumps(rows, indent=2))
+            _json(rows)
             return 0
-        table = Table(title=f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
+        table = Table(
+            title=_shown(f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
+        )
         for col in ("namespace", "fingerprint", "blocks", "bytes", "TTL", "age", "pattern"):
             table.add_column(col)
         for r in rows:
             table.add_row(
-                r["namespace"],
-                r.get("fingerprint", ""),
+                _shown(r["namespace"]),
+                _shown(r.get("fingerprint", "")),
                 str(r["blocks"]),
                 human_size(r.get("bytes")),
                 _range(r.get("ttl_min_s"), r.get("ttl_max_s")),
                 _range(r.get("age_min_s"), r.get("age_max_s")),
-                r.get("pattern", ""),
+                _shown(r.get("pattern", "")),
             )
         console.print(table if rows else "no kvstore keys found")
         return 0
     if args.cmd == "inspect":
         info = inspect_key(client, args.key)
         if args.json:
-            print(json.dumps(info, indent=2))
+            _json(info)
         elif not info["exists"]:
-            console.print(f"{escape(args.key)}: no such key")
+            console.print(Text.assemble(_shown(info["key"]), ": no such key"))
         else:
-            verdict = "[green]valid[/green]" if info.get("valid") else "[red]INVALID[/red]"
             console.print(
-                f"[bold]{escape(args.key)}[/bold]  {verdict}  {human_size(info['bytes'])}"
+                Text.assemble(
+                    _shown(info["key"], style="bold"),
+                    "  ",
+                    ("valid", "green") if info.get("valid") else ("INVALID", "red"),
+                    f"  {human_size(info['bytes'])}",
+                )
             )
             for k in ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
-                      "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
+                      "signed", "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
                 if k in info:
-                    console.print(f"  {k}: {escape(str(info[k]))}")
+                    console.print(Text.assemble(f"  {k}: ", _shown(info[k], limit=2000)))
             if info.get("tensors"):
                 table = Table("tensor", "dtype", "shape", "bytes")
                 for t in info["tensors"]:
-                    table.add_row(t["name"], t["dtype"], str(t["shape"]), human_size(t["bytes"]))
+                    table.add_row(
+                        _shown(t["name"]),
+                        _shown(t["dtype"]),
+                        _shown(t["shape"]),
+                        human_size(t["bytes"]),
+                    )
                 console.print(table)
         return 0 if info.get("valid") else 1
     if args.cmd == "stats":
         stats = server_stats(client, args.prefix)
         if args.json:
-            print(json.dumps(stats, indent=2))
+            _json(stats)
         else:
             table = Table("", "value", title="kvstore server stats")
             for k, v in stats.items():
-                table.add_row(k, str(v))
+                table.add_row(k, _shown(v, limit=2000))
             console.print(table)
         return 0
     if args.cmd == "flush":
+        namespace = _printable(repr(args.namespace), limit=None)
         if not args.yes:
             if not sys.stdin.isatty():
                 err.print("refusing to flush without --yes when not run interactively")
                 return 2
-            count = sum(1 for _ in _scan(client, f"{args.prefix}:{args.namespace}:*"))
-            answer = input(f"delete {count} keys of namespace {args.namespace!r}? [y/N] ")
+            count = sum(1 for _ in _scan(client, _namespace_pattern(args.prefix, args.namespace)))
+            answer = input(f"delete {count} keys of namespace {namespace}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 err.print("nothing deleted")
                 return 1
         deleted = flush_namespace(client, args.prefix, args.namespace)
         if args.json:
-            print(json.dumps({"namespace": args.namespace, "deleted": deleted}))
+            _json({"namespace": args.namespace, "deleted": deleted}, indent=None)
         else:
-            console.print(f"deleted {deleted} keys of namespace {args.namespace!r}")
+            console.print(_shown(f"deleted {deleted} keys of namespace {namespace}", limit=None))
         return 0
     if args.cmd == "reset":
         result = reset_namespace(args.url, args.prefix, args.namespace, sweep=not args.no_sweep)
         if args.json:
-            print(json.dumps(result))
+            _json(result, indent=None)
         else:
             console.print(
-                f"namespace {args.namespace!r} is now in generation {result['generation']}; "
-                f"unlinked {result['unlinked']} older keys"
+                _shown(
+                    f"namespace {args.namespace!r} is now in generation "
+                    f"{result['generation']}; unlinked {result['unlinked']} older keys",
+                    limit=None,
+                )
             )
         return 0
     if args.cmd == "present":
@@ -424,13 +512,16 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
         )
         found = present(args.url, args.prefix, args.layout, _token_ids(args), salt)
         if args.json:
-            print(json.dumps(found))
+            print(json.dumps(found, default=str))
         else:
             blocks = found["blocks"]
             console.print(
-                f"{sum(blocks)} of {len(blocks)} full blocks stored; a connector would load "
-                f"{found['loadable_blocks']} leading blocks ({found['loadable_tokens']} tokens), "
-                f"generation {found['generation']}"
+                _shown(
+                    f"{sum(blocks)} of {len(blocks)} full blocks stored; a connector would "
+                    f"load {found['loadable_blocks']} leading blocks "
+                    f"({found['loadable_tokens']} tokens), generation {found['generation']}",
+                    limit=None,
+                )
             )
         return 0
     raise AssertionError(args.cmd)

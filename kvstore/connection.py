@@ -4,6 +4,10 @@ Accepted: ``redis://[user:password@]host[:port][/db]``, ``rediss://`` (TLS), ``u
 and the aliases ``valkey://`` / ``valkeys://``. TLS options come as keyword arguments or as
 query parameters (``tls_ca_file``, ``tls_cert_file``, ``tls_key_file``, ``tls_verify``).
 
+A password holding ``/``, ``?``, ``#`` or ``@`` must be percent-encoded (``%2F``, ``%3F``,
+``%23``, ``%40``); a URL where an ``@`` follows one of ``/?#`` is refused, since its password's
+end cannot be told apart from its host's. A password may also come as ``?password=``.
+
 Topologies, spelled as LMCache spells them so users can move over:
 ``redis-sentinel://[user:password@]host1:port1[,host2:port2...]/<service>[/db]`` (the
 credentials are the master's; the sentinels are asked without them) and
@@ -14,11 +18,13 @@ TLS and ``valkey-*`` / ``valkeys-*`` as aliases.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.connection
@@ -38,10 +44,20 @@ from .errors import (
     StoreUnavailableError,
 )
 
+logger = logging.getLogger("kvstore")
+
 # our aliases -> the scheme redis-py parses
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
 _URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_class"}
+# a "password=" query value ends where one of these parameters begins ("&name="), else at the
+# URL's end: a raw "&" or "#" in the password must not leave its tail in a log
+_QUERY_NAMES = (*_TLS_QUERY, *_URL_PARTS, *redis.connection.URL_QUERY_ARGUMENT_PARSERS)
+_QUERY_PASSWORD = re.compile(r"[?&;]password=", re.IGNORECASE)
+_NEXT_QUERY_NAME = re.compile(
+    "&(?:" + "|".join(re.escape(n) for n in sorted(set(_QUERY_NAMES))) + ")=", re.IGNORECASE
+)
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}")
 # <scheme> -> (topology, tls)
 _TOPOLOGIES = {
     f"{name}{s}-{topology}": (topology, bool(s))
@@ -84,17 +100,54 @@ def _bad(url_for_msg: str, why: str) -> InvalidURLError:
 
 def redact_url(url: str) -> str:
     """The URL with its password (if any) replaced by ``***``; safe for logs."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    creds, at, hosts = parts.netloc.rpartition("@")
-    user, colon, _ = creds.partition(":")
-    if not at or not colon:
-        return url
-    # the host part is kept as written: several host:port pairs for Sentinel and Cluster
-    user = quote(unquote(user), safe="")
-    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
+    return _redacted(url)[0]
+
+
+def _redacted(url: str) -> tuple[str, list[str]]:
+    """``url`` with every text that may be a password replaced by ``***``, and those texts.
+
+    The userinfo is taken to end at the URL's LAST ``@``, wherever it lies: a raw ``/``, ``?``
+    or ``#`` in a password ends the authority for urlsplit (and redis-py), which then finds no
+    password and shows it as host, port, path or query. Such URLs are refused by
+    :func:`parse_url`; this masks them anyway, for the refusal's own message. The cost: an
+    ``@`` in a path or query value (write ``%40``) masks the host too -- never the reverse.
+    A ``password=`` query value is masked up to the next known parameter, else to the end."""
+    if not isinstance(url, str):
+        return "<not a URL>", []
+    _, sep, rest = url.partition("://")
+    base = len(url) - len(rest) if sep else 0
+    spans: list[tuple[int, int]] = []  # [start, end) of url to mask
+    userinfo, at, _ = url[base:].rpartition("@")
+    if at:
+        colon = userinfo.find(":")
+        if colon >= 0:  # the user name is kept: ACL errors name it
+            spans.append((base + colon + 1, base + len(userinfo)))
+        elif not sep:  # no scheme: no telling a user name from a password
+            spans.append((base, base + len(userinfo)))
+    for m in _QUERY_PASSWORD.finditer(url, base):
+        following = _NEXT_QUERY_NAME.search(url, m.end())
+        spans.append((m.end(), following.start() if following else len(url)))
+    merged: list[list[int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:  # overlapping: their union is masked
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    out, pos = [], 0
+    for start, end in merged:
+        out += [url[pos:start], "***"]
+        pos = end
+    out.append(url[pos:])
+    return "".join(out), [url[a:b] for a, b in merged if b > a]
+
+
+def _shown_names(names: set[str], secrets: list[str]) -> str:
+    """Query parameter names for a message, less any that is part of a password (a raw ``&``
+    in a ``password=`` value makes its tail a parameter name)."""
+    texts = [*secrets, *(unquote(s) for s in secrets)]
+    shown = sorted(n for n in names if not any(n in t for t in texts))
+    hidden = len(names) - len(shown)
+    return f"{shown}" + (f" and {hidden} not shown (part of the password?)" if hidden else "")
 
 
 def parse_url(url: str) -> StoreAddress:
@@ -102,27 +155,44 @@ def parse_url(url: str) -> StoreAddress:
     options and stricter checks); raises :class:`InvalidURLError` with a redacted URL."""
     if not isinstance(url, str) or not url.strip():
         raise InvalidURLError("the store URL is empty: set it, e.g. url=redis://127.0.0.1:6379/0")
-    safe = redact_url(url)
+    safe, secrets = _redacted(url.strip())
     scheme, sep, rest = url.strip().partition("://")
-    if sep and scheme.lower() in _TOPOLOGIES:
-        return _parse_topology_url(scheme.lower(), rest, safe)
+    if not sep:
+        named = url.strip().partition(":")[0]  # only if it looks like one: it may be a password
+        shown = repr(named) if _SCHEME.fullmatch(named) else "(none)"
+        raise _bad(safe, f"unsupported scheme {shown}")
+    userinfo, at, _ = rest.rpartition("@")
+    if at and any(c in userinfo for c in "/?#"):
+        # urlsplit would end the authority at that character and take the password's tail
+        # for the host, port or path: refuse, without quoting any of it
+        raise _bad(
+            safe,
+            "an '@' follows a '/', '?' or '#', so where the password ends is ambiguous: "
+            "percent-encode '/', '?', '#' and '@' in the user name and password (%2F, %3F, "
+            "%23, %40), and '@' in a path or query value (%40)",
+        )
+    if scheme.lower() in _TOPOLOGIES:
+        return _parse_topology_url(scheme.lower(), rest, safe, secrets)
     scheme = _ALIASES.get(scheme.lower(), scheme.lower())
-    if not sep or scheme not in ("redis", "rediss", "unix"):
-        raise _bad(safe, f"unsupported scheme {url.partition(':')[0]!r}")
+    if scheme not in ("redis", "rediss", "unix"):
+        shown = repr(scheme) if _SCHEME.fullmatch(scheme) else "(not a scheme)"
+        raise _bad(safe, f"unsupported scheme {shown}")
     try:
         kwargs = redis.connection.parse_url(f"{scheme}://{rest}")
         path = urlsplit(f"{scheme}://{rest}").path
-    except ValueError as exc:  # its messages name ports and values, never the password
-        raise _bad(safe, str(exc)) from None
+    except ValueError as exc:
+        # its messages name a port or a parameter; masked all the same, should one quote more
+        raise _bad(safe, _scrubbed(str(exc), secrets)) from None
     options = {k: str(v) for k, v in kwargs.items() if k not in _URL_PARTS}
     unknown = set(options) - set(_TLS_QUERY)
     if unknown:
-        raise _bad(safe, f"unknown query parameter(s) {sorted(unknown)}")
+        raise _bad(safe, f"unknown query parameter(s) {_shown_names(unknown, secrets)}")
     transport = "unix" if scheme == "unix" else "tcp"
     if transport == "tcp" and not kwargs.get("host"):
         raise _bad(safe, "no host")
     if transport == "tcp" and path.strip("/") and "db" not in kwargs:  # redis-py ignores it
-        raise _bad(safe, f"database must be an integer, got {path.strip('/')!r}")
+        got = _scrubbed(path.strip("/"), secrets)
+        raise _bad(safe, f"database must be an integer, got {got!r}")
     if transport == "unix" and not kwargs.get("path"):
         raise _bad(safe, "no socket path")
     db = int(kwargs.get("db", 0))
@@ -142,7 +212,15 @@ def parse_url(url: str) -> StoreAddress:
     )
 
 
-def _parse_topology_url(scheme: str, rest: str, safe: str) -> StoreAddress:
+def _scrubbed(text: str, secrets: list[str]) -> str:
+    """``text`` with every password (as written, and percent-decoded) replaced by ``***``."""
+    for secret in sorted({*secrets, *(unquote(s) for s in secrets)}, key=len, reverse=True):
+        if len(secret) >= 3:  # shorter ones would mask letters of the message, not secrets
+            text = text.replace(secret, "***")
+    return text
+
+
+def _parse_topology_url(scheme: str, rest: str, safe: str, secrets: list[str]) -> StoreAddress:
     """``redis-sentinel://`` / ``redis-cluster://`` (and their TLS and valkey spellings)."""
     topology, tls = _TOPOLOGIES[scheme]
     rest, _, query = rest.partition("?")  # also with no path: rediss-cluster://h:1?tls_...
@@ -164,7 +242,7 @@ def _parse_topology_url(scheme: str, rest: str, safe: str) -> StoreAddress:
     for pair in filter(None, query.split("&")):
         key, _, value = pair.partition("=")
         if key not in _TLS_QUERY:
-            raise _bad(safe, f"unknown query parameter(s) {[key]}")
+            raise _bad(safe, f"unknown query parameter(s) {_shown_names({key}, secrets)}")
         options[key] = unquote(value)
     parts = [unquote(p) for p in tail.split("/") if p]
     service, db = "", 0
@@ -236,18 +314,58 @@ def make_client(
         verify = tls_verify
         if verify is None:
             verify = opts.get("tls_verify", "true").lower() not in ("0", "false", "no", "none")
+        if not verify:
+            _warn_unverified_tls(address.safe_url)
         kwargs["connection_class"] = redis.SSLConnection
-        kwargs["ssl_ca_certs"] = tls_ca_file or opts.get("tls_ca_file")
-        kwargs["ssl_certfile"] = tls_cert_file or opts.get("tls_cert_file")
-        kwargs["ssl_keyfile"] = tls_key_file or opts.get("tls_key_file")
-        kwargs["ssl_cert_reqs"] = "required" if verify else "none"
-        kwargs["ssl_check_hostname"] = bool(verify)
+        kwargs.update(
+            _tls_kwargs(
+                tls_ca_file or opts.get("tls_ca_file"),
+                tls_cert_file or opts.get("tls_cert_file"),
+                tls_key_file or opts.get("tls_key_file"),
+                verify,
+            )
+        )
     if address.topology == "sentinel":
         return _sentinel_client(address, kwargs)
     if address.topology == "cluster":
         return _cluster_client(address, kwargs)
     pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
     return redis.Redis(connection_pool=pool)
+
+
+def _tls_kwargs(
+    ca_file: str | None, cert_file: str | None, key_file: str | None, verify: bool
+) -> dict[str, Any]:
+    """redis-py's TLS arguments: the same for data connections, Cluster nodes, a Sentinel
+    service's master and the sentinels themselves."""
+    return {
+        "ssl_ca_certs": ca_file,
+        "ssl_certfile": cert_file,
+        "ssl_keyfile": key_file,
+        "ssl_cert_reqs": "required" if verify else "none",
+        "ssl_check_hostname": bool(verify),
+    }
+
+
+_TLS_KEYS = tuple(_tls_kwargs(None, None, None, True))
+_warned_unverified: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_unverified_tls(safe_url: str) -> None:
+    """Say once per URL and process that TLS checks nothing: it encrypts, but to anyone."""
+    with _warned_lock:
+        if safe_url in _warned_unverified:
+            return
+        _warned_unverified.add(safe_url)
+    logger.warning(
+        "kvstore: TLS to %s does not verify the server (tls_verify=false): any certificate, "
+        "for any host name, is trusted, so whoever can reach the network path can pose as the "
+        "server and read or change cached values. Give the CA that signed the server's "
+        "certificate instead -- tls_ca_file=/path/to/ca.pem in the URL's query (or the "
+        "tls_ca_file argument) -- and drop tls_verify=false.",
+        safe_url,
+    )
 
 
 def close_client(client: redis.Redis) -> None:
@@ -326,9 +444,11 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
         "socket_connect_timeout": kwargs["socket_connect_timeout"],
     }
     if ssl:
+        # the sentinels are checked as the master is: the same CA, client certificate, verify
+        # mode and host name check, each set here rather than left to redis-py's defaults
         sentinel_kwargs["ssl"] = True
         kwargs["ssl"] = True
-        for key in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs"):
+        for key in _TLS_KEYS:
             sentinel_kwargs[key] = kwargs[key]
     max_connections = kwargs.pop("max_connections")
     sentinel = Sentinel(list(address.nodes), sentinel_kwargs=sentinel_kwargs, **kwargs)

@@ -4,12 +4,18 @@ random chunks, and on a real redis-server."""
 from __future__ import annotations
 
 import random
+import socket
+import threading
+from collections.abc import Callable, Iterator
 
 import hiredis
 import pytest
 import redis
 from redis.exceptions import InvalidResponse, ResponseError
 
+from kvstore.connection import make_client, parse_url, translated_errors
+from kvstore.errors import StoreTimeoutError
+from kvstore.transport import Transport
 from kvstore.wire import Oversize, ReplyReader, pack_set, send_buffers
 
 
@@ -237,3 +243,233 @@ def test_claim_replies_of_another_shape_are_refused(garbage: bytes) -> None:
     reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
     with pytest.raises(InvalidResponse):
         reader.read_int_array()
+
+
+# ---------------------------------------------------------------- dripping servers
+def _commands(buf: bytearray) -> list[list[bytes]]:
+    """Take the whole RESP commands (arrays of bulk strings) off the front of ``buf``."""
+    out = []
+    while True:
+        pos, args = 0, []
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return out
+        count, pos = int(buf[1:end]), end + 2
+        for _ in range(count):
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                return out
+            size = int(buf[pos + 1 : end])
+            if len(buf) < end + 2 + size + 2:
+                return out
+            args.append(bytes(buf[end + 2 : end + 2 + size]))
+            pos = end + 2 + size + 2
+        del buf[:pos]
+        out.append(args)
+
+
+# what Redis answers to redis-py's handshake (RESP3); anything else gets +OK
+_HANDSHAKE = {b"PING": b"+PONG\r\n", b"HELLO": b"%1\r\n$5\r\nproto\r\n:3\r\n"}
+
+
+class DripServer:
+    """A loopback server. To a GET or GETRANGE (or at once, with ``at_once``) it answers
+    ``head``, then ``drip`` one byte every ``every_s`` seconds (over and over), for as long as
+    the client listens; to redis-py's handshake what Redis answers. One connection at a
+    time."""
+
+    def __init__(
+        self, head: bytes, *, at_once: bool = False, drip: bytes = b"x", every_s: float = 0.05
+    ) -> None:
+        self.head, self.at_once, self.drip, self.every_s = head, at_once, drip, every_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = threading.Event()
+        self.dripping = threading.Event()  # set once a reply has started dripping
+        self.thread = threading.Thread(target=self._serve, name="drip-server", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # the listener was closed: stop
+                return
+            with conn:
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        buf = bytearray()
+        try:
+            while not self.at_once:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                for command in _commands(buf):
+                    name = command[0].upper()
+                    if name in (b"GET", b"GETRANGE"):
+                        self._drip(conn)
+                        return
+                    conn.sendall(_HANDSHAKE.get(name, b"+OK\r\n"))
+            self._drip(conn)
+        except OSError:  # the client hung up: what it should do
+            return
+
+    def _drip(self, conn: socket.socket) -> None:
+        conn.sendall(self.head)
+        self.dripping.set()
+        i = 0
+        while not self.stopped.wait(self.every_s):
+            conn.sendall(self.drip[i % len(self.drip) : i % len(self.drip) + 1])
+            i += 1
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def drip_server(request: pytest.FixtureRequest) -> Iterator[DripServer]:
+    head, at_once, *drip = request.param
+    server = DripServer(head, at_once=at_once, drip=drip[0] if drip else b"x")
+    yield server
+    server.close()
+
+
+def _ends(call: Callable[[], object], within_s: float = 10.0) -> BaseException | object:
+    """Run ``call`` on a thread and wait for it to end (the server's close ends it if the code
+    under test would wait for ever); what it returned or raised."""
+    done = threading.Event()
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="drip-reader", daemon=True)
+    worker.start()
+    try:
+        assert done.wait(within_s), "the read did not end: a dripping server held it"
+    finally:
+        _ends.workers.append(worker)  # type: ignore[attr-defined]
+    return outcome[0]
+
+
+_ends.workers = []  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_reader_threads() -> Iterator[None]:
+    yield
+    while _ends.workers:  # type: ignore[attr-defined]
+        worker = _ends.workers.pop()  # type: ignore[attr-defined]
+        worker.join(10)
+        assert not worker.is_alive()
+
+
+def _connected(server: DripServer, timeout_s: float) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(timeout_s)  # as redis-py's socket_timeout
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("drip_server", "read"),
+    [
+        # a value that fits: received straight into its destination
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_into(memoryview(bytearray(200_000)))),
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_new(200_000)),
+        # an oversized one: drained, not allocated
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_into(memoryview(bytearray(16)))),
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_new(16)),
+        # status and array replies too
+        ((b"+O", True), lambda r: r.read_status()),
+        ((b"", True, b"+OK\r\n"), lambda r: r.skip_ok(1000)),
+        ((b"*3\r\n:1\r\n", True), lambda r: r.read_int_array()),
+    ],
+    indirect=["drip_server"],
+)
+def test_a_reply_dripped_a_byte_at_a_time_ends_with_a_timeout(
+    drip_server: DripServer, read: Callable[[ReplyReader], object]
+) -> None:
+    """Issue: the socket timeout bounded each recv, not the reply: a server sending a byte
+    every 50 ms (under the 0.2 s timeout) held a 100 kB read for 80 minutes."""
+    with _connected(drip_server, 0.2) as sock:
+        reader = ReplyReader(sock)
+        got = _ends(lambda: read(reader))
+        # (whether the reply's deadline or, on a slow machine, one recv's timeout ended it)
+        assert isinstance(got, redis.exceptions.TimeoutError), got
+        assert sock.gettimeout() == 0.2  # its own timeout is back
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000000\r\n", True)], indirect=True)
+def test_a_bulk_reply_too_large_to_drain_fails_at_once_without_draining(
+    drip_server: DripServer,
+) -> None:
+    with _connected(drip_server, 0.2) as sock:
+        got = _ends(lambda: ReplyReader(sock).read_bulk_into(memoryview(bytearray(16))))
+        assert isinstance(got, InvalidResponse) and "too large to drain" in str(got)
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000\r\n", False)], indirect=True)
+@pytest.mark.parametrize("dest", [16, 200_000])  # oversized (drained) or fitting
+def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_connection(
+    drip_server: DripServer, dest: int
+) -> None:
+    address = parse_url(f"redis://127.0.0.1:{drip_server.port}/0")
+    client = make_client(address, socket_timeout_s=0.2, connect_timeout_s=5)
+    transport = Transport(client, threads=1)
+    transport.owns_clients = True
+
+    def read() -> object:
+        with translated_errors(address.safe_url, "GET"):
+            return transport.get_values([("GET", b"k")], [memoryview(bytearray(dest))])
+
+    try:
+        got = _ends(read)
+        assert drip_server.dripping.is_set()
+        assert isinstance(got, StoreTimeoutError), got
+        pool = client.connection_pool
+        # not returned to the pool mid-reply: every connection it holds is closed
+        assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+    finally:
+        transport.close()
+
+
+class SlowReadingSocket:
+    """A peer that takes one byte per sendmsg, each just within the socket timeout."""
+
+    def __init__(self) -> None:
+        self.timeout: float | None = 0.05
+        self.sent = 0
+        self.closed = threading.Event()
+
+    def gettimeout(self) -> float | None:
+        return self.timeout
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeout = timeout
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        if self.closed.wait(0.001):  # a slow peer: each call returns before the timeout
+            raise OSError("closed")
+        self.sent += 1
+        return 1
+
+
+def test_a_peer_reading_a_byte_at_a_time_ends_a_send_with_a_timeout() -> None:
+    sock = SlowReadingSocket()
+    buffers = pack_set(b"k", [memoryview(bytes(100_000))], None)
+    try:
+        got = _ends(lambda: send_buffers(sock, buffers))  # type: ignore[arg-type]
+    finally:
+        sock.closed.set()  # ends a send the code under test would not end
+    assert isinstance(got, redis.exceptions.TimeoutError) and "dropped" in str(got)
+    assert 0 < sock.sent < 100_000 and sock.timeout == 0.05
