@@ -962,7 +962,7 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
             tensors=tuple(sorted(entries, key=lambda e: e.start)),
             metadata={k: str(v) for k, v in meta.items() if not k.startswith(_META_PREFIX)},
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:  # Overflow: int(1e999)
         raise _corrupt("not-kvstore", f"malformed header field ({exc!r})") from None
     if "kvstore.mac" in meta:
         mac = meta["kvstore.mac"]

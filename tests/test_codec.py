@@ -304,3 +304,13 @@ def test_bad_headers_are_counted_misses_not_errors(fake_client: object) -> None:
     assert got[0] is None and got[1] is None and got[2] is not None
     stats = buf.stats()
     assert (stats.hits, stats.misses, stats.corrupt_by_reason) == (1, 2, {"not-kvstore": 2})
+
+
+def test_a_header_number_past_a_float_is_a_corrupt_value_not_an_overflow() -> None:
+    good = bytes(encode_value({"k": torch.ones(4)}, fingerprint="fp", block_hash="h"))
+    n = struct.unpack_from("<Q", good)[0]
+    header = json.loads(good[8 : 8 + n])
+    header["k"]["data_offsets"] = [0, 1e999]  # json writes Infinity; a hostile writer 1e999
+    text = json.dumps(header).replace("Infinity", "1e999").encode()
+    with pytest.raises(CorruptValueError, match="not-kvstore"):
+        read_header(struct.pack("<Q", len(text)) + text + good[8 + n :])

@@ -15,7 +15,7 @@ import pytest
 import redis
 import torch
 
-from kvstore import LookupBuffer
+from kvstore import LookupBuffer, StoreCommandError
 from kvstore.generations import RAISE_LUA
 from testing.redis_server import RedisServer, server_binary
 
@@ -149,20 +149,25 @@ def test_kv_planted_without_the_secret_is_never_loaded(server: RedisServer) -> N
 
 
 def test_values_built_to_exhaust_a_reader_cost_it_bounded_memory(server: RedisServer) -> None:
-    """What a writer in the namespace plants to exhaust its readers: an lz4 bomb (a 64 MiB
-    value stored in ~256 KiB) and a 96 MiB value, read into the 1 MiB rows a reader sizes for
-    its blocks. Each is a counted miss; the reader's peak memory stays far below either."""
+    """What a writer in the namespace plants to exhaust its readers, read into the 1 MiB rows a
+    reader sizes for its blocks: an lz4 bomb (64 MiB stored in ~256 KiB) and a 48 MiB value
+    are counted misses (the second drained within its deadline); a 96 MiB value fails the read
+    with a typed error and its connection is dropped, not drained (wire.MAX_DRAIN_BYTES). The
+    reader's peak memory stays far below any of them, and its next read works."""
     tenants(server)
     url = f"redis://127.0.0.1:{server.port}/0"
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp", compression="lz4") as w:
         w.insert("b0" * 16, {"kv": torch.zeros(64 << 20, dtype=torch.uint8)})
-        w.client.set(f"kv:a:fp:{'b1' * 16}", bytes(96 << 20))
+        w.client.set(f"kv:a:fp:{'b1' * 16}", bytes(48 << 20))
+        w.client.set(f"kv:a:fp:{'b3' * 16}", bytes(96 << 20))
         w.insert("b2" * 16, {"kv": torch.ones(8)})
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp") as reader:
         rows = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2)]
         tracemalloc.start()
         try:
             got = reader.select_into(["b0" * 16, "b1" * 16], rows)
+            with pytest.raises(StoreCommandError, match="too large to drain"):
+                reader.select_into(["b3" * 16], rows[:1])
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
