@@ -449,8 +449,9 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                     f"  {human_size(info['bytes'])}",
                 )
             )
-            for k in ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
-                      "signed", "checksum", "checksum_ok", "created", "ttl_s", "metadata"):  # fmt: skip
+            shown = ("reason", "detail", "format", "codec", "fingerprint", "block_hash", "signed",
+                     "checksum", "checksum_ok", "created", "ttl_s", "metadata")  # fmt: skip
+            for k in shown:
                 if k in info:
                     console.print(Text.assemble(f"  {k}: ", _shown(info[k], limit=2000)))
             if info.get("tensors"):

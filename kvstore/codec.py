@@ -46,7 +46,7 @@ import torch
 import xxhash
 
 from .errors import CorruptValueError, InvalidArgumentError, InvalidValueError
-from .value_auth import MAC_HEX, ValueKey
+from .value_auth import HEADER, MAC_HEX, PAYLOAD, TENSOR, ValueKey
 
 FORMAT_VERSION = "1"
 # what a value's pieces may be: anything with the buffer protocol (bytes, memoryview, numpy)
@@ -179,7 +179,7 @@ def _value_header(
     # the tag of the header as stored, its own digits zeroed; the marker is written once
     # above (the caller's metadata may not use kvstore.* names; a tensor's spec is an object)
     at = header.index(_MAC_MARKER) + len(_MAC_MARKER)
-    return header[:at] + value_key.tag(header).encode("ascii") + header[at + MAC_HEX :]
+    return header[:at] + value_key.tag(HEADER, header).encode("ascii") + header[at + MAC_HEX :]
 
 
 # what json.dumps (ensure_ascii) writes for a str; half the cost of dumping a dict of eight
@@ -429,8 +429,9 @@ def _digest_width(value_key: ValueKey | None) -> int:
     return MAC_HEX if value_key is not None else _CHECKSUM_WIDTH
 
 
-def _digest(data: Buffer, value_key: ValueKey | None) -> str:
-    return value_key.tag(data) if value_key is not None else xxhash.xxh3_64_hexdigest(data)
+def _digest(data: Buffer, value_key: ValueKey | None, use: str) -> str:
+    """A checksum: the ``xxh3_64`` of ``data``, or its keyed tag as a ``use``."""
+    return value_key.tag(use, data) if value_key is not None else xxhash.xxh3_64_hexdigest(data)
 
 
 def _payload_digest(
@@ -441,8 +442,8 @@ def _payload_digest(
     pays a call per tensor: 2 us each, as much as hashing 16 KiB.)"""
     if value_key is not None:
         if len(pieces) == 1:
-            return value_key.tag(pieces[0])
-        mac = value_key.hasher()
+            return value_key.tag(PAYLOAD, pieces[0])
+        mac = value_key.hasher(PAYLOAD)
         for p in pieces:
             mac.update(p)
         return str(mac.hexdigest(MAC_HEX // 2))
@@ -464,12 +465,12 @@ def _tensor_digests(
     if len(views) == len(entries) and all(
         len(v) == e.end - e.start for v, e in zip(views, entries, strict=True)
     ):
-        return "".join([_digest(v, value_key) for v in views])
+        return "".join([_digest(v, value_key, TENSOR) for v in views])
     out: list[str] = []
     piece, at = 0, 0  # the piece the next byte is in, and where in it
     for e in entries:
         left = e.end - e.start
-        digest: Any = value_key.hasher() if value_key is not None else xxhash.xxh3_64()
+        digest: Any = value_key.hasher(TENSOR) if value_key is not None else xxhash.xxh3_64()
         while left:
             take = min(left, len(views[piece]) - at)
             digest.update(views[piece][at : at + take])
@@ -502,7 +503,7 @@ def tensor_checksums_ok(
         return False
     for i in range(first, end):
         e = header.tensors[i]
-        digest = _digest(view[e.start - base : e.end - base], value_key)
+        digest = _digest(view[e.start - base : e.end - base], value_key, TENSOR)
         if not hmac.compare_digest(digest, header.tensor_checksums[i]):
             return False
     return True
@@ -511,7 +512,7 @@ def tensor_checksums_ok(
 def _compressed(staged: StagedValue, compression: str, payload: Buffer) -> tuple[bytes, bytes]:
     """A compressed value: its header and its compressed payload."""
     packed = lz4_block().compress(payload, store_size=False)
-    checksum = _digest(packed, staged.value_key)
+    checksum = _digest(packed, staged.value_key, PAYLOAD)
     return _staged_header(staged, compression, checksum, len(packed)), packed
 
 
@@ -707,6 +708,8 @@ _PLAIN_CLASS = b"[" + re.escape(_PLAIN) + b"]"  # _PLAIN as a regular expression
 _HEX_BYTES = b"0123456789abcdef"
 MAX_CACHED_LAYOUTS = 256  # layouts kept (a few per model); past that the cache starts again
 MAX_LAYOUTS_PER_LENGTH = 8  # a lookup tries each layout of the header's length
+# the longest header kept: ~110 bytes a tensor, so 256 tensors; a longer one is parsed each time
+MAX_CACHED_HEADER_BYTES = 32 << 10
 
 
 @dataclass(frozen=True)
@@ -782,6 +785,8 @@ def _remember(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) -> None:
 def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) -> None:
     if b"\\" in raw:  # an escape could spell a field again where the markers do not see it
         return
+    if len(raw) > MAX_CACHED_HEADER_BYTES:
+        return  # no model's layout is that long; compiling its pattern would cost more
     if len(_layouts.get(len(raw), ())) >= MAX_LAYOUTS_PER_LENGTH:
         return  # values whose own metadata varies: each would be a layout, none used again
     spans = _varying_spans(raw)
@@ -849,13 +854,17 @@ def _read_header(
         fields["metadata"] = dict(fields["metadata"])
         runs = layout.runs
         _check_size(header, max_value_bytes)
+        if authenticate:
+            _authenticate(value, header, value_key)
     else:
         header = _parse_header(raw, max_value_bytes)
         runs = _runs(header.tensors)
-        # the cache keeps its own metadata dict: the caller may change the one returned
+        if authenticate:
+            _authenticate(value, header, value_key)
+        # remembered once it is known good: a header from a writer without the secret never
+        # costs the cache (its regular expression: a second per MiB of header to compile).
+        # The cache keeps its own metadata dict: the caller may change the one returned
         _remember(raw, dataclasses.replace(header, metadata=dict(header.metadata)), runs)
-    if authenticate:
-        _authenticate(value, header, value_key)
     if whole and len(value) - header.header_bytes != header.payload_bytes:
         raise _corrupt(
             "truncated",
@@ -895,7 +904,7 @@ def _authenticate(
     ):
         raise _corrupt("forged", "the header's kvstore.mac is not where it is written")
     zeroed = raw[:start] + _MAC_ZEROS.encode("ascii") + raw[start + MAC_HEX :]
-    if not value_key.verify(zeroed, header.mac):
+    if not value_key.verify(HEADER, zeroed, header.mac):
         raise _corrupt(
             "forged",
             "the header's MAC does not verify: written without this namespace's secret, "
@@ -1013,7 +1022,7 @@ def checksum_ok(
     payload = memoryview(value)[header.header_bytes :]
     if not header.mac:
         return xxhash.xxh3_64_hexdigest(payload) == header.checksum
-    return value_key is not None and value_key.verify(payload, header.checksum)
+    return value_key is not None and value_key.verify(PAYLOAD, payload, header.checksum)
 
 
 def decode_value(

@@ -8,8 +8,10 @@ hashed 9-10 GB/s against 2.1 GB/s for HMAC-SHA256 and 1.4 GB/s for keyed BLAKE2b
 hashlib; that is a few percent of a load at the 1-2 GB/s a rank reads from Redis, where the
 others would cost half of it.
 
-The key is derived from the secret and the namespace (BLAKE3's key derivation), so a value
-copied from one namespace to another under the same secret does not verify there either.
+The keys are derived from the secret and the namespace (BLAKE3's key derivation), so a value
+copied from one namespace to another under the same secret does not verify there either; and
+one key per use -- a header, a payload, a tensor -- so the tag of bytes a writer was made to
+store as a payload (a caller's tensors) is never a valid tag of a header.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ MAC_HEX = 32  # hex digits of a tag: 128 bits
 UNAUTHENTICATED = ("forged", "unsigned", "no-secret")
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096  # a secret file is a few dozen bytes; a larger one is a wrong path
-_CONTEXT = "vllm-redis-kvstore 2026-11-27 value MAC v1"
+_CONTEXT = "vllm-redis-kvstore 2026-11-27 value MAC v2"
+# what a tag authenticates: each its own key
+HEADER, PAYLOAD, TENSOR = "header", "payload", "tensor"
 
 
 def _blake3() -> Any:
@@ -47,7 +51,7 @@ def _blake3() -> Any:
 class ValueKey:
     """One namespace's MAC key. Its repr and str never show the secret or the key."""
 
-    __slots__ = ("_blake3", "_key")
+    __slots__ = ("_blake3", "_keys")
 
     def __init__(self, secret: bytes, namespace: str) -> None:
         if not isinstance(secret, (bytes, bytearray)):
@@ -59,24 +63,28 @@ class ValueKey:
             )
         self._blake3 = _blake3()
         material = bytes(secret) + b"\x00" + namespace.encode()
-        self._key = self._blake3(material, derive_key_context=_CONTEXT).digest()
+        self._keys = {
+            use: self._blake3(material, derive_key_context=f"{_CONTEXT} {use}").digest()
+            for use in (HEADER, PAYLOAD, TENSOR)
+        }
 
     def __repr__(self) -> str:
         return "ValueKey(<secret>)"
 
     __str__ = __repr__
 
-    def tag(self, data: Any) -> str:
-        """The hex tag of one buffer."""
-        return str(self._blake3(data, key=self._key).hexdigest(MAC_HEX // 2))
+    def tag(self, use: str, data: Any) -> str:
+        """The hex tag of one buffer, as a ``use`` (:data:`HEADER`, :data:`PAYLOAD`,
+        :data:`TENSOR`)."""
+        return str(self._blake3(data, key=self._keys[use]).hexdigest(MAC_HEX // 2))
 
-    def hasher(self) -> Any:
+    def hasher(self, use: str) -> Any:
         """A streaming MAC: ``update`` the buffers, then ``hexdigest(MAC_HEX // 2)``."""
-        return self._blake3(key=self._key)
+        return self._blake3(key=self._keys[use])
 
-    def verify(self, data: Any, tag: str) -> bool:
-        """Whether ``tag`` is the tag of ``data`` (constant time)."""
-        return hmac.compare_digest(self.tag(data), tag)
+    def verify(self, use: str, data: Any, tag: str) -> bool:
+        """Whether ``tag`` is the tag of ``data`` as a ``use`` (constant time)."""
+        return hmac.compare_digest(self.tag(use, data), tag)
 
 
 def load_secret(*, secret_file: str | None = None, secret_env: str | None = None) -> bytes | None:

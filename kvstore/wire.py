@@ -58,6 +58,15 @@ MIN_BYTES_PER_S = 1 << 20
 # read, only up to this size (within its deadline); a larger one -- no kvstore value is that
 # large -- fails the read at once, and the connection is dropped rather than drained.
 MAX_DRAIN_BYTES = 64 << 20
+# ... and only up to this many times what was asked for (at least MIN_DRAIN_BYTES): a value
+# planted under a popular block's key must not make every read of it pull 64 MiB from Redis
+DRAIN_FACTOR = 2
+MIN_DRAIN_BYTES = 1 << 20
+
+
+def drain_limit(asked: int) -> int:
+    """The longest reply that is drained when at most ``asked`` bytes were expected."""
+    return min(MAX_DRAIN_BYTES, max(DRAIN_FACTOR * asked, MIN_DRAIN_BYTES))
 _NO_TIMEOUT_S = 60.0  # a deadline's base on a socket without a timeout
 
 
@@ -133,10 +142,11 @@ class ReplyReader:
             return None
         self._clock.extend(length + 2)
         if length > limit:
-            if length > MAX_DRAIN_BYTES:
+            drainable = drain_limit(limit)
+            if length > drainable:
                 raise rex.InvalidResponse(
                     f"a bulk reply of {length} bytes where at most {limit} were asked for: too "
-                    f"large to drain (over {MAX_DRAIN_BYTES}), so the connection is dropped; "
+                    f"large to drain (over {drainable}), so the connection is dropped; "
                     "delete the key if it is not kvstore's (`kvstore inspect KEY` shows it)"
                 )
             self._skip(length + 2)

@@ -150,16 +150,17 @@ def test_kv_planted_without_the_secret_is_never_loaded(server: RedisServer) -> N
 
 def test_values_built_to_exhaust_a_reader_cost_it_bounded_memory(server: RedisServer) -> None:
     """What a writer in the namespace plants to exhaust its readers, read into the 1 MiB rows a
-    reader sizes for its blocks: an lz4 bomb (64 MiB stored in ~256 KiB) and a 48 MiB value
-    are counted misses (the second drained within its deadline); a 96 MiB value fails the read
-    with a typed error and its connection is dropped, not drained (wire.MAX_DRAIN_BYTES). The
-    reader's peak memory stays far below any of them, and its next read works."""
+    reader sizes for its blocks: an lz4 bomb (64 MiB stored in ~256 KiB) and a 1.5 MiB value
+    are counted misses (the second drained within its deadline); a 48 MiB value -- more than
+    twice the row -- fails the read with a typed error and its connection is dropped, not
+    drained (wire.drain_limit), so a planted value does not make every read of its key pull
+    it whole. The reader's peak memory stays far below any of them, and its next read works."""
     tenants(server)
     url = f"redis://127.0.0.1:{server.port}/0"
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp", compression="lz4") as w:
         w.insert("b0" * 16, {"kv": torch.zeros(64 << 20, dtype=torch.uint8)})
-        w.client.set(f"kv:a:fp:{'b1' * 16}", bytes(48 << 20))
-        w.client.set(f"kv:a:fp:{'b3' * 16}", bytes(96 << 20))
+        w.client.set(f"kv:a:fp:{'b1' * 16}", bytes(3 << 19))
+        w.client.set(f"kv:a:fp:{'b3' * 16}", bytes(48 << 20))
         w.insert("b2" * 16, {"kv": torch.ones(8)})
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp") as reader:
         rows = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2)]

@@ -259,3 +259,67 @@ def test_the_data_mover_signs_what_it_saves_and_loads_only_signed_blocks() -> No
     assert sorted(load_all(mover(dst, SECRET), [10, 11, 12, 13], hashes)) == [10, 11, 12, 13]
     for name in src:
         assert torch.equal(dst[name][[10, 11, 12, 13]], src[name][[1, 2, 3, 4]])
+
+
+def test_tags_a_signing_writer_publishes_for_chosen_bytes_never_sign_a_header(
+    server: fakeredis.FakeServer,
+) -> None:
+    """An application that stores caller-chosen tensors is an oracle: each value's checksum
+    (in the clear) is the tag of bytes the caller chose. Tags of payloads, tensors and headers
+    are made with separate keys, so such a tag never signs a forged header."""
+    from kvstore.codec import _MAC_MARKER, _value_header
+
+    signer, reader = store(server, SECRET), store(server, SECRET)
+    c = raw_client(server)
+
+    def oracle(data: bytes) -> str:
+        name = f"{len(data):032x}"
+        signer.insert(name, {"x": torch.frombuffer(bytearray(data), dtype=torch.uint8)})
+        return read_header(c.get(f"kv:ns:fp:{name}")).checksum
+
+    evil = {"k": torch.full((4, 16), 6.66), "v": torch.full((4, 16), -6.66)}
+    pieces = [t.view(torch.uint8).numpy().tobytes() for t in evil.values()]
+    entries, raw = plan_entries(list(evil), torch.float32, (4, 16))
+    header = _value_header(
+        entries,
+        fingerprint="fp",
+        block_hash=H,
+        codec="none",
+        raw_bytes=raw,
+        payload_bytes=raw,
+        checksum=oracle(b"".join(pieces)),
+        created="2026-11-27T00:00:00.000Z",
+        metadata={},
+        tensor_checksums="".join(oracle(p) for p in pieces),
+        value_key=ValueKey(b"not the secret, 24 bytes", "ns"),  # lays the mac field out
+    )
+    at = header.index(_MAC_MARKER) + len(_MAC_MARKER)
+    zeroed = header[:at] + b"0" * 32 + header[at + 32 :]
+    forged = zeroed[:at] + oracle(zeroed).encode() + zeroed[at + 32 :] + b"".join(pieces)
+    c.set(f"kv:ns:fp:{H}", forged)
+    assert reader.select([H]) == [None]
+    assert reader.select_into([H], [torch.zeros(4096, dtype=torch.uint8)]) == [None]
+    assert reader.stats().corrupt_by_reason == {"forged": 2}
+
+
+def test_headers_from_a_writer_without_the_secret_are_never_cached(
+    server: fakeredis.FakeServer,
+) -> None:
+    """Each new header layout costs a regular expression's compilation and stays in a process-
+    wide cache: only a header that verified may. A big one (a few hundred KiB) never does."""
+    from kvstore import codec
+
+    codec._layouts.clear()
+    reader = store(server, SECRET)
+    hostile = store(server, None)
+    for i in range(4):  # unsigned: refused, and not remembered
+        hostile.insert(H, {f"t{j}": torch.ones(1) for j in range(8 + i)})
+        assert reader.select([H]) == [None]
+    assert not codec._layouts
+    wide = {f"tensor-with-a-long-name-{j:05d}": torch.ones(1) for j in range(3000)}
+    store(server, SECRET).insert(H, wide)
+    assert reader.select([H])[0] is not None  # valid, parsed in full, not kept
+    assert not codec._layouts
+    store(server, SECRET).insert(H, value())
+    assert reader.select([H])[0] is not None
+    assert sum(len(v) for v in codec._layouts.values()) == 1
