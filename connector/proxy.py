@@ -79,7 +79,10 @@ _MAX_CHARS_PER_TOKEN = 16
 # fields of a client's body that are the proxy's to set: kv_transfer_params names a handoff (a
 # client could load another request's KV with it, or pin a load policy); request_id would
 # name the request at the backend as X-Request-Id does
-_PROXY_OWNED_FIELDS = ("kv_transfer_params", "request_id")
+_PROXY_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "request_id")
+# vLLM copies vllm_xargs into the request's extra args, where the same names would reach the
+# connector
+_XARGS = "vllm_xargs"
 # a client's X-Request-Id is echoed back only if it looks like an id
 _ECHOABLE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _USERINFO_IN_TEXT = re.compile(r"(?<=://)[^/\s@]+@")
@@ -121,9 +124,40 @@ def scrub_credentials(text: str) -> str:
     return _USERINFO_IN_TEXT.sub("***@", text)
 
 
+def _without_proxy_owned(body: dict[str, Any]) -> dict[str, Any]:
+    """A client's body without the fields that are the proxy's to set, at the top level or in
+    ``vllm_xargs``."""
+    body = {k: v for k, v in body.items() if k not in _PROXY_OWNED_FIELDS}
+    xargs = body.get(_XARGS)
+    if isinstance(xargs, dict):
+        body[_XARGS] = {k: v for k, v in xargs.items() if k not in _PROXY_OWNED_FIELDS}
+    return body
+
+
+def check_backend_url(url: str) -> str:
+    """A backend URL the proxy can use, or ``ValueError`` saying why without quoting it: an
+    ``@`` after a raw ``/ ? #`` leaves where its host starts to each parser's reading (a
+    password with a raw ``/`` was sent to the host "user" and shown in errors)."""
+    start = url.find("//") + 2 if "//" in url else 0
+    ends = [i for i in (url.find(c, start) for c in "/?#") if i != -1]
+    if ends and url.rfind("@") > min(ends):
+        raise ValueError(
+            "a backend URL has an '@' after a raw '/', '?' or '#': percent-encode them in its "
+            "password (%2F %3F %23 %40)"
+        )
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise ValueError(f"a backend URL does not parse: {redact_url(url)}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"a backend URL must be http(s)://host[:port]: {redact_url(url)}")
+    return url
+
+
 def split_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
     """A backend URL without its ``user:pass@`` and those credentials, sent as basic auth: the
     URL the proxy routes, shows and logs (httpx logs each request's URL) holds no secret."""
+    check_backend_url(url)
     parts = urlsplit(url.rstrip("/"))
     userinfo, at, host = parts.netloc.rpartition("@")
     if not at:
@@ -559,7 +593,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             return openai_error(400, problem[0], "invalid_request_error", problem[1])
         # the proxy names the request at the backends (the client's id could be another's) and
         # sets the transfer params itself, from the prefill answer
-        body = {k: v for k, v in body.items() if k not in _PROXY_OWNED_FIELDS}
+        body = _without_proxy_owned(body)
         req_id = f"proxy-{uuid.uuid4().hex}"
         client_id = request.headers.get("x-request-id")
         shown_id = client_id if client_id and _ECHOABLE_REQUEST_ID.fullmatch(client_id) else req_id
@@ -1008,6 +1042,12 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_KV_PRESENCE_MAX_TOKENS,
         help="longest prompt a presence query may ask about, in tokens (default %(default)s)",
     )
+    ap.add_argument(
+        "--forwarded-allow-ips",
+        default="",
+        help="addresses of gateways whose X-Forwarded-For is believed (comma-separated; "
+        "default: none, the connection's own address counts)",
+    )
     args = ap.parse_args(argv)
     if args.pool and (args.prefill or args.decode):
         ap.error("--pool servers answer requests whole: give either --pool or --prefill/--decode")
@@ -1044,7 +1084,20 @@ def main(argv: list[str] | None = None) -> int:
         kv_presence_burst=args.kv_presence_burst,
         kv_presence_max_tokens=args.kv_presence_max_tokens,
     )
-    uvicorn.run(build_app(cfg), host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        app = build_app(cfg)
+    except ValueError as exc:
+        ap.error(str(exc))
+    # X-Forwarded-For is believed only from --forwarded-allow-ips: uvicorn trusts loopback by
+    # default, and a client could then give itself any address (the presence rate limit's key)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        proxy_headers=bool(args.forwarded_allow_ips),
+        forwarded_allow_ips=args.forwarded_allow_ips or None,
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -471,6 +472,7 @@ def test_the_command_reads_keys_like_vllm_and_listens_on_loopback(
     caplog.set_level(logging.DEBUG)
     assert proxy.main(["--prefill", DOWN, "--decode", DOWN]) == 0
     assert started["host"] == "127.0.0.1"
+    assert started["proxy_headers"] is False  # a client's X-Forwarded-For is not believed
 
     async def ask(app: FastAPI, path: str, key: str | None) -> int:
         async with app.router.lifespan_context(app):
@@ -711,12 +713,20 @@ def test_client_transfer_params_and_request_ids_never_reach_a_backend(echo_backe
     """kv_transfer_params name a handoff: a client's would make the decode server load another
     request's KV. The proxy sets them from the prefill answer only, and names requests itself."""
     stolen = {"redis_kv": {"handoff": "someone-elses", "num_blocks": 9}, "redis_kv_load": "split"}
-    body = {"prompt": "x", "kv_transfer_params": stolen, "request_id": "victim-id"}
+    body = {
+        "prompt": "x",
+        "kv_transfer_params": stolen,
+        "ec_transfer_params": stolen,
+        "request_id": "victim-id",
+        # vLLM copies vllm_xargs into the request's extra args, where the connector looks too
+        "vllm_xargs": {"kv_transfer_params": "stolen", "ec_transfer_params": "x", "keep": 1},
+    }
     r = call(ProxyConfig([echo_backend], [echo_backend]), "POST", "/v1/completions", json=body,
              headers={"X-Request-Id": "victim-id"})  # fmt: skip
     assert r.status_code == 200 and r.headers["x-request-id"] == "victim-id"  # echoed only
     (pre_id, pre), (dec_id, dec) = SEEN
-    assert "kv_transfer_params" not in pre
+    assert "kv_transfer_params" not in pre and "ec_transfer_params" not in pre
+    assert pre["vllm_xargs"] == dec["vllm_xargs"] == {"keep": 1}
     assert dec["kv_transfer_params"] == {"redis_kv": {"num_blocks": 2}}  # the prefill's
     assert "request_id" not in pre and "request_id" not in dec
     assert "victim" not in f"{pre_id} {dec_id}"
@@ -726,3 +736,23 @@ def test_client_transfer_params_and_request_ids_never_reach_a_backend(echo_backe
     ((pool_id, pooled),) = SEEN
     assert "kv_transfer_params" not in pooled and "request_id" not in pooled
     assert r.headers["x-request-id"] == pool_id  # an id it would not echo: the proxy's own
+
+
+@pytest.mark.parametrize("password", ["1234/s3cret", "pa?ss", "pa#ss"])
+def test_a_backend_url_with_a_raw_slash_in_its_password_is_refused_unshown(
+    password: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """urlsplit ends the host at a raw '/', '?' or '#': the prompt went to the host "admin"
+    and the password came back in 502s, /health and the log. Refused at startup, unquoted."""
+    from connector import proxy
+
+    url = f"http://admin:{password}@127.0.0.1:9"
+    with pytest.raises(ValueError, match="percent-encode") as info:
+        build_app(ProxyConfig([url], [DOWN]))
+    assert password not in str(info.value)
+    monkeypatch.setattr(proxy.uvicorn, "run", lambda *a, **k: pytest.fail("started"))
+    with pytest.raises(SystemExit):
+        proxy.main(["--prefill", url, "--decode", DOWN])
+    assert password not in capsys.readouterr().err
+    encoded = urllib.parse.quote(password, safe="")  # percent-encoded, it is taken
+    build_app(ProxyConfig([f"http://admin:{encoded}@127.0.0.1:9"], [DOWN]))
