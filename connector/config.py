@@ -125,7 +125,7 @@ def _quota_of(cgroup: Path, *, v2: bool) -> float | None:
 class RedisConnectorConfig:
     """Parsed ``kv_connector_extra_config``; see the README's table for meanings and defaults."""
 
-    url: str
+    url: str = field(repr=False)  # may hold a password: never printed
     role: str  # kv_producer | kv_consumer | kv_both
     namespace: str = "vllm"
     mode: str = "share"
@@ -175,6 +175,9 @@ class RedisConnectorConfig:
     # (vLLM logs it) or the URL; at most one of the two
     secret_file: str | None = None
     secret_env: str | None = None
+    # the environment variable holding the store URL, instead of url: a password in it then
+    # never reaches vLLM's log of its arguments
+    url_env: str | None = None
     # set by the connector, not by users: why this engine cannot compute on top of loaded KV
     # (it then saves but never loads)
     cannot_load: str | None = None
@@ -227,10 +230,22 @@ class RedisConnectorConfig:
                 f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}"
             )
         url = extra.pop("url", None)
+        url_env = extra.get("url_env")
+        if url and url_env:
+            raise InvalidArgumentError("give url or url_env, not both")
+        if url_env:
+            # vLLM logs kv_connector_extra_config: a URL with a password belongs in the
+            # environment, named here
+            if not isinstance(url_env, str) or not os.environ.get(url_env):
+                raise InvalidArgumentError(
+                    f"url_env names the environment variable holding the store URL, and "
+                    f"{url_env!r} is not set"
+                )
+            url = os.environ[url_env]
         if not url:
             raise InvalidArgumentError(
-                "RedisConnector needs kv_connector_extra_config.url, "
-                'e.g. {"url": "redis://redis:6379/0"}'
+                "RedisConnector needs kv_connector_extra_config.url (or url_env: the name of "
+                'an environment variable holding it), e.g. {"url": "redis://redis:6379/0"}'
             )
         parse_url(url)  # a bad URL fails here, at startup, with a redacted message
         # an unreadable or short secret fails here too, naming its source, never its bytes

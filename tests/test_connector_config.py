@@ -148,3 +148,16 @@ def test_times_take_numbers_given_as_strings_and_refuse_negative_ones() -> None:
     assert (config.deadline_s, config.io_threads) == (1.5, 2)
     with pytest.raises(InvalidArgumentError, match="deadline_s must be >= 0"):
         RedisConnectorConfig.from_extra({**URL, "deadline_s": -0.1}, "kv_both")
+
+
+def test_the_store_url_may_come_from_the_environment_and_is_never_printed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM logs kv_connector_extra_config: a URL with a password can be named instead."""
+    monkeypatch.setenv("KV_URL", "redis://decode:hunter2hunter2@10.0.0.5:6379/0")
+    cfg = RedisConnectorConfig.from_extra({"url_env": "KV_URL"}, "kv_both")
+    assert cfg.url.endswith("@10.0.0.5:6379/0") and "hunter2" not in repr(cfg)
+    with pytest.raises(InvalidArgumentError, match="KV_URL_UNSET"):
+        RedisConnectorConfig.from_extra({"url_env": "KV_URL_UNSET"}, "kv_both")
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        RedisConnectorConfig.from_extra({"url": "redis://h:1/0", "url_env": "KV_URL"}, "kv_both")
