@@ -539,15 +539,26 @@ def mac_size(url: str, size: int, batch: int, rounds: int, warm: bool, layers: i
     return {name: batch * size / t / 1e9 for name, t in seconds.items()}
 
 
+def machine_name() -> str:
+    return f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
+
+
+def print_table(
+    sizes: list[int], names: list[str], cell: Callable[[int, str], str], label: str = "path"
+) -> None:
+    """A markdown table: a row per name, a column per value size."""
+    print(f"| {label} | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
+    print("| --- |" + " --- |" * len(sizes))
+    for name in names:
+        print(f"| {name} | " + " | ".join(cell(s, name) for s in sizes) + " |")
+
+
 def print_cpu(cpu: dict[int, CpuSpent], sizes: list[int], names: list[str], batch: int) -> None:
     print(
         "\nCPU ms per GB moved (this process's threads / redis-server), and the share of the wall "
         "time the server was busy: near 100%, the server bounds the path"
     )
-    print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
-    print("| --- |" + " --- |" * len(sizes))
-    for name in names:
-        print(f"| {name} | " + " | ".join(cpu[s].row(name, batch * s) for s in sizes) + " |")
+    print_table(sizes, names, lambda s, name: cpu[s].row(name, batch * s))
 
 
 def plot(results: dict[int, dict[str, float]], names: list[str], title: str, out: Path) -> None:
@@ -603,16 +614,13 @@ def main(argv: list[str] | None = None) -> int:
                 s: mac_size(server.url, s, args.batch, args.rounds, args.warm, args.layers)
                 for s in sizes
             }
-        machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
+        machine = machine_name()
         caches = "warm caches" if args.warm else "caches evicted before each sample"
         print(
             f"GB/s (one core for the constructions), median of {args.rounds} interleaved rounds, "
             f"batches of {args.batch}, values of {args.layers} tensors, {caches}; {machine}"
         )
-        print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
-        print("| --- |" + " --- |" * len(sizes))
-        for name in got[sizes[0]]:
-            print(f"| {name} | " + " | ".join(f"{got[s][name]:.2f}" for s in sizes) + " |")
+        print_table(sizes, list(got[sizes[0]]), lambda s, name: f"{got[s][name]:.2f}")
         for s in sizes:
             g = got[s]
             print(
@@ -643,10 +651,12 @@ def main(argv: list[str] | None = None) -> int:
                 cpu[s] = CpuSpent(server.proc.pid if server.proc is not None else None)
                 rows[s] = sweep_size(server.url, s, args.batch, args.rounds, args.warm, cpu[s])
         print(f"select_into GB/s, median of {args.rounds} rounds, batches of {args.batch}")
-        print("| depth x connections | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
-        print("| --- |" + " --- |" * len(sizes))
-        for name in rows[sizes[0]]:
-            print(f"| {name} | " + " | ".join(f"{rows[s][name]:.2f}" for s in sizes) + " |")
+        print_table(
+            sizes,
+            list(rows[sizes[0]]),
+            lambda s, name: f"{rows[s][name]:.2f}",
+            "depth x connections",
+        )
         print_cpu(cpu, sizes, list(rows[sizes[0]]), args.batch)
         if args.json:
             sweep = {
@@ -670,17 +680,14 @@ def main(argv: list[str] | None = None) -> int:
             results[size] = bench_size(
                 server.url, size, args.batch, args.rounds, lmc, args.warm, cpu[size]
             )
-    machine = f"{platform.node()} ({os.cpu_count()} cores, {platform.processor() or 'cpu'})"
+    machine = machine_name()
     names = list(next(iter(results.values())))
     caches = "warm caches" if args.warm else "caches evicted before each sample"
     print(
         f"GB/s, median of {args.rounds} interleaved rounds, batches of {args.batch}, {caches}; "
         f"{machine}"
     )
-    print("| path | " + " | ".join(f"{s >> 10} KiB" for s in sizes) + " |")
-    print("| --- |" + " --- |" * len(sizes))
-    for name in names:
-        print(f"| {name} | " + " | ".join(f"{results[s][name]:.2f}" for s in sizes) + " |")
+    print_table(sizes, names, lambda s, name: f"{results[s][name]:.2f}")
     print_cpu(cpu, sizes, names, args.batch)
     base = {"read": "LMCache resp:// get", "write": "LMCache resp:// put"} if lmc else {}
     best_read = {s: max(v for k, v in results[s].items() if "select_into" in k) for s in sizes}
