@@ -85,7 +85,17 @@ class PrefixIndex:
 
     def _stored(self, event: dict[str, Any]) -> None:
         bs = int(event["block_size"])
-        self.block_size = bs
+        if bs < self.block_size:
+            # a partial block: vLLM caches a KV block's first tokens at its (finer) hash block
+            # size and says so with this block's token count. A lookup counts whole blocks
+            # only, so it is not indexed, and the index keeps its block size
+            return
+        if bs > self.block_size:
+            # whole blocks are the largest an instance announces: what came before was
+            # partial blocks, indexed under a size no lookup uses
+            self._hash_of.clear()
+            self._key_of.clear()
+            self.block_size = bs
         tokens = event["token_ids"]
         extras = event.get("extra_keys") or []
         lora = event.get("lora_name")

@@ -71,6 +71,34 @@ def test_the_index_follows_vllm_encoded_events() -> None:
     assert index.cached_blocks(doc) == 0 and len(index) == 0
 
 
+def partial(tokens: list[int], after: int, count: int) -> BlockStored:
+    """What vLLM 0.32 announces for a KV block cached at a finer hash block size: the first
+    ``count`` tokens of block ``after`` (one hash, ``block_size`` its token count)."""
+    full = stored(tokens, 0, after)
+    return BlockStored(
+        block_hashes=[0xABCDEF],
+        parent_block_hash=full.block_hashes[-1] if after else None,
+        token_ids=tokens[after * BS : after * BS + count],
+        block_size=count,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+def test_partial_block_events_neither_match_nor_change_the_block_size() -> None:
+    doc = list(range(100, 100 + 6 * BS))
+    index = PrefixIndex()
+    for e in decode_batch(encoded(stored(doc, 0, 4), partial(doc, 4, BS // 2))):
+        index.apply(e)
+    assert index.block_size == BS and index.cached_blocks(doc) == 4
+    # a server whose first events were partial blocks: its whole blocks set the size
+    index = PrefixIndex()
+    for e in decode_batch(encoded(partial(doc, 0, BS // 2), stored(doc, 0, 3))):
+        index.apply(e)
+    assert index.block_size == BS and index.cached_blocks(doc) == 3
+
+
 def test_the_oldest_blocks_go_first_when_the_index_is_full() -> None:
     index = PrefixIndex(max_blocks=4)
     a, b = list(range(3 * BS)), list(range(500, 500 + 3 * BS))
