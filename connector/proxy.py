@@ -273,6 +273,9 @@ class Pool:
     policy: str = "round_robin"
     in_flight: dict[str, int] = field(default_factory=dict)
     chooser: CacheAwareChooser | None = None  # policy cache_aware
+    # servers that refused a connection or did not accept one in time: sent nothing while
+    # another is up, probed in the background until they answer (``build_app``)
+    down: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.urls = [u.rstrip("/") for u in self.urls]
@@ -280,13 +283,18 @@ class Pool:
         self._rr = itertools.cycle(range(len(self.urls)))
 
     def order(self, token_ids: list[int] | None = None) -> list[str]:
-        """Every server once, best first (later ones are fallbacks when one is down)."""
+        """Every server once, best first; servers marked down last (tried only when every
+        other one failed too)."""
         if self.chooser is not None:
-            return self.chooser.order(self.urls, token_ids)
-        if self.policy == "least_loaded":
-            return sorted(self.urls, key=lambda u: self.in_flight[u])
-        start = next(self._rr)
-        return self.urls[start:] + self.urls[:start]
+            chosen = self.chooser.order(self.urls, token_ids)
+        elif self.policy == "least_loaded":
+            chosen = sorted(self.urls, key=lambda u: self.in_flight[u])
+        else:
+            start = next(self._rr)
+            chosen = self.urls[start:] + self.urls[:start]
+        if not self.down:
+            return chosen
+        return [u for u in chosen if u not in self.down] + [u for u in chosen if u in self.down]
 
 
 @dataclass
@@ -310,6 +318,8 @@ class ProxyConfig:
     kv_presence_rate: float = DEFAULT_KV_PRESENCE_RATE  # 0: unlimited
     kv_presence_burst: int = DEFAULT_KV_PRESENCE_BURST
     kv_presence_max_tokens: int = DEFAULT_KV_PRESENCE_MAX_TOKENS
+    # how often a server marked down is asked for /health
+    probe_interval_s: float = 1.0
 
 
 def build_app(cfg: ProxyConfig) -> FastAPI:
@@ -370,7 +380,11 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             timeout=timeout, limits=httpx.Limits(max_connections=512)
         )
         feeds.update({u: EventFeed(events[u], index) for u, index in indexes.items()})
+        prober = asyncio.ensure_future(probe_down_servers())
         yield
+        prober.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await prober
         for feed in feeds.values():
             feed.close()
         await state["client"].aclose()
@@ -424,6 +438,40 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
             message = f"request body is not valid JSON: {exc}"
         raise RequestRefused(openai_error(400, message, "invalid_request_error"))
 
+    def mark_down(pool: Pool, url: str, why: str) -> None:
+        """Send ``url`` nothing while another server is up, until a probe finds it back. Its
+        GPU cache is gone or unknown by then: its routing index is dropped too."""
+        if url in pool.down:
+            return
+        pool.down.add(url)
+        if url in indexes:
+            indexes[url].clear()
+        logger.warning("%s: marked down, probed every %.1f s", why, cfg.probe_interval_s)
+
+    def mark_up(pool: Pool, url: str) -> None:
+        pool.down.discard(url)
+        logger.warning("%s server %s answers again: marked up", pool.role, url)
+
+    async def probe_down_servers() -> None:
+        """Ask each server marked down for /health, every ``probe_interval_s``; one that
+        answers 200 is taken back. Runs for the proxy's lifetime; a failed probe is logged
+        and the loop goes on."""
+        while True:
+            await asyncio.sleep(cfg.probe_interval_s)
+            for pool in (prefill, decode):
+                for url in sorted(pool.down):
+                    try:
+                        answer = await state["client"].get(
+                            url + "/health", timeout=cfg.connect_timeout_s, auth=auth(url)
+                        )
+                    except httpx.HTTPError:
+                        continue
+                    except Exception:  # never let the prober die: servers would stay down
+                        logger.exception("probing %s server %s failed", pool.role, url)
+                        continue
+                    if answer.status_code == 200:
+                        mark_up(pool, url)
+
     async def send(
         pool: Pool,
         path: str,
@@ -466,6 +514,8 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                             _passthrough_error(resp.status_code, content, pool.role, url)
                         )
                     handed_off = True
+                    if url in pool.down:  # tried as a last resort, and it answered
+                        mark_up(pool, url)
                     return resp, _finisher(pool, url, resp)
                 except _STALE_CONNECTION as exc:
                     last_error = f"{pool.role} server {url} dropped the connection ({_safe(exc)})"
@@ -475,7 +525,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                     break
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                     last_error = f"{pool.role} server {url} is unreachable ({_safe(exc)})"
-                    logger.warning("%s", last_error)
+                    mark_down(pool, url, last_error)
                     break
                 except httpx.TimeoutException:
                     raise BackendError(
@@ -779,11 +829,14 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         }
         ok = all(any(r.values()) for r in results.values())
         doc: dict[str, Any] = {"status": "ok" if ok else "degraded"}
+        pool_of = {"prefill": prefill, "decode": decode, "pool": decode}
         for role, r in results.items():
             up = sum(r.values())
-            doc[role] = {"up": up, "down": len(r) - up}
+            # marked_down: servers the proxy sends nothing to now (refused or timed out)
+            doc[role] = {"up": up, "down": len(r) - up, "marked_down": len(pool_of[role].down)}
         if kv_api_key is None or _bearer_matches(request.headers.get("authorization"), kv_api_key):
             doc["servers"] = results
+            doc["marked_down"] = sorted({*prefill.down, *decode.down})
         return JSONResponse(doc, status_code=200 if ok else 503)
 
     return app

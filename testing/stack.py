@@ -195,16 +195,18 @@ def metric_totals(url: str, names: tuple[str, ...] | None = None) -> dict[str, f
     return out
 
 
-def serve_in_thread(app: Any, log_level: str = "warning") -> tuple[str, Callable[[], None]]:
-    """An ASGI app (the proxy, a stand-in backend) on a free loopback port in this process: its
-    URL, once it accepts connections, and its stop."""
+def serve_in_thread(
+    app: Any, log_level: str = "warning", port: int | None = None
+) -> tuple[str, Callable[[], None]]:
+    """An ASGI app (the proxy, a stand-in backend) on ``port`` (default: a free one) on
+    loopback in this process: its URL, once it accepts connections, and its stop."""
     import threading
 
     import uvicorn
 
     from testing.redis_server import free_port
 
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

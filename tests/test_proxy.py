@@ -135,7 +135,7 @@ def test_a_pool_answers_requests_whole_in_turn(echo_backend: str) -> None:
     ]
     assert all(b["max_tokens"] == 5 and "kv_transfer_params" not in b for _, b in SEEN)
     r = call(ProxyConfig([], [echo_backend, DOWN]), "GET", "/health")
-    assert r.status_code == 200 and r.json()["pool"] == {"up": 1, "down": 1}
+    assert r.status_code == 200 and r.json()["pool"] == {"up": 1, "down": 1, "marked_down": 0}
     assert r.json()["servers"]["pool"] == {echo_backend: True, DOWN: False}
     r = call(ProxyConfig([], [DOWN]), "POST", "/v1/completions", json={"prompt": "x"})
     assert r.status_code == 502 and "no pool server" in r.json()["error"]["message"]
@@ -217,8 +217,8 @@ def test_backend_errors_keep_their_status(failing_backend: str) -> None:
 def test_health_reports_each_backend(echo_backend: str) -> None:
     r = call(ProxyConfig([echo_backend], [DOWN]), "GET", "/health")
     assert r.status_code == 503
-    assert r.json()["prefill"] == {"up": 1, "down": 0}
-    assert r.json()["decode"] == {"up": 0, "down": 1}
+    assert r.json()["prefill"] == {"up": 1, "down": 0, "marked_down": 0}
+    assert r.json()["decode"] == {"up": 0, "down": 1, "marked_down": 0}
     assert r.json()["servers"] == {"prefill": {echo_backend: True}, "decode": {DOWN: False}}
     r = call(ProxyConfig([echo_backend], [echo_backend]), "GET", "/health")
     assert r.status_code == 200 and r.json()["status"] == "ok"
@@ -453,7 +453,9 @@ def test_health_shows_counts_to_anyone_and_servers_to_kv_callers(echo_backend: s
     )
     assert anyone.status_code == 503
     assert anyone.json() == {
-        "status": "degraded", "prefill": {"up": 1, "down": 0}, "decode": {"up": 0, "down": 1}
+        "status": "degraded",
+        "prefill": {"up": 1, "down": 0, "marked_down": 0},
+        "decode": {"up": 0, "down": 1, "marked_down": 0},
     }  # fmt: skip
     assert "127.0.0.1" not in anyone.text and with_api_key.json() == anyone.json()
     servers = with_kv_key.json()["servers"]
@@ -756,3 +758,55 @@ def test_a_backend_url_with_a_raw_slash_in_its_password_is_refused_unshown(
     assert password not in capsys.readouterr().err
     encoded = urllib.parse.quote(password, safe="")  # percent-encoded, it is taken
     build_app(ProxyConfig([f"http://admin:{encoded}@127.0.0.1:9"], [DOWN]))
+
+
+def test_a_server_that_refuses_is_sent_nothing_until_a_probe_finds_it_back(
+    echo_backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dead server kept its turn: round robin and least-loaded sent it a request first, each
+    paying the connect timeout. Marked down on its first refusal, it is sent nothing while
+    another server is up, and taken back once it answers /health."""
+    port = free_port()
+    revived = f"http://127.0.0.1:{port}"
+    app = FastAPI()
+    got: list[dict] = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        got.append(await request.json())
+        return JSONResponse({"choices": [{"text": "y"}]})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({})
+
+    async def go() -> tuple[list[int], dict, dict, list[int]]:
+        proxy_app = build_app(ProxyConfig([], [revived, echo_backend], probe_interval_s=0.05))
+        async with proxy_app.router.lifespan_context(proxy_app):
+            transport = httpx.ASGITransport(app=proxy_app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as c:
+                body = {"prompt": "p", "max_tokens": 1}
+                first = [(await c.post("/v1/completions", json=body)).status_code for _ in range(6)]
+                marked = (await c.get("/health")).json()
+                _, stop = stack.serve_in_thread(app, log_level="error", port=port)
+                try:
+                    deadline = time.monotonic() + 30  # the event: the probe takes it back
+                    while proxy_app.state.pools["decode"].down and time.monotonic() < deadline:
+                        await asyncio.sleep(0.02)
+                    back = (await c.get("/health")).json()
+                    later = [
+                        (await c.post("/v1/completions", json=body)).status_code for _ in range(4)
+                    ]
+                finally:
+                    stop()
+        return first, marked, back, later
+
+    with caplog.at_level(logging.WARNING, logger="vllm_redis_proxy"):
+        first, marked, back, later = asyncio.run(go())
+    assert first == [200] * 6
+    unreachable = [r for r in caplog.records if "is unreachable" in r.getMessage()]
+    assert len(unreachable) == 1  # tried once, then never again while the other was up
+    assert marked["pool"]["marked_down"] == 1 and marked["marked_down"] == [revived]
+    assert back["pool"]["marked_down"] == 0 and back["marked_down"] == []
+    assert later == [200] * 4 and len(got) == 2  # round robin again: it takes its turns
+    assert len(SEEN) == 6 + 2
