@@ -67,6 +67,8 @@ MIN_DRAIN_BYTES = 1 << 20
 def drain_limit(asked: int) -> int:
     """The longest reply that is drained when at most ``asked`` bytes were expected."""
     return min(MAX_DRAIN_BYTES, max(DRAIN_FACTOR * asked, MIN_DRAIN_BYTES))
+
+
 _NO_TIMEOUT_S = 60.0  # a deadline's base on a socket without a timeout
 
 
