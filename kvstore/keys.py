@@ -65,6 +65,14 @@ def at_generation(block_hash: str, generation: int) -> str:
     return f"{block_hash}{GENERATION_MARK}{generation}" if generation else block_hash
 
 
+def in_generation(block_name: str, generation: int) -> str:
+    """``block_name`` (``<hash>[@<n>][.g<group>]``) as named in ``generation``: the same block
+    saved after another reset."""
+    base, mark, rest = block_name.partition(GENERATION_MARK)
+    suffix = rest.lstrip("0123456789") if mark else ""
+    return at_generation(base, generation) + suffix
+
+
 def generation_of(block_name: str) -> int:
     """The generation a block's name (``<hash>[@<n>][.g<group>]``) was saved in."""
     _, mark, rest = block_name.partition(GENERATION_MARK)

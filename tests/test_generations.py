@@ -241,3 +241,17 @@ def test_a_counter_reads_the_same_in_lua_and_python_and_stops_at_2_pow_53(
         else:
             assert buf.reset() == reads + 1  # the script's reading, plus one
             assert admin.get("kv:ns:generation") == str(reads + 1).encode()
+
+
+@pytest.mark.parametrize(
+    ("name", "generation", "named"),
+    [("h1", 0, "h1"), ("h1", 2, "h1@2"), ("h1@3", 0, "h1"), ("h1@3", 5, "h1@5"),
+     ("h1@3.g1", 7, "h1@7.g1"), ("h1@12.g0", 0, "h1.g0")],
+)  # fmt: skip
+def test_a_block_name_moves_to_another_generation_whole(
+    name: str, generation: int, named: str
+) -> None:
+    from kvstore.keys import in_generation
+
+    assert in_generation(name, generation) == named
+    assert generation_of(named) == generation

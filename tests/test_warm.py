@@ -483,3 +483,42 @@ def test_the_warm_report_table_shows_each_document_and_the_total(
     assert "1,222" in a and "1.1 MiB" in a and "stored" in a
     assert "short: shorter than one block" in next(ln for ln in lines if "b.txt" in ln)
     assert "1,226" in next(ln for ln in lines if "total" in ln)
+
+
+@pytest.mark.redis
+def test_warm_and_check_name_blocks_in_the_namespaces_generation(
+    redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After a reset the connector loads only the new generation's blocks. --check reported
+    the old ones as present, and warm skipped the prefill of a document stored only there, or
+    found 0 of the blocks it had just stored."""
+    from types import SimpleNamespace
+
+    from kvstore.keys import at_generation
+
+    buf = LookupBuffer.from_url(redis_url, namespace="w", fingerprint="f", ttl_s=600)
+    (tmp_path / "a.txt").write_text("alpha")
+    chain = CHAINS[0]
+    buf.insert_many([(h, block(i)) for i, h in enumerate(chain)])
+    rec = _record(str(tmp_path / "a.txt"), chain, ["f"])
+    rec.text_hash = Document(rec.name, "alpha").text_hash
+    save_record(buf, rec)
+    assert _check(redis_url, capsys=capsys)[1]["documents"][0]["status"] == "complete"
+    assert buf.reset() == 1
+    rc, doc = _check(redis_url, capsys=capsys)
+    assert rc == 1 and doc["documents"][0]["status"] == "incomplete"
+    assert doc["documents"][0]["present"] == 0  # the old blocks are still there, unloadable
+
+    tokens = list(range(0, BLOCK * 4))  # CHAINS[0]'s tokens
+    eng = SimpleNamespace(
+        layout=StoreLayout("w", BLOCK, ["f"], "m"),
+        tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: tokens),
+        max_model_len=10_000,
+    )
+    (row,) = cli._plan(eng, buf, [Document("a", "alpha")], PromptStyle())  # type: ignore[arg-type]
+    assert row.status == "todo" and row.chain == [at_generation(h, 1) for h in chain]
+    buf.insert_many([(h, block(i)) for i, h in enumerate(row.chain)])  # as the engine saves
+    (row,) = cli._plan(eng, buf, [Document("a", "alpha")], PromptStyle())  # type: ignore[arg-type]
+    assert row.status == "present" and row.present == 4
+    assert _check(redis_url, capsys=capsys)[1]["documents"][0]["status"] == "complete"
+    buf.close()

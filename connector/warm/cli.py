@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.cli import human_size
 from kvstore.documents import DocumentRecord, load_records, presences, save_record
+from kvstore.keys import at_generation, in_generation
 
 from .inputs import Document, PromptStyle, read_documents, render
 
@@ -208,6 +209,12 @@ def _plan(
     unreadable, too long, shorter than a block, or already in the pool (one round trip for
     all; their TTL is renewed and their record rewritten)."""
     layout = eng.layout
+    try:
+        # blocks are named in the namespace's generation, as the engine's connector names them:
+        # a block saved before a reset is never loaded again
+        generation = store.read_generation()
+    except KVStoreError as exc:
+        raise NothingDone(f"{exc}\nNothing was warmed.") from None
     rows = []
     for doc in docs:
         row = Row(doc.name, "failed", doc=doc, message=doc.error or "")
@@ -227,7 +234,7 @@ def _plan(
                 "split it, or serve and warm with a larger --max-model-len"
             )
             continue
-        row.chain = chain_hashes(tokens, layout.block_size, "")
+        row.chain = [at_generation(h, generation) for h in chain_hashes(tokens, layout.block_size)]
         row.blocks = len(row.chain)
         if not row.chain:
             row.status = "short"
@@ -256,7 +263,9 @@ def _record(store: LookupBuffer, layout: StoreLayout, row: Row) -> None:
         DocumentRecord(
             name=row.document,
             tokens=row.tokens,
-            chain=row.chain,
+            # generation-free names (its id is its last block's): --check names them in the
+            # generation current then
+            chain=[in_generation(h, 0) for h in row.chain],
             fingerprints=layout.fingerprints,
             model=layout.model_id,
             text_hash=row.doc.text_hash,
@@ -414,7 +423,13 @@ def check(args: argparse.Namespace, out: Console) -> int:
                 rows.append(Row(doc.name, "not warmed", message=doc.error or ""))
         names = [d.name for d in wanted] if wanted else list(by_name)
         checked = [rec for name in names for rec in by_name.get(name, [])]
-        found = presences(store, [(rec.chain, rec.fingerprints) for rec in checked])
+        # a record names its blocks in the generation it was warmed in; after a reset only
+        # the current generation's blocks load
+        generation = store.read_generation()
+        found = presences(
+            store,
+            [([in_generation(h, generation) for h in r.chain], r.fingerprints) for r in checked],
+        )
         for rec, now in zip(checked, found, strict=True):
             name = rec.name
             row = Row(
