@@ -1113,16 +1113,21 @@ class RedisConnectorScheduler:
         if self.events is not None:
             self.events.cleared()
         logger.info(
-            "Redis: namespace %r reset: blocks are now named in generation %d; unlinking "
-            "older ones in the background",
+            "Redis: namespace %r reset: blocks are now named in generation %d; older ones are "
+            "unlinked in the background in %.0f s (deadline_max_s: loads under way finish)",
             self.config.namespace,
             generation,
+            self.config.deadline_max_s,
         )
         self._start_sweep(generation)
         return True
 
     def _start_sweep(self, generation: int) -> None:
         def sweep() -> None:
+            # loads looked up before the reset (here or on another instance) may still be
+            # reading older blocks: each ends within its deadline, at most deadline_max_s
+            if self._closing.wait(self.config.deadline_max_s):
+                return
             try:
                 n = self.store.sweep(generation, stop=self._closing.is_set)
                 logger.info("Redis: unlinked %d blocks from before generation %d", n, generation)

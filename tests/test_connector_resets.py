@@ -35,11 +35,14 @@ pytestmark = pytest.mark.vllm
 def test_after_a_reset_no_instance_loads_an_older_block(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    resetter = make_scheduler(tiny_model, "kv_both")
+    # older blocks are unlinked deadline_max_s after the reset: loads under way finish first
+    resetter = make_scheduler(tiny_model, "kv_both", deadline_max_s=2.0)
     other = make_scheduler(tiny_model, "kv_both")  # another instance of the namespace
     tokens = prompt(4 * BS + 3)
     hashes = seed_blocks(resetter, tokens, 4)
+    store = store_for(resetter)
     assert resetter.reset_prefix_cache(reset_connector=True)
+    assert store.contains(hashes[:4]) == [True] * 4  # a load looked up before may be reading
     assert connector_of(resetter).store.generation == 1
     for i, sched in enumerate((resetter, other)):
         req = make_request(f"r{i}", tokens)
@@ -52,7 +55,6 @@ def test_after_a_reset_no_instance_loads_an_older_block(
         renamed = [at_generation(h, 1) for h in hashes[:4]]
         assert [h for s in meta_of(out).saves for h in s.hashes] == renamed
     # the older blocks are unlinked in the background; nothing else was
-    store = store_for(resetter)
     until(lambda: store.contains(hashes[:4]) == [False] * 4)
 
 
@@ -88,7 +90,7 @@ def test_shutdown_closes_the_connections_only_after_background_calls_end(
 ) -> None:
     # CI caught fakeredis raising "generator already executing" in shutdown: the connections
     # were closed while a background call still used them
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = make_scheduler(tiny_model, "kv_both", deadline_max_s=0.1)
     store = connector_of(sched).store
     running: list[int] = []
     started = threading.Event()

@@ -112,7 +112,10 @@ def test_after_a_reset_the_engine_loads_nothing_from_before_and_saves_anew(
     assert saver["prompts"]["q"]["num_cached_tokens"] == 0
     assert saver["prompts"]["q"]["token_ids"] == saver["prompts"]["p"]["token_ids"]
     blocks = blocks_of(run["keys_after"])
-    assert sorted(b.generation for b in blocks) == [1] * 5  # the older ones were unlinked
+    # saved anew in generation 1; the older ones are unlinked deadline_max_s after the reset
+    # (loads under way finish first: test_connector_resets), or expire with their TTL
+    assert [b.generation for b in blocks].count(1) == 5
+    assert all(b.generation in (0, 1) for b in blocks)
     after = run["after"]
     assert (after.generation, after.loadable_blocks) == (1, 5)
 
