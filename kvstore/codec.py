@@ -16,9 +16,9 @@ read: ``tensor_reads.py``; values written before it have none and are read whole
 A store given its namespace's secret (``value_auth.ValueKey``) signs its values: ``mac`` is a
 keyed BLAKE3 tag (32 hex digits) of the whole header as stored, with the tag's own digits
 zeroed; ``checksum`` and ``tensor_checksums`` are keyed tags of the stored payload and of each
-tensor's bytes (32 hex digits each). The header tag covers
-the checksums, so header and payload are authenticated together, and a range read verifies what
-it read on its own. Such a reader takes no unsigned value, and a reader without the secret no
+tensor's bytes (32 hex digits each; each use has its own key). The header tag covers the
+checksums, so header and payload are authenticated together, and a range read verifies what it
+read on its own. Such a reader takes no unsigned value, and a reader without the secret no
 signed one: each is a counted miss.
 
 The framing is written here rather than with ``safetensors.torch.save`` because that copies each
@@ -413,7 +413,7 @@ def finish_value(staged: StagedValue, compression: str = "none") -> memoryview:
         header = _staged_header(
             staged,
             "none",
-            _payload_digest([payload], per_tensor, staged.value_key),
+            _payload_digest([payload], staged.value_key),
             staged.raw_bytes,
             per_tensor,
             pad_to=staged.header_bytes - 8,
@@ -434,9 +434,7 @@ def _digest(data: Buffer, value_key: ValueKey | None, use: str) -> str:
     return value_key.tag(use, data) if value_key is not None else xxhash.xxh3_64_hexdigest(data)
 
 
-def _payload_digest(
-    pieces: Sequence[Buffer], tensor_digests: str, value_key: ValueKey | None
-) -> str:
+def _payload_digest(pieces: Sequence[Buffer], value_key: ValueKey | None) -> str:
     """The ``checksum`` field of an uncompressed value: the ``xxh3_64`` of its payload, or its
     keyed tag. (Signed, the tensors' tags would cover the payload too, but a whole read then
     pays a call per tensor: 2 us each, as much as hashing 16 KiB.)"""
@@ -577,7 +575,7 @@ def _framed(
         # each piece is hashed twice (its tensors, then the value: the second pass finds them
         # in the CPU cache, ~10% of the hashing unsigned); reads verify the whole value once
         per_tensor = _tensor_digests(entries, pieces, value_key)
-        checksum = _payload_digest(pieces, per_tensor, value_key)
+        checksum = _payload_digest(pieces, value_key)
         header = _value_header(
             entries,
             fingerprint=fingerprint,
