@@ -61,7 +61,11 @@ def test_redis_serves_again_after_a_restart(results: dict[str, FaultResult]) -> 
 def test_consumers_sharing_a_prefix_each_load_their_whole_handoff(
     results: dict[str, FaultResult],
 ) -> None:
-    assert all(o.cached_tokens >= 1024 for o in results["two-consumers"].outcomes)
+    r = results["two-consumers"]
+    assert all(o.cached_tokens >= 1024 for o in r.outcomes), (
+        [(o.cached_tokens, o.error) for o in r.outcomes],
+        r.counters,
+    )
 
 
 def test_evicted_blocks_are_recomputed_without_waiting_for_the_deadline(
