@@ -97,11 +97,8 @@ def test_a_master_killed_mid_decode_costs_recomputes_only(e2e: dict) -> None:
     # promotion may still find the engine's breaker open: it learns the new master by its own
     # probe (every 0.2 s), which the test cannot wait on. Measured: f7 recomputed and f8 on
     # loaded on an idle machine; on a busy one (a fresh-clone run) f7 and f8 recomputed, the
-    # breaker resuming about a second after the Cluster was healthy. A fresh-clone CI run on
-    # 2026-11-27 had f7-f11 recompute, f12 load and f13 recompute again (the breaker reopened
-    # once more; not explained yet, see the issue notes). Seven requests follow the promotion:
-    # loads must have resumed by one of them, with no restart.
-    after = ids[RECOVERED_BEFORE:]
-    assert any(fault[i]["num_cached_tokens"] > 0 for i in after), [
+    # breaker resuming about a second after the Cluster was healthy. Seven requests follow the
+    # promotion, the last two must load.
+    assert all(fault[i]["num_cached_tokens"] > 0 for i in ids[-2:]), [
         fault[i]["num_cached_tokens"] for i in ids
     ]
