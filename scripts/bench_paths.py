@@ -553,6 +553,15 @@ def print_table(
         print(f"| {name} | " + " | ".join(cell(s, name) for s in sizes) + " |")
 
 
+def write_results(
+    args: argparse.Namespace, machine: str, gbps: dict[int, dict[str, float]], **extra: Any
+) -> None:
+    """``--json``: the run's settings, GB/s per size and path, and what else the mode adds."""
+    doc = {"machine": machine, "batch": args.batch, "rounds": args.rounds, **extra}
+    doc["gbps"] = {str(s): r for s, r in gbps.items()}
+    args.json.write_text(json.dumps(doc, indent=2))
+
+
 def print_cpu(cpu: dict[int, CpuSpent], sizes: list[int], names: list[str], batch: int) -> None:
     print(
         "\nCPU ms per GB moved (this process's threads / redis-server), and the share of the wall "
@@ -629,18 +638,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"select_into {g['select_into x1, secret'] / g['select_into x1, no secret']:.2f}x"
             )
         if args.json:
-            args.json.write_text(
-                json.dumps(
-                    {
-                        "machine": machine,
-                        "batch": args.batch,
-                        "rounds": args.rounds,
-                        "layers": args.layers,
-                        "gbps": {str(s): r for s, r in got.items()},
-                    },
-                    indent=2,
-                )
-            )
+            write_results(args, machine, got, layers=args.layers)
         return 0
     if args.sweep:
         sizes = [parse_size(s) for s in args.sizes.split(",")]
@@ -716,19 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             line += f"; insert_parts / LMCache put = {best_write[s] / put:.2f}x"
         print(line)
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": machine,
-                    "batch": args.batch,
-                    "rounds": args.rounds,
-                    "caches_evicted": not args.warm,
-                    "gbps": {str(s): r for s, r in results.items()},
-                    "cpu": {str(s): cpu[s].as_json(args.batch * s) for s in sizes},
-                },
-                indent=2,
-            )
-        )
+        cpu_json = {str(s): cpu[s].as_json(args.batch * s) for s in sizes}
+        write_results(args, machine, results, caches_evicted=not args.warm, cpu=cpu_json)
     if args.plot_dir:
         args.plot_dir.mkdir(parents=True, exist_ok=True)
         reads = [n for n in names if "GET" in n or "get" in n or "recv" in n or "select" in n]
