@@ -11,11 +11,16 @@ CPU (a smoke test; the stream figures then mean nothing).
 
     python -m scripts.bench_gpu --out gpu.json     # on a GPU machine, from the repo root
     python -m scripts.bench_gpu --device cpu --layers 4 --blocks 32   # anywhere
+
+``--masters N`` runs the save and load against an N-master Cluster on loopback instead of one
+standalone server; ``--server-io-threads N`` starts the server(s) with N I/O threads (reads too);
+``--server`` picks the binary (e.g. a ``valkey-server``); ``--quick`` measures only save and load.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -26,12 +31,25 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import redis
 import torch
 
 from datamover import BlockMover, LayeredLoad, SaveItem
 from kvstore import LookupBuffer, chain_hashes
-from testing.redis_server import RedisServer
+from testing.redis_server import ClusterServers, RedisServer
+
+
+@contextlib.contextmanager
+def store_servers(masters: int, io_threads: int, binary: str | None) -> Any:
+    """The URL of one standalone server (``masters`` 0) or of an N-master Cluster."""
+    extra = ["--maxmemory", "0", "--save", "", "--appendonly", "no"]
+    if io_threads > 1:
+        extra += ["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"]
+    if masters:
+        with ClusterServers(masters, replicas=0, binary=binary, extra_args=extra) as cluster:
+            yield cluster.url
+    else:
+        with RedisServer(extra_args=extra, binary=binary) as server:
+            yield server.url
 
 
 def make_caches(device: str, layers: int, blocks: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -159,6 +177,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-inflight-mib", type=int, default=2048)
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--masters", type=int, default=0, help="N-master Cluster (0: standalone)")
+    ap.add_argument("--server-io-threads", type=int, default=1, help="the server's io-threads")
+    ap.add_argument("--server", help="server binary (default: redis-server on PATH)")
+    ap.add_argument("--quick", action="store_true", help="save and load only")
     args = ap.parse_args()
     dev = args.device
     total_blocks = args.blocks * 2 + 8
@@ -172,10 +194,16 @@ def main() -> int:
             "torch": torch.__version__,
         },
         "geometry": {"layers": args.layers, "kv_heads": 8, "head_size": 128, "block_size": 16},
+        "server": {
+            "binary": Path(args.server).name if args.server else "redis-server",
+            "masters": args.masters,
+            "io_threads": args.server_io_threads,
+            "connections": args.connections,
+        },
     }
-    with RedisServer(extra_args=["--maxmemory", "0", "--save", ""]) as server:
-        client = redis.Redis.from_url(server.url)
-        store = LookupBuffer(client, namespace="gpu", layout={"bench": "gpu"})
+    with store_servers(args.masters, args.server_io_threads, args.server) as url:
+        store = LookupBuffer.from_url(url, namespace="gpu", layout={"bench": "gpu"})
+        client = store.client
         kw = {"max_inflight_bytes": args.max_inflight_mib << 20, "connections": args.connections}
         # the loader reads ahead on threads of its own, as the connector's worker does
         prefetch = ThreadPoolExecutor(2, thread_name_prefix="bench-prefetch")
@@ -225,6 +253,9 @@ def main() -> int:
             results["staging_to_cache_vs_pinned_h2d"] = (
                 results["staging_to_cache_GBps"] / results["pinned_h2d_GBps"]
             )
+        if args.quick:
+            store.close()
+            return report(results, args.out)
 
         # -- the split path: the same blocks, band by band, a stand-in forward pass waiting
         split: dict[str, Any] = {}
@@ -261,10 +292,14 @@ def main() -> int:
         results["stage_saves_ms_by_blocks"] = per_step
         if dev == "cuda":
             results["compute_held_ms"] = compute_held_ms(src, store, kw, args.blocks, args.rounds)
-        client.close()
+        store.close()
+    return report(results, args.out)
+
+
+def report(results: dict[str, Any], out: Path | None) -> int:
     print(json.dumps(results, indent=2))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
 
