@@ -174,6 +174,9 @@ class _RequestState:
     # (group, chain position) of the states saved from vLLM's offers (state groups)
     states_saved: set[tuple[int, int]] = field(default_factory=set)
     generation: int = 0  # the namespace's generation its chains are named in
+    # share mode, all of it a local hit: the lookup that says what Redis holds of its chain,
+    # which its saves wait for (None: known, or not asked)
+    presence: Lookup | None = None
 
     def renamable(self) -> bool:
         """Nothing of it is in flight or planned yet: its chains may be named again."""
@@ -446,11 +449,15 @@ class RedisConnectorScheduler:
 
     def _poll_lookup(self, st: _RequestState, start: int, end: int) -> LookupResult | None:
         """The answer of a lookup covering ``start``, started now if needed; None while out.
-        A failed lookup answers ``present=-1``."""
-        if st.lookup is not None and st.lookup_start > start:
+        A failed lookup answers ``present=-1``. A request that loads and saves one chain
+        (share mode) always asks from the chain's first block: what Redis lacks of vLLM's
+        local hit is what it must write back, and a load or announcement may only follow a
+        head that is there."""
+        ask_from = 0 if st.same_chain else start
+        if st.lookup is not None and st.lookup_start > ask_from:
             st.lookup = None  # it asks about fewer blocks than vLLM now needs: ask again
         if st.lookup is None:
-            self._start_lookup(st, start, end)
+            self._start_lookup(st, ask_from, end)
         lookup = st.lookup
         assert lookup is not None
         fut = lookup.future
@@ -481,7 +488,7 @@ class RedisConnectorScheduler:
             return LookupResult(present=-1)
         if result.generation != st.generation:
             return None  # a reset: the request is named again and asks again (``_state``)
-        if result.present < start and st.lookup_start < start:
+        if result.present < start and st.lookup_start < start and not st.same_chain:
             # it stopped before vLLM's local hit: the blocks after it are still unknown
             self._start_lookup(st, start, end)
             return None
@@ -550,6 +557,15 @@ class RedisConnectorScheduler:
             if found is None:
                 return None, False
             present = found
+        elif self.config.loads and end > 0 and st.same_chain and self._lookupable(st):
+            # all of it a local hit: nothing to load, so the admission does not wait; its
+            # saves wait for the answer instead (``_settle_presence``), so a prefix Redis lost
+            # is written back and one it holds is not written twice
+            if st.lookup is None and self.store.available:
+                self._start_lookup(st, 0, end)
+            st.presence, st.lookup = st.lookup, None
+            if st.presence is not None and not st.presence.future.done():
+                self._wait_in_step(st.presence.future)  # (usually back: asked on arrival)
         st.phase, st.answer_start, st.answered_at = Phase.ANSWERED, start, time.monotonic()
         st.present_blocks = min(present, end)
         self._decide(st, request, start)
@@ -821,7 +837,7 @@ class RedisConnectorScheduler:
         held |= self._reading_splits(progress, meta)
         for req_id, computed in progress:
             st = self._reqs[req_id]
-            if st.phase is not Phase.RUNNING or req_id in held:
+            if st.phase is not Phase.RUNNING or req_id in held or not self._settle_presence(st):
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             full = min(
@@ -850,6 +866,29 @@ class RedisConnectorScheduler:
         if self._state_groups:
             meta.saves += self._state_saves(scheduler_output)
         return meta
+
+    def _settle_presence(self, st: _RequestState) -> bool:
+        """Whether the request's saves may be planned: what Redis holds of its chain is known
+        (``saved_blocks`` then starts after it), or cannot be learned in time (its deadline, a
+        failed lookup, a reset: then everything is saved, as a block written twice is only
+        wasted, a block never written back is lost to every other instance)."""
+        lookup = st.presence
+        if lookup is None:
+            return True
+        if not lookup.future.done() and time.monotonic() < st.deadline:
+            return False
+        st.presence = None
+        if not lookup.future.done() or lookup.future.cancelled():
+            return True
+        try:
+            result = lookup.future.result()
+        except KVStoreError:
+            self.stats.add(redis_errors=1)
+            return True
+        if result.generation == st.generation and result.present > 0:
+            st.present_blocks = max(st.present_blocks, result.present)
+            st.saved_blocks = max(st.saved_blocks, result.present)
+        return True
 
     def _track_block_tables(
         self, scheduler_output: SchedulerOutput

@@ -19,7 +19,7 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from connector.events import KVEventsEmitter, StoredPrefixReports
 from connector.redis_connector import write_layout_file
-from kvstore import LookupBuffer, StoreUnavailableError
+from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 from kvstore.presence import StoredLayout, prompt_presence
 from testing.scheduler_harness import BS, make_request
 from testing.sim_engine import SimEngine
@@ -110,6 +110,52 @@ def test_blocks_whose_writes_failed_are_not_announced(engines: Any) -> None:
     hashes = run(engine, "a", prompt(5 * BS + 3))
     (event,) = stored(engine)
     assert event.block_hashes == hashes[:2]  # the chain breaks at the failed block
+
+
+def lose_blocks(engine: SimEngine, tokens: list[int], n: int) -> None:
+    """The first ``n`` blocks of the shared chain leave Redis (TTL, eviction, a failed save)."""
+    store = engine.worker.store
+    assert store.client.delete(*[store.redis_key(h) for h in chain_hashes(tokens, BS)[:n]]) == n
+
+
+def blocks_saved(engine: SimEngine) -> int:
+    engine.settle()
+    return int(engine.take_stats().get("blocks_saved", 0))
+
+
+def test_a_local_hit_that_redis_lost_is_written_back_and_announced_from_its_head(
+    engines: Any,
+) -> None:
+    """Issue 38, item 1: share mode wrote only the blocks after vLLM's local hit, under a
+    chain whose head Redis no longer had -- nobody could load any of it -- and announced them
+    as if the whole chain were there."""
+    engine = engines()
+    head = prompt(4 * BS)
+    run(engine, "a", head + [7])
+    lose_blocks(engine, head, 4)  # vLLM still holds them in its prefix cache
+    tokens = head + prompt(4 * BS + 1, seed=2)
+    hashes = run(engine, "b", tokens)  # a local hit of 4 blocks
+    event = stored(engine)[-1]
+    assert event.block_hashes == hashes[:8] and event.parent_block_hash is None
+    other = engines()
+    run(other, "c", tokens)
+    assert int(other.take_stats().get("blocks_loaded", 0)) == 8
+
+
+def test_a_whole_local_hit_writes_back_only_what_redis_lacks(engines: Any) -> None:
+    engine = engines()
+    tokens = prompt(4 * BS + 1, seed=6)
+    run(engine, "a", tokens)
+    assert blocks_saved(engine) == 4
+    run(engine, "b", tokens)  # all of it a local hit, all of it in Redis: nothing written
+    assert blocks_saved(engine) == 0
+    lose_blocks(engine, tokens, 2)
+    run(engine, "c", tokens)  # a local hit Redis lost part of: written back, from its head
+    assert blocks_saved(engine) == 4
+    assert stored(engine)[-1].parent_block_hash is None
+    other = engines()
+    run(other, "d", tokens)
+    assert int(other.take_stats().get("blocks_loaded", 0)) == 4
 
 
 def test_a_reset_publishes_all_blocks_cleared_and_nothing_saved_before_it(
