@@ -131,7 +131,7 @@ def test_a_local_hit_that_redis_lost_is_written_back_and_announced_from_its_head
     as if the whole chain were there."""
     engine = engines()
     head = prompt(4 * BS)
-    run(engine, "a", head + [7])
+    run(engine, "a", [*head, 7])
     lose_blocks(engine, head, 4)  # vLLM still holds them in its prefix cache
     tokens = head + prompt(4 * BS + 1, seed=2)
     hashes = run(engine, "b", tokens)  # a local hit of 4 blocks
