@@ -25,7 +25,9 @@ cover its heads, taking only its part of a larger one. So instances of different
 set the same ``store_tp_size`` share blocks, and KV heads that several ranks hold -- GQA with
 more ranks than KV heads, and MLA's one latent -- are stored once, by the first of those ranks.
 Left unset, ``store_tp_size`` shares nothing across TP sizes (``tp_scope``): KV computed at
-another TP size is not bit-identical.
+another TP size is not bit-identical. Set, it shares only with instances that set it too (a
+``tp_shared`` field in the fingerprint and the handoff params): an instance at TP
+``store_tp_size`` that left it unset keeps its own keys and never loads another size's KV.
 """
 
 from __future__ import annotations
@@ -233,9 +235,10 @@ class KVLayout:
     # min(tp_size, total_kv_heads)
     store_tp_size: int = 0
     # store_tp_size was set (not the default): instances of other TP sizes that set it too
-    # read these blocks. Left unset, an instance's blocks are its own TP size's: KV computed at
-    # another TP size differs in the last bits (other partial sums), so loading it would not
-    # answer as a connector-less server of this size does.
+    # read these blocks, and only they (the fingerprint says so). Left unset, an instance's
+    # blocks are its own TP size's: KV computed at another TP size differs in the last bits
+    # (other partial sums), so loading it would not answer as a connector-less server of this
+    # size does.
     tp_shared: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -410,7 +413,8 @@ class KVLayout:
                     f"state groups is stored rank by rank (TP {tp_size}); leave store_tp_size "
                     "unset"
                 )
-            total_heads, store_tp_size = first.num_kv_heads * tp_size, tp_size
+            # (so shared with no other TP size: set to this one, it is the default)
+            total_heads, store_tp_size = first.num_kv_heads * tp_size, None
         return cls(
             model_id=model_id or str(model_config.model),
             block_size=block_sizes.pop(),
@@ -451,6 +455,10 @@ class KVLayout:
         }
         if self.tp_scope is not None:  # replicated heads (GQA at TP > heads, MLA) at TP t
             fields["instance_tp_size"] = self.tp_scope
+        if self.tp_shared:
+            # opted into sharing across TP sizes: apart from an instance at TP store_tp_size
+            # that did not opt in, whose keys these slices would otherwise be
+            fields["tp_shared"] = True
         if self.hybrid:  # a one-group model keeps the fingerprint it always had
             fields["groups"] = [
                 [

@@ -346,6 +346,13 @@ class RedisConnectorScheduler:
                 f"this instance names blocks in {chains.generation} (the namespace was reset "
                 "in between; nothing saved before a reset is loaded)"
             )
+        elif bool(ours.get("tp_shared", False)) != self.layout.tp_shared:
+            problem = (
+                f"tp_shared: the producer {'set' if ours.get('tp_shared') else 'left unset'} "
+                f"store_tp_size, this instance {'set' if self.layout.tp_shared else 'left'} it"
+                f"{'' if self.layout.tp_shared else ' unset'} (blocks are shared across TP sizes "
+                "only between instances that both set it)"
+            )
         elif ours.get("tp_scope", self.layout.tp_scope) != self.layout.tp_scope:
             problem = (
                 f"tp_scope: the producer's blocks are for TP {ours.get('tp_scope')!r}, this "
@@ -1100,6 +1107,7 @@ class RedisConnectorScheduler:
                 # the TP size they are kept apart for, if any
                 "store_tp_size": self.layout.store_tp_size,
                 "tp_scope": self.layout.tp_scope,
+                "tp_shared": self.layout.tp_shared,
                 # the namespace's generation its chain is named in (a reset between the two
                 # makes the consumer compute the prompt)
                 "generation": st.generation,

@@ -369,6 +369,7 @@ def test_a_handoff_is_taken_once(tiny_model: Path, fake_redis: fakeredis.FakeRed
         ("num_blocks", 99),
         ("store_tp_size", 2),  # the producer cut blocks into other head slices
         ("tp_scope", 4),  # the producer computed them at another TP size
+        ("tp_shared", True),  # the producer opted into sharing across TP sizes, this one not
     ],
 )
 def test_params_that_do_not_match_are_ignored_with_one_warning(
@@ -536,6 +537,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
             "block_size": BS,
             "store_tp_size": 1,
             "tp_scope": None,
+            "tp_shared": False,
             "generation": 0,
             "opened": True,
         }

@@ -109,8 +109,19 @@ def test_tp_sizes_share_blocks_only_when_store_tp_size_is_set(
     s = min(tp_a, heads)
     a, b = layout(tp_a, s, heads=heads), layout(tp_b, s, heads=heads)
     assert a.all_fingerprints() == b.all_fingerprints()
-    # and a rank of an instance at TP store_tp_size keeps its keys either way
-    assert layout(s, s, heads=heads).all_fingerprints() == layout(s, heads=heads).all_fingerprints()
+
+
+@pytest.mark.parametrize(("heads", "tp", "store_tp"), [(2, 1, 2), (4, 2, 4), (1, 2, 1), (8, 4, 8)])
+def test_only_instances_that_both_set_store_tp_size_share_blocks(
+    heads: int, tp: int, store_tp: int
+) -> None:
+    """Issue 38, item 5: an instance at TP ``store_tp`` that left store_tp_size unset wrote and
+    read the very keys an opted-in instance of another TP size writes, so it loaded KV
+    computed at another TP size (not bit-identical) though it never asked to."""
+    opted = layout(tp, store_tp, heads=heads)
+    unset = layout(store_tp, heads=heads)  # the slices match: TP store_tp's own keys
+    assert not set(opted.all_fingerprints()) & set(unset.all_fingerprints())
+    assert opted.all_fingerprints() == layout(store_tp, store_tp, heads=heads).all_fingerprints()
 
 
 def test_a_store_tp_size_that_does_not_divide_the_heads_is_refused() -> None:
