@@ -12,7 +12,11 @@ So an event means "a load of this prefix finds it", never "a save was planned".
 What the events carry: vLLM's block hashes (``Request.block_hashes``, as its GPU events have
 them, at the connector's block size), the token ids, LoRA and extra keys, ``medium="CPU"``,
 ``locality="REMOTE"`` and ``ownership="redis:<namespace>"`` where the vLLM release has those
-fields. Every instance of a namespace can load what any of them announced.
+fields. Every instance of a namespace can load what any of them announced. A model with Mamba /
+gated delta-net state groups can load a prefix only where a state was saved, so its events
+name groups as vLLM's own events of such a model do (``group_idx``, ``kv_cache_spec_kind``):
+the blocks once per attention group, and each state group's block only at the hit lengths a
+load can end at (the ranks report those); a release without ``group_idx`` publishes none.
 
 What they cannot carry: Redis evicting a block (maxmemory) or its TTL expiring happen inside
 Redis, unseen by any connector, so no ``BlockRemoved`` follows them; a router should treat these
@@ -40,6 +44,8 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request
 
+from .layout import KVLayout
+
 logger = logging.getLogger(__name__)
 
 # a request whose ranks have not all reported by then is forgotten (a rank died mid-write)
@@ -48,10 +54,11 @@ _BLOCK_STORED_FIELDS = frozenset(BlockStored.__struct_fields__)
 
 
 class StoredPrefixReports(KVConnectorKVEvents):
-    """One worker rank's reports, ``(request id, leading blocks confirmed in Redis)`` per
-    finished request; vLLM's aggregator appends the other ranks' to the first rank's."""
+    """One worker rank's reports, ``(request id, leading blocks confirmed in Redis[, the hit
+    lengths a load can end at])`` per finished request (the third for a model with state
+    groups); vLLM's aggregator appends the other ranks' to the first rank's."""
 
-    def __init__(self, reports: list[tuple[str, int]] | None = None) -> None:
+    def __init__(self, reports: list[Any] | None = None) -> None:
         self._reports: list[Any] = list(reports or [])
         self._workers = 1
 
@@ -77,6 +84,18 @@ class StoredPrefixReports(KVConnectorKVEvents):
         return f"<StoredPrefixReports {self._reports}>"
 
 
+@dataclass(frozen=True)
+class EventGroup:
+    """One KV-cache group the connector stores, as its events name it: vLLM's group index, the
+    kind and sliding window vLLM's own events carry for it, and whether it is a state group
+    (Mamba / gated delta-net: a hit may end only where it has a state)."""
+
+    index: int
+    kind: str | None = None
+    sliding_window: int | None = None
+    is_state: bool = False
+
+
 @dataclass
 class _Watched:
     request: Request
@@ -84,6 +103,7 @@ class _Watched:
     since: float
     generation: int  # the namespace's when the request finished
     confirmed: list[int] = field(default_factory=list)  # one per rank that reported
+    ends: list[set[int]] = field(default_factory=list)  # state models: loadable ends, per rank
 
 
 class KVEventsEmitter:
@@ -97,8 +117,13 @@ class KVEventsEmitter:
         ranks: int,
         namespace: str,
         generation: Callable[[], int] = lambda: 0,
+        groups: tuple[EventGroup, ...] = (),
     ) -> None:
         self.block_size = block_size
+        # a model with state groups announces per group (vLLM's ``group_idx``), each state
+        # group only at the hit lengths a load can end at: one block chain would tell a router
+        # every prefix of it loads, and most do not
+        self.groups = groups if any(g.is_state for g in groups) else ()
         self.generation = generation  # the namespace's, as this instance last read it
         self.ranks = ranks
         self.namespace = namespace
@@ -116,6 +141,13 @@ class KVEventsEmitter:
                 hash_block_size,
                 block_size,
             )
+        if self.groups and "group_idx" not in _BLOCK_STORED_FIELDS:
+            logger.warning(
+                "RedisConnector: this vLLM release's BlockStored has no group_idx, so a router "
+                "could not tell which prefixes of a model with Mamba / gated delta-net state "
+                "groups load: no KV events are published for its blocks"
+            )
+            self._ratio = 0
         self._watched: dict[str, _Watched] = {}
         self._events: list[KVCacheEvent] = []
         self.forgotten = 0
@@ -136,15 +168,22 @@ class KVEventsEmitter:
         """The ranks' reports this step brought (``KVConnectorOutput.kv_cache_events``)."""
         if not isinstance(reports, StoredPrefixReports):
             return
-        for req_id, confirmed in reports.get_all_events():
+        for req_id, confirmed, *ends in reports.get_all_events():
             watched = self._watched.get(req_id)
             if watched is None:
                 continue  # nothing new to announce, or reset since
             watched.confirmed.append(confirmed)
+            watched.ends.append(set(ends[0]) if ends else set())
             if len(watched.confirmed) >= self.ranks:
                 del self._watched[req_id]
-                if watched.generation == self.generation():  # else reset since: never loaded
-                    self._announce(watched.request, watched.first_block, min(watched.confirmed))
+                if watched.generation != self.generation():  # reset since: never loaded
+                    continue
+                end = min(watched.confirmed)
+                if self.groups:  # (only where every rank confirmed it)
+                    loadable = sorted(e for e in set.intersection(*watched.ends) if e <= end)
+                    self._announce_groups(watched.request, watched.first_block, end, loadable)
+                else:
+                    self._announce(watched.request, watched.first_block, end)
 
     def cleared(self) -> None:
         """The namespace was reset: every block of it is gone for loads. Blocks of requests
@@ -168,7 +207,23 @@ class KVEventsEmitter:
         events, self._events = self._events, []
         return events
 
-    def _announce(self, request: Request, first: int, end: int) -> None:
+    def _announce_groups(self, request: Request, first: int, end: int, loadable: list[int]) -> None:
+        """A model with state groups: the blocks [first, end) once per attention group, and
+        each state group's block at ``e - 1`` for each hit length ``e`` a load can end at, as
+        vLLM's own events name a hybrid model's groups: a router takes a hit to end where
+        every group has the block."""
+        end = min(end, len(request.block_hashes) // self._ratio)
+        for group in self.groups:
+            if not group.is_state:
+                self._announce(request, first, end, group)
+                continue
+            for e in loadable:
+                if first < e <= end:
+                    self._announce(request, e - 1, e, group)
+
+    def _announce(
+        self, request: Request, first: int, end: int, group: EventGroup | None = None
+    ) -> None:
         # vLLM hashes only whole hash blocks of tokens it has seen: never name past them
         end = min(end, len(request.block_hashes) // self._ratio)
         if end <= first:
@@ -188,6 +243,10 @@ class KVEventsEmitter:
             "locality": "REMOTE",
             "ownership": f"redis:{self.namespace}",
         }
+        if group is not None:
+            fields["group_idx"] = group.index
+            fields["kv_cache_spec_kind"] = group.kind
+            fields["kv_cache_spec_sliding_window"] = group.sliding_window
         # older releases lack the later fields: pass only those this one defines
         self._events.append(
             BlockStored(**{k: v for k, v in fields.items() if k in _BLOCK_STORED_FIELDS})
@@ -212,6 +271,24 @@ class KVEventsEmitter:
             if i >= first:
                 keys.append(extra)
         return convert(keys)
+
+
+def event_groups(layout: KVLayout, kv_cache_config: Any) -> tuple[EventGroup, ...]:
+    """The stored groups as events name them, with the kind and window vLLM's own events give
+    each group (where this release says)."""
+    from vllm.v1 import kv_cache_interface
+
+    kind_of = getattr(kv_cache_interface, "get_kv_cache_spec_kind", None)
+    window_of = getattr(kv_cache_interface, "get_kv_cache_spec_sliding_window", None)
+    out = []
+    for g in layout.groups:
+        kind: str | None = None
+        window: int | None = None
+        if kind_of is not None and window_of is not None and kv_cache_config is not None:
+            spec = kv_cache_config.kv_cache_groups[g.index].kv_cache_spec
+            kind, window = str(kind_of(spec).value), window_of(spec)
+        out.append(EventGroup(g.index, kind, window, g.is_state))
+    return tuple(out)
 
 
 def events_wanted(vllm_config: Any) -> bool:

@@ -33,7 +33,13 @@ from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopol
 from kvstore.value_auth import load_secret
 
 from .config import RedisConnectorConfig
-from .events import KVEventsEmitter, StoredPrefixReports, events_wanted, hash_block_size
+from .events import (
+    KVEventsEmitter,
+    StoredPrefixReports,
+    event_groups,
+    events_wanted,
+    hash_block_size,
+)
 from .layout import KVLayout
 from .logs import adopt_vllm_logging
 from .metadata import RedisConnectorMetadata
@@ -311,6 +317,7 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                     ranks=pc.world_size,  # every worker vLLM aggregates outputs over
                     namespace=self.rc.namespace,
                     generation=lambda: store.generation,
+                    groups=event_groups(self.layout, kv_cache_config),
                 )
             refusal = self._split_refusal(vllm_config, store)
             self.connector_scheduler = RedisConnectorScheduler(

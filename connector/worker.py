@@ -149,8 +149,9 @@ class RedisConnectorWorker:
         self.config = config
         # KV events: report each finished request's blocks confirmed in Redis (``events.py``)
         self.report_stored = report_stored
-        self._stored_reports: list[tuple[str, int]] = []
-        self._reports_out: list[tuple[str, int]] = []  # taken with the finished saves
+        # (request, leading blocks confirmed, the hit lengths a load can end at, state models)
+        self._stored_reports: list[tuple[str, int, list[int]]] = []
+        self._reports_out: list[tuple[str, int, list[int]]] = []  # taken with the finished saves
         self.layout = layout
         self.tp_rank = tp_rank
         self.store = store
@@ -762,7 +763,8 @@ class RedisConnectorWorker:
             track.publishing = True
             n = self._confirmed_blocks(track, track.commit)
             if self.report_stored:
-                self._stored_reports.append((req_id, n))
+                ends = self._loadable_ends(track, track.commit, n)
+                self._stored_reports.append((req_id, n, ends))
                 if track.release_by is not None:
                     track.release_by = None
                     self._finished_saves.add(req_id)
@@ -779,6 +781,21 @@ class RedisConnectorWorker:
             commit.present_blocks,
             commit.num_blocks,
         )
+
+    def _loadable_ends(self, track: _SaveTrack, commit: CommitSpec, n: int) -> list[int]:
+        """A model with state groups: the hit lengths in (present, n] a load can end at --
+        where every state group's state was confirmed written (in every slice this rank
+        writes); the blocks before are confirmed by ``n``. Empty for other models (every
+        length up to ``n`` is loadable)."""
+        states = [g for g, group in enumerate(self.layout.groups) if group.is_state]
+        if not states:
+            return []
+        written = [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
+        return [
+            end
+            for end in range(commit.present_blocks + 1, n + 1)
+            if all((g, k, end - 1) in track.ok for g in states for k in written[g])
+        ]
 
     def _publish(self, req_id: str, commit: CommitSpec, n: int) -> None:
         stores = [sm.store for sm in self._slices[0] if sm.writes] if self._slices else []
@@ -797,9 +814,10 @@ class RedisConnectorWorker:
             with self._lock:
                 self._saves.pop(req_id, None)
 
-    def take_stored_reports(self) -> list[tuple[str, int]]:
-        """(request, leading blocks confirmed in Redis) of finished requests, for the scheduler
-        side's KV events: those ``take_transfer_results`` took (vLLM asks both every step)."""
+    def take_stored_reports(self) -> list[tuple[str, int, list[int]]]:
+        """(request, leading blocks confirmed in Redis, loadable ends of a state model) of
+        finished requests, for the scheduler side's KV events: those
+        ``take_transfer_results`` took (vLLM asks both every step)."""
         with self._lock:
             reports, self._reports_out = self._reports_out, []
         return reports

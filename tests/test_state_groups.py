@@ -377,6 +377,63 @@ def test_a_commit_record_ends_at_the_last_state_saved(
     src.shutdown()
 
 
+def test_events_announce_each_state_only_where_a_load_can_end(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Issue 38, item 4: events named every attention block up to the last saved state as one
+    chain, with no group, so a router took prompts sharing 1 to 5 blocks for hits that loaded
+    nothing. Now the ranks report where a load can end, and the events name each group as
+    vLLM's own events of a hybrid model do: the attention blocks, and each state group's block
+    only where a state was saved."""
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from connector.events import KVEventsEmitter, event_groups
+
+    if "group_idx" not in BlockStored.__struct_fields__:
+        pytest.skip("this vLLM's events name no KV-cache group")
+    conn, _ = make_worker_connector(
+        tiny_model, URL, 8, state_layers=STATES, state_type="GDN_ATTN", kv_events=True
+    )
+    tokens = prompt(6 * BS)
+    hashes = chain_hashes(tokens, BS)
+    saves = [
+        SaveSpec("p", [[1, 2, 3, 4, 5], [NO_BLOCK] * 5, [NO_BLOCK] * 5], hashes[:5], 0, "hp"),
+        SaveSpec("p", [[NO_BLOCK], [6], [7]], hashes[1:2], 1, "hp"),  # states after 2 blocks
+        SaveSpec("p", [[NO_BLOCK], [6], [7]], hashes[3:4], 3, "hp"),  # and after 4
+    ]
+    run_worker_step(conn, RedisConnectorMetadata(saves=saves))
+    run_worker_step(conn, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 5, 0)]))
+    assert conn.worker.shutdown_pending(timeout_s=60) == 0
+    conn.get_finished(set())
+    reports = conn.get_kv_connector_kv_cache_events()
+    assert reports is not None and reports.get_all_events() == [("p", 4, [2, 4])]
+    _, kv_cache_config = make_configs(
+        tiny_model, "kv_both", url=URL, num_blocks=8, state_layers=STATES
+    )
+    layout = conn.layout
+    emitter = KVEventsEmitter(
+        BS, BS, ranks=1, namespace="vllm", groups=event_groups(layout, kv_cache_config)
+    )
+    request = make_request("p", tokens)
+    emitter.watch(request, 0, 5)
+    emitter.reported(reports)
+    events = emitter.take()
+    vllm_hashes = [maybe_convert_block_hash(h) for h in request.block_hashes]
+    by_group = {
+        g: [(e.block_hashes, e.parent_block_hash) for e in events if e.group_idx == g]
+        for g in range(len(layout.groups))
+    }
+    assert by_group[0] == [(vllm_hashes[:4], None)]  # attention: the blocks confirmed
+    for g in range(1, len(layout.groups)):  # each state group: where a load can end only
+        assert by_group[g] == [
+            ([vllm_hashes[1]], vllm_hashes[0]),
+            ([vllm_hashes[3]], vllm_hashes[2]),
+        ]
+    assert {e.kv_cache_spec_kind for e in events if e.group_idx != 0} != {None}
+    conn.shutdown()
+
+
 def test_a_missing_state_fails_the_whole_request(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
