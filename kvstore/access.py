@@ -40,7 +40,17 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "delete": ("UNLINK",),
     "handoff_read": ("GET",),
     "handoff_claim": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),
-    "drop_select": ("EVALSHA", "SCRIPT LOAD", "STRLEN", "RENAME", "EXISTS", "GET", "UNLINK"),
+    # (TIME: a claim the server runs after its caller gave up takes nothing, ``claims.py``)
+    "drop_select": (
+        "EVALSHA",
+        "SCRIPT LOAD",
+        "STRLEN",
+        "RENAME",
+        "EXISTS",
+        "GET",
+        "UNLINK",
+        "TIME",
+    ),
     "block_info": ("STRLEN", "PTTL"),
     "renew": ("PEXPIRE", "PERSIST"),
     # the namespace's generation, read with lookups (only "reset" writes it)

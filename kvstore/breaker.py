@@ -4,6 +4,7 @@ Closed: calls go through; ``failure_threshold`` availability failures in a row (
 timed out, or a caller's deadline passing while it waited) open it. Open: callers are told not
 to send anything (``allow()`` is False), so a dead or hung store costs a request microseconds
 instead of a socket timeout. A background thread probes the store every ``probe_interval_s``;
+(``probe_now`` probes at once, in the caller's thread);
 the first probe that succeeds lets calls through again, half-open: the next call that fails
 reopens it at once (a flapping server costs one call per cycle), the next that succeeds closes
 it. Each transition is logged once and counted.
@@ -86,19 +87,29 @@ class CircuitBreaker:
 
     def _probe_until_closed(self) -> None:
         while not self._stopped.wait(self.probe_interval_s):
-            try:
-                self._probe()
-            except Exception as exc:  # any failure keeps it open; the next probe tries again
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                continue
-            with self._lock:
-                self._open = False
-                self._half_open = True  # one failure reopens it until a call succeeds
-                self._failures = 0
-                down_s = time.monotonic() - self._opened_at
-                self._closed_event.set()
-            logger.warning("%s answers again after %.1fs; resuming", self.name, down_s)
-            return
+            if not self._open or self.probe_now():
+                return  # (closed meanwhile by a caller's probe_now)
+
+    def probe_now(self) -> bool:
+        """Probe now, in the caller's thread (bounded by the probe's own timeouts), instead of
+        waiting for the background probe; True if the breaker is closed afterwards."""
+        if not self._open:
+            return True
+        try:
+            self._probe()
+        except Exception as exc:  # any failure keeps it open; the next probe tries again
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return False
+        with self._lock:
+            if not self._open:
+                return True
+            self._open = False
+            self._half_open = True  # one failure reopens it until a call succeeds
+            self._failures = 0
+            down_s = time.monotonic() - self._opened_at
+            self._closed_event.set()
+        logger.warning("%s answers again after %.1fs; resuming", self.name, down_s)
+        return True
 
     def wait_closed(self, timeout_s: float) -> bool:
         """Block until the breaker is closed (for tools and tests); True if it is."""

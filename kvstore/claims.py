@@ -14,21 +14,28 @@ server, over one connection, the reads go in the claim's own request
   deadline (at least :data:`MIGRATION_WAIT_S`).
 - **TTLs are kept**: ``RENAME`` keeps a key's TTL, and the script sets none, so a block released
   back is exactly as it was stored.
-- **A lost reply is recovered by its owner**: when the claim's reply times out or the
-  connection drops, the same call sends the claim again with the same suffix; the script counts
-  keys that suffix already holds as claimed. If that fails too, or the values cannot be read,
-  the call renames what it holds back (:data:`RELEASE_LUA`) before raising. Private keys are
-  left only by a caller that dies between claiming and deleting, or by a server that stops
-  answering through the claim, its second try and the release (a warning says so); they keep
-  the blocks' TTLs and expire with them, and ``kvstore ls`` counts them.
+- **Bounded, and nothing stranded**: a claim is over within the caller's wait for keys plus one
+  reply timeout (the client's socket timeout). A claim whose reply was lost (a dropped
+  connection) is sent again with the same suffix -- the script counts keys that suffix already
+  holds as claimed -- only while that bound allows; a claim that timed out is not. The server
+  refuses a claim it runs after its caller stopped waiting (ARGV[3], in the server's clock, as
+  measured with ``TIME``), so one queued behind ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long
+  script takes nothing. What a failed call may hold is given back (:data:`RELEASE_LUA`) on a
+  background thread, retried for :data:`RELEASE_RETRY_S`, never while the caller waits.
+  Private keys are left only by a caller that dies between claiming and deleting, or by a
+  server that does not answer for that long (counted and logged); they keep the blocks' TTLs
+  and expire with them, and ``kvstore ls`` counts them.
 
 Values never pass through Lua: returning a multi-MiB string from a script costs ~4x a plain GET.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -52,13 +59,20 @@ from .transport import Transport
 logger = logging.getLogger("kvstore")
 
 # KEYS[1..n]: block keys, KEYS[n+1..2n]: this call's private keys for them. ARGV[1]: max bytes;
-# ARGV[2]: "all" (claim nothing unless every key is present; reply nil) or "any". Reply: a
-# [status, length] pair per key; status 1 claimed, 0 missing, 2 over the size limit (left in
-# place), 3 not a string. A key this call's suffix already holds counts as claimed.
+# ARGV[2]: "all" (claim nothing unless every key is present; reply nil) or "any"; ARGV[3]: the
+# server time (ms) after which the caller no longer waits for the reply: a script run later
+# (queued behind CLIENT PAUSE, DEBUG SLEEP or a long script) takes nothing and replies -1.
+# Reply: a [status, length] pair per key; status 1 claimed, 0 missing, 2 over the size limit
+# (left in place), 3 not a string. A key this call's suffix already holds counts as claimed.
 # redis.acl_check_cmd (Redis/Valkey 7+) refuses a forbidden RENAME before anything changed.
 CLAIM_LUA = """
 local n = #KEYS / 2
 local maxlen = tonumber(ARGV[1])
+local late = tonumber(ARGV[3])
+if late then
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) > late then return -1 end
+end
 local out, mine, missing = {}, {}, false
 for i = 1, n do
   local len = redis.pcall('STRLEN', KEYS[n + i])
@@ -111,6 +125,14 @@ return released
 # deadline: a migration of a slot of KV blocks takes about a second per GB moved.
 MIGRATION_WAIT_S = 2.0
 
+# A claim the server may run this long before its caller stops waiting is still sent: the reply
+# must travel back (and the clock offset is measured to within a round trip)
+_LATE_MARGIN_S = 0.05
+# the server's clock is read again this often (the offset drifts)
+_CLOCK_EVERY_S = 60.0
+# claims given back in the background are retried this long (then they expire with their TTL)
+RELEASE_RETRY_S = 60.0
+
 # A waiting claim polls after 0.5 ms, doubling up to 20 ms.
 _FIRST_POLL_S = 0.0005
 _MAX_POLL_S = 0.02
@@ -118,6 +140,10 @@ _MAX_POLL_S = 0.02
 # What redis-py's cluster client raises when a slot stays mid-migration for its whole
 # redirect budget ("TTL exhausted") or the slot is not served at the moment.
 _MIGRATING = (rex.TryAgainError, rex.AskError, rex.ClusterError, rex.SlotNotCoveredError)
+
+
+class _TooLate(StoreTimeoutError):
+    """The server ran the claim after its caller had stopped waiting for it: nothing taken."""
 
 
 class _StillMigrating(StoreUnavailableError):
@@ -189,6 +215,7 @@ class Claimer:
         exists: Callable[[Sequence[str]], list[int]],
         max_value_bytes: int,
         on_retry: Callable[[], None],
+        on_given_back: Callable[[int, int], None] = lambda given, stranded: None,
     ) -> None:
         self._transport = transport
         self._client = client = transport.client
@@ -197,8 +224,23 @@ class Claimer:
         self._exists = exists
         self._max_value_bytes = max_value_bytes
         self._on_retry = on_retry
+        self._on_given_back = on_given_back
         self._claim_script = client.register_script(CLAIM_LUA)
         self._release_script = client.register_script(RELEASE_LUA)
+        # how long a caller waits for a claim's reply (the client's socket timeout): a call
+        # claims within it (plus its own wait for keys), and a claim the server runs later
+        # takes nothing (CLAIM_LUA's ARGV[3], in the server's clock)
+        kwargs: dict[str, Any] = getattr(client, "get_connection_kwargs", dict)() or {}
+        self.reply_timeout_s = float(kwargs.get("socket_timeout") or 10.0)
+        self._clock_offset_s: float | None = None  # server time - this host's time.time()
+        self._clock_read_at = float("-inf")
+        self._clock_disagrees = 0  # replies "late" that came back in time: clocks differ
+        # claims to give back after their call failed, on a thread of its own (started when
+        # first needed): the caller is not held another timeout by a hung server
+        self._releases: queue.SimpleQueue[tuple[ClaimedBatch, float] | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
 
     # ------------------------------------------------------------------ claim
     @property
@@ -209,8 +251,9 @@ class Claimer:
     def claim(self, keys: list[str], timeout_s: float = 0.0) -> ClaimedBatch:
         """Claim the present ``keys`` for one caller. With ``timeout_s > 0`` wait (polling with
         backoff) until every key is present; when the time runs out take what is there. A lost
-        reply is recovered by sending the claim again; if that fails, whatever the claim took
-        is released before the error is raised."""
+        reply is recovered by sending the claim again while the call's bound allows
+        (``timeout_s`` plus one reply timeout); if that fails, whatever the claim took is given
+        back in the background (:meth:`release_later`) and the error is raised at once."""
         return self._claim(keys, _deadline(timeout_s), uuid.uuid4().hex)
 
     def _claim(self, keys: list[str], deadline: float, suffix: str) -> ClaimedBatch:
@@ -220,11 +263,10 @@ class Claimer:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
             if isinstance(first, _StillMigrating):
-                self.release(_everything(keys, suffix))
-                raise
+                raise  # what the other slots took is given back (``_claim_per_slot``)
             return self._claim_again(keys, deadline, suffix, first)
         except BaseException:  # any other error: other slots' claims may have run
-            self.release(_everything(keys, suffix))
+            self.release_later(_everything(keys, suffix))
             raise
         return ClaimedBatch(keys, suffix, statuses, lengths)
 
@@ -251,9 +293,9 @@ class Claimer:
         private = [claim_key(k, suffix) for k in keys]
         scripted = [*keys, *private]
 
-        def round_trip(mode: str) -> tuple[list[int] | None, list[Any]]:
+        def round_trip(mode: str) -> tuple[list[int] | int | None, list[Any]]:
             script = ("EVALSHA", self._claim_script.sha, len(scripted), *scripted)
-            script += (self._max_value_bytes, mode)
+            script += (self._max_value_bytes, mode, self._late_ms())
             try:
                 return read(script, private)
             except rex.NoScriptError:  # the server lost its scripts (restart, SCRIPT FLUSH)
@@ -262,17 +304,22 @@ class Claimer:
 
         try:
             mode = "all" if time.monotonic() < deadline else "any"
+            sent = time.monotonic()
             reply, got = self._guard.call("EVALSHA", functools.partial(round_trip, mode))
         except (StoreTimeoutError, StoreUnavailableError) as first:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
             return self._claim_again(keys, deadline, suffix, first), None
         except BaseException:
-            self.release(_everything(keys, suffix))
+            self.release_later(_everything(keys, suffix))
             raise
+        if reply == -1:  # "too late" came back in time: the clocks disagree (nothing taken)
+            self._late_reply_in_time(sent)
+            return self._claim(keys, deadline, suffix), None
         if reply is None:  # waiting for keys not there yet (nothing was claimed): the polls
             # that follow carry the script alone, and what it takes is read as after claim()
             return self._claim(keys, deadline, suffix), None
+        assert isinstance(reply, list)
         statuses, lengths = reply[0::2], reply[1::2]
         claimed = [r for r, st in zip(got, statuses, strict=True) if st == 1]
         return ClaimedBatch(keys, suffix, statuses, lengths), claimed
@@ -281,15 +328,69 @@ class Claimer:
         self, keys: list[str], deadline: float, suffix: str, first: KVStoreError
     ) -> ClaimedBatch:
         """After a claim whose reply was lost: the same suffix again recovers what it took (and
-        claims the rest); if that fails too, everything the suffix holds is given back."""
+        claims the rest), if the call's bound -- its wait for keys plus one reply timeout --
+        leaves room; if not, or that fails too, everything the suffix holds is given back in
+        the background and the error raised."""
+        if time.monotonic() >= deadline + self.reply_timeout_s:
+            self.release_later(_everything(keys, suffix))
+            raise first
         logger.info("kvstore: claim sent again after %s", first)
         self._on_retry()
         try:
             statuses, lengths = self._claim_all(keys, deadline, suffix)
         except BaseException:
-            self.release(_everything(keys, suffix))
+            self.release_later(_everything(keys, suffix))
             raise
         return ClaimedBatch(keys, suffix, statuses, lengths)
+
+    # ------------------------------------------------------------------ the server's clock
+    def _late_ms(self) -> str:
+        """ARGV[3] of a claim sent now: the server time (ms) past which it must take nothing
+        -- when this caller stops waiting for its reply, less a margin -- or "" (no limit)
+        when the server's clock cannot be read or does not agree with replies."""
+        now = time.time()
+        if self._clock_disagrees >= 2:
+            return ""
+        if now - self._clock_read_at > _CLOCK_EVERY_S:
+            self._clock_read_at = now
+            if self._clock_offset_s is None:
+                self._read_clock()  # the first claim: now (one small round trip)
+            else:  # later: in the background, never another timeout on a hung server
+                threading.Thread(target=self._read_clock, daemon=True).start()
+        if self._clock_offset_s is None:
+            return ""
+        late = now + self._clock_offset_s + self.reply_timeout_s - _LATE_MARGIN_S
+        return str(int(late * 1000))
+
+    def _read_clock(self) -> None:
+        # a failure leaves the last offset (or none: claims go without a limit until then)
+        with contextlib.suppress(KVStoreError):
+            self._clock_offset_s = self._guard.call("TIME", self._server_offset)
+
+    def _server_offset(self) -> float:
+        t0 = time.time()
+        reply = self._client.time()
+        t1 = time.time()
+        if isinstance(reply, dict):  # a Cluster answers per node: any master's clock
+            reply = next(iter(reply.values()))
+        seconds, micros = reply
+        return float(seconds) + float(micros) / 1e6 - (t0 + t1) / 2
+
+    def _late_reply_in_time(self, sent: float) -> None:
+        """A claim answered "too late" before this caller stopped waiting: the server's clock
+        runs ahead of the offset measured. Measured again; twice in a row, claims go without
+        the limit (a claim run after its caller gave up is then given back, not refused)."""
+        self._on_retry()
+        self._read_clock()
+        self._clock_read_at = time.time()
+        if time.monotonic() - sent < self.reply_timeout_s - _LATE_MARGIN_S:
+            self._clock_disagrees += 1
+            if self._clock_disagrees == 2:
+                logger.warning(
+                    "kvstore: %s's clock does not agree with its replies; claims are sent "
+                    "without a time limit (one run after its caller gave up is given back)",
+                    self._guard.safe_url,
+                )
 
     def _claim_all(
         self, keys: list[str], deadline: float, suffix: str
@@ -300,10 +401,16 @@ class Claimer:
         scripted = [*keys, *(claim_key(k, suffix) for k in keys)]
         while True:
             waiting = time.monotonic() < deadline
-            args = [self._max_value_bytes, "all" if waiting else "any"]
+            args = [self._max_value_bytes, "all" if waiting else "any", self._late_ms()]
+            sent = time.monotonic()
             reply = self._guard.call(
                 "EVALSHA", functools.partial(self._claim_script, keys=scripted, args=args)
             )
+            if reply == -1:
+                self._late_reply_in_time(sent)
+                if time.monotonic() >= deadline + self.reply_timeout_s:
+                    raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
+                continue
             if reply is not None:
                 return [int(st) for st in reply[0::2]], [int(n) for n in reply[1::2]]
             delay = _pause(delay, deadline)
@@ -321,7 +428,9 @@ class Claimer:
         for i, k in enumerate(keys):
             by_slot.setdefault(self._shards.slot(k), []).append(i)
         groups = [[keys[i] for i in idx] for idx in by_slot.values()]
-        args: list[int | str] = [self._max_value_bytes, "any"]
+
+        def args() -> list[int | str]:
+            return [self._max_value_bytes, "any", self._late_ms()]
 
         def scripted(group: list[str]) -> list[str]:
             return [*group, *(claim_key(k, suffix) for k in group)]
@@ -329,19 +438,39 @@ class Claimer:
         def on_one_master(server: redis.Redis, part: list[list[str]]) -> list[Any]:
             pipe = server.pipeline(transaction=False)
             for group in part:
-                self._claim_script(keys=scripted(group), args=args, client=pipe)
+                self._claim_script(keys=scripted(group), args=args(), client=pipe)
             return list(pipe.execute(raise_on_error=False))
 
+        def claim_group(n: int, reply: Any, sent: float) -> Any:
+            if reply == -1:  # "too late" in time: this master's clock runs ahead
+                self._late_reply_in_time(sent)
+                reply = self._claim_script(
+                    keys=scripted(groups[n]), args=args(), client=self._client
+                )
+                if reply == -1:
+                    raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
+            if isinstance(reply, Exception) and isinstance(reply, _MIGRATING):
+                # the slot moved or is moving: the whole group again, through redis-py's
+                # cluster client (it follows MOVED / ASK), until the migration ends
+                reply = self._claim_migrating(scripted(groups[n]), args, deadline)
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
         def claim_groups() -> list[Any]:
+            sent = time.monotonic()
             replies = self._shards.fan_out(on_one_master, groups, key=lambda g: g[0])
-            for n, reply in enumerate(replies):
-                if isinstance(reply, Exception) and isinstance(reply, _MIGRATING):
-                    # the slot moved or is moving: the whole group again, through redis-py's
-                    # cluster client (it follows MOVED / ASK), until the migration ends
-                    reply = self._claim_migrating(scripted(groups[n]), args, deadline)
-                if isinstance(reply, Exception):
-                    raise reply
-                replies[n] = reply
+            try:
+                for n, reply in enumerate(replies):
+                    replies[n] = claim_group(n, reply, sent)
+            except _StillMigrating:
+                # the migrating slot's script never ran (a Cluster answers ASK / TRYAGAIN
+                # first): only the slots that answered took anything, and go back
+                took = [k for g, r in zip(groups, replies, strict=True) if isinstance(r, list)
+                        for k in g]  # fmt: skip
+                if took:
+                    self.release_later(_everything(took, suffix))
+                raise
             return replies
 
         replies = self._guard.call("EVALSHA", claim_groups)
@@ -351,13 +480,18 @@ class Claimer:
                 statuses[i], lengths[i] = int(reply[2 * j]), int(reply[2 * j + 1])
         return statuses, lengths
 
-    def _claim_migrating(self, scripted: list[str], args: list[Any], deadline: float) -> Any:
+    def _claim_migrating(
+        self, scripted: list[str], args: Callable[[], list[Any]], deadline: float
+    ) -> Any:
         until = max(deadline, time.monotonic() + MIGRATION_WAIT_S)
         delay = _FIRST_POLL_S
         while True:
             self._on_retry()
             try:
-                return self._claim_script(keys=scripted, args=args, client=self._client)
+                reply = self._claim_script(keys=scripted, args=args(), client=self._client)
+                if reply == -1:
+                    raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
+                return reply
             except _MIGRATING as exc:
                 if time.monotonic() >= until:
                     raise _StillMigrating(
@@ -370,7 +504,8 @@ class Claimer:
         """Claim ``key`` and give it back, raising what the server refuses (for
         ``LookupBuffer.check_access``)."""
         scripted = [key, claim_key(key, uuid.uuid4().hex)]
-        self._claim_script(keys=scripted, args=[self._max_value_bytes, "any"])
+        late = self._server_offset() + time.time() + 60  # (TIME, here and in the script)
+        self._claim_script(keys=scripted, args=[self._max_value_bytes, "any", int(late * 1000)])
         self._release_script(keys=scripted)
 
     # ------------------------------------------------------------------ after the read
@@ -386,12 +521,11 @@ class Claimer:
             logger.warning("kvstore: could not delete claimed keys (they expire): %s", exc)
 
     def release(self, batch: ClaimedBatch) -> int:
-        """Give what ``batch`` holds back to the blocks' keys (their TTLs as stored); returns
-        how many. Best effort: what cannot be reached is logged and left to expire."""
+        """Give what ``batch`` holds back to the blocks' keys (their TTLs as stored), now;
+        returns how many, or raises the first failure (slots that answered are given back)."""
         groups: dict[int, list[str]] = {}
         for k in batch.keys:
             groups.setdefault(self._shards.slot(k), []).append(k)
-
         released, failed = 0, list[KVStoreError]()
         for group in groups.values():  # each slot on its own: one that is moving fails alone
             scripted = [*group, *(claim_key(k, batch.suffix) for k in group)]
@@ -407,12 +541,64 @@ class Claimer:
             except KVStoreError as exc:
                 failed.append(exc)
         if failed:
-            logger.warning(
-                "kvstore: could not give claimed blocks of %d slot(s) back (%s); any there "
-                "stay under claim keys (kvstore ls counts them) and expire with their TTLs",
-                len(failed),
-                failed[0],
-            )
-        if released:
-            logger.info("kvstore: gave %d claimed blocks back after a failed read", released)
+            raise failed[0]
         return released
+
+    def release_later(self, batch: ClaimedBatch) -> None:
+        """Give ``batch`` back on the releasing thread, retried with backoff for up to
+        :data:`RELEASE_RETRY_S` (a hung or paused server holds that thread, not the caller);
+        the outcome is logged and counted (``claims_given_back`` / ``claims_stranded``)."""
+        with self._idle:
+            self._pending += 1
+            if self._releaser is None:
+                self._releaser = threading.Thread(
+                    target=self._release_loop, name="kvstore-claim-release", daemon=True
+                )
+                self._releaser.start()
+        self._releases.put((batch, time.monotonic() + RELEASE_RETRY_S))
+
+    def _release_loop(self) -> None:
+        while (item := self._releases.get()) is not None:
+            batch, until = item
+            delay = 0.05
+            try:
+                while True:
+                    try:
+                        released = self.release(batch)
+                    except KVStoreError as exc:
+                        if time.monotonic() + delay >= until:
+                            self._on_given_back(0, len(batch.keys))
+                            logger.warning(
+                                "kvstore: could not give %d claimed block(s) back within %.0fs "
+                                "(%s); any there stay under claim keys (kvstore ls counts "
+                                "them) and expire with their TTLs",
+                                len(batch.keys),
+                                RELEASE_RETRY_S,
+                                exc,
+                            )
+                            break
+                        time.sleep(delay)
+                        delay = min(delay * 2, 2.0)
+                        continue
+                    self._on_given_back(released, 0)
+                    if released:
+                        logger.info("kvstore: gave %d claimed block(s) back", released)
+                    break
+            except Exception:  # never lose the thread: the next batches still go back
+                logger.exception("kvstore: giving claimed blocks back failed")
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def wait_given_back(self, timeout_s: float) -> bool:
+        """Wait until every claim handed to :meth:`release_later` was given back (or given
+        up on); True if none is pending."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Give what is pending back (bounded), then stop the releasing thread."""
+        self.wait_given_back(timeout_s)
+        if self._releaser is not None:
+            self._releases.put(None)

@@ -38,7 +38,8 @@ class Guard:
         if not self.breaker.allow():
             raise StoreCircuitOpenError(
                 f"{self.safe_url} is skipped for now: recent calls failed "
-                f"({self.breaker.last_error}); it is used again once it answers a probe"
+                f"({self.breaker.last_error}); it is used again once it answers a probe "
+                f"(every {self.breaker.probe_interval_s:g}s; LookupBuffer.probe() asks now)"
             )
         result = self.call_anyway(command, fn)
         self.breaker.record_success()

@@ -178,6 +178,9 @@ class LookupBuffer:
             exists=self._inventory.exists,
             max_value_bytes=self.max_value_bytes,
             on_retry=lambda: self._counters.add(redirects=1),
+            on_given_back=lambda given, stranded: self._counters.add(
+                claims_given_back=given, claims_stranded=stranded
+            ),
         )
         self._reader = Reader(
             self._transport,
@@ -321,6 +324,7 @@ class LookupBuffer:
         ``from_url`` made (a client passed in is its owner's to close)."""
         if self._owner is not None:  # a view (for_fingerprint): its owner holds everything
             return
+        self._claims.close()  # claims being given back go first (bounded)
         self.guard.stop()
         with self._lock:
             executor, self._executor = self._executor, None
@@ -368,6 +372,19 @@ class LookupBuffer:
 
     def ping(self) -> None:
         self.guard.call("PING", self._transport.ping)
+
+    def probe(self) -> bool:
+        """Ask the server now whether it answers, instead of waiting for the circuit breaker's
+        next background probe (every ``breaker_probe_s``, each bounded by the connect and
+        socket timeouts): True if the breaker is closed afterwards. After a restart, a caller
+        that must not miss the first calls probes once before them."""
+        return self.breaker.probe_now()
+
+    def wait_given_back(self, timeout_s: float) -> bool:
+        """Wait until the blocks that failed ``drop_select`` / ``select_into(consume=True)``
+        calls had claimed are back under their keys (or given up on, counted as
+        ``claims_stranded``); True if nothing is pending."""
+        return self._claims.wait_given_back(timeout_s)
 
     def check_topology(self) -> None:
         """Fail now, naming the right URL form, when the URL's kind does not match the server
@@ -520,6 +537,12 @@ class LookupBuffer:
         are given back. With ``timeout_s > 0`` it waits (polling with backoff up to 20 ms) until
         *every* key is present and claims them all at once; when the time runs out it takes
         what is there. Values are received as by :meth:`select`.
+
+        Bounds: the claim is over within ``timeout_s`` plus one socket timeout (a lost reply is
+        sent again only within that); a claim the server runs after that -- queued behind
+        ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long script -- takes nothing. The reads take at
+        most two read deadlines. What a failed call had claimed is given back in the
+        background (:meth:`wait_given_back`), never while the caller waits.
         """
         keys = self.keys.blocks(hashes)
         return self._reader.read(hashes, keys, None, consume=True, timeout_s=timeout_s)

@@ -132,8 +132,9 @@ class Reader:
                 for h, st, r in zip(hashes, batch.statuses, raw, strict=True)
             ]
             out = self._tally(keys, checked)
-        except BaseException:  # nothing was delivered: give the values back
-            self._claims.release(batch)
+        except BaseException:  # nothing was delivered: give the values back (in the
+            # background: a hung server must not hold the caller another timeout)
+            self._claims.release_later(batch)
             raise
         self._claims.finish(batch)
         return out

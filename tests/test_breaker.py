@@ -41,3 +41,21 @@ def test_a_probe_lets_calls_through_and_one_failure_then_reopens_it() -> None:
     b.record_failure("x")
     assert b.allow()
     b.stop()
+
+
+def test_a_caller_can_probe_now_instead_of_waiting_for_the_background_probe() -> None:
+    """Issue 38, item 8: after a restart, calls were refused until the background probe (every
+    ``probe_interval_s``) succeeded; a caller had no way to ask sooner."""
+    healthy = threading.Event()
+
+    def probe() -> None:
+        if not healthy.is_set():
+            raise ConnectionError("down")
+
+    b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=3600)  # (never, here)
+    b.record_failure("refused")
+    assert not b.probe_now() and not b.allow() and "down" in b.last_error
+    healthy.set()
+    assert b.probe_now() and b.allow()
+    assert b.probe_now()  # closed: nothing to do
+    b.stop()
