@@ -57,10 +57,12 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .proxy_metrics import ProxyMetrics
 from .routing import CacheAwareChooser, EventFeed, PrefixIndex
 
 logger = logging.getLogger("vllm_redis_proxy")
@@ -225,8 +227,8 @@ class _Guard:
         (when set): a path the proxy does not serve is no reason to answer strangers."""
         if path == "/health":
             return None  # it answers what it shows by the caller's key
-        if path == "/kv" or path.startswith("/kv/"):
-            return self.kv_api_key
+        if path == "/kv" or path.startswith("/kv/") or path == "/metrics":
+            return self.kv_api_key  # (the metrics name every server)
         return self.api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -396,6 +398,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         openapi_url=None,
     )  # fmt: skip
     app.state.pools = {"prefill": prefill, "decode": decode}
+    metrics = ProxyMetrics((prefill, decode))
     app.add_middleware(_Guard, api_key=api_key, kv_api_key=kv_api_key)
 
     @app.exception_handler(StarletteHTTPException)
@@ -444,6 +447,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         if url in pool.down:
             return
         pool.down.add(url)
+        metrics.marked_down[(pool.role, url)] += 1
         if url in indexes:
             indexes[url].clear()
         logger.warning("%s: marked down, probed every %.1f s", why, cfg.probe_interval_s)
@@ -507,6 +511,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                     req = client.build_request("POST", url + path, content=payload,
                                                headers=headers)  # fmt: skip
                     resp = await client.send(req, stream=stream, auth=auth(url))
+                    metrics.count(pool.role, url, "answered")
                     if resp.status_code != 200:
                         content = await resp.aread()
                         await resp.aclose()
@@ -518,16 +523,19 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                         mark_up(pool, url)
                     return resp, _finisher(pool, url, resp)
                 except _STALE_CONNECTION as exc:
+                    metrics.count(pool.role, url, "failed")
                     last_error = f"{pool.role} server {url} dropped the connection ({_safe(exc)})"
                     logger.warning("%s (attempt %d)", last_error, attempt)
                     if attempt == 1:
                         continue  # most likely a keep-alive connection it had just closed
                     break
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    metrics.count(pool.role, url, "unreachable")
                     last_error = f"{pool.role} server {url} is unreachable ({_safe(exc)})"
                     mark_down(pool, url, last_error)
                     break
                 except httpx.TimeoutException:
+                    metrics.count(pool.role, url, "failed")
                     raise BackendError(
                         openai_error(
                             504,
@@ -536,6 +544,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                         )
                     ) from None
                 except httpx.HTTPError as exc:
+                    metrics.count(pool.role, url, "failed")
                     raise BackendError(
                         openai_error(
                             502, f"{pool.role} server {url} failed: {_safe(exc)}", "backend_error"
@@ -804,6 +813,12 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         return openai_error(
             502, f"no {decode.role} server available to tokenize", "backend_unavailable"
         )
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        """Prometheus text: requests per server and outcome, servers marked down, in flight
+        (``proxy_metrics.py``); behind the /kv key, as it names every server."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

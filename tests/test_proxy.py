@@ -788,6 +788,7 @@ def test_a_server_that_refuses_is_sent_nothing_until_a_probe_finds_it_back(
                 body = {"prompt": "p", "max_tokens": 1}
                 first = [(await c.post("/v1/completions", json=body)).status_code for _ in range(6)]
                 marked = (await c.get("/health")).json()
+                metrics_down = (await c.get("/metrics")).text
                 _, stop = stack.serve_in_thread(app, log_level="error", port=port)
                 try:
                     deadline = time.monotonic() + 30  # the event: the probe takes it back
@@ -797,12 +798,20 @@ def test_a_server_that_refuses_is_sent_nothing_until_a_probe_finds_it_back(
                     later = [
                         (await c.post("/v1/completions", json=body)).status_code for _ in range(4)
                     ]
+                    metrics_back = (await c.get("/metrics")).text
                 finally:
                     stop()
-        return first, marked, back, later
+        return first, marked, back, later, metrics_down, metrics_back
 
     with caplog.at_level(logging.WARNING, logger="vllm_redis_proxy"):
-        first, marked, back, later = asyncio.run(go())
+        first, marked, back, later, metrics_down, metrics_back = asyncio.run(go())
+    # the metrics say the same: down, then up again, and how each server's requests went
+    labels = f'role="pool",server="{revived}"'
+    assert f"vllm_redis_proxy_server_down{{{labels}}} 1.0" in metrics_down
+    assert f'vllm_redis_proxy_requests_total{{outcome="unreachable",{labels}}} 1.0' in metrics_down
+    assert f"vllm_redis_proxy_server_down{{{labels}}} 0.0" in metrics_back
+    assert f"vllm_redis_proxy_marked_down_total{{{labels}}} 1.0" in metrics_back
+    assert f'vllm_redis_proxy_requests_total{{outcome="answered",{labels}}} 2.0' in metrics_back
     assert first == [200] * 6
     unreachable = [r for r in caplog.records if "is unreachable" in r.getMessage()]
     assert len(unreachable) == 1  # tried once, then never again while the other was up
