@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore import layout_fingerprint
@@ -239,7 +239,8 @@ class KVLayout:
     # blocks are its own TP size's: KV computed at another TP size differs in the last bits
     # (other partial sums), so loading it would not answer as a connector-less server of this
     # size does.
-    tp_shared: bool = field(default=False, init=False)
+    # (None: whether store_tp_size was given; an init field, so dataclasses.replace keeps it)
+    tp_shared: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.groups:
@@ -249,7 +250,8 @@ class KVLayout:
             object.__setattr__(self, "groups", (only,))
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads * self.tp_size)
-        object.__setattr__(self, "tp_shared", bool(self.store_tp_size))
+        if self.tp_shared is None:
+            object.__setattr__(self, "tp_shared", bool(self.store_tp_size))
         if not self.store_tp_size:
             object.__setattr__(self, "store_tp_size", min(self.tp_size, self.total_kv_heads))
         self._check_slices()

@@ -511,13 +511,14 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                     req = client.build_request("POST", url + path, content=payload,
                                                headers=headers)  # fmt: skip
                     resp = await client.send(req, stream=stream, auth=auth(url))
-                    metrics.count(pool.role, url, "answered")
                     if resp.status_code != 200:
                         content = await resp.aread()
                         await resp.aclose()
+                        metrics.count(pool.role, url, "answered")  # (its error passed on)
                         raise BackendError(
                             _passthrough_error(resp.status_code, content, pool.role, url)
                         )
+                    metrics.count(pool.role, url, "answered")
                     handed_off = True
                     if url in pool.down:  # tried as a last resort, and it answered
                         mark_up(pool, url)

@@ -14,9 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from .proxy import Pool
 
-# what a request sent to a server came to: answered (its status passed through as it is),
-# unreachable (refused or not accepted in time: the server is marked down), failed (timed out
-# or broke midway)
+# what a request sent to a server came to: answered (a status and headers came back, passed on
+# as they are; a stream breaking later is not counted again), unreachable (refused or not
+# accepted in time: the server is marked down), failed (timed out, or the connection broke
+# before an answer)
 OUTCOMES = ("answered", "unreachable", "failed")
 
 

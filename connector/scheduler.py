@@ -460,7 +460,7 @@ class RedisConnectorScheduler:
         (share mode) always asks from the chain's first block: what Redis lacks of vLLM's
         local hit is what it must write back, and a load or announcement may only follow a
         head that is there."""
-        ask_from = 0 if st.same_chain else start
+        ask_from = 0 if st.same_chain and self.config.saves else start
         if st.lookup is not None and st.lookup_start > ask_from:
             st.lookup = None  # it asks about fewer blocks than vLLM now needs: ask again
         if st.lookup is None:
@@ -495,7 +495,7 @@ class RedisConnectorScheduler:
             return LookupResult(present=-1)
         if result.generation != st.generation:
             return None  # a reset: the request is named again and asks again (``_state``)
-        if result.present < start and st.lookup_start < start and not st.same_chain:
+        if result.present < start and st.lookup_start < start and ask_from == start:
             # it stopped before vLLM's local hit: the blocks after it are still unknown
             self._start_lookup(st, start, end)
             return None
@@ -564,7 +564,13 @@ class RedisConnectorScheduler:
             if found is None:
                 return None, False
             present = found
-        elif self.config.loads and end > 0 and st.same_chain and self._lookupable(st):
+        elif (
+            self.config.loads
+            and self.config.saves
+            and end > 0
+            and st.same_chain
+            and (self._lookupable(st))
+        ):
             # all of it a local hit: nothing to load, so the admission does not wait; its
             # saves wait for the answer instead (``_settle_presence``), so a prefix Redis lost
             # is written back and one it holds is not written twice
@@ -844,9 +850,11 @@ class RedisConnectorScheduler:
         held |= self._reading_splits(progress, meta)
         for req_id, computed in progress:
             st = self._reqs[req_id]
-            if st.phase is not Phase.RUNNING or req_id in held or not self._settle_presence(st):
+            if st.phase is not Phase.RUNNING or req_id in held:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if not self._settle_presence(st, final=done >= st.num_tokens):
+                continue
             full = min(
                 done // self.block_size,
                 len(st.save_hashes),
@@ -874,25 +882,30 @@ class RedisConnectorScheduler:
             meta.saves += self._state_saves(scheduler_output)
         return meta
 
-    def _settle_presence(self, st: _RequestState) -> bool:
+    def _settle_presence(self, st: _RequestState, final: bool) -> bool:
         """Whether the request's saves may be planned: what Redis holds of its chain is known
-        (``saved_blocks`` then starts after it), or cannot be learned in time (its deadline, a
-        failed lookup, a reset: then everything is saved, as a block written twice is only
-        wasted, a block never written back is lost to every other instance)."""
+        (``saved_blocks`` then starts after it), or cannot be learned in time -- its deadline,
+        or ``final``: this step computes the rest of its prompt, and it may finish with it --
+        or at all (a failed lookup, a reset). Then everything is saved: a block written twice
+        is only wasted, a block never written back is lost to every other instance."""
         lookup = st.presence
         if lookup is None:
             return True
-        if not lookup.future.done() and time.monotonic() < st.deadline:
+        if not lookup.future.done() and not final and time.monotonic() < st.deadline:
             return False
         st.presence = None
         if not lookup.future.done() or lookup.future.cancelled():
             return True
         try:
             result = lookup.future.result()
-        except KVStoreError:
+        except Exception as exc:  # whatever it was, the saves go on (all of them)
             self.stats.add(redis_errors=1)
+            if not isinstance(exc, KVStoreError):
+                logger.warning("Redis lookup raised %r; saving the whole prompt", exc)
             return True
-        if result.generation == st.generation and result.present > 0:
+        if result.generation == st.generation and st.save_start is None:
+            # (a save already planned -- a state group's offer -- started from the front:
+            # its commit confirms from there, so everything is saved)
             st.present_blocks = max(st.present_blocks, result.present)
             st.saved_blocks = max(st.saved_blocks, result.present)
         return True

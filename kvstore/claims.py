@@ -19,7 +19,7 @@ server, over one connection, the reads go in the claim's own request
   connection) is sent again with the same suffix -- the script counts keys that suffix already
   holds as claimed -- only while that bound allows; a claim that timed out is not. The server
   refuses a claim it runs after its caller stopped waiting (ARGV[3], in the server's clock, as
-  measured with ``TIME``), so one queued behind ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long
+  measured with ``TIME`` in the background: :class:`ServerClock`), so one queued behind ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long
   script takes nothing. What a failed call may hold is given back (:data:`RELEASE_LUA`) on a
   background thread, retried for :data:`RELEASE_RETRY_S`, never while the caller waits.
   Private keys are left only by a caller that dies between claiming and deleting, or by a
@@ -204,6 +204,138 @@ class ClaimedBatch:
         return raw
 
 
+class ServerClock:
+    """The server's clock as claims need it: the offset from this host's ``time.time()``,
+    measured with ``TIME`` (shared by a buffer and its views). Read in the background, never
+    on a claim's path: until the first reading claims go without a limit."""
+
+    def __init__(self, read: Callable[[], float]) -> None:
+        self._read = read  # the offset now (raises KVStoreError)
+        self.offset_s: float | None = None
+        self._read_at = float("-inf")
+        self._reading = threading.Lock()
+        self.disagrees = 0  # calls whose "too late" came back in time, in a row
+
+    def read_now(self) -> None:
+        """Measure the offset now (a failure keeps the last one, or none)."""
+        with self._reading:
+            self._read_at = time.time()
+            with contextlib.suppress(KVStoreError):
+                self.offset_s = self._read()
+
+    def late_ms(self, reply_timeout_s: float) -> str:
+        """ARGV[3] of a claim sent now: the server time (ms) past which it must take nothing
+        -- when its caller stops waiting for the reply, less a margin -- or "" (no limit) while
+        the clock is unknown or does not agree with replies."""
+        now = time.time()
+        if now - self._read_at > _CLOCK_EVERY_S and not self._reading.locked():
+            self._read_at = now
+            threading.Thread(target=self.read_now, name="kvstore-clock", daemon=True).start()
+        offset = self.offset_s
+        if offset is None or self.disagrees >= 2:
+            return ""
+        return str(int((now + offset + reply_timeout_s - _LATE_MARGIN_S) * 1000))
+
+    def accepted(self) -> None:
+        """A claim sent with a limit was run in time: the clocks agree."""
+        self.disagrees = 0
+
+    def late_in_time(self, safe_url: str) -> None:
+        """One call's claim answered "too late" before its caller stopped waiting: the
+        server's clock runs ahead of the offset measured. Measured again; two calls in a row,
+        and claims go without the limit (one run after its caller gave up is then given
+        back, not refused)."""
+        self.read_now()
+        self.disagrees += 1
+        if self.disagrees == 2:
+            logger.warning(
+                "kvstore: %s's clock does not agree with its replies; claims are sent without "
+                "a time limit (one run after its caller gave up is given back)",
+                safe_url,
+            )
+
+
+class ClaimReleaser:
+    """Gives claimed blocks back on a thread of its own (shared by a buffer and its views),
+    retried with backoff for up to :data:`RELEASE_RETRY_S`: a hung or paused server holds that
+    thread, not the caller. Each outcome is logged and counted (``on_given_back(given back,
+    stranded)``)."""
+
+    def __init__(self, on_given_back: Callable[[int, int], None]) -> None:
+        self._on_given_back = on_given_back
+        self._queue: queue.SimpleQueue[tuple[Callable[[], int], int, float] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._closed = threading.Event()
+
+    def submit(self, release: Callable[[], int], keys: int) -> None:
+        """``release()`` gives ``keys`` block keys back (how many it did; raises on failure)."""
+        with self._idle:
+            if self._closed.is_set():
+                self._on_given_back(0, keys)
+                logger.warning("kvstore: %d claimed block(s) not given back: closed", keys)
+                return
+            self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvstore-claim-release", daemon=True
+                )
+                self._thread.start()
+        self._queue.put((release, keys, time.monotonic() + RELEASE_RETRY_S))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            release, keys, until = item
+            try:
+                self._give_back(release, keys, until)
+            except Exception:  # never lose the thread: the next batches still go back
+                logger.exception("kvstore: giving claimed blocks back failed")
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _give_back(self, release: Callable[[], int], keys: int, until: float) -> None:
+        delay = 0.05
+        while True:
+            try:
+                released = release()
+            except KVStoreError as exc:
+                if time.monotonic() + delay >= until or self._closed.is_set():
+                    self._on_given_back(0, keys)
+                    logger.warning(
+                        "kvstore: could not give up to %d claimed block(s) back (%s); any "
+                        "there stay under claim keys (kvstore ls counts them) and expire with "
+                        "their TTLs",
+                        keys,
+                        exc,
+                    )
+                    return
+                self._closed.wait(delay)
+                delay = min(delay * 2, 2.0)
+                continue
+            self._on_given_back(released, 0)
+            if released:
+                logger.info("kvstore: gave %d claimed block(s) back", released)
+            return
+
+    def wait(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Wait (bounded) for what is pending, then stop: a give-back still failing is given
+        up on (counted as stranded) instead of retried against a closed buffer."""
+        self.wait(timeout_s)
+        self._closed.set()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout_s)
+
+
 class Claimer:
     """Claims, releases and finishes batches of block keys (see the module docstring)."""
 
@@ -215,7 +347,8 @@ class Claimer:
         exists: Callable[[Sequence[str]], list[int]],
         max_value_bytes: int,
         on_retry: Callable[[], None],
-        on_given_back: Callable[[int, int], None] = lambda given, stranded: None,
+        releaser: ClaimReleaser | None = None,
+        clock: ServerClock | None = None,
     ) -> None:
         self._transport = transport
         self._client = client = transport.client
@@ -224,7 +357,6 @@ class Claimer:
         self._exists = exists
         self._max_value_bytes = max_value_bytes
         self._on_retry = on_retry
-        self._on_given_back = on_given_back
         self._claim_script = client.register_script(CLAIM_LUA)
         self._release_script = client.register_script(RELEASE_LUA)
         # how long a caller waits for a claim's reply (the client's socket timeout): a call
@@ -232,15 +364,9 @@ class Claimer:
         # takes nothing (CLAIM_LUA's ARGV[3], in the server's clock)
         kwargs: dict[str, Any] = getattr(client, "get_connection_kwargs", dict)() or {}
         self.reply_timeout_s = float(kwargs.get("socket_timeout") or 10.0)
-        self._clock_offset_s: float | None = None  # server time - this host's time.time()
-        self._clock_read_at = float("-inf")
-        self._clock_disagrees = 0  # replies "late" that came back in time: clocks differ
-        # claims to give back after their call failed, on a thread of its own (started when
-        # first needed): the caller is not held another timeout by a hung server
-        self._releases: queue.SimpleQueue[tuple[ClaimedBatch, float] | None] = queue.SimpleQueue()
-        self._releaser: threading.Thread | None = None
-        self._pending = 0
-        self._idle = threading.Condition()
+        self.clock = clock or ServerClock(lambda: self._guard.call("TIME", self._server_offset))
+        # claims to give back after their call failed: the caller is not held another timeout
+        self.releaser = releaser or ClaimReleaser(lambda given, stranded: None)
 
     # ------------------------------------------------------------------ claim
     @property
@@ -320,6 +446,7 @@ class Claimer:
             # that follow carry the script alone, and what it takes is read as after claim()
             return self._claim(keys, deadline, suffix), None
         assert isinstance(reply, list)
+        self.clock.accepted()
         statuses, lengths = reply[0::2], reply[1::2]
         claimed = [r for r, st in zip(got, statuses, strict=True) if st == 1]
         return ClaimedBatch(keys, suffix, statuses, lengths), claimed
@@ -345,27 +472,11 @@ class Claimer:
 
     # ------------------------------------------------------------------ the server's clock
     def _late_ms(self) -> str:
-        """ARGV[3] of a claim sent now: the server time (ms) past which it must take nothing
-        -- when this caller stops waiting for its reply, less a margin -- or "" (no limit)
-        when the server's clock cannot be read or does not agree with replies."""
-        now = time.time()
-        if self._clock_disagrees >= 2:
-            return ""
-        if now - self._clock_read_at > _CLOCK_EVERY_S:
-            self._clock_read_at = now
-            if self._clock_offset_s is None:
-                self._read_clock()  # the first claim: now (one small round trip)
-            else:  # later: in the background, never another timeout on a hung server
-                threading.Thread(target=self._read_clock, daemon=True).start()
-        if self._clock_offset_s is None:
-            return ""
-        late = now + self._clock_offset_s + self.reply_timeout_s - _LATE_MARGIN_S
-        return str(int(late * 1000))
+        return self.clock.late_ms(self.reply_timeout_s)
 
-    def _read_clock(self) -> None:
-        # a failure leaves the last offset (or none: claims go without a limit until then)
-        with contextlib.suppress(KVStoreError):
-            self._clock_offset_s = self._guard.call("TIME", self._server_offset)
+    def server_offset(self) -> float:
+        """This host's ``time.time()`` to the server's, now (one ``TIME`` round trip)."""
+        return float(self._guard.call("TIME", self._server_offset))
 
     def _server_offset(self) -> float:
         t0 = time.time()
@@ -377,20 +488,11 @@ class Claimer:
         return float(seconds) + float(micros) / 1e6 - (t0 + t1) / 2
 
     def _late_reply_in_time(self, sent: float) -> None:
-        """A claim answered "too late" before this caller stopped waiting: the server's clock
-        runs ahead of the offset measured. Measured again; twice in a row, claims go without
-        the limit (a claim run after its caller gave up is then given back, not refused)."""
+        """A claim answered "too late": if it came back before its caller stopped waiting,
+        the clocks disagree (``ServerClock.late_in_time``); otherwise it really ran late."""
         self._on_retry()
-        self._read_clock()
-        self._clock_read_at = time.time()
         if time.monotonic() - sent < self.reply_timeout_s - _LATE_MARGIN_S:
-            self._clock_disagrees += 1
-            if self._clock_disagrees == 2:
-                logger.warning(
-                    "kvstore: %s's clock does not agree with its replies; claims are sent "
-                    "without a time limit (one run after its caller gave up is given back)",
-                    self._guard.safe_url,
-                )
+            self.clock.late_in_time(self._guard.safe_url)
 
     def _claim_all(
         self, keys: list[str], deadline: float, suffix: str
@@ -412,6 +514,7 @@ class Claimer:
                     raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
                 continue
             if reply is not None:
+                self.clock.accepted()
                 return [int(st) for st in reply[0::2]], [int(n) for n in reply[1::2]]
             delay = _pause(delay, deadline)
 
@@ -443,7 +546,9 @@ class Claimer:
 
         def claim_group(n: int, reply: Any, sent: float) -> Any:
             if reply == -1:  # "too late" in time: this master's clock runs ahead
-                self._late_reply_in_time(sent)
+                if not late_seen:  # (counted once per call, however many slots)
+                    late_seen.append(True)
+                    self._late_reply_in_time(sent)
                 reply = self._claim_script(
                     keys=scripted(groups[n]), args=args(), client=self._client
                 )
@@ -456,6 +561,8 @@ class Claimer:
             if isinstance(reply, Exception):
                 raise reply
             return reply
+
+        late_seen: list[bool] = []
 
         def claim_groups() -> list[Any]:
             sent = time.monotonic()
@@ -471,6 +578,8 @@ class Claimer:
                 if took:
                     self.release_later(_everything(took, suffix))
                 raise
+            if not late_seen:
+                self.clock.accepted()
             return replies
 
         replies = self._guard.call("EVALSHA", claim_groups)
@@ -504,7 +613,7 @@ class Claimer:
         """Claim ``key`` and give it back, raising what the server refuses (for
         ``LookupBuffer.check_access``)."""
         scripted = [key, claim_key(key, uuid.uuid4().hex)]
-        late = self._server_offset() + time.time() + 60  # (TIME, here and in the script)
+        late = self.server_offset() + time.time() + 60  # (TIME, here and in the script)
         self._claim_script(keys=scripted, args=[self._max_value_bytes, "any", int(late * 1000)])
         self._release_script(keys=scripted)
 
@@ -545,60 +654,10 @@ class Claimer:
         return released
 
     def release_later(self, batch: ClaimedBatch) -> None:
-        """Give ``batch`` back on the releasing thread, retried with backoff for up to
-        :data:`RELEASE_RETRY_S` (a hung or paused server holds that thread, not the caller);
-        the outcome is logged and counted (``claims_given_back`` / ``claims_stranded``)."""
-        with self._idle:
-            self._pending += 1
-            if self._releaser is None:
-                self._releaser = threading.Thread(
-                    target=self._release_loop, name="kvstore-claim-release", daemon=True
-                )
-                self._releaser.start()
-        self._releases.put((batch, time.monotonic() + RELEASE_RETRY_S))
-
-    def _release_loop(self) -> None:
-        while (item := self._releases.get()) is not None:
-            batch, until = item
-            delay = 0.05
-            try:
-                while True:
-                    try:
-                        released = self.release(batch)
-                    except KVStoreError as exc:
-                        if time.monotonic() + delay >= until:
-                            self._on_given_back(0, len(batch.keys))
-                            logger.warning(
-                                "kvstore: could not give %d claimed block(s) back within %.0fs "
-                                "(%s); any there stay under claim keys (kvstore ls counts "
-                                "them) and expire with their TTLs",
-                                len(batch.keys),
-                                RELEASE_RETRY_S,
-                                exc,
-                            )
-                            break
-                        time.sleep(delay)
-                        delay = min(delay * 2, 2.0)
-                        continue
-                    self._on_given_back(released, 0)
-                    if released:
-                        logger.info("kvstore: gave %d claimed block(s) back", released)
-                    break
-            except Exception:  # never lose the thread: the next batches still go back
-                logger.exception("kvstore: giving claimed blocks back failed")
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+        """Give ``batch`` back on the releaser's thread (:class:`ClaimReleaser`)."""
+        self.releaser.submit(functools.partial(self.release, batch), len(batch.claim_keys))
 
     def wait_given_back(self, timeout_s: float) -> bool:
         """Wait until every claim handed to :meth:`release_later` was given back (or given
         up on); True if none is pending."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout_s)
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Give what is pending back (bounded), then stop the releasing thread."""
-        self.wait_given_back(timeout_s)
-        if self._releaser is not None:
-            self._releases.put(None)
+        return self.releaser.wait(timeout_s)

@@ -46,7 +46,7 @@ import torch
 import xxhash
 
 from .access import ACCESS, acl_rule, check_access, check_topology
-from .claims import Claimer
+from .claims import Claimer, ClaimReleaser, ServerClock
 from .codec import CODECS, FORMAT_VERSION, TensorEntry, ValueHeader, frame_parts, lz4_block
 from .connection import StoreAddress, make_client, parse_url
 from .counters import Counters, StoreStats
@@ -166,6 +166,14 @@ class LookupBuffer:
         self._owner: LookupBuffer | None = None  # set on a view made by for_fingerprint
         # the namespace's: every fingerprint's view shares it
         self._generations = Generations(self._transport, self.guard, self.keys)
+        # what drop_select's claims share over every view: the thread giving claimed blocks
+        # back after a failed call, and the server's clock (claims.py)
+        self._releaser = ClaimReleaser(
+            lambda given, stranded: self._counters.add(
+                claims_given_back=given, claims_stranded=stranded
+            )
+        )
+        self._clock = ServerClock(lambda: self._claims.server_offset())
         self._bind_keys()
 
     def _bind_keys(self) -> None:
@@ -178,9 +186,8 @@ class LookupBuffer:
             exists=self._inventory.exists,
             max_value_bytes=self.max_value_bytes,
             on_retry=lambda: self._counters.add(redirects=1),
-            on_given_back=lambda given, stranded: self._counters.add(
-                claims_given_back=given, claims_stranded=stranded
-            ),
+            releaser=self._releaser,
+            clock=self._clock,
         )
         self._reader = Reader(
             self._transport,
@@ -324,7 +331,7 @@ class LookupBuffer:
         ``from_url`` made (a client passed in is its owner's to close)."""
         if self._owner is not None:  # a view (for_fingerprint): its owner holds everything
             return
-        self._claims.close()  # claims being given back go first (bounded)
+        self._releaser.close()  # claims being given back go first (bounded)
         self.guard.stop()
         with self._lock:
             executor, self._executor = self._executor, None

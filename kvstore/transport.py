@@ -165,9 +165,9 @@ class Transport:
         commands: Sequence[tuple[Any, ...]],
         dests: Sequence[Destination],
         each: Callable[[int, Any], Any] | None = None,
-    ) -> tuple[list[int] | None, list[Any]]:
-        """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of numbers
-        or ``false``), then ``commands`` received as :meth:`get_values` receives them. The
+    ) -> tuple[list[int] | int | None, list[Any]]:
+        """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of numbers,
+        a number or ``false``), then ``commands`` received as :meth:`get_values` receives them. The
         server runs the commands after the script, and the script costs no round trip of its
         own. Returns the script's reply (None for its ``false``) and the commands' replies; an
         error the script answered is raised after every reply was read. Not on a Cluster, where
@@ -175,7 +175,7 @@ class Transport:
         if self.cluster:
             raise TypeError("script_then_values serves one server, not a Cluster")
         work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
-        first: list[list[int] | None] = []
+        first: list[list[int] | int | None] = []
         got = self._get_on_one(self.client, work, each, script=script, script_reply=first)
         return first[0], got
 
@@ -186,7 +186,7 @@ class Transport:
         each: Callable[[int, Any], Any] | None,
         *,
         script: tuple[Any, ...] | None = None,
-        script_reply: list[list[int] | None] | None = None,
+        script_reply: list[list[int] | int | None] | None = None,
     ) -> list[Any]:
         """``work``'s replies on one connection to ``server``; with ``script``, that command
         goes first, in the same send, and its reply is appended to ``script_reply``."""
@@ -209,7 +209,11 @@ class Transport:
                         answer = conn.read_response()
                         if isinstance(answer, Exception):
                             raise answer
-                        reply_of_script = None if answer is None else [int(v) for v in answer]
+                        reply_of_script = (
+                            answer
+                            if answer is None or isinstance(answer, int)
+                            else [int(v) for v in answer]
+                        )
                     else:
                         reply_of_script = reader.read_int_array()
                 except redis.exceptions.ResponseError as exc:

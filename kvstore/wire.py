@@ -169,10 +169,10 @@ class ReplyReader:
             raise _parse_error(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
 
-    def read_int_array(self) -> list[int] | None:
-        """Read one reply that is an array of integers (a script's table of numbers) or a nil
-        (its ``false``: RESP2 ``$-1`` / ``*-1``, RESP3 ``_``); an error reply raises
-        redis-py's ``ResponseError`` (the stream stays usable)."""
+    def read_int_array(self) -> list[int] | int | None:
+        """Read one reply that is an array of integers (a script's table of numbers), an
+        integer (a script's number) or a nil (its ``false``: RESP2 ``$-1`` / ``*-1``, RESP3
+        ``_``); an error reply raises redis-py's ``ResponseError`` (the stream stays usable)."""
         self._clock.start(0)
         try:
             line = self._line()
@@ -180,6 +180,8 @@ class ReplyReader:
                 return None
             if line[:1] == b"-":
                 raise _parse_error(line[1:].decode(errors="replace"))
+            if line[:1] == b":":
+                return _integer(line)
             if line[:1] != b"*":
                 raise rex.InvalidResponse(f"expected an array reply, got {line[:40]!r}")
             try:

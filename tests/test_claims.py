@@ -105,7 +105,8 @@ def test_a_claim_the_server_runs_after_its_caller_gave_up_takes_nothing(
     )
     direct = redis.Redis(port=private_redis.port)
     fill(buf, 5)
-    buf.drop_select([HASHES[-1]])  # the script loaded, the server's clock read
+    buf.drop_select([HASHES[-1]])  # the script loaded, the server's clock read (behind)
+    until_clock_known(buf)
     before = block_keys(direct)
     direct.execute_command("CLIENT", "PAUSE", 60_000, "WRITE")
     try:
@@ -124,6 +125,35 @@ def test_a_claim_the_server_runs_after_its_caller_gave_up_takes_nothing(
     assert_blocks(next_caller(direct).drop_select(HASHES[:5]), 5)
     buf.close()
     direct.close()
+
+
+def until_clock_known(buf: LookupBuffer) -> None:
+    """Wait for the event: the server's clock read in the background (claims.ServerClock)."""
+    deadline = time.monotonic() + 30
+    while buf._claims.clock.offset_s is None:
+        assert time.monotonic() < deadline, "the server's clock was never read"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_a_clock_read_wrong_costs_one_claim_not_the_call(
+    private_redis: RedisServer, connections: int
+) -> None:
+    """Found by a fresh-eyes review: the server's "too late" reply to a claim sent with its
+    reads (one connection) could not be parsed, so after a bad clock reading every drop_select
+    failed until the next one. Now such a reply, come back in time, means the clocks disagree:
+    read again, and the claim is sent again."""
+    buf = LookupBuffer.from_url(
+        private_redis.url, namespace="claims", ttl_s=TTL_S, read_connections=connections
+    )
+    fill(buf, 5)
+    buf.drop_select([HASHES[-1]])
+    until_clock_known(buf)
+    assert buf._claims.clock.offset_s is not None
+    buf._claims.clock.offset_s -= 30  # the server looks 30 s behind: every limit already past
+    assert_blocks(buf.drop_select(HASHES[:5]), 5)
+    assert abs(buf._claims.clock.offset_s) < 5  # read again
+    buf.close()
 
 
 @pytest.mark.parametrize("lost", [1, 1000])

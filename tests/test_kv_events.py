@@ -158,6 +158,69 @@ def test_a_whole_local_hit_writes_back_only_what_redis_lacks(engines: Any) -> No
     assert int(other.take_stats().get("blocks_loaded", 0)) == 4
 
 
+def slow_lookups(engine: SimEngine, delay_s: float) -> None:
+    store = engine.connector.scheduler._lookups.store
+    real = store.survey
+
+    def survey(*a: Any, **k: Any) -> Any:
+        time.sleep(delay_s)
+        return real(*a, **k)
+
+    store.survey = survey  # type: ignore[method-assign]
+
+
+def test_a_whole_local_hit_is_written_back_even_when_its_lookup_answers_after_it_ends(
+    engines: Any,
+) -> None:
+    """Found by a fresh-eyes review: the saves of a whole local hit waited for its lookup, and
+    a request that finished first (a few tokens, a slow Redis) wrote nothing back."""
+    engine = engines(lookup_wait_s=0.01)
+    tokens = prompt(4 * BS + 1, seed=7)
+    run(engine, "a", tokens)
+    assert blocks_saved(engine) == 4
+    lose_blocks(engine, tokens, 4)
+    slow_lookups(engine, 0.3)
+    run(engine, "b", tokens)
+    assert blocks_saved(engine) == 4  # not known in time: all of it, not nothing
+
+
+def test_a_lookup_that_raises_anything_still_lets_a_whole_local_hit_save(engines: Any) -> None:
+    """Found by a fresh-eyes review: an error other than the store's own, from the lookup a
+    whole local hit's saves waited for, was raised out of vLLM's schedule()."""
+    engine = engines()
+    tokens = prompt(4 * BS + 1, seed=8)
+    run(engine, "a", tokens)
+    assert blocks_saved(engine) == 4
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("an unexpected reply shape")
+
+    engine.connector.scheduler._lookups.store.survey = broken  # type: ignore[method-assign]
+    run(engine, "b", tokens)
+    assert blocks_saved(engine) == 4
+
+
+def test_a_share_mode_reader_loads_past_its_local_hit_whatever_redis_lost_before_it(
+    engines: Any,
+) -> None:
+    """An instance that only loads cannot write anything back: it still asks Redis from its
+    local hit on (found by a fresh-eyes review: it lost the load of a chain with a hole)."""
+    head = prompt(4 * BS, seed=9)
+    tokens = head + prompt(4 * BS + 1, seed=10)
+    writer = engines()
+    run(writer, "w", tokens)
+    writer.settle()
+    reader = engines("kv_consumer", mode="share")
+    run(reader, "a", [*head, 7])  # its prefix cache: the head (loaded)
+    reader.settle()
+    reader.take_stats()
+    store = writer.worker.store
+    assert store.client.delete(store.redis_key(chain_hashes(tokens, BS)[1])) == 1
+    run(reader, "b", tokens)
+    reader.settle()
+    assert int(reader.take_stats().get("blocks_loaded", 0)) == 4  # blocks 4-7
+
+
 def test_a_reset_publishes_all_blocks_cleared_and_nothing_saved_before_it(
     engines: Any,
 ) -> None:
