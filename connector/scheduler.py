@@ -437,6 +437,10 @@ class RedisConnectorScheduler:
             return st.handoff.state == "waiting"
         return not self.config.consume  # consume mode loads only what was handed off to it
 
+    def _writes_back(self, st: _RequestState) -> bool:
+        """Share mode: its chain is the pool's, and what Redis lacks of it is written back."""
+        return st.same_chain and self._lookupable(st)
+
     def _start_lookup(self, st: _RequestState, start: int, end: int) -> None:
         st.lookup_start = start
         handoff_id = st.handoff.handoff_id if st.handoff is not None else None
@@ -457,10 +461,10 @@ class RedisConnectorScheduler:
     def _poll_lookup(self, st: _RequestState, start: int, end: int) -> LookupResult | None:
         """The answer of a lookup covering ``start``, started now if needed; None while out.
         A failed lookup answers ``present=-1``. A request that loads and saves one chain
-        (share mode) always asks from the chain's first block: what Redis lacks of vLLM's
-        local hit is what it must write back, and a load or announcement may only follow a
-        head that is there."""
-        ask_from = 0 if st.same_chain and self.config.saves else start
+        (share mode, an instance that saves) always asks from the chain's first block: what
+        Redis lacks of vLLM's local hit is what it must write back, and a load or announcement
+        may only follow a head that is there."""
+        ask_from = 0 if self.config.saves and st.same_chain else start
         if st.lookup is not None and st.lookup_start > ask_from:
             st.lookup = None  # it asks about fewer blocks than vLLM now needs: ask again
         if st.lookup is None:
@@ -564,13 +568,7 @@ class RedisConnectorScheduler:
             if found is None:
                 return None, False
             present = found
-        elif (
-            self.config.loads
-            and self.config.saves
-            and end > 0
-            and st.same_chain
-            and (self._lookupable(st))
-        ):
+        elif self.config.saves and self.config.loads and end > 0 and self._writes_back(st):
             # all of it a local hit: nothing to load, so the admission does not wait; its
             # saves wait for the answer instead (``_settle_presence``), so a prefix Redis lost
             # is written back and one it holds is not written twice
