@@ -19,9 +19,10 @@ server, over one connection, the reads go in the claim's own request
   connection) is sent again with the same suffix -- the script counts keys that suffix already
   holds as claimed -- only while that bound allows; a claim that timed out is not. The server
   refuses a claim it runs after its caller stopped waiting (ARGV[3], in the server's clock, as
-  measured with ``TIME`` in the background: :class:`ServerClock`), so one queued behind ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long
-  script takes nothing. What a failed call may hold is given back (:data:`RELEASE_LUA`) on a
-  background thread, retried for :data:`RELEASE_RETRY_S`, never while the caller waits.
+  measured with ``TIME`` in the background: :class:`ServerClock`), so one queued behind
+  ``CLIENT PAUSE``, ``DEBUG SLEEP`` or a long script takes nothing. What a failed call may hold
+  is given back (:data:`RELEASE_LUA`) on a background thread (:class:`ClaimReleaser`), retried
+  for :data:`RELEASE_RETRY_S`, never while the caller waits.
   Private keys are left only by a caller that dies between claiming and deleting, or by a
   server that does not answer for that long (counted and logged); they keep the blocks' TTLs
   and expire with them, and ``kvstore ls`` counts them.
