@@ -271,18 +271,25 @@ def vllm_bench_serve(argv: list[str], log: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- setups
 
 
-# --quick's connector timeouts: its checks assert that loads happen, which on a busy 2-core CI
+# --quick's connector settings: its checks assert that loads happen, which on a busy 2-core CI
 # machine a lookup's 0.5 s or a read's 5 s may not allow (then the request recomputes, as it
-# should, and the check fails); the full run measures the defaults
-PATIENT_TIMEOUTS = {"deadline_s": 30.0, "control_timeout_s": 5.0, "socket_timeout_s": 30.0}
+# should, and the check fails), nor the default load policy, auto: once it has measured a tiny
+# model's prefill on a CPU it may rightly recompute instead (CI failed so, 2026-11-27). The full
+# run measures the defaults, and checks loads only where they are pinned.
+QUICK_CONNECTOR_CONFIG = {
+    "deadline_s": 30.0,
+    "control_timeout_s": 5.0,
+    "socket_timeout_s": 30.0,
+    "load_policy": "async",
+}
 
 
 def server_roles(
     setup: str, patient: bool = False
 ) -> list[tuple[str, str | None, dict[str, Any], list[str]]]:
     """(name, kv_role, connector extra config, extra arguments) of each server a setup runs;
-    ``patient``: the connectors get :data:`PATIENT_TIMEOUTS`."""
-    wait = PATIENT_TIMEOUTS if patient else {}
+    ``patient`` (--quick): the connectors get :data:`QUICK_CONNECTOR_CONFIG`."""
+    wait = QUICK_CONNECTOR_CONFIG if patient else {}
     if setup == "single":
         return [("single", None, {}, [])]
     if setup == "pair":
@@ -473,10 +480,12 @@ def answered(rows: list[Row]) -> list[str]:
     ]
 
 
-def checks(rows: list[Row], concurrency: int = 1) -> list[str]:
+def checks(rows: list[Row], concurrency: int = 1, loads_pinned: bool = True) -> list[str]:
     """What a sane run shows; each failure as a sentence. (With more than one request in
     flight, two that start together race to the proxy, so its round robin no longer sends
-    each repeat to the other server for certain: that check needs concurrency 1.)"""
+    each repeat to the other server for certain: that check needs concurrency 1. That Redis
+    hits were loaded is checked only with ``loads_pinned``: the auto load policy may recompute
+    them.)"""
     problems = answered(rows)
     for r in rows:
         where = f"{r.setup}/{r.workload}"
@@ -494,10 +503,10 @@ def checks(rows: list[Row], concurrency: int = 1) -> list[str]:
             problems.append(f"{where}: nothing repeats, yet {r.local_share:.1%} came from cache")
         if r.workload == "no_reuse" and r.setup != "consume" and r.redis_share > 0:
             problems.append(f"{where}: nothing repeats, yet {r.redis_share:.1%} from Redis")
-        if r.setup == "consume" and r.redis_share <= 0:
+        if loads_pinned and r.setup == "consume" and r.redis_share <= 0:
             problems.append(f"{where}: the decode server loaded nothing the prefill server saved")
     share_reuse = [r for r in rows if r.setup == "share" and r.workload in ALTERNATING]
-    if share_reuse and sum(r.redis_share for r in share_reuse) <= 0:
+    if loads_pinned and share_reuse and sum(r.redis_share for r in share_reuse) <= 0:
         problems.append(
             "share: documents and conversations moved between servers, yet no token was "
             "loaded from Redis"
@@ -678,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     for setup, why in skipped.items():
         print(f"{setup}: skipped: {why}")
-    problems = checks(rows, conc) if not args.target else answered(rows)
+    problems = checks(rows, conc, loads_pinned=args.quick) if not args.target else answered(rows)
     for p in problems:
         print(f"CHECK FAILED: {p}")
     if args.json:
