@@ -775,7 +775,7 @@ class RedisConnectorWorker:
         """The longest prefix a consumer can load: every needed block of every group written,
         in every slice this rank writes (each slice's record is this rank's to publish; a rank
         writing none confirms the whole chain)."""
-        written = [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
+        written = self._slices_written()
         return self.layout.usable_prefix(
             lambda g, p: all((g, k, p) in track.ok for k in written[g]),
             commit.present_blocks,
@@ -790,12 +790,16 @@ class RedisConnectorWorker:
         states = [g for g, group in enumerate(self.layout.groups) if group.is_state]
         if not states:
             return []
-        written = [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
+        written = self._slices_written()
         return [
             end
             for end in range(commit.present_blocks + 1, n + 1)
             if all((g, k, end - 1) in track.ok for g in states for k in written[g])
         ]
+
+    def _slices_written(self) -> list[list[int]]:
+        """Per group, the head slices this rank writes."""
+        return [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
 
     def _publish(self, req_id: str, commit: CommitSpec, n: int) -> None:
         stores = [sm.store for sm in self._slices[0] if sm.writes] if self._slices else []

@@ -348,8 +348,8 @@ class Claimer:
         exists: Callable[[Sequence[str]], list[int]],
         max_value_bytes: int,
         on_retry: Callable[[], None],
-        releaser: ClaimReleaser | None = None,
-        clock: ServerClock | None = None,
+        releaser: ClaimReleaser,
+        clock: ServerClock,
     ) -> None:
         self._transport = transport
         self._client = client = transport.client
@@ -365,9 +365,10 @@ class Claimer:
         # takes nothing (CLAIM_LUA's ARGV[3], in the server's clock)
         kwargs: dict[str, Any] = getattr(client, "get_connection_kwargs", dict)() or {}
         self.reply_timeout_s = float(kwargs.get("socket_timeout") or 10.0)
-        self.clock = clock or ServerClock(lambda: self._guard.call("TIME", self._server_offset))
-        # claims to give back after their call failed: the caller is not held another timeout
-        self.releaser = releaser or ClaimReleaser(lambda given, stranded: None)
+        # shared by a buffer and its views: the server's clock, and the thread giving claims
+        # back after their call failed (the caller is not held another timeout)
+        self.clock = clock
+        self.releaser = releaser
 
     # ------------------------------------------------------------------ claim
     @property
