@@ -22,7 +22,14 @@ LOAD_POLICIES = ("auto", "async", "split", "recompute")
 
 
 # settings that count things: 0 of them cannot work
-_AT_LEAST_ONE = ("lookup_threads", "io_threads", "connections", "breaker_failures", "store_tp_size")
+_AT_LEAST_ONE = (
+    "lookup_threads",
+    "io_threads",
+    "connections",
+    "read_ahead_chunks",
+    "breaker_failures",
+    "store_tp_size",
+)
 
 
 def _number(key: str, value: Any, *, whole: bool) -> int | float:
@@ -150,6 +157,10 @@ class RedisConnectorConfig:
     io_threads: int = 4
     # connections one batch of blocks is spread over, so socket reads and writes overlap
     connections: int = field(default_factory=default_connections)
+    # chunks a load receives ahead while it copies one into the cache: more keep several
+    # masters and connections busy across chunk boundaries, each at a staging buffer's cost
+    # (1: measured best on the 2-core VM; scripts/gpu_suite.sh measures 1, 2 and 4)
+    read_ahead_chunks: int = 1
     lookup_threads: int = 4
     # how many KV-head slices a block is stored as (see connector.layout): instances of
     # different TP sizes that set the same value share blocks. None: this instance's TP size

@@ -171,7 +171,9 @@ class RedisConnectorWorker:
         self._timing: _ForwardTiming | None = None  # this step's forward pass
         self._timings: list[_ForwardTiming] = []  # CUDA: passes whose events are not done
         # each load receives its next chunk here while it copies the current one in
-        self._prefetch_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-prefetch")
+        self._prefetch_io = ThreadPoolExecutor(
+            max(2, 2 * config.read_ahead_chunks), thread_name_prefix="redis-kv-prefetch"
+        )
         self._save_io = ThreadPoolExecutor(
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
@@ -216,6 +218,7 @@ class RedisConnectorWorker:
                     connections=self.config.connections,
                     value_rows=(sl.value_heads, *sl.value_range),
                     prefetch=self._prefetch_io,
+                    read_ahead=self.config.read_ahead_chunks,
                 )
                 movers.append(_SliceMover(sl, mover, mover.store, sl.index in written))
             self._slices.append(movers)

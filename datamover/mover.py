@@ -22,7 +22,7 @@ Saves (``stage_saves`` on the forward path, ``write`` on a writer thread):
 Loads (``receive`` then ``LoadChunk.copy_in``, on a loader thread):
 - Blocks are fetched a chunk at a time with ``select_into``: each value is received from the
   socket into its row of a (pinned) staging buffer, verified in place. Given a ``prefetch``
-  executor, the next chunk is received while the current one is copied in.
+  executor, the next ``read_ahead`` chunks are received while the current one is copied in.
 - Nothing is received into the cache itself, even on the CPU where it could be: a load may
   pass its deadline mid-receive, and its blocks then belong to vLLM again. Only ``copy_in``
   writes the cache, and the caller runs it under its own check that the load is still on.
@@ -46,6 +46,7 @@ unsplit cache.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -167,15 +168,20 @@ class BlockMover:
         device_chunks: int = 2,
         value_rows: tuple[int, int, int] | None = None,
         prefetch: Executor | None = None,
+        read_ahead: int = 1,
     ) -> None:
         """``value_rows`` = (rows, first, end): a stored value's block has ``rows`` rows in
         its first dimension, of which this cache holds ``[first, end)`` (default: all).
         ``prefetch``: threads (the caller's) on which loads receive their next chunk while
-        the current one is copied in; None receives one chunk after the other."""
+        the current one is copied in; None receives one chunk after the other. ``read_ahead``:
+        how many chunks a load keeps in flight on it beyond the one being copied in (more keep
+        several masters and connections busy across chunk boundaries; each holds a staging
+        buffer, taken only while no load waits for one)."""
         self.kv = PagedKV(caches)
         self.store = store
         self.connections = max(1, connections)
         self.prefetch = prefetch
+        self.read_ahead = max(1, read_ahead)
         rows = self.kv.block_shape[0]
         self.value_rows = value_rows or (rows, 0, rows)
         if (
@@ -343,8 +349,9 @@ class BlockMover:
         :class:`StagingBusyError` when no buffer comes free within ``timeout_s``, and the
         store's typed errors.
 
-        With a ``prefetch`` executor, the next chunk is received on it while the caller copies
-        the current one in, when a staging buffer is free and no load is waiting for one
+        With a ``prefetch`` executor, the next ``read_ahead`` chunks are received on it while the
+        caller copies the current one in, each when a staging buffer is free and no load is
+        waiting for one
         (measured on the 2-core VM: loads 12-32% faster; see docs/benchmarks.md). A prefetch
         writes only into staging: the cache is written by ``copy_in`` alone, on the caller's
         thread. A prefetch the caller no longer wants (it closed the generator, or the
@@ -353,24 +360,34 @@ class BlockMover:
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         n = self.chunk_blocks
         starts = list(range(0, len(hashes), n))
-        # the next chunk, received while the caller uses this one, and the buffer it fills
-        ahead: tuple[Future[LoadChunk], torch.Tensor] | None = None
+        # chunks received while the caller uses this one (each with the buffer it fills), in
+        # order: ahead[0] is chunk ``i`` whenever ``ahead`` is not empty
+        ahead: collections.deque[tuple[Future[LoadChunk], torch.Tensor]] = collections.deque()
+        started = 0  # chunks [0, started) were started (read ahead, or fetched in turn)
         try:
             for i, start in enumerate(starts):
                 ids, keys = list(block_ids[start : start + n]), hashes[start : start + n]
-                read, ahead = ahead, None
+                read = ahead.popleft() if ahead else None
+                started = max(started, i + 1)
                 chunk = self._read_ahead_or_now(
                     read, timeout_s, functools.partial(self._fetch, ids, keys)
                 )
                 try:
-                    if self.prefetch is not None and i + 1 < len(starts):
-                        ahead = self._read_ahead(starts[i + 1], block_ids, hashes)
+                    while (
+                        self.prefetch is not None
+                        and len(ahead) < self.read_ahead
+                        and started < len(starts)
+                    ):
+                        more = self._read_ahead(starts[started], block_ids, hashes)
+                        if more is None:
+                            break
+                        ahead.append(more)
+                        started += 1
                     yield chunk
                 finally:
                     self._load_pool.release(chunk.buffer)
         finally:
-            if ahead is not None:
-                fetched, spare = ahead
+            for fetched, spare in ahead:
                 fetched.add_done_callback(functools.partial(self._abandoned, spare))
 
     def _read_ahead_or_now(

@@ -181,6 +181,13 @@ def main() -> int:
     ap.add_argument("--server-io-threads", type=int, default=1, help="the server's io-threads")
     ap.add_argument("--server", help="server binary (default: redis-server on PATH)")
     ap.add_argument("--quick", action="store_true", help="save and load only")
+    ap.add_argument(
+        "--read-ahead", type=int, default=1, help="chunks a load receives ahead (read_ahead)"
+    )
+    ap.add_argument("--chunk-mib", type=int, default=32, help="the data mover's chunk size")
+    ap.add_argument(
+        "--writers", type=int, default=1, help="threads writing a save's chunks (io_threads)"
+    )
     args = ap.parse_args()
     dev = args.device
     total_blocks = args.blocks * 2 + 8
@@ -200,16 +207,27 @@ def main() -> int:
             "io_threads": args.server_io_threads,
             "connections": args.connections,
         },
+        "read_ahead": args.read_ahead,
+        "chunk_mib": args.chunk_mib,
+        "writers": args.writers,
     }
     with store_servers(args.masters, args.server_io_threads, args.server) as url:
         store = LookupBuffer.from_url(url, namespace="gpu", layout={"bench": "gpu"})
         client = store.client
-        kw = {"max_inflight_bytes": args.max_inflight_mib << 20, "connections": args.connections}
+        kw = {
+            "max_inflight_bytes": args.max_inflight_mib << 20,
+            "connections": args.connections,
+            "chunk_bytes": args.chunk_mib << 20,
+        }
         # the loader reads ahead on threads of its own, as the connector's worker does
-        prefetch = ThreadPoolExecutor(2, thread_name_prefix="bench-prefetch")
+        prefetch = ThreadPoolExecutor(
+            max(2, args.read_ahead), thread_name_prefix="bench-prefetch"
+        )
+        # a save's chunks are written on writer threads, as the worker's io_threads write them
+        writers = ThreadPoolExecutor(args.writers, thread_name_prefix="bench-writer")
         saver, loader = (
             BlockMover(src, store, **kw),
-            BlockMover(dst, store, prefetch=prefetch, **kw),
+            BlockMover(dst, store, prefetch=prefetch, read_ahead=args.read_ahead, **kw),
         )
         block_bytes = saver.raw_bytes
         results["block_bytes"] = block_bytes
@@ -228,8 +246,8 @@ def main() -> int:
             t0 = time.perf_counter()
             chunks, shed = saver.stage_saves(items)
             assert not shed, "raise --max-inflight-mib: saves were shed"
-            for c in chunks:
-                saver.write(c)
+            for written in [writers.submit(saver.write, c) for c in chunks]:
+                written.result()
             save_s.append(time.perf_counter() - t0)
             dst_ids = [args.blocks + 8 + i for i in ids]
             t0 = time.perf_counter()

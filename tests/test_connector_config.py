@@ -141,6 +141,13 @@ def test_a_count_that_is_not_a_positive_whole_number_is_refused(value: object, w
         RedisConnectorConfig.from_extra({**URL, "io_threads": value}, "kv_both")
 
 
+def test_read_ahead_is_a_count_of_at_least_one_chunk() -> None:
+    config = RedisConnectorConfig.from_extra({**URL, "read_ahead_chunks": "3"}, "kv_both")
+    assert config.read_ahead_chunks == 3
+    with pytest.raises(InvalidArgumentError, match="read_ahead_chunks must be >= 1"):
+        RedisConnectorConfig.from_extra({**URL, "read_ahead_chunks": 0}, "kv_both")
+
+
 def test_times_take_numbers_given_as_strings_and_refuse_negative_ones() -> None:
     config = RedisConnectorConfig.from_extra(
         {**URL, "deadline_s": "1.5", "io_threads": 2.0}, "kv_both"

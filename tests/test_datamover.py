@@ -507,6 +507,86 @@ def test_a_prefetching_load_lands_every_chunk_and_returns_its_staging() -> None:
     assert staging_all_free(loader)
 
 
+class CountingStore:
+    """A store whose ``select_into`` calls after the first wait until ``gate`` opens, counting
+    how many are in flight at once: how many chunks a load keeps arriving together."""
+
+    def __init__(self, store: LookupBuffer) -> None:
+        self._store = store
+        self._first = True
+        self.gate = threading.Event()
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    def select_into(self, *args: object, **kwargs: object) -> object:
+        with self._lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            first, self._first = self._first, False
+        try:
+            if not first:
+                self.gate.wait()
+            return self._store.select_into(*args, **kwargs)  # type: ignore[arg-type]
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+
+@pytest.mark.parametrize("read_ahead", [1, 3])
+def test_a_load_keeps_read_ahead_chunks_arriving_and_lands_every_one(read_ahead: int) -> None:
+    # a load reads ``read_ahead`` chunks ahead, so several masters and connections stay busy
+    # across chunk boundaries; every chunk still lands, in order, and every buffer comes back
+    client = own_fake_client()
+    src, hashes = saved_blocks(client, 9)
+    dst = caches("cpu", seed=None)
+    counting = CountingStore(store_on(client))
+    with ThreadPoolExecutor(4) as prefetch:
+        loader = BlockMover(
+            dst,
+            counting,  # type: ignore[arg-type]
+            max_inflight_bytes=64 << 20,
+            chunk_bytes=1,
+            prefetch=prefetch,
+            read_ahead=read_ahead,
+        )
+        chunks = loader.receive(list(range(20, 29)), hashes, timeout_s=60)
+        assert next(chunks).copy_in()[0] == [20]  # the chunks read ahead wait at the gate
+        wait_until(lambda: counting.in_flight == read_ahead, f"{read_ahead} chunks in flight")
+        counting.gate.set()
+        assert [c.copy_in()[0] for c in chunks] == [[i] for i in range(21, 29)]
+    assert counting.most_in_flight == read_ahead
+    for name in src:
+        assert torch.equal(dst[name][20:29], src[name][:9])
+    assert staging_all_free(loader)
+
+
+def test_a_load_abandoned_with_chunks_read_ahead_gives_every_buffer_back() -> None:
+    client = own_fake_client()
+    _, hashes = saved_blocks(client, 6)
+    dst = caches("cpu", seed=None)
+    counting = CountingStore(store_on(client))
+    with ThreadPoolExecutor(4) as prefetch:
+        loader = BlockMover(
+            dst,
+            counting,  # type: ignore[arg-type]
+            max_inflight_bytes=64 << 20,
+            chunk_bytes=1,
+            prefetch=prefetch,
+            read_ahead=3,
+        )
+        chunks = loader.receive(list(range(40, 46)), hashes, timeout_s=60)
+        assert next(chunks).copy_in()[0] == [40]
+        wait_until(lambda: counting.in_flight == 3, "three chunks read ahead")
+        chunks.close()  # the load is over: three chunks still arriving
+        counting.gate.set()
+    assert staging_all_free(loader)
+    assert not any(t[41:46].any() for t in dst.values())
+
+
 def test_an_abandoned_prefetch_writes_no_block_and_gives_its_staging_back() -> None:
     # the caller stops after the first chunk (its deadline passed) while the second is being
     # received ahead: that chunk must never reach the cache, and its buffer comes back
