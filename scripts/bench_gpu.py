@@ -220,9 +220,7 @@ def main() -> int:
             "chunk_bytes": args.chunk_mib << 20,
         }
         # the loader reads ahead on threads of its own, as the connector's worker does
-        prefetch = ThreadPoolExecutor(
-            max(2, args.read_ahead), thread_name_prefix="bench-prefetch"
-        )
+        prefetch = ThreadPoolExecutor(max(2, args.read_ahead), thread_name_prefix="bench-prefetch")
         # a save's chunks are written on writer threads, as the worker's io_threads write them
         writers = ThreadPoolExecutor(args.writers, thread_name_prefix="bench-writer")
         saver, loader = (

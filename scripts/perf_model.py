@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ from pathlib import Path
 from connector.figures import ComputeFit, LoadFit
 from connector.load_policy import Hit, choose
 from datamover.mover import layer_bands
+
+from .gpu_suite_summary import SUITE_FILE, best, one_server
 
 ROOT = Path(__file__).resolve().parents[1]
 # what the connector's defaults give a split: 16-token blocks, bands of at least 32 KiB
@@ -182,19 +185,47 @@ class Measured:
     gpu_file: str
     shard_load_gbps: float  # one Redis master, loads of 2 MiB blocks, CPU VM client (2 cores)
     shard_file: str
-    h200_load_gbps: float  # the same on the H200 host
-    h200_file: str
+    # the newest GPU suite (scripts/gpu_suite.sh, gathered by gpu_suite_summary): loads into
+    # GPU memory from one redis-server, and from the fastest topology it measured
+    suite_device: str
+    suite_one_server_gbps: float
+    suite_best_gbps: float
+    suite_best_run: str
+    suite_file: str
 
     @classmethod
-    def from_docs(cls) -> Measured:
+    def from_docs(cls, suite_file: str | None = None) -> Measured:
         gpu_file = "docs/gpu/h100-2026-11-23b.json"
-        h200_file = "docs/gpu/h200-2026-11-26.json"
         shard_file = "docs/shards-2026-11-23.json"
+        suite_file = suite_file or newest_suite()
         gpu = json.loads((ROOT / gpu_file).read_text())
-        h200 = json.loads((ROOT / h200_file).read_text())
         shards = json.loads((ROOT / shard_file).read_text())
-        return cls(gpu["load_GBps"], gpu_file, shards["gbps"]["standalone"]["kvstore load"],
-                   shard_file, h200["load_GBps"], h200_file)  # fmt: skip
+        suite = json.loads((ROOT / suite_file).read_text())
+        _, one = one_server(suite)
+        best_run, fastest = best(suite)
+        return cls(
+            gpu["load_GBps"],
+            gpu_file,
+            shards["gbps"]["standalone"]["kvstore load"],
+            shard_file,
+            suite["machine"].get("device", "GPU"),
+            one["load_GBps"],
+            fastest["load_GBps"],
+            best_run,
+            suite_file,
+        )
+
+
+def newest_suite() -> str:
+    """The newest ``docs/gpu/<host>-<date>/suite.json`` (by the date in its folder's name)."""
+    found = sorted(
+        (m.group(1), str(p.relative_to(ROOT)))
+        for p in (ROOT / "docs" / "gpu").glob(f"*/{SUITE_FILE}")
+        if (m := re.search(r"(\d{4}-\d{2}-\d{2})", p.parent.name))
+    )
+    if not found:
+        raise SystemExit("no GPU suite figures under docs/gpu/: run scripts/gpu_suite.sh")
+    return found[-1][1]
 
 
 LENGTHS = (1024, 4096, 16384, 65536)
@@ -265,10 +296,17 @@ def policy_table(mfu: float, overhead_s: float, measured: Measured) -> str:
     out = [
         "\nTTFT of the cached prefix per way the connector serves it (ms: recompute / async / "
         "split / auto, and what auto picks; the load policy's own model, idle engine; "
-        f"{measured.gpu_load_gbps:.2f} and {measured.h200_load_gbps:.2f} GB/s measured: "
-        f"{measured.gpu_file}, {measured.h200_file}):\n"
+        f"{measured.gpu_load_gbps:.2f} GB/s measured on the H100 host ({measured.gpu_file}); "
+        f"{measured.suite_one_server_gbps:.2f} GB/s from one redis-server and "
+        f"{measured.suite_best_gbps:.2f} GB/s at best ({measured.suite_best_run}) on the "
+        f"{measured.suite_device} host ({measured.suite_file}); 4 GB/s, the target):\n"
     ]
-    speeds = (measured.gpu_load_gbps, measured.h200_load_gbps, 4.0)
+    speeds = (
+        measured.gpu_load_gbps,
+        measured.suite_one_server_gbps,
+        measured.suite_best_gbps,
+        4.0,
+    )
     head = " | ".join(f"{n // 1024}k at {b:.2f} GB/s" for b in speeds for n in POLICY_LENGTHS)
     out.append(f"| deployment | {head} |")
     out.append("| --- |" + " --- |" * (len(speeds) * len(POLICY_LENGTHS)))
@@ -317,8 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-ms", type=float, default=5.0, help="per load (lookup, claim)")
     ap.add_argument("--fast-gbps", type=float, default=10.0, help="a second bandwidth to show")
     ap.add_argument("--plot", help="draw recompute against load per deployment (PNG)")
+    ap.add_argument(
+        "--suite", help="a GPU suite's suite.json (default: the newest under docs/gpu/)"
+    )
     args = ap.parse_args(argv)
-    measured = Measured.from_docs()
+    measured = Measured.from_docs(args.suite)
     print(report(args.mfu, args.overhead_ms / 1e3, measured, args.fast_gbps))
     if args.plot:
         plot(args.plot, args.mfu, args.overhead_ms / 1e3, measured, args.fast_gbps)
