@@ -7,8 +7,9 @@ instances:
         [--role kv_producer --url redis://... --extra '{"mode": "share"}'] [--params in.json] \
         [--connector ExampleConnector --extra '{"shared_storage_path": "/tmp/kv"}']
 
-prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"} or "reset" (vLLM's
-``reset_prefix_cache(reset_connector=True)``; out.json's "resets" lists what it returned).
+prompts.json: a list of phases, each a list of {"id", "prompt_token_ids"}, or "reset" (vLLM's
+``reset_prefix_cache(reset_connector=True)``; out.json's "resets" lists what it returned), or
+"reset-local" (vLLM's prefix cache only: the connectors keep what they hold).
 out.json: per prompt id the greedy token ids, their logprobs, num_cached_tokens,
 kv_transfer_params and the phase's wall time (``elapsed_s``), plus the engine's connector metrics.
 """
@@ -121,6 +122,9 @@ def main() -> None:
                 time.sleep(0.05)
         if phase == "reset":  # vLLM's reset_prefix_cache, the connector's store too
             out.setdefault("resets", []).append(llm.reset_prefix_cache(reset_connector=True))
+            continue
+        if phase == "reset-local":  # vLLM's own prefix cache only: the next hit is external
+            out.setdefault("local_resets", []).append(llm.reset_prefix_cache())
             continue
         sps = []
         for p in phase:

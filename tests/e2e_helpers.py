@@ -89,6 +89,7 @@ def start_engine(
     layout_file: Path | None = None,
     kv_events_endpoint: str | None = None,
     attention_backend: str | None = None,
+    connector: str = "RedisConnector",
 ) -> tuple[stack.Proc, Path]:
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
@@ -103,6 +104,8 @@ def start_engine(
         cmd += ["--params", str(p)]
     if by_module_path:
         cmd.append("--by-module-path")
+    if connector != "RedisConnector":  # another, or one composing ours (MultiConnector)
+        cmd += ["--connector", connector]
     if dtype:
         cmd += ["--dtype", dtype]
     if max_tokens:
