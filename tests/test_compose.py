@@ -78,7 +78,7 @@ def test_compose_file_is_valid_and_wired(name: str) -> None:
         for flag in ("--save", "--maxmemory ", "--maxmemory-policy volatile-ttl", "--io-threads"):
             assert flag in cmd
         assert ("--cluster-enabled yes" in cmd) is cluster
-        assert services[store]["image"] == "redis:7.2"  # from .env: STORE_IMAGE
+        assert services[store]["image"] == "valkey/valkey:9"  # from .env: STORE_IMAGE
     if cluster:
         init = services["store-cluster-init"]
         assert init["restart"] == "no" and "--cluster-replicas 1" in init["command"][0]
@@ -98,9 +98,9 @@ def test_compose_file_is_valid_and_wired(name: str) -> None:
 
 
 def test_the_store_image_is_selectable_in_every_variant(tmp_path: Path) -> None:
-    """Valkey instead of Redis: image, server and CLI come from STORE_* in every file."""
-    env = {"STORE_IMAGE": "valkey/valkey:8.1", "STORE_SERVER": "valkey-server"}
-    env["STORE_CLI"] = "valkey-cli"
+    """Redis instead of Valkey: image, server and CLI come from STORE_* in every file."""
+    env = {"STORE_IMAGE": "redis:7.2", "STORE_SERVER": "redis-server"}
+    env["STORE_CLI"] = "redis-cli"
     for name in FILES:
         out = subprocess.run(
             ["docker-compose", "-f", name, "config"], cwd=ROOT, capture_output=True, text=True,
@@ -110,12 +110,12 @@ def test_the_store_image_is_selectable_in_every_variant(tmp_path: Path) -> None:
         services = yaml.safe_load(out.stdout)["services"]
         stores = [s for s in services if s == "redis" or s.startswith("store-")]
         for store in stores:
-            assert services[store]["image"] == "valkey/valkey:8.1"
+            assert services[store]["image"] == "redis:7.2"
             if store != "store-cluster-init":
-                assert services[store]["command"].startswith("valkey-server ")
-                assert services[store]["healthcheck"]["test"] == ["CMD", "valkey-cli", "ping"]
+                assert services[store]["command"].startswith("redis-server ")
+                assert services[store]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
             else:
-                assert "cli=valkey-cli" in services[store]["command"][0]
+                assert "cli=redis-cli" in services[store]["command"][0]
 
 
 def test_env_file_documents_every_variable_the_compose_files_use() -> None:
