@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 import xxhash
 
+from connector.presence import prompt_salt
 from kvstore import chain_hashes
-from kvstore.keys import at_generation
-from kvstore.presence import prompt_salt
+from kvstore.values.keys import at_generation
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def request_salt(request: Request) -> str:
     """Everything request-wide besides the tokens that changes the KV of a prompt: LoRA adapter,
-    cache_salt, multimodal inputs (``kvstore.presence.prompt_salt``, which routers asking for a
+    cache_salt, multimodal inputs (``connector.presence.prompt_salt``, which routers asking for a
     prompt's presence call with the same fields). It seeds the chain, so such prompts never
     share blocks by accident."""
     lora = getattr(request, "lora_request", None)
@@ -73,7 +73,7 @@ class RequestChains:
 
     def __init__(self, request: Request, block_size: int, generation: int = 0) -> None:
         self.block_size = block_size
-        # the namespace's generation the chains are named in (``kvstore.generations``)
+        # the namespace's generation the chains are named in (``kvstore.fleet.generations``)
         self.generation = generation
         self.salt = request_salt(request)
         tokens = request.prompt_token_ids

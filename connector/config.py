@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore import InvalidArgumentError, parse_url
-from kvstore.value_auth import load_secret
+from kvstore.values.value_auth import load_secret
 
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
@@ -212,7 +212,7 @@ class RedisConnectorConfig:
 
     def operations(self, side: str) -> list[str]:
         """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
-        ``kvstore.access.ACCESS``, checked at startup."""
+        ``kvstore.fleet.access.ACCESS``, checked at startup."""
         ops = ["ping"]
         if side == "scheduler":
             ops += ["generation"]  # blocks are named by the namespace's generation

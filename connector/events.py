@@ -20,7 +20,7 @@ load can end at (the ranks report those); a release without ``group_idx`` publis
 
 What they cannot carry: Redis evicting a block (maxmemory) or its TTL expiring happen inside
 Redis, unseen by any connector, so no ``BlockRemoved`` follows them; a router should treat these
-events as hints that age (the TTL) and ask the presence API (``kvstore.presence``, the proxy's
+events as hints that age (the TTL) and ask the presence API (``connector.presence``, the proxy's
 ``POST /kv/presence``) for an exact answer. Share mode only: a consume-mode handoff chain is
 private to the one request it was made for, so it is never announced (nor its deletion).
 """
@@ -44,7 +44,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.request import Request
 
-from .layout import KVLayout
+from connector.layout import KVLayout
 
 logger = logging.getLogger(__name__)
 

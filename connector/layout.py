@@ -38,8 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from connector.presence import first_needed, usable_prefix, windowed
 from kvstore import layout_fingerprint
-from kvstore.presence import first_needed, usable_prefix, windowed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,7 +99,7 @@ class KVGroup:
 
     def first_needed(self, blocks: int, block_size: int) -> int:
         """The first chain position a hit of ``blocks`` leading blocks needs from this group
-        (``kvstore.presence.first_needed``; without speculative decoding's extra retained
+        (``connector.presence.first_needed``; without speculative decoding's extra retained
         tokens, which only make a load fail and recompute)."""
         return first_needed(self.kind, blocks, block_size)
 
@@ -345,7 +345,7 @@ class KVLayout:
         """The longest hit (in leading blocks, ``start`` at least: those are vLLM's own) whose
         every needed block is present: ``present(g, p)`` says whether group ``g`` (an index
         into ``groups``) has position ``p``. A full group needs every position, a windowed
-        group only the window before the hit's end (``kvstore.presence.usable_prefix``, which
+        group only the window before the hit's end (``connector.presence.usable_prefix``, which
         routers' presence questions use too)."""
         kinds = [g.kind for g in self.groups]
         return usable_prefix(kinds, self.block_size, present, start, end)

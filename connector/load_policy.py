@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from .figures import ComputeFit, LoadFit
+from connector.figures import ComputeFit, LoadFit
 
 # after this many hits in a row recomputed by choice, one is loaded (a split, if possible)
 # sized as if the store were twice as fast as measured: the bandwidth is measured again

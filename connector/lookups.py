@@ -17,10 +17,9 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from connector.layout import KVLayout
+from connector.stats import StatsBuffer
 from kvstore import LookupBuffer
-
-from .layout import KVLayout
-from .stats import StatsBuffer
 
 MAX_BATCH = 256  # lookups in one round trip
 

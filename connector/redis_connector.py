@@ -28,25 +28,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from datamover import layer_bands
-from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
-from kvstore.value_auth import load_secret
-
-from .config import RedisConnectorConfig
-from .events import (
+from connector.config import RedisConnectorConfig
+from connector.events import (
     KVEventsEmitter,
     StoredPrefixReports,
     event_groups,
     events_wanted,
     hash_block_size,
 )
-from .layout import KVLayout
-from .logs import adopt_vllm_logging
-from .metadata import RedisConnectorMetadata
-from .scheduler import RedisConnectorScheduler
-from .stats import RedisConnectorStats, RedisPromMetrics
-from .versions import check_vllm_version
-from .worker import RedisConnectorWorker
+from connector.layout import KVLayout
+from connector.logs import adopt_vllm_logging
+from connector.metadata import RedisConnectorMetadata
+from connector.scheduler import RedisConnectorScheduler
+from connector.stats import RedisConnectorStats, RedisPromMetrics
+from connector.versions import check_vllm_version
+from connector.worker import RedisConnectorWorker
+from datamover import layer_bands
+from kvstore import KVStoreError, LookupBuffer, StorePermissionError, StoreTopologyError
+from kvstore.values.value_auth import load_secret
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

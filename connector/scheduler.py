@@ -85,20 +85,19 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.chains import RequestChains
+from connector.config import LOAD_POLICY_KEY, TRANSFER_PARAMS_KEY, RedisConnectorConfig
+from connector.drops import HandoffDrops
+from connector.figures import LoadRate, PrefillRate, step_shape
+from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
+from connector.load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinned
+from connector.logs import FailureCounts
+from connector.lookups import Lookup, LookupBatcher, LookupResult
+from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.stats import StatsBuffer
 from kvstore import KVStoreError, LookupBuffer
-from kvstore.access import acl_rule
-from kvstore.keys import NAME_RE
-
-from .chains import RequestChains
-from .config import LOAD_POLICY_KEY, TRANSFER_PARAMS_KEY, RedisConnectorConfig
-from .drops import HandoffDrops
-from .figures import LoadRate, PrefillRate, step_shape
-from .layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
-from .load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinned
-from .logs import FailureCounts
-from .lookups import Lookup, LookupBatcher, LookupResult
-from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import StatsBuffer
+from kvstore.fleet.access import acl_rule
+from kvstore.values.keys import NAME_RE
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -107,7 +106,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from .events import KVEventsEmitter
+    from connector.events import KVEventsEmitter
 
 logger = logging.getLogger("connector.scheduler")
 # How often a request waiting for a producer's commit record re-checks Redis.

@@ -52,6 +52,11 @@ from typing import Any
 
 import torch
 
+from connector.config import RedisConnectorConfig
+from connector.layout import HeadSlice, KVGroup, KVLayout
+from connector.logs import FailureCounts
+from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.stats import StatsBuffer
 from datamover import BlockMover, LayeredLoad, LoadChunk, SaveChunk, SaveItem, StagingBusyError
 from kvstore import (
     Claim,
@@ -60,13 +65,7 @@ from kvstore import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
-from kvstore.value_auth import UNAUTHENTICATED
-
-from .config import RedisConnectorConfig
-from .layout import HeadSlice, KVGroup, KVLayout
-from .logs import FailureCounts
-from .metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
-from .stats import StatsBuffer
+from kvstore.values.value_auth import UNAUTHENTICATED
 
 logger = logging.getLogger("connector.worker")
 

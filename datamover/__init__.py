@@ -12,8 +12,8 @@ has PyTorch (and CUDA) but no vLLM. The connector's worker is thin glue over it.
   its layers run.
 """
 
-from .layered import LayeredLoad
-from .mover import (
+from datamover.layered import LayeredLoad
+from datamover.mover import (
     BandPiece,
     BlockMover,
     LoadChunk,
@@ -22,7 +22,7 @@ from .mover import (
     StagingBusyError,
     layer_bands,
 )
-from .paged import PagedKV
+from datamover.paged import PagedKV
 
 __all__ = [
     "BandPiece",

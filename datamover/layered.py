@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .mover import BandPiece, BlockMover
+from datamover.mover import BandPiece, BlockMover
 
 
 class LayeredLoad:

@@ -58,12 +58,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from datamover.paged import PagedKV
+from datamover.staging import StagingPool
 from kvstore import LookupBuffer, ValueHeader
-from kvstore.codec import frame_parts, plan_entries
-from kvstore.staging import StagingPool
-from kvstore.tensor_reads import HeadMiss
-
-from .paged import PagedKV
+from kvstore.values.codec import frame_parts, plan_entries
+from kvstore.values.tensor_reads import HeadMiss
 
 logger = logging.getLogger("datamover")
 

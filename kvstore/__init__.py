@@ -6,7 +6,7 @@ It knows Redis, bytes and torch tensors, and nothing of vLLM (that is ``connecto
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from kvstore.errors import (
     CorruptValueError,
     InvalidArgumentError,
     InvalidURLError,
@@ -23,28 +23,34 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .codec import FORMAT_VERSION, ValueHeader, decode_value, encode_value, read_header
-    from .connection import StoreAddress, parse_url, redact_url
-    from .counters import StoreStats
-    from .handoff import Claim, HandoffState
-    from .hashing import chain_hashes, root_hash
-    from .lookup_buffer import LookupBuffer, layout_fingerprint
+    from kvstore.counters import StoreStats
+    from kvstore.fleet.handoff import Claim, HandoffState
+    from kvstore.lookup_buffer import LookupBuffer, layout_fingerprint
+    from kvstore.net.connection import StoreAddress, parse_url, redact_url
+    from kvstore.values.codec import (
+        FORMAT_VERSION,
+        ValueHeader,
+        decode_value,
+        encode_value,
+        read_header,
+    )
+    from kvstore.values.hashing import chain_hashes, root_hash
 
 # Imported on first use (PEP 562), so `kvstore --help` and the CLI's Redis-only commands do not
 # pay for torch and redis-py at startup.
 _LAZY = {
-    "FORMAT_VERSION": "codec",
-    "ValueHeader": "codec",
-    "decode_value": "codec",
-    "encode_value": "codec",
-    "read_header": "codec",
-    "StoreAddress": "connection",
-    "parse_url": "connection",
-    "redact_url": "connection",
-    "chain_hashes": "hashing",
-    "root_hash": "hashing",
-    "Claim": "handoff",
-    "HandoffState": "handoff",
+    "FORMAT_VERSION": "values.codec",
+    "ValueHeader": "values.codec",
+    "decode_value": "values.codec",
+    "encode_value": "values.codec",
+    "read_header": "values.codec",
+    "StoreAddress": "net.connection",
+    "parse_url": "net.connection",
+    "redact_url": "net.connection",
+    "chain_hashes": "values.hashing",
+    "root_hash": "values.hashing",
+    "Claim": "fleet.handoff",
+    "HandoffState": "fleet.handoff",
     "LookupBuffer": "lookup_buffer",
     "StoreStats": "counters",
     "layout_fingerprint": "lookup_buffer",

@@ -5,14 +5,13 @@
     kvstore --url ... stats [--json]
     kvstore --url ... flush --namespace NS [--yes]
     kvstore --url ... reset --namespace NS [--no-sweep]
-    kvstore --url ... present --layout LAYOUT.json (--tokens 1,2,3 | --tokens-file F) [--json]
 
 Keys are walked with SCAN (never KEYS), so it is safe on a busy server. ``ls`` groups keys by
 namespace and layout fingerprint; ``inspect`` decodes a value's header and verifies its checksum;
 ``flush`` deletes one namespace (never FLUSHALL) after confirmation; ``reset`` invalidates a
 namespace at once (a new generation; vLLM's ``reset_prefix_cache`` does the same) and unlinks
-the older blocks; ``present`` says which leading blocks of a prompt are stored, as a router
-would ask (``kvstore.presence``).
+the older blocks. Which leading blocks of a prompt a connector would load needs vLLM's rules for
+its KV-cache groups: ``vllm-redis-presence`` (``connector.presence_cli``) answers that.
 """
 
 from __future__ import annotations
@@ -32,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from redis.cluster import RedisCluster
 
-from .connection import error_code, make_client, parse_url, translated_errors
-from .errors import CorruptValueError, InvalidArgumentError, KVStoreError
-from .keys import DEFAULT_KEY_PREFIX, parse_key
+from kvstore.errors import CorruptValueError, KVStoreError
+from kvstore.net.connection import error_code, make_client, parse_url, translated_errors
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, parse_key
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -197,7 +196,7 @@ def created_epoch(head: bytes) -> float | None:
 def inspect_key(client: redis.Redis, key: str | bytes) -> dict[str, Any]:
     """A value's header and checks. ``key`` as bytes, or as text: a command-line argument's
     bytes that were not UTF-8 come back as they were (``os.fsencode``)."""
-    from .codec import checksum_ok, read_header  # torch: only for this command
+    from kvstore.values.codec import checksum_ok, read_header  # torch: only for this command
 
     raw = key if isinstance(key, bytes) else os.fsencode(key)
     name = raw.decode(errors="backslashreplace")
@@ -370,21 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     p_rs.add_argument(
         "--no-sweep", action="store_true", help="leave older blocks to their TTL, unlink nothing"
     )
-    p_pr = sub.add_parser(
-        "present", parents=[common], help="which leading blocks of a prompt are stored"
-    )
-    p_pr.add_argument(
-        "--layout",
-        required=True,
-        help="the JSON file the connector writes ($REDIS_KV_CONNECTOR_LAYOUT_FILE)",
-    )
-    tokens = p_pr.add_mutually_exclusive_group(required=True)
-    tokens.add_argument("--tokens", help="the prompt's token ids, comma-separated")
-    tokens.add_argument("--tokens-file", help="a JSON list of token ids ('-': standard input)")
-    p_pr.add_argument("--cache-salt", help="the request's cache_salt, if it has one")
-    p_pr.add_argument("--lora-name", help="the request's LoRA adapter (as vLLM names it)")
-    p_pr.add_argument("--lora-path", default="", help="... and its path, as the server has it")
+    # moved to vllm-redis-presence: whatever follows is taken, and the user told where it went
+    p_moved = sub.add_parser("present", add_help=False, prefix_chars="\0", help=argparse.SUPPRESS)
+    p_moved.add_argument("rest", nargs="*")
     args = ap.parse_args(argv)
+    if args.cmd == "present":
+        print(
+            "kvstore: 'present' moved to vllm-redis-presence (python -m connector.presence_cli),"
+            " which knows vLLM's KV-cache groups; same options",
+            file=sys.stderr,
+        )
+        return 2
     from rich.console import Console  # after parsing: --help stays fast
     from rich.text import Text
 
@@ -505,69 +500,18 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 )
             )
         return 0
-    if args.cmd == "present":
-        from .presence import prompt_salt
-
-        salt = prompt_salt(
-            lora_name=args.lora_name, lora_path=args.lora_path, cache_salt=args.cache_salt
-        )
-        found = present(args.url, args.prefix, args.layout, _token_ids(args), salt)
-        if args.json:
-            print(json.dumps(found, default=str))
-        else:
-            blocks = found["blocks"]
-            console.print(
-                _shown(
-                    f"{sum(blocks)} of {len(blocks)} full blocks stored; a connector would "
-                    f"load {found['loadable_blocks']} leading blocks "
-                    f"({found['loadable_tokens']} tokens), generation {found['generation']}",
-                    limit=None,
-                )
-            )
-        return 0
     raise AssertionError(args.cmd)
-
-
-def _token_ids(args: argparse.Namespace) -> list[int]:
-    if args.tokens is not None:
-        text = "[" + args.tokens + "]"
-    elif args.tokens_file == "-":
-        text = sys.stdin.read()
-    else:
-        with open(args.tokens_file) as f:
-            text = f.read()
-    try:
-        ids = json.loads(text)
-    except ValueError:
-        ids = None
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise InvalidArgumentError("token ids must be a list of integers, e.g. --tokens 1,2,3")
-    return ids
 
 
 def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -> dict[str, Any]:
     """A new generation for ``namespace`` (every instance stops loading older blocks with its
     next lookup), then, unless told not to, the older blocks unlinked."""
-    from .lookup_buffer import LookupBuffer
+    from kvstore.lookup_buffer import LookupBuffer
 
     with LookupBuffer.from_url(url, namespace=namespace, key_prefix=prefix, check=False) as buf:
         generation = buf.reset()
         unlinked = buf.sweep(generation) if sweep else 0
     return {"namespace": namespace, "generation": generation, "unlinked": unlinked}
-
-
-def present(
-    url: str, prefix: str, layout_file: str, token_ids: list[int], salt: str = ""
-) -> dict[str, Any]:
-    """``kvstore.presence.prompt_presence`` of ``token_ids`` under the layout in the file."""
-    from .lookup_buffer import LookupBuffer
-    from .presence import StoredLayout, prompt_presence
-
-    layout = StoredLayout.from_file(layout_file)
-    with LookupBuffer.from_url(
-        url, namespace=layout.namespace, key_prefix=prefix, check=False
-    ) as buf:
-        return prompt_presence(buf, layout, token_ids, salt).as_dict()
 
 
 if __name__ == "__main__":

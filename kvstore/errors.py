@@ -17,7 +17,7 @@ class StoreUnavailableError(KVStoreError, ConnectionError):
 
 class StoreCircuitOpenError(StoreUnavailableError):
     """Recent calls failed, so this one was not sent: the store is skipped until a background
-    probe sees it answer again (see :class:`kvstore.breaker.CircuitBreaker`)."""
+    probe sees it answer again (see :class:`kvstore.net.breaker.CircuitBreaker`)."""
 
 
 class StoreAuthenticationError(KVStoreError, PermissionError):

@@ -45,24 +45,31 @@ import redis
 import torch
 import xxhash
 
-from .access import ACCESS, acl_rule, check_access, check_topology
-from .claims import Claimer, ClaimReleaser, ServerClock
-from .codec import CODECS, FORMAT_VERSION, TensorEntry, ValueHeader, frame_parts, lz4_block
-from .connection import StoreAddress, make_client, parse_url
-from .counters import Counters, StoreStats
-from .errors import InvalidArgumentError
-from .generations import Generations
-from .guard import Guard
-from .handoff import Claim, HandoffRecords, HandoffState
-from .inventory import BlockInfo, Inventory
-from .keys import DEFAULT_KEY_PREFIX, KeySpace
-from .reads import READ_CONNECTIONS, Reader
-from .survey import Survey, survey
-from .tensor_reads import HeadMiss, TensorReader
-from .transport import READ_DEPTH, Transport
-from .ttl import ChainTtl
-from .value_auth import ValueKey
-from .writes import Writer
+from kvstore.counters import Counters, StoreStats
+from kvstore.errors import InvalidArgumentError
+from kvstore.fleet.access import ACCESS, acl_rule, check_access, check_topology
+from kvstore.fleet.generations import Generations
+from kvstore.fleet.handoff import Claim, HandoffRecords, HandoffState
+from kvstore.fleet.inventory import BlockInfo, Inventory
+from kvstore.fleet.survey import Survey, survey
+from kvstore.net.connection import StoreAddress, make_client, parse_url
+from kvstore.net.guard import Guard
+from kvstore.net.transport import READ_DEPTH, Transport
+from kvstore.values.codec import (
+    CODECS,
+    FORMAT_VERSION,
+    TensorEntry,
+    ValueHeader,
+    frame_parts,
+    lz4_block,
+)
+from kvstore.values.drop_select import Claimer, ClaimReleaser, ServerClock
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, KeySpace
+from kvstore.values.reads import READ_CONNECTIONS, Reader
+from kvstore.values.tensor_reads import HeadMiss, TensorReader
+from kvstore.values.ttl import ChainTtl
+from kvstore.values.value_auth import ValueKey
+from kvstore.values.writes import Writer
 
 __all__ = [
     "ACCESS",

@@ -40,10 +40,10 @@ import torch
 from connector.chains import handoff_salt
 from connector.metadata import RedisConnectorMetadata
 from kvstore import LookupBuffer, chain_hashes
-from scripts.make_tiny_model import make_model
 from testing.redis_server import RedisServer
 from testing.relay import DelayRelay
 from testing.scheduler_harness import BS, LAYERS, make_request, make_scheduler, runner_output
+from testing.tiny_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_BLOCKS = 8

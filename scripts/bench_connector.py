@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from scripts.make_tiny_model import make_model
 from testing import stack
 from testing.redis_server import RedisServer
+from testing.tiny_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

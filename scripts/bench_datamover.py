@@ -38,7 +38,7 @@ import torch
 from connector.config import default_connections
 from datamover import BlockMover, SaveItem
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.codec import frame_parts
+from kvstore.values.codec import frame_parts
 from scripts.bench_paths import CacheEvictor, LMCacheResp, median_seconds
 from testing.redis_server import RedisServer
 

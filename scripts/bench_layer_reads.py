@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from kvstore import LookupBuffer, ValueHeader
-from kvstore.codec import frame_parts, plan_entries
+from kvstore.values.codec import frame_parts, plan_entries
 from scripts.bench_paths import CacheEvictor, median_seconds
 from testing.redis_server import RedisServer
 

@@ -21,7 +21,8 @@ unthrottled. Prints a table (TTFT p50 and p90 per way; ``auto`` and ``split`` ag
 better of ``recompute`` and ``async``; what ``auto`` chose) and writes ``--json`` and a plot.
 
     python -m scripts.bench_load_policy [--docs 8] [--doc-tokens 1500] [--layers 8]
-        [--json docs/bench_load_policy.json] [--plot docs/plots/load_policy.png]
+        [--json docs/results/bench_load_policy/bench_load_policy.json]
+        [--plot docs/plots/load_policy.png]
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ from typing import Any
 import httpx
 import redis
 
-from scripts.make_tiny_model import make_model
 from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.relay import DelayRelay
+from testing.tiny_model import make_model
 
 WAYS = ("recompute", "async", "split", "auto")
 CHOICES = ("chose_async", "chose_split", "chose_recompute")

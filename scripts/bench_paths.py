@@ -28,7 +28,7 @@ GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py
 ``--sweep`` instead measures ``select_into`` for each read depth (replies in flight per
 connection) and number of connections, per size: how kvstore's read defaults were chosen.
 
-``--mac`` instead measures what a namespace secret costs (``kvstore/value_auth.py``): the MAC
+``--mac`` instead measures what a namespace secret costs (``kvstore/values/value_auth.py``): the MAC
 constructions one core can run (xxh3_64, today's unkeyed checksum; keyed BLAKE3, the one
 chosen; HMAC-SHA256 and keyed BLAKE2b from hashlib), then the data mover's write
 (``insert_parts``) and read (``select_into``) paths with and without a secret, on values of
@@ -55,8 +55,8 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.codec import frame_parts, plan_entries
-from kvstore.wire import ReplyReader, pack_set, send_buffers
+from kvstore.net.wire import ReplyReader, pack_set, send_buffers
+from kvstore.values.codec import frame_parts, plan_entries
 from testing.redis_server import RedisServer
 
 Path_ = Callable[[], None]
@@ -478,7 +478,7 @@ def mac_size(url: str, size: int, batch: int, rounds: int, warm: bool, layers: i
 
     import xxhash
 
-    from kvstore.value_auth import ValueKey
+    from kvstore.values.value_auth import ValueKey
 
     secret = os.urandom(32)
     key = ValueKey(secret, "mac")

@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 import redis
 
-from connector.proxy import ProxyConfig, build_app
-from scripts.make_tiny_model import make_model
+from connector.proxy.server import ProxyConfig, build_app
 from scripts.serve_demo import stream_completion
 from testing import stack
 from testing.redis_server import RedisServer, free_port
+from testing.tiny_model import make_model
 
 POLICIES = ("least_loaded", "cache_aware")
 COUNTERS = (

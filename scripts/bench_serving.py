@@ -58,9 +58,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from scripts.make_tiny_model import make_model
 from testing import stack
 from testing.redis_server import RedisServer, free_port
+from testing.tiny_model import make_model
 
 SETUPS = ("single", "pair", "share", "consume", "offload")
 WORKLOADS = ("system_prompt", "doc_qa", "multi_turn", "no_reuse")

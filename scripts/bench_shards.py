@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.codec import frame_parts, plan_entries
+from kvstore.values.codec import frame_parts, plan_entries
 from testing.redis_server import ClusterServers, RedisServer
 
 from .bench_paths import median_seconds, parse_size, pipelined_get_into, pipelined_set

@@ -45,7 +45,7 @@ BUDGET_S="${SUITE_BUDGET_S:-500}"
 time_left() { [ "$SECONDS" -lt "$BUDGET_S" ] || { echo "skipped (suite budget ${BUDGET_S}s spent): $*"; false; }; }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 set +e
-python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/test_datamover.py tests/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
+python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/unit/test_datamover.py tests/unit/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # issue 39: save / load GB/s into and out of GPU memory per topology -- 1, 2 and 4 Cluster
 # masters, the server's I/O threads on and off -- and per client width: chunks a load reads
@@ -80,7 +80,7 @@ if [ -x "$VALKEY" ]; then
     --writers 4 --read-ahead 4
 fi
 # suite.json: every run's figures, which scripts/perf_model.py reads (copy the folder to
-# docs/gpu/<gpu>-<date>/)
+# docs/results/gpu_suite/<gpu>-<date>/)
 python3 -m scripts.gpu_suite_summary "$OUT_DIR" | tee "$OUT_DIR/summary.md" || mrc=1
 # the split path and the forward-path cost of saves (the full bench_gpu)
 brc=0

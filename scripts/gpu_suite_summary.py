@@ -3,7 +3,8 @@ JSON files) gathered into ``suite.json`` -- per run the server, masters, I/O thr
 connections, read-ahead and writer threads, and save / load GB/s into and out of GPU memory --
 and printed as a table. ``scripts/perf_model.py`` reads its figures from that file.
 
-    python -m scripts.gpu_suite_summary docs/gpu/h200-2026-11-27   # writes .../suite.json
+    # writes docs/results/gpu_suite/h200-2026-11-27/suite.json
+    python -m scripts.gpu_suite_summary docs/results/gpu_suite/h200-2026-11-27
 """
 
 from __future__ import annotations

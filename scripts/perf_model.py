@@ -195,8 +195,8 @@ class Measured:
 
     @classmethod
     def from_docs(cls, suite_file: str | None = None) -> Measured:
-        gpu_file = "docs/gpu/h100-2026-11-23b.json"
-        shard_file = "docs/shards-2026-11-23.json"
+        gpu_file = "docs/results/gpu_suite/h100-2026-11-23b.json"
+        shard_file = "docs/results/bench_shards/shards-2026-11-23.json"
         suite_file = suite_file or newest_suite()
         gpu = json.loads((ROOT / gpu_file).read_text())
         shards = json.loads((ROOT / shard_file).read_text())
@@ -217,14 +217,17 @@ class Measured:
 
 
 def newest_suite() -> str:
-    """The newest ``docs/gpu/<host>-<date>/suite.json`` (by the date in its folder's name)."""
+    """The newest ``docs/results/gpu_suite/<host>-<date>/suite.json`` (by the date in its
+    folder's name)."""
     found = sorted(
         (m.group(1), str(p.relative_to(ROOT)))
-        for p in (ROOT / "docs" / "gpu").glob(f"*/{SUITE_FILE}")
+        for p in (ROOT / "docs" / "results" / "gpu_suite").glob(f"*/{SUITE_FILE}")
         if (m := re.search(r"(\d{4}-\d{2}-\d{2})", p.parent.name))
     )
     if not found:
-        raise SystemExit("no GPU suite figures under docs/gpu/: run scripts/gpu_suite.sh")
+        raise SystemExit(
+            "no GPU suite figures under docs/results/gpu_suite/: run scripts/gpu_suite.sh"
+        )
     return found[-1][1]
 
 
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fast-gbps", type=float, default=10.0, help="a second bandwidth to show")
     ap.add_argument("--plot", help="draw recompute against load per deployment (PNG)")
     ap.add_argument(
-        "--suite", help="a GPU suite's suite.json (default: the newest under docs/gpu/)"
+        "--suite", help="a GPU suite's suite.json (default: the newest in docs/results/gpu_suite/)"
     )
     args = ap.parse_args(argv)
     measured = Measured.from_docs(args.suite)

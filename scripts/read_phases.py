@@ -7,7 +7,7 @@ One process, one ``redis-server``, 16 stored values per call, interleaved rounds
 - ``check afterwards``: ``codec.decode_value`` over the received batch, as reads did before
   issue 20's third session (by then the first values have left the CPU cache);
 - ``select_into``: both, each value checked on the receiving thread as it arrives;
-- ``select``: the same into recycled buffers the result owns (``kvstore.buffer_pool``).
+- ``select``: the same into recycled buffers the result owns (``kvstore.net.buffer_pool``).
 
     python -m scripts.read_phases [--sizes 64K,2M] [--rounds 15]
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.codec import decode_value
-from kvstore.transport import READ_DEPTH
-from kvstore.wire import ReplyReader, raw_socket
+from kvstore.net.transport import READ_DEPTH
+from kvstore.net.wire import ReplyReader, raw_socket
+from kvstore.values.codec import decode_value
 from testing.redis_server import RedisServer
 
 from .bench_paths import median_seconds, parse_size

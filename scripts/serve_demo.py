@@ -26,10 +26,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from kvstore import KVStoreError
-from kvstore.keys import parse_key
-from scripts.make_tiny_model import make_model
+from kvstore.values.keys import parse_key
 from testing import stack
 from testing.redis_server import RedisServer
+from testing.tiny_model import make_model
 
 console = Console()
 DOC = (

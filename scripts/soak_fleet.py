@@ -46,12 +46,12 @@ from typing import Any
 import httpx
 import redis
 
-from connector.proxy import ProxyConfig, build_app
+from connector.proxy.server import ProxyConfig, build_app
 from connector.redis_connector import LAYOUT_FILE_ENV
 from kvstore.cli import reset_namespace
-from scripts.make_tiny_model import make_model
 from testing import stack
 from testing.redis_server import RedisServer, free_port
+from testing.tiny_model import make_model
 
 MODEL_NAME = "tiny-llama"
 LOADED = "vllm:redis_kv_blocks_loaded_total"

@@ -17,7 +17,7 @@ if [ "${KVSTORE_LINT:-1}" = 1 ]; then  # scripts/test_versions.sh lints once, no
 fi
 echo "== pytest"
 set +e
-python -m pytest -ra "$@"
+python -m pytest -ra --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "pytest collected no tests: that is a failure here" >&2; exit 1; fi

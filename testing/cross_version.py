@@ -1,6 +1,6 @@
 """Save KV blocks through RedisConnector under the vLLM installed here, or load and check blocks
 saved under another vLLM release: the worker side, driven the way vLLM's model runner drives it
-(no model runs). ``tests/test_cross_version.py`` runs it in each other version's virtualenv.
+(no model runs). ``tests/unit/test_cross_version.py`` runs it in each other version's virtualenv.
 
     python -m testing.cross_version save --url redis://127.0.0.1:6390/0 --model DIR
     python -m testing.cross_version load --url redis://127.0.0.1:6390/0 --model DIR

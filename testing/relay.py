@@ -175,11 +175,19 @@ class DelayRelay:
     def close(self) -> None:
         self._closed.set()
         if self._listener is not None:
+            # likewise: a listener closed under a blocked accept() goes on accepting
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 self._listener.close()
         with self._lock:
             socks, self._socks = self._socks, []
         for sock in socks:
+            # shut down before closing: closing a socket another thread is blocked on does not
+            # end the connection until that thread runs again (late on a busy machine); a
+            # shutdown sends the FIN now and wakes the pipes' threads
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
             with contextlib.suppress(OSError):
                 sock.close()
 

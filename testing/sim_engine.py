@@ -18,7 +18,7 @@ from the wrong key or overwritten. The simulator checks, as it runs:
   split's blocks, in each layer, when that layer runs;
 - no load is still held past its deadline (``deadline_violations``).
 
-Used by tests/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
+Used by tests/unit/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
 """
 
 from __future__ import annotations

@@ -144,7 +144,15 @@ def proxy(
     prefill: list[str], decode: list[str], port: int, log_dir: Path, pool: Sequence[str] = ()
 ) -> Proc:
     """The proxy: prefill then decode servers, or (``pool``) servers answering requests whole."""
-    cmd = [sys.executable, "-m", "connector.proxy", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "connector.proxy.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     for flag, urls in (("--prefill", prefill), ("--decode", decode), ("--pool", pool)):
         for url in urls:
             cmd += [flag, url]

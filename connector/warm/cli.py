@@ -17,17 +17,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.warm.inputs import Document, PromptStyle, read_documents, render
+from connector.warm.records import DocumentRecord, load_records, presences, save_record
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.cli import human_size
-from kvstore.documents import DocumentRecord, load_records, presences, save_record
-from kvstore.keys import at_generation, in_generation
-
-from .inputs import Document, PromptStyle, read_documents, render
+from kvstore.values.keys import at_generation, in_generation
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from .engine import StoreLayout, WarmEngine
+    from connector.warm.engine import StoreLayout, WarmEngine
 
 DEFAULT_TTL_S = 86_400.0
 # how long a finished document waits for the connector to confirm its writes
@@ -143,7 +142,7 @@ def connector_config(args: argparse.Namespace, engine: dict[str, Any]) -> dict[s
 
 # ---------------------------------------------------------------------------------------- warm
 def warm(args: argparse.Namespace, engine_kwargs: dict[str, Any], out: Console) -> int:
-    from .engine import WarmEngine
+    from connector.warm.engine import WarmEngine
 
     if not args.model:
         raise NothingDone("--model is required (the serving instances' model)")

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import TRANSFER_PARAMS_KEY
-from ..redis_connector import LAYOUT_FILE_ENV
+from connector.config import TRANSFER_PARAMS_KEY
+from connector.redis_connector import LAYOUT_FILE_ENV
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,202 @@
+"""Is this URL and this ACL user right for the job? Checked once, at startup, so a mistake fails
+there with a message naming the fix, instead of as misses later: the URL's kind against the
+server's (:func:`check_topology`) and each operation's commands against the user's permissions
+(:func:`check_access`, :data:`ACCESS`, :func:`acl_rule`)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+
+from kvstore.errors import (
+    InvalidArgumentError,
+    StoreCommandError,
+    StorePermissionError,
+    StoreTopologyError,
+)
+from kvstore.fleet.generations import Generations
+from kvstore.fleet.handoff import HandoffRecords
+from kvstore.net.connection import StoreAddress, permission_error
+from kvstore.net.guard import Guard
+from kvstore.net.transport import Transport
+from kvstore.values.drop_select import Claimer
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, KeySpace
+
+logger = logging.getLogger("kvstore")
+
+# The permission probe's key: it lives for the few milliseconds check_access takes; a role
+# that may not delete leaves it to expire.
+_PROBE_TTL_MS = 1_000
+
+# What each operation needs the ACL user to be allowed, for check_access / the README.
+ACCESS: dict[str, tuple[str, ...]] = {
+    "ping": ("PING",),
+    "insert": ("SET",),
+    "select": ("GET",),
+    # a value's tensors a range at a time (tensor_reads.py: layer by layer loads)
+    "select_ranges": ("GETRANGE",),
+    "lookup": ("EXISTS",),
+    "delete": ("UNLINK",),
+    "handoff_read": ("GET",),
+    "handoff_claim": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),
+    # (TIME: a claim the server runs after its caller gave up takes nothing, ``claims.py``)
+    "drop_select": (
+        "EVALSHA",
+        "SCRIPT LOAD",
+        "STRLEN",
+        "RENAME",
+        "EXISTS",
+        "GET",
+        "UNLINK",
+        "TIME",
+    ),
+    "block_info": ("STRLEN", "PTTL"),
+    "renew": ("PEXPIRE", "PERSIST"),
+    # the namespace's generation, read with lookups (only "reset" writes it)
+    "generation": ("GET",),
+    "reset": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),  # kvstore reset, vLLM's reset_cache
+    "sweep": ("SCAN", "UNLINK"),  # unlinking an older generation's blocks
+}
+
+# what writes: a role with none of these gets read-only key patterns
+_WRITES = frozenset(("insert", "handoff_claim", "drop_select", "delete", "renew", "reset", "sweep"))
+
+
+def acl_rule(
+    operations: Iterable[str], namespace: str = "*", key_prefix: str = DEFAULT_KEY_PREFIX
+) -> str:
+    """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)
+    in one namespace (a tenant: its own keys, counter and secret; "*" for every namespace).
+
+    A namespace's keys are ``<prefix>:<ns>:<fingerprint>:...`` (``~<prefix>:<ns>:*:*``) and
+    its generation counter ``<prefix>:<ns>:generation``, which that pattern does not match:
+    only a rule with "reset" may write it; the others read it (``%R~``, Redis >= 7, Valkey).
+    A rule without any write gets read-only keys."""
+    ops = list(dict.fromkeys(operations))
+    unknown = set(ops) - set(ACCESS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
+    commands = dict.fromkeys(c for op in ops for c in ACCESS[op])
+    perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands)
+    base = f"{key_prefix}:{namespace}"
+    writes = any(op in _WRITES for op in ops)
+    patterns = [f"{'~' if writes else '%R~'}{base}:*:*"]
+    if "reset" in ops:
+        patterns.append(f"~{base}:generation")
+    elif "generation" in ops:
+        patterns.append(f"%R~{base}:generation")
+    return f"{perms} {' '.join(patterns)}"
+
+
+def check_topology(address: StoreAddress | None, transport: Transport, guard: Guard) -> None:
+    """Fail, naming the right URL form, when the URL's kind does not match the server: a plain
+    URL that reaches a Cluster node (most keys would be refused with MOVED) or a Sentinel (which
+    holds no data). Skipped when the ACL user may not run ``INFO`` or the server has none."""
+    if address is None or address.topology != "standalone":
+        return
+    try:
+        info = guard.call("INFO", lambda: transport.control.info("server"))
+    except (StorePermissionError, StoreCommandError) as exc:  # NOPERM, or no INFO at all
+        logger.debug("kvstore: the URL's topology is not checked (INFO: %s)", exc)
+        return
+    mode = str(info.get("redis_mode", "standalone"))
+    where = f"{address.host}:{address.port}"
+    if mode == "cluster":
+        raise StoreTopologyError(
+            f"{guard.safe_url} is a node of a Redis/Valkey Cluster: use a cluster URL, "
+            f"redis-cluster://{where} (rediss-cluster:// with TLS)"
+        )
+    if mode == "sentinel":
+        raise StoreTopologyError(
+            f"{guard.safe_url} is a Sentinel, which holds no data: use "
+            f"redis-sentinel://{where}/<service> (the master's name in sentinel.conf)"
+        )
+
+
+def check_access(
+    operations: Iterable[str],
+    transport: Transport,
+    guard: Guard,
+    keys: KeySpace,
+    claims: Claimer,
+    handoffs: HandoffRecords,
+    generations: Generations,
+) -> None:
+    """Run each operation's commands once against a short-lived probe key; raises
+    :class:`StorePermissionError` naming the first command refused."""
+    ops = list(dict.fromkeys(operations))
+    unknown = set(ops) - set(ACCESS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
+    if ("drop_select" in ops or "handoff_claim" in ops or "reset" in ops) and "insert" not in ops:
+        # the claim scripts only run their commands (SET, RENAME, ...) on a present key
+        ops.append("insert")
+    probe = keys.probe(uuid.uuid4().hex)
+    c, ctl = transport.client, transport.control
+    steps: dict[str, Callable[[], object]] = {
+        "ping": ctl.ping,
+        "insert": lambda: c.set(probe, b"probe", px=_PROBE_TTL_MS),
+        "select": lambda: c.get(probe),
+        "select_ranges": lambda: c.getrange(probe, 0, 0),
+        "lookup": lambda: ctl.exists(probe),
+        "handoff_read": lambda: ctl.get(probe),
+        "handoff_claim": lambda: handoffs.check_script(probe, _PROBE_TTL_MS),
+        "drop_select": lambda: claims.check_scripts(probe),
+        "reset": generations.check_script,
+        "delete": lambda: ctl.unlink(probe),
+    }
+    # operations of several commands outside a script: each command probed on its own, so
+    # the error names the one refused
+    commands: dict[str, list[tuple[str, Callable[[], object]]]] = {
+        "block_info": [
+            ("STRLEN", lambda: ctl.strlen(probe)),
+            ("PTTL", lambda: ctl.pttl(probe)),
+        ],
+        "renew": [
+            ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),
+            ("PERSIST", lambda: ctl.persist(probe)),
+            ("PEXPIRE", lambda: ctl.pexpire(probe, _PROBE_TTL_MS)),  # never left forever
+        ],
+        # the counter itself: a rule may reach the namespace's blocks but not its counter
+        "generation": [("GET", lambda: ctl.get(keys.generation()))],
+        "sweep": [
+            ("SCAN", lambda: ctl.scan(0, match=probe, count=1)),
+            ("UNLINK", lambda: ctl.unlink(probe)),
+        ],
+    }
+    order = ["ping", "insert", "select", "select_ranges", "lookup", "handoff_read"]
+    order += ["handoff_claim"]
+    order += ["block_info", "renew", "generation", "reset", "drop_select", "sweep", "delete"]
+    assert set(order) == set(ACCESS), "every operation has a probe"
+    try:
+        for op in (o for o in order if o in ops):
+            _probe(op, guard, steps, commands)
+    except StorePermissionError as exc:
+        rule = acl_rule(operations, keys.namespace, keys.prefix)
+        raise StorePermissionError(
+            f"{exc}\nThe whole rule for what this instance does in namespace "
+            f"{keys.namespace!r}: ACL SETUSER <user> {rule}",
+            command=exc.command,
+        ) from None
+
+
+def _probe(
+    op: str,
+    guard: Guard,
+    steps: dict[str, Callable[[], object]],
+    commands: dict[str, list[tuple[str, Callable[[], object]]]],
+) -> None:
+    if op in commands:
+        for command, step in commands[op]:
+            guard.call(command, step)
+        return
+    scripted = op in ("drop_select", "handoff_claim", "reset")
+    command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
+    try:
+        guard.call(command, steps[op])
+    except StoreCommandError as exc:
+        if not scripted:
+            raise
+        # inside a script a refused command is a plain script error (no NOPERM code)
+        raise permission_error(guard.safe_url, command, str(exc)) from None

@@ -1,0 +1,220 @@
+"""A namespace's generation: what ``reset`` bumps to invalidate every block at once, in O(1).
+
+A block's name holds the generation it was saved in (``keys.at_generation``): ``<hash>`` in
+generation 0 (the names blocks always had), ``<hash>@<n>`` after the n-th reset. A reset is one
+atomic increment of ``<prefix>:<namespace>:generation``; readers name the blocks they look up
+with the generation they last read, and read the counter with every lookup (in the same round
+trip), so an instance sees a reset within one lookup and never looks up an older block again.
+Older blocks stay until their TTL, or until ``sweep`` unlinks them, in bounded SCAN batches off
+the serving path.
+
+The counter never goes back for a client: it remembers the highest generation it read, and
+when it reads less (the counter evicted, flushed, restored from an older snapshot -- or lost,
+then bumped by a reset made since, which looks the same) it keeps naming blocks by what it
+knew. Only a user allowed to write the counter (the admin's ACL rule: resets) changes it:
+such a client raises a lower counter to known + 1, never known, so a reset made after the loss
+still invalidates every block this client could name, and clients converge on one generation;
+the price of a lost counter is one invalidation of the pool. A user that may only read it (a
+producer, a consumer) writes nothing: a missing counter reads 0, and it warns once when the
+counter reads less than it knows. ``kvstore reset`` heals such a pool.
+
+A counter is a decimal of at most 2**53 (a double holds every integer up to it exactly), read
+the same way by the scripts (Lua's numbers are doubles) and by Python; anything else -- text,
+"1e1", a number past the bound -- reads 0, and a reset past the bound is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvstore.errors import KVStoreError, StorePermissionError
+from kvstore.net.guard import Guard
+from kvstore.net.transport import Transport
+from kvstore.values.keys import KeySpace, parse_key
+
+logger = logging.getLogger("kvstore")
+
+SWEEP_BATCH = 1000  # keys per SCAN page and per UNLINK
+
+MAX_GENERATION = 2**53
+_MAX_DIGITS = str(MAX_GENERATION).encode()  # 16 digits
+
+# A counter that is not a plain decimal of at most 2**53 reads 0, in Lua as in Python: clients
+# must agree on what a counter says. Digits are compared as text (equal lengths compare as
+# numbers), never as a double, which would round 2**53 + 1 down into range.
+_READ_LUA = f"""
+local raw = redis.call('GET', KEYS[1])
+local current = 0
+if raw and string.match(raw, '^%d+$') and (#raw < {len(_MAX_DIGITS)} or
+    (#raw == {len(_MAX_DIGITS)} and raw <= '{_MAX_DIGITS.decode()}')) then
+  current = tonumber(raw)
+end
+"""
+
+_EXHAUSTED = f"""
+if current >= {MAX_GENERATION} then
+  return redis.error_reply('KVSTORE generation counter at its bound of 2**53: flush the namespace')
+end
+"""
+
+# max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
+BUMP_LUA = (
+    _READ_LUA
+    + """
+local floor = tonumber(ARGV[1])
+if floor > current then current = floor end
+"""
+    + _EXHAUSTED
+    + """
+current = current + 1
+redis.call('SET', KEYS[1], current, 'KEEPTTL')
+return current
+"""
+)
+
+# a counter below what the caller knew (ARGV[1]) becomes known + 1; one at or above it stays
+RAISE_LUA = (
+    _READ_LUA
+    + """
+local known = tonumber(ARGV[1])
+if current < known then
+  current = known
+"""
+    + _EXHAUSTED
+    + """
+  current = known + 1
+  redis.call('SET', KEYS[1], current, 'KEEPTTL')
+end
+return current
+"""
+)
+
+
+def parse_generation(reply: Any) -> int:
+    """A counter's GET reply as a generation: a plain decimal of at most 2**53; a missing or
+    unreadable counter reads 0 (as the scripts read it)."""
+    raw = reply.encode() if isinstance(reply, str) else reply
+    if isinstance(raw, (bytes, bytearray)) and raw.isdigit() and raw.isascii():
+        width = len(_MAX_DIGITS)
+        if len(raw) < width or (len(raw) == width and bytes(raw) <= _MAX_DIGITS):
+            return int(raw)
+        return 0
+    if isinstance(raw, int) and 0 <= raw <= MAX_GENERATION:
+        return raw
+    return 0
+
+
+class Generations:
+    """The generation of one namespace, as this client knows it (thread-safe)."""
+
+    def __init__(self, transport: Transport, guard: Guard, keys: KeySpace) -> None:
+        self._transport = transport
+        self._guard = guard
+        self._keys = keys
+        self.key = keys.generation()
+        self._known = 0
+        self._lock = threading.Lock()
+        self._bump_script = transport.control.register_script(BUMP_LUA)
+        self._raise_script = transport.control.register_script(RAISE_LUA)
+        self._scripts_refused: StorePermissionError | None = None  # this user has no EVALSHA
+        self._left_below: Any = object()  # a lower counter this client could not raise
+
+    @property
+    def known(self) -> int:
+        """The highest generation this client has read or made (0 before any)."""
+        return self._known
+
+    def observe(self, reply: Any) -> int:
+        """Take a GET reply of the counter; returns the generation now known (never lower)."""
+        value = parse_generation(reply)
+        with self._lock:
+            if value > self._known:
+                self._known = value
+            known = self._known
+        if value < known:
+            return self._raise(known, reply)
+        return known
+
+    def _raise(self, known: int, reply: Any) -> int:
+        """The counter reads less than this client knows (or is missing): make it known + 1
+        (atomic; a reset made meanwhile wins). A user that may not write the counter (every
+        rule but the admin's) keeps its own generation and says so once: it loads nothing
+        named before it, but may disagree with other instances until the next reset. Neither
+        is tried again for the same reading: a lookup pays no extra round trips for it."""
+        if reply == self._left_below:
+            return known
+        if self._scripts_refused is None:
+            try:
+                value = self._guard.call(
+                    "EVALSHA", lambda: self._raise_script(keys=[self.key], args=[known])
+                )
+            except StorePermissionError as exc:
+                self._scripts_refused = exc
+            except KVStoreError:
+                return known  # Redis failing or slow: counted by the guard; the next read retries
+            else:
+                return self._adopt(parse_generation(value))
+        self._left_below = reply
+        logger.warning(
+            "kvstore: the namespace's generation counter %s, less than this client knows "
+            "(%d), and this user may not raise it (%s): this instance keeps generation %d; "
+            "instances may name blocks in different generations until `kvstore reset` (the "
+            "admin's ACL rule) makes them agree",
+            "is missing" if reply is None else f"reads {reply!r}"[:80],
+            known,
+            self._scripts_refused,
+            known,
+        )
+        return known
+
+    def _adopt(self, value: int) -> int:
+        with self._lock:
+            self._known = max(self._known, value)
+            return self._known
+
+    def read(self) -> int:
+        """Read the counter (one round trip); the generation now known."""
+
+        def fill(pipe: Any) -> None:
+            pipe.get(self.key)
+
+        return self.observe(self._guard.call("GET", lambda: self._transport.pipeline(fill))[0])
+
+    def bump(self) -> int:
+        """Start a new generation (atomic, one round trip); returns it."""
+        floor = self._known
+        new = self._guard.call("EVALSHA", lambda: self._bump_script(keys=[self.key], args=[floor]))
+        return self.observe(new)
+
+    def check_script(self) -> None:
+        """Run the raise script on the counter with nothing known (``check_access``): it
+        writes nothing, but the server checks the user may write the key the script declares.
+        Raises what the server refuses."""
+        self._raise_script(keys=[self.key], args=[0])
+
+    def sweep(self, below: int, stop: Callable[[], bool] = lambda: False) -> int:
+        """UNLINK this namespace's blocks (and claimed blocks) of generations before ``below``,
+        every fingerprint's, a SCAN page at a time; stops early when ``stop()`` says so.
+        Returns how many keys it unlinked."""
+        pattern = self._keys.namespace_pattern()
+        prefix = self._keys.prefix
+        unlinked = 0
+        batch: list[str] = []
+        scan = self._transport.control.scan_iter(match=pattern, count=SWEEP_BATCH)
+        for raw in scan:
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            parsed = parse_key(key, prefix)
+            if parsed and parsed.kind in ("block", "claim") and parsed.generation < below:
+                batch.append(key)
+            if len(batch) >= SWEEP_BATCH:
+                unlinked += self._unlink(batch)
+                batch = []
+                if stop():
+                    return unlinked
+        return unlinked + self._unlink(batch)
+
+    def _unlink(self, keys: list[str]) -> int:
+        return self._guard.call("UNLINK", lambda: self._transport.unlink(keys)) if keys else 0

@@ -1,0 +1,423 @@
+"""Receiving bulk-string replies straight into the caller's buffers, and sending values from
+where they lie.
+
+redis-py (with or without hiredis) turns every reply into a new ``bytes``: the socket's bytes
+are copied into the parser's buffer, then into the ``bytes`` object, and the caller copies them
+once more to where they belong. For multi-MiB values that is most of the cost of a read. This
+module reads the replies of pipelined ``GET`` / ``GETRANGE`` / ``GETDEL`` commands itself, with
+``recv_into`` into the destination: the bytes are copied once, by the kernel. redis-py keeps
+everything else -- connecting, TLS, AUTH/ACL, sending the commands, the pool.
+
+Writes go the other way: a ``SET`` is sent as a list of buffers -- the command's framing, then
+the value's pieces where they already are (pinned staging memory), with ``sendmsg`` -- so a
+value is never joined into one ``bytes`` first.
+
+Only the reply types those commands produce are understood: a bulk string, a nil (RESP2 ``$-1``
+or RESP3 ``_``) and an error -- and, for the claim script sent ahead of a consuming read
+(``claims``), an array of integers. Anything else raises ``InvalidResponse``; the caller then
+drops the connection, since its position in the stream is lost. Fuzzed against hiredis in
+``tests/integration/test_wire.py``.
+
+A socket timeout bounds each ``recv``, not a reply: a server (or a path) that sends a byte
+just before each timeout would hold a read for ever. So every reply has a deadline -- the
+socket timeout plus its size at :data:`MIN_BYTES_PER_S` -- and so has every send; past it
+``redis.exceptions.TimeoutError`` is raised (kvstore's ``StoreTimeoutError`` once translated)
+and the caller drops the connection, mid-reply as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import socket
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import redis.exceptions as rex
+
+try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
+    from redis._parsers.base import BaseParser
+
+    _parse_error = BaseParser.parse_error
+except ImportError:  # pragma: no cover - an older redis-py: the generic class
+    _parse_error = rex.ResponseError
+
+_SCRATCH_BYTES = 1 << 16
+_OK = b"+OK\r\n"
+_MAX_LINE = 1 << 12  # a reply's first line: "$<length>" or an error message
+_MAX_IOV = 512  # buffers per sendmsg: well under every platform's IOV_MAX (1024 on Linux)
+# The slowest transfer taken for a live server: a reply (or a send) must be done within the
+# socket timeout plus its size at this rate. Far below any network a KV cache pays off on,
+# so only a stalled or dripping peer reaches it.
+MIN_BYTES_PER_S = 1 << 20
+# A bulk string longer than its destination is drained, so the batch's other replies can be
+# read, only up to this size (within its deadline); a larger one -- no kvstore value is that
+# large -- fails the read at once, and the connection is dropped rather than drained.
+MAX_DRAIN_BYTES = 64 << 20
+# ... and only up to this many times what was asked for (at least MIN_DRAIN_BYTES): a value
+# planted under a popular block's key must not make every read of it pull 64 MiB from Redis
+DRAIN_FACTOR = 2
+MIN_DRAIN_BYTES = 1 << 20
+
+
+def drain_limit(asked: int) -> int:
+    """The longest reply that is drained when at most ``asked`` bytes were expected."""
+    return min(MAX_DRAIN_BYTES, max(DRAIN_FACTOR * asked, MIN_DRAIN_BYTES))
+
+
+_NO_TIMEOUT_S = 60.0  # a deadline's base on a socket without a timeout
+
+
+@dataclass(frozen=True)
+class Oversize:
+    """A bulk string longer than its destination; its bytes were read and dropped."""
+
+    length: int
+
+
+class ReplyReader:
+    """Reads replies from one connected socket, in order. Not thread-safe: one per connection
+    and thread."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(_SCRATCH_BYTES)
+        self._view = memoryview(self._buf)
+        self._start = 0  # unread bytes are self._buf[self._start : self._end]
+        self._end = 0
+        self._clock = _Deadline(sock)
+
+    def read_bulk_into(self, dest: memoryview) -> int | Oversize | None:
+        """Read one reply. A bulk string's bytes land in ``dest[:length]`` and its length is
+        returned; a nil returns None; one longer than ``dest`` is drained (never allocated) and
+        returns :class:`Oversize`. An error reply raises redis-py's ``ResponseError`` (the
+        stream stays usable)."""
+        self._clock.start(0)
+        try:
+            length = self._bulk_header(len(dest))
+            if isinstance(length, int):
+                self._take(dest[:length])
+                self._crlf()
+            return length
+        finally:
+            self._clock.stop()
+
+    def read_bulk_new(
+        self, limit: int, allocate: Callable[[int], memoryview] | None = None
+    ) -> memoryview | Oversize | None:
+        """Read one reply into a new, writable buffer of exactly its size from ``allocate``
+        (the kernel's copy is the only one). One longer than ``limit`` is drained, never
+        allocated, and returns :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
+        self._clock.start(0)
+        try:
+            length = self._bulk_header(limit)
+            if not isinstance(length, int):
+                return length
+            # not zero-filled, unlike bytearray(n): filling 2 MiB first made select 2x slower
+            dest = allocate(length) if allocate is not None else _new_buffer(length)
+            self._take(dest)
+            self._crlf()
+            return dest
+        finally:
+            self._clock.stop()
+
+    def _bulk_header(self, limit: int) -> int | Oversize | None:
+        """Read a reply's first line: a bulk string's length when it fits in ``limit`` (its
+        bytes are next in the stream), :class:`Oversize` (drained) when it does not, None for a
+        nil; an error reply raises. The reply's deadline grows by its length."""
+        line = self._line()
+        if line[:1] != b"$":
+            if line[:1] == b"_" and len(line) == 1:
+                return None
+            if line[:1] == b"-":
+                raise _parse_error(line[1:].decode(errors="replace"))
+            raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
+        try:
+            length = int(line[1:])
+        except ValueError:
+            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
+        if length < 0:
+            return None
+        self._clock.extend(length + 2)
+        if length > limit:
+            drainable = drain_limit(limit)
+            if length > drainable:
+                raise rex.InvalidResponse(
+                    f"a bulk reply of {length} bytes where at most {limit} were asked for: too "
+                    f"large to drain (over {drainable}), so the connection is dropped; "
+                    "delete the key if it is not kvstore's (`kvstore inspect KEY` shows it)"
+                )
+            self._skip(length + 2)
+            return Oversize(length)
+        return length
+
+    def read_status(self) -> bytes:
+        """Read one simple-string reply (``+OK``) and return its text; an error reply raises
+        redis-py's ``ResponseError`` (the stream stays usable)."""
+        self._clock.start(0)
+        try:
+            line = self._line()
+        finally:
+            self._clock.stop()
+        if line[:1] == b"+":
+            return line[1:]
+        if line[:1] == b"-":
+            raise _parse_error(line[1:].decode(errors="replace"))
+        raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
+
+    def read_int_array(self) -> list[int] | int | None:
+        """Read one reply that is an array of integers (a script's table of numbers), an
+        integer (a script's number) or a nil (its ``false``: RESP2 ``$-1`` / ``*-1``, RESP3
+        ``_``); an error reply raises redis-py's ``ResponseError`` (the stream stays usable)."""
+        self._clock.start(0)
+        try:
+            line = self._line()
+            if line in (b"$-1", b"*-1", b"_"):
+                return None
+            if line[:1] == b"-":
+                raise _parse_error(line[1:].decode(errors="replace"))
+            if line[:1] == b":":
+                return _integer(line)
+            if line[:1] != b"*":
+                raise rex.InvalidResponse(f"expected an array reply, got {line[:40]!r}")
+            try:
+                return [_integer(self._line()) for _ in range(int(line[1:]))]
+            except ValueError:
+                raise rex.InvalidResponse(f"bad array length {line[:40]!r}") from None
+        finally:
+            self._clock.stop()
+
+    def skip_ok(self, n: int) -> int:
+        """Consume up to ``n`` consecutive ``+OK`` replies (the answers to SETs) and return
+        how many; the first other reply is left unread, for :meth:`read_status`. Receives only
+        while the replies it has are all ``+OK``: one comparison per buffer instead of
+        parsing each reply (7 us each in Python, as much as framing a 64 KiB value)."""
+        self._clock.start(n * len(_OK))
+        try:
+            return self._skip_ok(n)
+        finally:
+            self._clock.stop()
+
+    def _skip_ok(self, n: int) -> int:
+        done = 0
+        while done < n:
+            if self._end - self._start < len(_OK):
+                if self._buf.startswith(_OK[: self._end - self._start], self._start, self._end):
+                    self._fill()  # a partial +OK, or nothing yet
+                    continue
+                return done
+            k = min(n - done, (self._end - self._start) // len(_OK))
+            if self._buf.startswith(_OK * k, self._start, self._end):
+                self._start += k * len(_OK)
+                done += k
+                continue
+            while self._buf.startswith(_OK, self._start, self._end):  # +OKs, then another reply
+                self._start += len(_OK)
+                done += 1
+            return done
+        return done
+
+    # -------------------------------------------------------------- the socket
+    def _recv_into(self, view: memoryview) -> int:
+        self._clock.before_io("reading a reply")
+        try:
+            n = self._sock.recv_into(view)
+        except TimeoutError:  # socket.timeout
+            raise self._clock.timed_out("reading a reply") from None
+        except OSError as exc:
+            raise rex.ConnectionError(f"error reading a reply: {exc}") from None
+        if n == 0:
+            raise rex.ConnectionError("the server closed the connection")
+        return n
+
+    def _fill(self) -> None:
+        """Receive more into the scratch buffer, moving unread bytes to its front first."""
+        unread = self._end - self._start
+        if self._start:
+            self._buf[:unread] = self._buf[self._start : self._end]
+            self._start, self._end = 0, unread
+        self._end += self._recv_into(self._view[self._end :])
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start : i])
+                self._start = i + 2
+                return line
+            if self._end - self._start > _MAX_LINE:
+                raise rex.InvalidResponse("a reply line is too long")
+            self._fill()
+
+    def _take(self, dest: memoryview) -> None:
+        """Fill ``dest`` exactly: what is buffered first, the rest straight from the socket."""
+        have = min(self._end - self._start, len(dest))
+        dest[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        pos = have
+        while pos < len(dest):
+            pos += self._recv_into(dest[pos:])
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self._start == self._end:
+                self._start = self._end = 0
+                self._fill()
+            step = min(n, self._end - self._start)
+            self._start += step
+            n -= step
+
+    def _crlf(self) -> None:
+        while self._end - self._start < 2:
+            self._fill()
+        if self._buf[self._start : self._start + 2] != b"\r\n":
+            raise rex.InvalidResponse("a bulk string is not followed by CRLF")
+        self._start += 2
+
+
+class _Deadline:
+    """The deadline of one reply (or send) on ``sock``: the socket's timeout plus its bytes at
+    :data:`MIN_BYTES_PER_S`. The socket's timeout is shortened to what is left only once
+    that is less than the timeout (near the end), and put back by :meth:`stop`: no extra
+    system call per ``recv`` in the common case."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        # duck-typed sockets (tests' fakes) may have no timeout to get or set
+        timeout = sock.gettimeout() if hasattr(sock, "gettimeout") else None
+        self._timeout: float | None = timeout
+        self._base_s = timeout if timeout else _NO_TIMEOUT_S
+        self._can_shorten = hasattr(sock, "settimeout")
+        self._shortened = False
+        self._budget_s = 0.0
+        self._at = math.inf
+
+    def start(self, nbytes: int) -> None:
+        self._budget_s = self._base_s + nbytes / MIN_BYTES_PER_S
+        self._at = time.monotonic() + self._budget_s
+
+    def extend(self, nbytes: int) -> None:
+        """The reply turned out to hold ``nbytes`` more (a bulk string's length, once read)."""
+        self._budget_s += nbytes / MIN_BYTES_PER_S
+        self._at += nbytes / MIN_BYTES_PER_S
+
+    def before_io(self, doing: str) -> None:
+        """Raise if the deadline has passed; else bound the next socket call by it."""
+        left = self._at - time.monotonic()
+        if left <= 0:
+            raise self.timed_out(doing)
+        if self._can_shorten and (self._timeout is None or left < self._timeout):
+            self._sock.settimeout(left)
+            self._shortened = True
+
+    def timed_out(self, doing: str) -> rex.TimeoutError:
+        if not self._shortened and time.monotonic() < self._at:  # the socket's own timeout
+            return rex.TimeoutError(f"timed out {doing}")
+        return rex.TimeoutError(
+            f"timed out {doing}: not done within {self._budget_s:.1f} s (the socket timeout "
+            f"plus {MIN_BYTES_PER_S >> 20} s per MiB); the server stalls or sends a few bytes "
+            "at a time, and the connection is dropped"
+        )
+
+    def stop(self) -> None:
+        """Put the socket's own timeout back, if it was shortened."""
+        if self._shortened:
+            self._shortened = False
+            with contextlib.suppress(OSError):  # a socket closed meanwhile
+                self._sock.settimeout(self._timeout)
+
+
+def _integer(line: bytes) -> int:
+    if line[:1] != b":":
+        raise rex.InvalidResponse(f"expected an integer reply, got {line[:40]!r}")
+    try:
+        return int(line[1:])
+    except ValueError:
+        raise rex.InvalidResponse(f"bad integer {line[:40]!r}") from None
+
+
+def pack_set(key: bytes, parts: Sequence[Any], px_ms: int | None) -> list[Any]:
+    """``SET key <parts joined> [PX px_ms]`` in RESP, as buffers to send back to back; the
+    value's parts are referenced, not copied."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    tail = b"\r\n"
+    if px_ms is not None:
+        px = str(int(px_ms)).encode()
+        tail += b"$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(px), px)
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+        3 if px_ms is None else 5,
+        len(key),
+        key,
+        size,
+    )
+    return [head, *parts, tail]
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
+    """Send ``buffers`` back to back: ``sendmsg`` in batches, resuming after partial sends. TLS
+    sockets have no ``sendmsg``; there each buffer goes through ``send`` (TLS copies it into
+    its records anyway). The whole send has a deadline, as a reply has: the socket timeout
+    bounds each call, and a peer reading a few bytes at a time would hold it for ever."""
+    clock = _Deadline(sock)
+    try:
+        views: list[memoryview] = []
+        for b in buffers:  # flat byte views, so a partial send can be resumed mid-buffer
+            v = memoryview(b)
+            if v.nbytes:
+                views.append(v if v.ndim == 1 and v.format == "B" else v.cast("B"))
+        clock.start(sum(v.nbytes for v in views))
+        if isinstance(sock, ssl.SSLSocket):
+            for v in views:
+                while v.nbytes:
+                    clock.before_io("sending a command")
+                    v = v[sock.send(v) :]
+            return
+        i = 0
+        while i < len(views):
+            batch = views[i : i + _MAX_IOV]
+            clock.before_io("sending a command")
+            sent = sock.sendmsg(batch)
+            for v in batch:  # drop what went out; a partial buffer stays, shortened
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    i += 1
+                else:
+                    views[i] = v[sent:]
+                    break
+    except TimeoutError:
+        raise clock.timed_out("sending a command") from None
+    except OSError as exc:
+        raise rex.ConnectionError(f"error sending a command: {exc}") from None
+    finally:
+        clock.stop()
+
+
+def raw_socket(conn: Any) -> socket.socket | None:
+    """A connected redis-py connection's socket; None for clients that have none (fakeredis)."""
+    sock = getattr(conn, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def parsed_reply_into(reply: Any, dest: memoryview | int) -> int | bytearray | Oversize | None:
+    """What ``ReplyReader.read_bulk_into`` (``dest`` a view) or ``read_bulk_new`` (``dest`` a
+    size limit) returns, for a reply redis-py already parsed."""
+    if reply is None:
+        return None
+    if isinstance(reply, Exception):
+        raise reply
+    limit = len(dest) if isinstance(dest, memoryview) else dest
+    if len(reply) > limit:
+        return Oversize(len(reply))
+    if isinstance(dest, int):
+        return bytearray(reply)  # writable, as read_bulk_new's: tensors may be views on it
+    dest[: len(reply)] = reply
+    return len(reply)
+
+
+def _new_buffer(nbytes: int) -> memoryview:
+    """A writable buffer that is not zero-filled."""
+    return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]

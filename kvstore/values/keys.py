@@ -1,0 +1,176 @@
+"""The Redis key format, defined once: built by the lookup buffer, parsed by the CLI.
+
+    <prefix>:<namespace>:<fingerprint>:<block hash>              one block's value
+    <prefix>:<namespace>:<fingerprint>:<block hash>:claim:<id>:{<block key>}
+                                                                 a block claimed by drop_select
+    <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
+    <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
+    <prefix>:<namespace>:<fingerprint>:doc:<document id>         a warmed document's record
+    <prefix>:<namespace>:generation                              the namespace's generation
+
+A block's hash names its generation (``generations``): ``<hash>`` in generation 0, the names
+blocks always had, ``<hash>@<n>`` after the n-th reset (``<hash>@<n>.g<group>`` for a hybrid
+model's groups). Only block hashes may hold "@".
+
+Braces are Redis Cluster hash tags. A handoff id sits in them, so every tensor-parallel rank's
+commit record of one handoff lives in one slot. A claim ends with its block's whole key in them,
+so it lives in its block's slot: the claim script renames a block within one slot. Block keys
+have no tag: a prompt's blocks spread over every shard.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgumentError
+
+DEFAULT_KEY_PREFIX = "kv"
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+BLOCK_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(@[0-9]+[A-Za-z0-9_.\-]*)?$")
+GENERATION_MARK = "@"
+CLAIM_MARKER = ":claim:"
+_HANDOFF = "handoff"
+_PROBE = "probe"
+_DOCUMENT = "doc"
+_GENERATION = "generation"
+
+
+def claim_key(block_key: str, claim_id: str) -> str:
+    """The private key a claim renames a block to (``claims.Claimer``)."""
+    return f"{block_key}{CLAIM_MARKER}{claim_id}:{{{block_key}}}"
+
+
+def check_name(what: str, name: object) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidArgumentError(
+            f"{what} must be a non-empty str of letters, digits, '_', '.', '-': got {name!r}"
+        )
+    return name
+
+
+def check_block_name(block_hash: object) -> str:
+    """A block hash: a name, with at most one generation mark ("@<n>") after its hash."""
+    if not isinstance(block_hash, str) or not BLOCK_NAME_RE.match(block_hash):
+        raise InvalidArgumentError(
+            "a block hash must be a non-empty str of letters, digits, '_', '.', '-' (and "
+            f"'@<generation>' after the hash): got {block_hash!r}"
+        )
+    return block_hash
+
+
+def at_generation(block_hash: str, generation: int) -> str:
+    """The name of ``block_hash``'s block saved in ``generation`` (unchanged in generation 0)."""
+    return f"{block_hash}{GENERATION_MARK}{generation}" if generation else block_hash
+
+
+def in_generation(block_name: str, generation: int) -> str:
+    """``block_name`` (``<hash>[@<n>][.g<group>]``) as named in ``generation``: the same block
+    saved after another reset."""
+    base, mark, rest = block_name.partition(GENERATION_MARK)
+    suffix = rest.lstrip("0123456789") if mark else ""
+    return at_generation(base, generation) + suffix
+
+
+def generation_of(block_name: str) -> int:
+    """The generation a block's name (``<hash>[@<n>][.g<group>]``) was saved in."""
+    _, mark, rest = block_name.partition(GENERATION_MARK)
+    if not mark:
+        return 0
+    digits = re.match(r"[0-9]+", rest)
+    return int(digits.group()) if digits else 0
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """The keys of one (prefix, namespace, fingerprint)."""
+
+    prefix: str
+    namespace: str
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        check_name("key_prefix", self.prefix)
+        check_name("namespace", self.namespace)
+        check_name("fingerprint", self.fingerprint)
+
+    def _base(self, fingerprint: str | None) -> str:
+        return f"{self.prefix}:{self.namespace}:{fingerprint or self.fingerprint}"
+
+    def block(self, block_hash: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{check_block_name(block_hash)}"
+
+    def fingerprints(self, given: Sequence[str] | None) -> list[str]:
+        """``given`` (e.g. one per slice of a model's KV heads), or this space's own fingerprint."""
+        return list(given) if given else [self.fingerprint]
+
+    def blocks(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:
+        """The keys of a non-empty list of block hashes."""
+        if isinstance(hashes, str) or not isinstance(hashes, Sequence):
+            raise InvalidArgumentError(
+                f"expected a list of block hashes, got {type(hashes).__name__}"
+            )
+        if not hashes:
+            raise InvalidArgumentError("the list of block hashes is empty")
+        return [self.block(h, fingerprint) for h in hashes]
+
+    def handoff(self, handoff_id: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{_HANDOFF}:{{{check_name('handoff id', handoff_id)}}}"
+
+    def probe(self, token: str) -> str:
+        return f"{self._base(None)}:{_PROBE}:{token}"
+
+    def document(self, document_id: str, fingerprint: str | None = None) -> str:
+        return f"{self._base(fingerprint)}:{_DOCUMENT}:{check_name('document id', document_id)}"
+
+    def generation(self) -> str:
+        """The namespace's generation counter (one for every fingerprint: a reset is the
+        namespace's)."""
+        return f"{self.prefix}:{self.namespace}:{_GENERATION}"
+
+    def namespace_pattern(self) -> str:
+        """The SCAN pattern of every key of this namespace, every fingerprint's."""
+        return f"{self.prefix}:{self.namespace}:*"
+
+    def pattern(self, fingerprint: str | None = None) -> str:
+        """The SCAN / redis-cli pattern of every key of this space."""
+        return f"{self._base(fingerprint)}:*"
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    kind: str  # "block", "claim", "handoff", "probe", "document", "generation"
+    namespace: str
+    fingerprint: str  # "" for the namespace's generation counter
+    name: str  # the block hash, or the handoff / probe / document id
+
+    @property
+    def generation(self) -> int:
+        """The generation a block (or a claimed block) was saved in; 0 for other keys."""
+        return generation_of(self.name) if self.kind in ("block", "claim") else 0
+
+
+def parse_key(key: str, prefix: str = DEFAULT_KEY_PREFIX) -> ParsedKey | None:
+    """What a key is, or None for a key that is not kvstore's."""
+    if CLAIM_MARKER in key:  # <block key>:claim:<id>:{<block key>}
+        block_key, _, claim = key.partition(CLAIM_MARKER)
+        block = parse_key(block_key, prefix)
+        if block is None or block.kind != "block" or not claim.endswith(f":{{{block_key}}}"):
+            return None
+        return ParsedKey("claim", block.namespace, block.fingerprint, block.name)
+    parts = key.split(":")
+    if len(parts) == 3 and parts[0] == prefix and parts[2] == _GENERATION:
+        return ParsedKey("generation", parts[1], "", "")
+    if len(parts) < 4 or parts[0] != prefix:
+        return None
+    ns, fp, rest = parts[1], parts[2], parts[3:]
+    if len(rest) == 1:
+        return ParsedKey("block", ns, fp, rest[0])
+    if len(rest) == 2 and rest[0] == _HANDOFF:
+        return ParsedKey("handoff", ns, fp, rest[1].strip("{}"))
+    if len(rest) == 2 and rest[0] == _PROBE:
+        return ParsedKey("probe", ns, fp, rest[1])
+    if len(rest) == 2 and rest[0] == _DOCUMENT:
+        return ParsedKey("document", ns, fp, rest[1])
+    return None

@@ -1,0 +1,213 @@
+"""kvstore against real redis-servers that misbehave: ACL users missing a permission, a full
+server, a read-only replica, a server that is killed, paused or stopped (SIGSTOP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+import torch
+
+from kvstore import (
+    Claim,
+    LookupBuffer,
+    StoreCircuitOpenError,
+    StoreCommandError,
+    StoreOutOfMemoryError,
+    StorePermissionError,
+    StoreTimeoutError,
+    StoreTopologyError,
+    StoreUnavailableError,
+    chain_hashes,
+)
+from kvstore.fleet.access import ACCESS, acl_rule
+from testing.redis_server import RedisServer
+
+pytestmark = pytest.mark.redis
+
+HASHES = chain_hashes(list(range(16 * 8)), 16)
+ALL_OPS = list(ACCESS)
+
+
+def block(i: int) -> dict[str, torch.Tensor]:
+    return {"kv": torch.full((2, 16, 8), float(i))}
+
+
+def without(rule: str, command: str) -> str:
+    drop = "+" + command.lower().replace(" ", "|")
+    return " ".join(t for t in rule.split() if t != drop)
+
+
+def acl_user(server: RedisServer, name: str, rule: str) -> str:
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *rule.split())
+    admin.close()
+    return f"redis://{name}:pw@127.0.0.1:{server.port}/0"
+
+
+def keys_without_ttl(server: RedisServer) -> list[bytes]:
+    admin = redis.Redis.from_url(server.url)
+    return [k for k in admin.scan_iter("kv:*") if admin.pttl(k) == -1]
+
+
+def test_the_documented_rule_is_enough_for_every_operation(private_redis: RedisServer) -> None:
+    url = acl_user(private_redis, "full", acl_rule(ALL_OPS, "acl"))
+    with LookupBuffer.from_url(url, namespace="acl", ttl_s=60) as buf:
+        buf.check_access(ALL_OPS)
+        buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
+        buf.publish_handoff("h1", 3)
+        assert buf.read_handoff("h1", HASHES[:4]).committed == 3
+        assert buf.claim_handoff("h1") == Claim.WON
+        assert buf.longest_prefix(HASHES) == 3 and buf.select(HASHES[:1])[0] is not None
+        assert buf.drop_select(HASHES[:2])[1] is not None
+        assert buf.delete(HASHES[2:3]) == 1
+    assert keys_without_ttl(private_redis) == []
+
+
+@pytest.mark.parametrize("missing", sorted({c for cs in ACCESS.values() for c in cs}))
+def test_a_missing_permission_is_named_at_startup(private_redis: RedisServer, missing: str) -> None:
+    rule = without(acl_rule(ALL_OPS, "acl"), missing)
+    url = acl_user(private_redis, "partial", rule)
+    with (
+        LookupBuffer.from_url(url, namespace="acl", check=False) as buf,
+        pytest.raises(StorePermissionError) as info,
+    ):
+        buf.check_access(ALL_OPS)
+    assert missing in str(info.value) and "ACL SETUSER" in str(info.value)
+    assert keys_without_ttl(private_redis) == []  # the probe left nothing behind for good
+
+
+def test_a_key_pattern_outside_the_acl_is_a_permission_error(private_redis: RedisServer) -> None:
+    url = acl_user(private_redis, "other", acl_rule(ALL_OPS, "other"))
+    with LookupBuffer.from_url(url, namespace="acl", check=False) as buf:
+        with pytest.raises(StorePermissionError, match="SET"):
+            buf.check_access(["insert"])
+        with pytest.raises(StorePermissionError):
+            buf.insert(HASHES[0], block(0))
+
+
+@pytest.mark.parametrize(
+    ("missing", "error"), [("strlen", StoreCommandError), ("rename", StorePermissionError)]
+)
+def test_drop_select_without_a_script_permission_fails_loudly_and_strands_nothing(
+    private_redis: RedisServer, missing: str, error: type[Exception]
+) -> None:
+    with LookupBuffer.from_url(private_redis.url, namespace="acl", ttl_s=60) as admin:
+        admin.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
+    rule = without(acl_rule(ALL_OPS, "acl"), missing)
+    url = acl_user(private_redis, "nope", rule)
+    # never silent misses: a refused command inside the claim script is an error, raised
+    # before the script changed anything (a refused RENAME: by redis.acl_check_cmd)
+    with LookupBuffer.from_url(url, namespace="acl") as buf, pytest.raises(error):
+        buf.drop_select(HASHES[:3])
+    assert keys_without_ttl(private_redis) == []
+    with LookupBuffer.from_url(private_redis.url, namespace="acl") as admin:
+        assert all(g is not None for g in admin.select(HASHES[:3]))  # all still in place
+
+
+def test_a_full_server_is_an_out_of_memory_error(private_redis: RedisServer) -> None:
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", str(int(admin.info("memory")["used_memory"]) + 100_000))
+    with LookupBuffer.from_url(private_redis.url, namespace="oom") as buf:
+        with pytest.raises(StoreOutOfMemoryError, match="maxmemory-policy"):
+            for i in range(50):
+                buf.insert(HASHES[i % 8], {"kv": torch.zeros(64 << 10)})
+        assert buf.available  # a full server is not a down server: the breaker stays closed
+
+
+def test_writing_to_a_replica_is_a_topology_error(redis_server: RedisServer) -> None:
+    replica_of = ["--replicaof", "127.0.0.1", str(redis_server.port)]
+    with (
+        RedisServer(extra_args=replica_of) as replica,
+        LookupBuffer.from_url(replica.url, namespace="ro") as buf,
+        pytest.raises(StoreTopologyError, match="read-only replica"),
+    ):
+        buf.insert(HASHES[0], block(0))
+
+
+def _fails_fast(op: object, within_s: float = 0.05) -> float:
+    t0 = time.perf_counter()
+    with pytest.raises(StoreCircuitOpenError):
+        op()  # type: ignore[operator]
+    took = time.perf_counter() - t0
+    assert took < within_s, took
+    return took
+
+
+def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
+    private_redis: RedisServer,
+) -> None:
+    buf = LookupBuffer.from_url(private_redis.url, namespace="brk", breaker_probe_s=0.1)
+    buf.insert(HASHES[0], block(0))
+    private_redis.kill()
+    for _ in range(3):
+        with pytest.raises(StoreUnavailableError):
+            buf.longest_prefix(HASHES)
+    assert not buf.available and buf.stats().breaker_opens == 1
+    _fails_fast(lambda: buf.select(HASHES[:1]))
+    _fails_fast(lambda: buf.insert(HASHES[1], block(1)))
+    private_redis.start()
+    assert buf.breaker.wait_closed(5)
+    buf.insert(HASHES[0], block(0))
+    assert buf.longest_prefix(HASHES) == 1
+    buf.close()
+
+
+@pytest.mark.parametrize("hang", ["sigstop", "client-pause"])
+def test_a_hung_server_costs_one_control_timeout_then_nothing(
+    private_redis: RedisServer, hang: str
+) -> None:
+    buf = LookupBuffer.from_url(
+        private_redis.url,
+        namespace="hung",
+        socket_timeout_s=2,
+        control_timeout_s=0.2,
+        breaker_probe_s=0.1,
+    )
+    buf.insert(HASHES[0], block(0))
+    assert private_redis.proc is not None
+    if hang == "sigstop":
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    else:
+        redis.Redis.from_url(private_redis.url).execute_command("CLIENT", "PAUSE", 3000, "ALL")
+    try:
+        t0 = time.perf_counter()
+        for _ in range(3):
+            with pytest.raises(StoreTimeoutError):
+                buf.longest_prefix(HASHES)
+        assert time.perf_counter() - t0 < 3 * 0.2 + 0.5  # the control timeout, not 2 s
+        _fails_fast(lambda: buf.longest_prefix(HASHES))
+    finally:
+        if hang == "sigstop":
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+    assert buf.breaker.wait_closed(5)
+    assert buf.longest_prefix(HASHES) == 1
+    buf.close()
+
+
+def test_a_new_connection_to_a_hung_server_costs_one_timeout_not_a_retry_storm(
+    private_redis: RedisServer,
+) -> None:
+    """redis-py 8 retries a failed connect 10 times with backoff by default: a lookup on a
+    fresh connection to a stopped server took seconds instead of one timeout."""
+    assert private_redis.proc is not None
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        buf = LookupBuffer.from_url(
+            private_redis.url,
+            namespace="hung",
+            connect_timeout_s=0.3,
+            control_timeout_s=0.3,
+            check=False,
+        )
+        t0 = time.perf_counter()
+        with pytest.raises((StoreTimeoutError, StoreUnavailableError)):
+            buf.longest_prefix(HASHES)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    buf.close()

@@ -1,0 +1,475 @@
+"""The bulk-reply reader against hiredis (redis-py's parser) on random reply streams cut into
+random chunks, and on a real redis-server."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import hiredis
+import pytest
+import redis
+from redis.exceptions import InvalidResponse, ResponseError
+
+from kvstore.errors import StoreTimeoutError
+from kvstore.net.connection import make_client, parse_url, translated_errors
+from kvstore.net.transport import Transport
+from kvstore.net.wire import Oversize, ReplyReader, pack_set, send_buffers
+
+
+class ChunkedSocket:
+    """A socket whose recv_into hands out a byte stream in the chunk sizes it was given."""
+
+    def __init__(self, data: bytes, rng: random.Random) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+        self.rng = rng
+
+    def recv_into(self, view: memoryview) -> int:
+        n = min(
+            len(view), len(self.data) - self.pos, self.rng.choice([1, 2, 7, 100, 4096, 1 << 20])
+        )
+        view[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def random_reply(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.1:
+        return b"$-1\r\n"
+    if kind < 0.15:
+        return b"_\r\n"
+    if kind < 0.2:
+        return b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n"
+    size = rng.choice([0, 1, 2, 13, 4095, 65536, 65537, 200_000])
+    body = bytes(rng.getrandbits(8) for _ in range(min(size, 64))) * (size // 64 + 1)
+    body = body[:size].replace(b"x", b"\r\n"[: rng.randint(0, 2)] or b"x")[:size]
+    body = body.ljust(size, b"\n")
+    return b"$%d\r\n%s\r\n" % (len(body), body)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_reply_streams_parse_like_hiredis(seed: int) -> None:
+    rng = random.Random(seed)
+    replies = [random_reply(rng) for _ in range(rng.randint(1, 30))]
+    stream = b"".join(replies)
+    reference = hiredis.Reader()
+    reference.feed(stream)
+    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
+    for _ in replies:
+        want = reference.gets()
+        capacity = rng.choice([0, 10, 4096, 70_000, 300_000])
+        dest = memoryview(bytearray(capacity))
+        if isinstance(want, hiredis.ReplyError):
+            with pytest.raises(ResponseError, match="WRONGTYPE"):
+                reader.read_bulk_into(dest)
+            continue
+        got = reader.read_bulk_into(dest)
+        if want is None:
+            assert got is None
+        elif len(want) > capacity:
+            assert got == Oversize(len(want))
+        else:
+            assert got == len(want) and bytes(dest[: len(want)]) == want
+    assert reference.gets() is False  # both consumed the whole stream
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"+OK\r\n", b":12\r\n", b"$abc\r\n", b"$3\r\nabcXY", b"*2\r\n"]
+)
+def test_replies_other_than_bulk_strings_are_refused(garbage: bytes) -> None:
+    reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse):
+        reader.read_bulk_into(memoryview(bytearray(16)))
+
+
+@pytest.mark.redis
+def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    values = [bytes(random.Random(i).getrandbits(8) for _ in range(1000)) * i for i in range(6)]
+    for i, v in enumerate(values):
+        client.set(f"k{i}", v)
+    client.lpush("list", "x")
+    conn = client.connection_pool.get_connection()
+    try:
+        keys = [f"k{i}" for i in range(len(values))] + ["missing", "list"]
+        conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
+        reader = ReplyReader(conn._sock)  # type: ignore[arg-type]
+        for v in values:
+            dest = bytearray(len(v) + 5)
+            assert reader.read_bulk_into(memoryview(dest)) == len(v) and dest[: len(v)] == v
+        assert reader.read_bulk_into(memoryview(bytearray(8))) is None
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            reader.read_bulk_into(memoryview(bytearray(8)))
+        assert conn.send_command("PING") is None and conn.read_response() == b"PONG"  # in sync
+    finally:
+        client.connection_pool.release(conn)
+
+
+class TrickleSocket:
+    """A socket whose sendmsg takes a random prefix of what it is offered (partial sends)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.sent = bytearray()
+        self.rng = rng
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        offered = b"".join(bytes(b) for b in buffers)
+        n = self.rng.randint(1, len(offered))
+        self.sent += offered[:n]
+        return n
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_set_commands_sent_in_pieces_equal_redis_pys_packing(seed: int) -> None:
+    """What ``pack_set`` + ``send_buffers`` put on the wire, through random partial sends, is
+    byte for byte what redis-py sends for the same SET."""
+    rng = random.Random(seed)
+    conn = redis.Connection()
+    sock = TrickleSocket(rng)
+    want = b""
+    buffers: list[object] = []
+    for _ in range(rng.randint(1, 8)):
+        key = b"kv:%d" % rng.getrandbits(32)
+        parts = [
+            bytes(rng.getrandbits(8) for _ in range(rng.choice([0, 1, 5, 300])))
+            for _ in range(rng.randint(1, 40))
+        ]
+        px = rng.choice([None, 1, 3_600_000])
+        args = ("SET", key, b"".join(parts)) + (() if px is None else ("PX", px))
+        want += b"".join(conn.pack_command(*args))
+        buffers += pack_set(key, [memoryview(p) for p in parts], px)
+    send_buffers(sock, buffers)  # type: ignore[arg-type]
+    assert bytes(sock.sent) == want
+
+
+def test_status_replies_and_errors() -> None:
+    stream = (
+        b"+OK\r\n-OOM command not allowed when used memory > 'maxmemory'.\r\n+OK\r\n$1\r\nx\r\n"
+    )
+    reader = ReplyReader(ChunkedSocket(stream, random.Random(0)))  # type: ignore[arg-type]
+    assert reader.read_status() == b"OK"
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # typed as redis-py types it
+        reader.read_status()
+    assert reader.read_status() == b"OK"  # the stream stays usable after an error reply
+    with pytest.raises(InvalidResponse):
+        reader.read_status()
+
+
+def random_status(rng: random.Random) -> bytes:
+    kind = rng.random()
+    if kind < 0.7:
+        return b"+OK\r\n"
+    if kind < 0.8:
+        return b"+QUEUED\r\n"
+    if kind < 0.9:
+        return b"-MOVED 3999 127.0.0.1:6381\r\n"
+    return b"-OOM command not allowed when used memory > 'maxmemory'.\r\n"
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_skipping_ok_replies_reads_a_stream_as_hiredis_does(seed: int) -> None:
+    # SET replies are consumed by skip_ok (runs of +OK) and read_status (anything else),
+    # as the transport does; each must be what hiredis parses, and the stream must stay in step
+    rng = random.Random(seed)
+    replies = [random_status(rng) for _ in range(rng.randint(1, 60))]
+    stream = b"".join(replies) + b"$1\r\nx\r\n"  # a marker after the replies: never consumed
+    reference = hiredis.Reader()
+    reference.feed(stream)
+    want = [reference.gets() for _ in replies]
+    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
+    got: list[object] = []
+    while len(got) < len(replies):
+        got.extend([b"OK"] * reader.skip_ok(len(replies) - len(got)))
+        if len(got) < len(replies):
+            try:
+                got.append(reader.read_status())
+            except ResponseError as exc:  # redis-py's classes drop a known code (OOM)
+                got.append(("error", str(exc)))
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, hiredis.ReplyError):
+            assert isinstance(g, tuple) and str(w).endswith(g[1])
+        else:
+            assert g == w
+    assert reader.read_bulk_into(memoryview(bytearray(4))) == 1  # the marker, in step
+
+
+def random_claim_reply(rng: random.Random) -> bytes:
+    """What a claim script answers: a table of numbers, a nil (its ``false``), or an error."""
+    kind = rng.random()
+    if kind < 0.1:
+        return rng.choice([b"$-1\r\n", b"*-1\r\n", b"_\r\n"])
+    if kind < 0.2:
+        return rng.choice(
+            [b"-NOSCRIPT No matching script. Please use EVAL.\r\n", b"-NOPERM no RENAME\r\n"]
+        )
+    values = [rng.choice([0, 1, 2, 3, -1, 65536, 2**40]) for _ in range(rng.randint(0, 40))]
+    return b"*%d\r\n" % len(values) + b"".join(b":%d\r\n" % v for v in values)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_claim_replies_read_as_hiredis_reads_them(seed: int) -> None:
+    # each claim reply is followed by a GET's bulk reply, as a consuming read sends them:
+    # the stream must stay in step
+    rng = random.Random(seed)
+    replies = [random_claim_reply(rng) for _ in range(rng.randint(1, 20))]
+    stream = b"".join(r + b"$2\r\nok\r\n" for r in replies)
+    reference = hiredis.Reader()
+    reference.feed(stream)
+    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
+    for _ in replies:
+        want = reference.gets()
+        if isinstance(want, hiredis.ReplyError):
+            with pytest.raises(ResponseError) as raised:
+                reader.read_int_array()
+            assert str(want).endswith(str(raised.value))
+        else:
+            assert reader.read_int_array() == want
+        assert reference.gets() == b"ok"
+        dest = memoryview(bytearray(2))
+        assert reader.read_bulk_into(dest) == 2 and bytes(dest) == b"ok"
+    assert reference.gets() is False
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"+OK\r\n", b"$3\r\nabc\r\n", b"*2\r\n:1\r\n$1\r\nx\r\n", b"*x\r\n", b"*1\r\n:z\r\n"],
+)
+def test_claim_replies_of_another_shape_are_refused(garbage: bytes) -> None:
+    reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse):
+        reader.read_int_array()
+
+
+# ---------------------------------------------------------------- dripping servers
+def _commands(buf: bytearray) -> list[list[bytes]]:
+    """Take the whole RESP commands (arrays of bulk strings) off the front of ``buf``."""
+    out = []
+    while True:
+        pos, args = 0, []
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return out
+        count, pos = int(buf[1:end]), end + 2
+        for _ in range(count):
+            end = buf.find(b"\r\n", pos)
+            if end < 0:
+                return out
+            size = int(buf[pos + 1 : end])
+            if len(buf) < end + 2 + size + 2:
+                return out
+            args.append(bytes(buf[end + 2 : end + 2 + size]))
+            pos = end + 2 + size + 2
+        del buf[:pos]
+        out.append(args)
+
+
+# what Redis answers to redis-py's handshake (RESP3); anything else gets +OK
+_HANDSHAKE = {b"PING": b"+PONG\r\n", b"HELLO": b"%1\r\n$5\r\nproto\r\n:3\r\n"}
+
+
+class DripServer:
+    """A loopback server. To a GET or GETRANGE (or at once, with ``at_once``) it answers
+    ``head``, then ``drip`` one byte every ``every_s`` seconds (over and over), for as long as
+    the client listens; to redis-py's handshake what Redis answers. One connection at a
+    time."""
+
+    def __init__(
+        self, head: bytes, *, at_once: bool = False, drip: bytes = b"x", every_s: float = 0.05
+    ) -> None:
+        self.head, self.at_once, self.drip, self.every_s = head, at_once, drip, every_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = threading.Event()
+        self.dripping = threading.Event()  # set once a reply has started dripping
+        self.thread = threading.Thread(target=self._serve, name="drip-server", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # the listener was closed: stop
+                return
+            with conn:
+                self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        buf = bytearray()
+        try:
+            while not self.at_once:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                for command in _commands(buf):
+                    name = command[0].upper()
+                    if name in (b"GET", b"GETRANGE"):
+                        self._drip(conn)
+                        return
+                    conn.sendall(_HANDSHAKE.get(name, b"+OK\r\n"))
+            self._drip(conn)
+        except OSError:  # the client hung up: what it should do
+            return
+
+    def _drip(self, conn: socket.socket) -> None:
+        conn.sendall(self.head)
+        self.dripping.set()
+        i = 0
+        while not self.stopped.wait(self.every_s):
+            conn.sendall(self.drip[i % len(self.drip) : i % len(self.drip) + 1])
+            i += 1
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def drip_server(request: pytest.FixtureRequest) -> Iterator[DripServer]:
+    head, at_once, *drip = request.param
+    server = DripServer(head, at_once=at_once, drip=drip[0] if drip else b"x")
+    yield server
+    server.close()
+
+
+def _ends(call: Callable[[], object], within_s: float = 10.0) -> BaseException | object:
+    """Run ``call`` on a thread and wait for it to end (the server's close ends it if the code
+    under test would wait for ever); what it returned or raised."""
+    done = threading.Event()
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # the outcome under test
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="drip-reader", daemon=True)
+    worker.start()
+    try:
+        assert done.wait(within_s), "the read did not end: a dripping server held it"
+    finally:
+        _ends.workers.append(worker)  # type: ignore[attr-defined]
+    return outcome[0]
+
+
+_ends.workers = []  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_reader_threads() -> Iterator[None]:
+    yield
+    while _ends.workers:  # type: ignore[attr-defined]
+        worker = _ends.workers.pop()  # type: ignore[attr-defined]
+        worker.join(10)
+        assert not worker.is_alive()
+
+
+def _connected(server: DripServer, timeout_s: float) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(timeout_s)  # as redis-py's socket_timeout
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("drip_server", "read"),
+    [
+        # a value that fits: received straight into its destination
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_into(memoryview(bytearray(200_000)))),
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_new(200_000)),
+        # an oversized one: drained, not allocated
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_into(memoryview(bytearray(16)))),
+        ((b"$100000\r\n", True), lambda r: r.read_bulk_new(16)),
+        # status and array replies too
+        ((b"+O", True), lambda r: r.read_status()),
+        ((b"", True, b"+OK\r\n"), lambda r: r.skip_ok(1000)),
+        ((b"*3\r\n:1\r\n", True), lambda r: r.read_int_array()),
+    ],
+    indirect=["drip_server"],
+)
+def test_a_reply_dripped_a_byte_at_a_time_ends_with_a_timeout(
+    drip_server: DripServer, read: Callable[[ReplyReader], object]
+) -> None:
+    """Issue: the socket timeout bounded each recv, not the reply: a server sending a byte
+    every 50 ms (under the 0.2 s timeout) held a 100 kB read for 80 minutes."""
+    with _connected(drip_server, 0.2) as sock:
+        reader = ReplyReader(sock)
+        got = _ends(lambda: read(reader))
+        # (whether the reply's deadline or, on a slow machine, one recv's timeout ended it)
+        assert isinstance(got, redis.exceptions.TimeoutError), got
+        assert sock.gettimeout() == 0.2  # its own timeout is back
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000000\r\n", True)], indirect=True)
+def test_a_bulk_reply_too_large_to_drain_fails_at_once_without_draining(
+    drip_server: DripServer,
+) -> None:
+    with _connected(drip_server, 0.2) as sock:
+        got = _ends(lambda: ReplyReader(sock).read_bulk_into(memoryview(bytearray(16))))
+        assert isinstance(got, InvalidResponse) and "too large to drain" in str(got)
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000\r\n", False)], indirect=True)
+@pytest.mark.parametrize("dest", [16, 200_000])  # oversized (drained) or fitting
+def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_connection(
+    drip_server: DripServer, dest: int
+) -> None:
+    address = parse_url(f"redis://127.0.0.1:{drip_server.port}/0")
+    client = make_client(address, socket_timeout_s=0.2, connect_timeout_s=5)
+    transport = Transport(client, threads=1)
+    transport.owns_clients = True
+
+    def read() -> object:
+        with translated_errors(address.safe_url, "GET"):
+            return transport.get_values([("GET", b"k")], [memoryview(bytearray(dest))])
+
+    try:
+        got = _ends(read)
+        assert drip_server.dripping.is_set()
+        assert isinstance(got, StoreTimeoutError), got
+        pool = client.connection_pool
+        # not returned to the pool mid-reply: every connection it holds is closed
+        assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+    finally:
+        transport.close()
+
+
+class SlowReadingSocket:
+    """A peer that takes one byte per sendmsg, each just within the socket timeout."""
+
+    def __init__(self) -> None:
+        self.timeout: float | None = 0.05
+        self.sent = 0
+        self.closed = threading.Event()
+
+    def gettimeout(self) -> float | None:
+        return self.timeout
+
+    def settimeout(self, timeout: float | None) -> None:
+        self.timeout = timeout
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        if self.closed.wait(0.001):  # a slow peer: each call returns before the timeout
+            raise OSError("closed")
+        self.sent += 1
+        return 1
+
+
+def test_a_peer_reading_a_byte_at_a_time_ends_a_send_with_a_timeout() -> None:
+    sock = SlowReadingSocket()
+    buffers = pack_set(b"k", [memoryview(bytes(100_000))], None)
+    try:
+        got = _ends(lambda: send_buffers(sock, buffers))  # type: ignore[arg-type]
+    finally:
+        sock.closed.set()  # ends a send the code under test would not end
+    assert isinstance(got, redis.exceptions.TimeoutError) and "dropped" in str(got)
+    assert 0 < sock.sent < 100_000 and sock.timeout == 0.05

@@ -1,0 +1,61 @@
+"""The circuit breaker's states, with a probe we control."""
+
+from __future__ import annotations
+
+import threading
+
+from kvstore.net.breaker import CircuitBreaker
+
+
+def test_opens_after_the_threshold_and_a_success_in_between_resets_the_count() -> None:
+    b = CircuitBreaker(lambda: None, failure_threshold=3, probe_interval_s=60)
+    b.record_failure("x")
+    b.record_failure("x")
+    b.record_success()
+    b.record_failure("x")
+    b.record_failure("x")
+    assert b.allow()
+    b.record_failure("x")
+    assert not b.allow() and b.opens == 1
+    b.stop()
+
+
+def test_a_probe_lets_calls_through_and_one_failure_then_reopens_it() -> None:
+    healthy = threading.Event()
+
+    def probe() -> None:
+        if not healthy.is_set():
+            raise ConnectionError("down")
+
+    b = CircuitBreaker(probe, failure_threshold=3, probe_interval_s=0.02)
+    for _ in range(3):
+        b.record_failure("refused")
+    assert not b.allow()
+    assert not b.wait_closed(0.1)  # probes fail: it stays open
+    healthy.set()
+    assert b.wait_closed(2) and b.allow()
+    b.record_failure("flapping")  # half-open: one failure is enough
+    assert not b.allow() and b.opens == 2
+    assert b.wait_closed(2)
+    b.record_success()  # now closed for real: it takes the full count again
+    b.record_failure("x")
+    assert b.allow()
+    b.stop()
+
+
+def test_a_caller_can_probe_now_instead_of_waiting_for_the_background_probe() -> None:
+    """Issue 38, item 8: after a restart, calls were refused until the background probe (every
+    ``probe_interval_s``) succeeded; a caller had no way to ask sooner."""
+    healthy = threading.Event()
+
+    def probe() -> None:
+        if not healthy.is_set():
+            raise ConnectionError("down")
+
+    b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=3600)  # (never, here)
+    b.record_failure("refused")
+    assert not b.probe_now() and not b.allow() and "down" in b.last_error
+    healthy.set()
+    assert b.probe_now() and b.allow()
+    assert b.probe_now()  # closed: nothing to do
+    b.stop()

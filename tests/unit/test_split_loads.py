@@ -1,0 +1,429 @@
+"""Split loads (``load_policy: split``) on vLLM's real Scheduler with the real connector on both
+sides (``testing.sim_engine``): the first blocks of a hit land band of layers by band of layers
+during the forward pass that computes the rest of the prompt. Besides each test's assertions,
+every test checks that each loaded block was written only while its request held it and only
+into layers that had not run yet, that each layer found its loaded blocks in place when it
+ran, and that the connector holds nothing once the requests are gone."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.request import RequestStatus
+
+from kvstore import LookupBuffer
+from kvstore.values.keys import parse_key
+from testing.scheduler_harness import BS, LAYERS
+from testing.sim_engine import SimEngine
+from tests.unit.test_request_lifecycle import produce
+
+pytestmark = pytest.mark.vllm
+
+URL = "redis://fake:6379/0"
+# one layer's block is 16 KiB here: bands of one layer each
+SPLIT = {"load_policy": "split", "split_band_bytes": 16 << 10}
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def v1_model_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits need vLLM's V1 model runner (vLLM #49250), which a vLLM with Triton (0.33's
+    CUDA wheel) would not pick by default."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+@pytest.fixture
+def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
+    made: list[SimEngine] = []
+
+    def make(role: str = "kv_both", **kw: Any) -> SimEngine:
+        kw.setdefault("deadline_s", 30)
+        kw.setdefault("lookup_wait_s", 0.02)
+        e = SimEngine(tiny_model, role, URL, **kw)  # type: ignore[arg-type]
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        if not e.sched.has_requests():
+            e.settle()
+            assert not e.leftovers(), e.leftovers()
+        e.shutdown()
+    for e in made:
+        e.assert_clean()
+
+
+def saved(engines: Any, tokens: list[int], **kw: Any) -> SimEngine:
+    writer = engines(**kw)
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    return writer
+
+
+def evicting(store: LookupBuffer, client: fakeredis.FakeRedis, position: int) -> None:
+    """The block at ``position`` of the next split is evicted between its lookup and its
+    load."""
+    real = store.select_head_into
+
+    def head(hashes: Any, *a: Any, **k: Any) -> Any:
+        client.delete(store.redis_key(hashes[position]))
+        return real(hashes, *a, **k)
+
+    store.select_head_into = head  # type: ignore[method-assign]
+
+
+def slowed(store: LookupBuffer, method: str, seconds: float) -> None:
+    real = getattr(store, method)
+
+    def call(*a: Any, **k: Any) -> Any:
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    setattr(store, method, call)
+
+
+def first_step_of(engine: SimEngine, rid: str) -> Any:
+    """Step until ``rid`` is scheduled; that step's result."""
+    for _ in range(200):
+        res = engine.step()
+        if rid in res.output.num_scheduled_tokens:
+            return res
+        time.sleep(0.002)
+    raise AssertionError(f"{rid} was never scheduled")
+
+
+def test_a_split_lands_each_band_before_its_layer_runs_and_computes_the_rest_at_once(
+    engines: Any,
+) -> None:
+    tokens = prompt(8 * BS + 5)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    # a synchronous load: the request ran in the step its blocks were loaded in, computing
+    # the prompt's rest, never waiting for remote KV
+    assert res.output.has_sync_kv_loads
+    assert res.output.num_scheduled_tokens["r"] == 5  # 8 blocks loaded, 5 tokens computed
+    assert not res.invalid
+    assert reader.layers_waited[-len(LAYERS) :] == LAYERS
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["chose_split"] == 1 and "chose_async" not in stats
+    assert stats["blocks_loaded"] == 8
+    assert "blocks_load_failed" not in stats
+    assert reader.worker.movers[0].layer_bands(16 << 10) == [(0, 1), (1, 2)]
+
+
+def test_a_split_block_missing_from_redis_is_recomputed_and_the_rest_still_used(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(6 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    evicting(reader.worker.store, fake_redis, 3)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    assert len(res.invalid) == 1  # vLLM recomputes from it (and drops this step's token)
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["blocks_loaded"] == 3
+    assert stats["blocks_load_failed"] == 3
+    assert reader.finish_reasons["r"] == "length"
+
+
+def test_a_band_that_does_not_come_in_time_fails_the_split_and_writes_nothing_late(
+    engines: Any,
+) -> None:
+    """The second band is held by a store that hangs: its layer waits until the deadline, the
+    load ends failed, and the band that arrives afterwards is never written."""
+    tokens = prompt(5 * BS + 7)
+    saved(engines, tokens)
+    reader = engines(**SPLIT, deadline_s=0.4, deadline_per_1k_tokens_s=0)
+    store: LookupBuffer = reader.worker.store
+    real = store.select_tensors_into
+    opened, entered = threading.Event(), threading.Event()
+
+    def hung(*a: Any, **k: Any) -> Any:
+        entered.set()
+        opened.wait(30)
+        return real(*a, **k)
+
+    store.select_tensors_into = hung  # type: ignore[method-assign]
+    reader.add("r", tokens)
+    t0 = time.monotonic()
+    res = first_step_of(reader, "r")
+    waited = time.monotonic() - t0
+    assert entered.is_set()
+    assert len(res.invalid) == 5  # every block: none has its second layer
+    assert waited < 10  # bounded by the deadline, not by the hung store
+    opened.set()  # the late band arrives now: nothing may be written
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["split_loads_failed"] == 1
+    assert stats["blocks_load_failed"] == 5
+    assert "blocks_loaded" not in stats
+
+
+def test_a_consume_mode_split_claims_the_handoff_and_leaves_nothing_in_redis(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(7 * BS + 2)
+    params = produce(engines, tokens)
+    consumer = engines("kv_consumer", **SPLIT)
+    consumer.add("c", tokens, params=params)
+    res = first_step_of(consumer, "c")
+    assert res.output.has_sync_kv_loads and not res.invalid
+    consumer.run_until_idle()
+    assert consumer.take_stats()["blocks_loaded"] == 7
+    kinds = [parse_key(k.decode()) for k in fake_redis.keys("kv:vllm:*")]
+    left = [k for k in kinds if k is not None and k.kind in ("block", "claim", "handoff")]
+    assert left == []  # the handed-off chain, its claim and its record are gone
+
+
+def test_a_request_may_pin_its_way_when_the_instance_allows_it(engines: Any) -> None:
+    tokens = {w: prompt(4 * BS + 1, seed=i) for i, w in enumerate(("a", "s", "r"))}
+    writer = engines()
+    for rid, t in tokens.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(request_load_policy=True)
+    for rid, way in (("a", "async"), ("s", "split"), ("r", "recompute")):
+        reader.add(rid, tokens[rid], params={"redis_kv_load": way})
+        reader.run_until_idle()
+    stats = reader.take_stats()
+    assert (stats["chose_async"], stats["chose_split"], stats["chose_recompute"]) == (1, 1, 1)
+    assert stats["blocks_loaded"] == 8  # async and split: 4 blocks each
+    assert stats["tokens_recompute_chosen"] == 4 * BS
+    # without the setting, a request's wish is nobody's business
+    other = engines()
+    other.add("x", tokens["r"], params={"redis_kv_load": "recompute"})
+    other.run_until_idle()
+    assert other.take_stats()["chose_async"] == 1  # not measured yet: as always, it loads
+
+
+def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
+    """Figures fed in as the workers would send them: a store far slower than computing gets
+    recomputed, a fast one loaded."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=10 + i) for i in range(2)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(split_band_bytes=16 << 10)
+    policy = reader.connector.scheduler
+    policy._block_bytes, policy._bands = 32 << 10, 2
+    for tokens in (64, 128, 256, 512):  # about 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
+    for size in (1 << 20, 4 << 20):  # 1 MB/s: a block takes 32 ms, computing it 16 ms
+        policy.load_rate.add(size, size / 1e6)
+    reader.add("p0", prompts["p0"])
+    reader.run_until_idle()
+    assert reader.take_stats()["chose_recompute"] == 1
+    policy.load_rate = type(policy.load_rate)()
+    for size in (1 << 20, 4 << 20):  # 10 GB/s
+        policy.load_rate.add(size, size / 1e10)
+    reader.add("p1", prompts["p1"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats.get("chose_split", 0) + stats.get("chose_async", 0) == 1
+    assert stats["blocks_loaded"] == 6
+
+
+def test_a_split_never_reports_a_finished_load_nor_holds_the_request(engines: Any) -> None:
+    tokens = prompt(3 * BS + 4)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    assert "r" not in res.recving  # vLLM never waited for it
+    assert reader.sched.requests["r"].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    reader.run_until_idle()
+
+
+def test_a_pinned_split_with_measured_figures_loads_the_best_part_and_computes_the_rest(
+    engines: Any,
+) -> None:
+    tokens = prompt(8 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    policy = reader.connector.scheduler
+    policy._block_bytes = 32 << 10
+    for n in (64, 128, 256, 512):  # 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(n, n * n / 2, 0.001 * n)
+    for size in (1 << 20, 4 << 20):  # a block in 16 ms: as long as computing 16 tokens
+        policy.load_rate.add(size, size / (2 << 20))
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    loaded = (8 * BS + 3 - res.output.num_scheduled_tokens["r"]) // BS
+    assert 0 < loaded < 8  # part of the hit, the rest computed in the same pass
+    assert not res.invalid
+    reader.run_until_idle()
+    assert reader.take_stats()["blocks_loaded"] == loaded
+
+
+def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_recomputed(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """vLLM caches a synchronous load's blocks when it allocates them, and under
+    kv_load_failure_policy=recompute keeps a failed one cached, counting on its request to
+    compute it again. A request aborted before that leaves it in vLLM's prefix cache: the
+    next request with that prefix must not run on it."""
+    tokens = prompt(6 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    evicting(reader.worker.store, fake_redis, 3)
+    reader.add("a", tokens)
+    res = first_step_of(reader, "a")
+    assert res.invalid  # its split failed at the fourth block
+    reader.abort("a")  # before it computes the block again
+    reader.add("b", tokens)  # the same prefix: vLLM's own cache has it
+    reader.run_until_idle()
+    assert reader.finish_reasons["b"] == "length"
+    # b ran on the cached blocks (no lookup beyond them), and was made to compute the bad one
+    # and those after it again, once
+    assert reader.take_stats()["tainted_blocks_rejected"] >= 1
+    assert not reader.connector.scheduler._tainted  # computed again: clean
+
+
+def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recomputed(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    tokens = prompt(5 * BS + 1)
+    consumer = engines("kv_consumer", **SPLIT)
+    consumer.add("c", tokens, params=produce(engines, tokens))
+    for _ in range(200):  # the KV cache sleeps in the step that plans the split
+        consumer.worker_conn.unregister_kv_caches()
+        res = consumer.step()
+        consumer.worker_conn.restore_kv_caches()
+        if res.output.kv_connector_metadata.loads:
+            break
+        time.sleep(0.005)
+    else:
+        raise AssertionError("no split was planned")
+    assert len(res.invalid) == 5  # every block: vLLM computes them
+    consumer.run_until_idle()
+    stats = consumer.take_stats()
+    assert stats["split_loads_failed"] == 1 and "blocks_loaded" not in stats
+    kinds = [parse_key(k.decode()) for k in fake_redis.keys("kv:vllm:*")]
+    assert not [k for k in kinds if k is not None and k.kind in ("block", "handoff")]
+
+
+def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engines: Any) -> None:
+    """Found by a review: only splits that landed gave a sample, so once the store slowed
+    every split failed and auto kept choosing them. A failed one now says how slow it was."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=20 + i) for i in range(8)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(split_band_bytes=16 << 10)
+    policy = reader.connector.scheduler
+    for tokens in (64, 128, 256, 512):  # about 1 ms a token
+        for _ in range(4):
+            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
+    for size in (1 << 20, 4 << 20):  # 10 GB/s, as measured
+        policy.load_rate.add(size, size / 1e10)
+    slowed(reader.worker.store, "select_tensors_into", 0.5)  # now each band takes 0.5 s
+    ways = []
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+        reader.run_until_idle()
+        chose = {k: v for k, v in reader.take_stats().items() if k.startswith("chose_")}
+        ways.append(next(iter(chose)))
+    assert ways[0] == "chose_split"  # as measured before
+    assert ways[-3:] == ["chose_recompute"] * 3, ways  # learnt from its failed splits
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_blocks_computed_over_a_split_are_saved_only_once_it_is_known_to_have_landed(
+    engines: Any, fake_redis: fakeredis.FakeRedis, fails: bool
+) -> None:
+    """What a forward pass computes over a split's blocks depends on the split landing (on
+    every TP rank), which only the step's output says: those blocks are saved a step later,
+    so KV computed over a failed load never reaches the pool (a real model's KV after a wrong
+    prefix is wrong; this stand-in's is not, so the test watches what is saved when)."""
+    first = prompt(4 * BS, seed=31)
+    writer = engines()
+    writer.add("w", first + prompt(2, seed=32))
+    writer.run_until_idle()
+    reader = engines(**SPLIT)
+    staged: list[tuple[int, list[str]]] = []
+    real_stage = reader.worker._stage_and_submit
+
+    def stage(specs: Any) -> None:
+        staged.append((reader.steps, [s.req_id for s in specs]))
+        real_stage(specs)
+
+    reader.worker._stage_and_submit = stage  # type: ignore[method-assign]
+    reader.steps = 0
+    real_step = reader.step
+
+    def counted_step() -> Any:
+        reader.steps += 1
+        return real_step()
+
+    reader.step = counted_step  # type: ignore[method-assign]
+    if fails:
+        evicting(reader.worker.store, fake_redis, 2)
+    tokens = first + prompt(3 * BS + 2, seed=33)  # 4 blocks in Redis, 3 more computed
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    split_step = reader.steps
+    assert bool(res.invalid) is fails
+    reader.run_until_idle()
+    assert all("r" not in reqs for step, reqs in staged if step == split_step)
+    assert any("r" in reqs for step, reqs in staged if step > split_step)
+    # the new tail; after a failure, the missing block and every block after it as well
+    # (vLLM computed them again, and the pool may lack them)
+    assert reader.take_stats()["blocks_saved"] == (5 if fails else 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"use_v2_model_runner": True}, "49250"),
+        ({"async_scheduling": True}, "49250"),
+        ({"pipeline_parallel_size": 2}, "pipeline"),
+        ({"speculative_config": object()}, "speculative"),
+    ],
+)
+def test_no_split_where_vllm_would_not_undo_a_failed_one(change: dict, why: str) -> None:
+    """vLLM's V2 model runner and asynchronous scheduling give wrong output after a failed
+    synchronous load (vLLM #49250); pipeline parallelism and speculative decoding run parts of
+    a step where the split cannot end with it. There auto chooses between loading everything
+    and recomputing, and a pinned split fails the startup, saying why."""
+    from types import SimpleNamespace
+
+    from connector.layout import KVLayout
+    from connector.redis_connector import split_refusal
+
+    layout = KVLayout("m", BS, 2, 64, "float32", ("l0", "l1"), 1)
+
+    def engine(**changed: Any) -> Any:
+        return SimpleNamespace(
+            use_v2_model_runner=changed.get("use_v2_model_runner", False),
+            scheduler_config=SimpleNamespace(
+                async_scheduling=changed.get("async_scheduling", False)
+            ),
+            parallel_config=SimpleNamespace(
+                pipeline_parallel_size=changed.get("pipeline_parallel_size", 1)
+            ),
+            speculative_config=changed.get("speculative_config"),
+        )
+
+    assert split_refusal(engine(), layout) is None
+    assert why in (split_refusal(engine(**change), layout) or "")
