@@ -77,7 +77,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -86,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.chains import RequestChains
-from connector.config import LOAD_POLICY_KEY, TRANSFER_PARAMS_KEY, RedisConnectorConfig
+from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
 from connector.drops import HandoffDrops
 from connector.figures import LoadRate, PrefillRate, step_shape
 from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
@@ -94,10 +93,10 @@ from connector.load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinne
 from connector.logs import FailureCounts
 from connector.lookups import Lookup, LookupBatcher, LookupResult
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.resets import NamespaceResets
 from connector.stats import StatsBuffer
+from connector.transfer_params import Handoff, ThisInstance, producer_params, read_handoff
 from kvstore import KVStoreError, LookupBuffer
-from kvstore.fleet.access import acl_rule
-from kvstore.values.keys import NAME_RE
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
@@ -126,21 +125,6 @@ class Phase(enum.Enum):
     ANSWERED = "answered"
     LOADING = "loading"
     RUNNING = "running"
-
-
-@dataclass
-class Handoff:
-    """A producer's handoff, read from validated ``kv_transfer_params``."""
-
-    handoff_id: str
-    num_blocks: int
-    scoped: bool  # the chain is salted with the handoff id (consume mode): ours alone
-    # the producer saw its "pending" record in Redis before it answered; if not, a missing
-    # record may still come (its producer lags), and is waited for as "pending" is
-    opened: bool = True
-    # waiting -> loading (the worker claims it) | dropped (we claim and delete it) | taken
-    state: str = "waiting"
-    owner: str = field(default_factory=lambda: uuid.uuid4().hex)  # who claims it
 
 
 @dataclass
@@ -221,6 +205,8 @@ class RedisConnectorScheduler:
         self.events = events  # KV events for routers, when vLLM publishes them
         self.layout = layout
         self.block_size = layout.block_size
+        # what a producer's kv_transfer_params must match here (transfer_params.py)
+        self._this_instance = ThisInstance(config.namespace, layout.block_size, layout)
         self.store = store
         self.fingerprints = layout.all_fingerprints()
         self.failures = FailureCounts()
@@ -258,8 +244,7 @@ class RedisConnectorScheduler:
         self._groups = range(len(layout.groups))
         self._attention = any(not g.is_state for g in layout.groups)
         self._generation_read_at = 0.0
-        self._closing = threading.Event()
-        self._sweeps: list[threading.Thread] = []
+        self._resets = NamespaceResets(store, config, self.stats, events)
         try:  # best effort: lookups and a background refresh read it again
             store.read_generation()
             self._generation_read_at = time.monotonic()
@@ -322,54 +307,11 @@ class RedisConnectorScheduler:
         """The producer's handoff from the request's ``kv_transfer_params`` and the chain it
         wrote, if the params are ours and match this instance and prompt; anything else is
         ignored with a sparse warning (the chain is then the shared one)."""
-        params = request.kv_transfer_params
-        ours = params.get(TRANSFER_PARAMS_KEY) if isinstance(params, dict) else None
-        if ours is None:
-            return None, shared
-        problem = None
-        if not isinstance(ours, dict):
-            problem = "not a mapping"
-        elif ours.get("namespace") != self.config.namespace:
-            problem = f"namespace {ours.get('namespace')!r} is not {self.config.namespace!r}"
-        elif ours.get("block_size") != self.block_size:
-            problem = f"block size {ours.get('block_size')!r} is not {self.block_size}"
-        elif ours.get("store_tp_size", self.layout.store_tp_size) != self.layout.store_tp_size:
-            problem = (
-                f"store_tp_size {ours.get('store_tp_size')!r} is not "
-                f"{self.layout.store_tp_size}: set the same store_tp_size on producer and "
-                "consumer to share blocks across TP sizes"
-            )
-        elif ours.get("generation", 0) != chains.generation:
-            problem = (
-                f"generation: the producer saved in generation {ours.get('generation', 0)!r}, "
-                f"this instance names blocks in {chains.generation} (the namespace was reset "
-                "in between; nothing saved before a reset is loaded)"
-            )
-        elif bool(ours.get("tp_shared", False)) != self.layout.tp_shared:
-            problem = (
-                f"tp_shared: the producer {'set' if ours.get('tp_shared') else 'left unset'} "
-                f"store_tp_size, this instance {'set' if self.layout.tp_shared else 'left'} it"
-                f"{'' if self.layout.tp_shared else ' unset'} (blocks are shared across TP sizes "
-                "only between instances that both set it)"
-            )
-        elif ours.get("tp_scope", self.layout.tp_scope) != self.layout.tp_scope:
-            problem = (
-                f"tp_scope: the producer's blocks are for TP {ours.get('tp_scope')!r}, this "
-                f"instance runs TP {self.layout.tp_size} (KV computed at another TP size is not "
-                "bit-identical; set the same store_tp_size on both to share it anyway)"
-            )
-        else:
-            handoff_id, n = ours.get("handoff"), ours.get("num_blocks")
-            scoped = ours.get("scope") == "handoff"
-            if not isinstance(handoff_id, str) or not NAME_RE.match(handoff_id):
-                problem = "no valid handoff id"
-            elif not isinstance(n, int) or not 0 < n <= len(shared):
-                problem = f"num_blocks {n!r} does not fit a prompt of {len(shared)} blocks"
-            else:
-                chain = chains.handoff(handoff_id, n) if scoped else shared
-                if ours.get("last_hash") == chain[n - 1]:
-                    return Handoff(handoff_id, n, scoped, ours.get("opened") is not False), chain
-                problem = "last_hash does not match this prompt (another model or prompt?)"
+        handoff, chain, problem = read_handoff(
+            request.kv_transfer_params, self._this_instance, chains, shared
+        )
+        if problem is None:
+            return handoff, chain
         self.stats.add(transfer_params_ignored=1)
         total = self.failures.add(f"params:{problem.split()[0]}")
         if total:
@@ -1105,28 +1047,15 @@ class RedisConnectorScheduler:
             self.events.watch(request, present, n)  # announced once the ranks confirm them
         if n == 0:
             return holds, None
-        params = {
-            TRANSFER_PARAMS_KEY: {
-                "handoff": st.save_handoff,
-                "scope": "handoff" if self.config.consume else "shared",
-                "num_blocks": n,
-                "last_hash": st.save_hashes[n - 1],
-                "namespace": self.config.namespace,
-                "block_size": self.block_size,
-                # how blocks are cut into KV-head slices: the consumer must read them so; and
-                # the TP size they are kept apart for, if any
-                "store_tp_size": self.layout.store_tp_size,
-                "tp_scope": self.layout.tp_scope,
-                "tp_shared": self.layout.tp_shared,
-                # the namespace's generation its chain is named in (a reset between the two
-                # makes the consumer compute the prompt)
-                "generation": st.generation,
-                # whether the "pending" record was in Redis before this answer: if not, the
-                # consumer waits for a record that is not there yet instead of taking it for
-                # evicted (a one-step prefill answers before its background write lands)
-                "opened": opened(st.opening),
-            }
-        }
+        params = producer_params(
+            self._this_instance,
+            handoff=st.save_handoff,
+            consume=self.config.consume,
+            num_blocks=n,
+            last_hash=st.save_hashes[n - 1],
+            generation=st.generation,
+            opened=opened(st.opening),
+        )
         return holds, params
 
     def _log_background_failure(self, fut: Future[Any]) -> None:
@@ -1149,59 +1078,8 @@ class RedisConnectorScheduler:
 
     # ------------------------------------------------------------------ resets
     def reset_cache(self) -> bool:
-        """Invalidate every block of the namespace (vLLM's ``reset_prefix_cache(
-        reset_connector=True)``, e.g. after a weight update): one atomic increment of its
-        generation. No instance looks up an older block again once it has seen the new
-        generation (with its next lookup); older blocks are unlinked in the background.
-        False when Redis refused or failed (vLLM then reports the reset failed)."""
-        try:
-            generation = self.store.reset()
-        except KVStoreError as exc:
-            self.stats.add(redis_errors=1)
-            logger.error(
-                "Redis: resetting namespace %r failed, so its blocks stay valid: %s (the ACL "
-                "needs: %s)",
-                self.config.namespace,
-                exc,
-                acl_rule(["generation", "reset", "sweep"], self.config.namespace),
-            )
-            return False
-        self.stats.add(resets=1)
-        if self.events is not None:
-            self.events.cleared()
-        logger.info(
-            "Redis: namespace %r reset: blocks are now named in generation %d; older ones are "
-            "unlinked in the background in %.0f s (deadline_max_s: loads under way finish)",
-            self.config.namespace,
-            generation,
-            self.config.deadline_max_s,
-        )
-        self._start_sweep(generation)
-        return True
-
-    def _start_sweep(self, generation: int) -> None:
-        def sweep() -> None:
-            # loads looked up before the reset (here or on another instance) may still be
-            # reading older blocks: each ends within its deadline, at most deadline_max_s
-            if self._closing.wait(self.config.deadline_max_s):
-                return
-            try:
-                n = self.store.sweep(generation, stop=self._closing.is_set)
-                logger.info("Redis: unlinked %d blocks from before generation %d", n, generation)
-            except Exception as exc:  # reported, never raised into a thread nobody joins
-                self.stats.add(redis_errors=1)
-                logger.warning(
-                    "Redis: unlinking blocks from before generation %d stopped (%s); they are "
-                    "never loaded, and expire with their TTL",
-                    generation,
-                    exc,
-                )
-
-        # its own thread: a long sweep never holds up the background calls lookups wait on;
-        # it stops at shutdown (``_closing``)
-        thread = threading.Thread(target=sweep, name="redis-kv-sweep", daemon=True)
-        self._sweeps.append(thread)
-        thread.start()
+        """Invalidate every block of the namespace (``resets.NamespaceResets``)."""
+        return self._resets.reset()
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events since the last call (vLLM publishes them every step)."""
@@ -1228,7 +1106,7 @@ class RedisConnectorScheduler:
         return data
 
     def shutdown(self) -> None:
-        self._closing.set()
+        self._resets.close(0.0)  # sweeps stop (joined below)
         self._lookups.shutdown()
         self._background_io.shutdown(wait=False, cancel_futures=True)
         self._drops.shutdown()
@@ -1239,8 +1117,7 @@ class RedisConnectorScheduler:
         self._lookups.join(limit)
         self._drops.join(limit)
         self._background_io.shutdown(wait=True)
-        for t in self._sweeps:
-            t.join(limit)
+        self._resets.close(limit)
         self.store.close()
 
 

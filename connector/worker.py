@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from connector.config import RedisConnectorConfig
+from connector.kv_views import group_kv_views
 from connector.layout import HeadSlice, KVGroup, KVLayout
 from connector.logs import FailureCounts
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
@@ -263,38 +264,7 @@ class RedisConnectorWorker:
         return [sm.mover for movers in self._slices for sm in movers]
 
     def _group_caches(self, group: KVGroup) -> dict[str, torch.Tensor]:
-        """The group's per-layer caches as ``[blocks, heads, ...]`` views, one row per block
-        vLLM's scheduler names. A cache vLLM split into kernel blocks (its attention kernel
-        takes smaller blocks than the manager's: ``prepare_kernel_block_sizes``) holds block
-        ``b`` in kernel blocks ``[b * r, (b + 1) * r)``: viewed as ``[blocks, heads, r, kernel
-        tokens, content]``, a block's bytes are its logical ``[heads, tokens, content]`` ones,
-        so split and unsplit instances store the same values."""
-        caches = {name: self._kv[name] for name in group.layer_names}
-        first = next(iter(caches.values()))
-        shape = tuple(first.shape[1:])
-        for name, t in caches.items():
-            if tuple(t.shape[1:]) != shape or t.dtype != first.dtype:
-                raise ValueError(f"RedisConnector: layer {name} has a different KV block shape")
-        tokens = group.block_tokens or self.layout.block_size
-        split = tokens // shape[1] if len(shape) == 3 and shape[1] and tokens % shape[1] == 0 else 0
-        if (
-            shape[0] != group.num_kv_heads
-            or not split
-            or first.shape[0] % split
-            or (group.is_state and shape[1:] != (1, group.head_size))
-        ):
-            raise ValueError(
-                f"RedisConnector: unexpected per-layer KV view {tuple(first.shape)}; expected "
-                f"[blocks, {group.num_kv_heads}, {tokens}, "
-                f"{group.head_size if group.is_state else 'content'}] (or kernel blocks of a "
-                "whole fraction of its tokens)"
-            )
-        if split > 1:
-            caches = {
-                name: t.unflatten(0, (t.shape[0] // split, split)).transpose(1, 2)
-                for name, t in caches.items()
-            }
-        return caches
+        return group_kv_views(self._kv, group, self.layout.block_size)
 
     def unregister_kv_caches(self) -> None:
         """vLLM sleep mode (0.33+), before the KV cache's memory is released: no thread may
