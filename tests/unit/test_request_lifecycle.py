@@ -475,6 +475,34 @@ def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 
+def test_a_hit_another_connector_loads_plans_no_load_here_and_saves_the_prompt(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Behind vLLM's MultiConnector a child that holds the prompt too (the CPU tier, asked
+    first) loads it: this connector answered a hit, then vLLM allocates it 0 external tokens.
+    Nothing may be loaded here (the blocks are the other child's to write), and the request
+    runs on as a computed request."""
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, deadline_s=30)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    tokens = prompt(6 * BS + 1, seed=19)
+    hashes = chain_hashes(tokens, BS)
+    block = {n: torch.zeros(2, BS, 128) for n in sched.connector.layout.layer_names}  # type: ignore[union-attr]
+    conn.store.insert_many([(h, block) for h in hashes[:3]])
+    req = make_request("r", tokens)
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
+
+    class Blocks:
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (list(range(10, 17)),)
+
+    conn.update_state_after_alloc(req, Blocks(), 0)  # the other child's load
+    assert conn._pending_loads == []  # nothing written into blocks the other child fills
+    assert (
+        conn._reqs["r"].phase is connector.scheduler.Phase.RUNNING
+    )  # computed from there on, never waiting
+    sched.connector.shutdown()  # type: ignore[union-attr]
+
+
 def test_a_load_planned_while_the_kv_cache_sleeps_still_deletes_its_handoff(
     engines: Any,
 ) -> None:
