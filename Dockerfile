@@ -6,6 +6,7 @@ FROM ${VLLM_IMAGE}
 COPY pyproject.toml README.md /opt/vllm-redis-kvstore/
 COPY kvstore /opt/vllm-redis-kvstore/kvstore
 COPY connector /opt/vllm-redis-kvstore/connector
+COPY datamover /opt/vllm-redis-kvstore/datamover
 # Dependencies come from pyproject.toml; the image's vLLM and torch already satisfy theirs.
 RUN python3 -m pip install --no-cache-dir "/opt/vllm-redis-kvstore[cli,proxy,lz4]"
 ENTRYPOINT []

@@ -387,6 +387,9 @@ class BlockMover:
                     self._load_pool.release(chunk.buffer)
         finally:
             for fetched, spare in ahead:
+                # a chunk not yet started is never fetched (a load past its deadline, on a busy
+                # store, must not keep reading); one under way gives its buffer back when done
+                fetched.cancel()
                 fetched.add_done_callback(functools.partial(self._abandoned, spare))
 
     def _read_ahead_or_now(

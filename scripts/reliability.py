@@ -15,7 +15,8 @@ kv_transfer_params) and records, per request:
 
     python -m scripts.reliability [--requests 6] [--markdown docs/reliability.md]
 
-The end-to-end test tests/test_e2e_faults.py runs the same scenarios with fewer requests.
+The scenarios and their harness live in ``testing.fault_matrix``; the end-to-end test
+tests/e2e/test_e2e_faults.py runs them with fewer requests.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-logger = logging.getLogger("kvstore.net.breaker")
+logger = logging.getLogger("kvstore.breaker")
 
 
 class CircuitBreaker:

@@ -194,7 +194,7 @@ def _header_head(fingerprint: str, codec: str) -> tuple[str, str]:
         f'{{"__metadata__":{{"kvstore.format":{_json_str(FORMAT_VERSION)},'
         f'"kvstore.fingerprint":{_json_str(fingerprint)},"kvstore.key":'
     )
-    return head, f',"kvstore.values.codec":{_json_str(codec)},"kvstore.raw_bytes":"'
+    return head, f',"kvstore.codec":{_json_str(codec)},"kvstore.raw_bytes":"'
 
 
 @functools.lru_cache(maxsize=256)
@@ -946,7 +946,7 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
             "format", f"format version {meta['kvstore.format']!r}, expected {FORMAT_VERSION!r}"
         )
     try:
-        codec = str(meta["kvstore.values.codec"])
+        codec = str(meta["kvstore.codec"])
         raw_bytes = int(meta["kvstore.raw_bytes"])
         payload_bytes = int(meta["kvstore.payload_bytes"])
         entries = []

@@ -518,12 +518,14 @@ class CountingStore:
         self._lock = threading.Lock()
         self.in_flight = 0
         self.most_in_flight = 0
+        self.calls = 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)
 
     def select_into(self, *args: object, **kwargs: object) -> object:
         with self._lock:
+            self.calls += 1
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
             first, self._first = self._first, False
@@ -585,6 +587,30 @@ def test_a_load_abandoned_with_chunks_read_ahead_gives_every_buffer_back() -> No
         counting.gate.set()
     assert staging_all_free(loader)
     assert not any(t[41:46].any() for t in dst.values())
+
+
+def test_a_load_abandoned_with_chunks_queued_never_fetches_them() -> None:
+    # one prefetch thread, three chunks read ahead: one is being received, two wait in the
+    # queue. A load that ends (its deadline passed) must not go on reading the queued ones
+    client = own_fake_client()
+    _, hashes = saved_blocks(client, 6)
+    counting = CountingStore(store_on(client))
+    with ThreadPoolExecutor(1) as prefetch:
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            counting,  # type: ignore[arg-type]
+            max_inflight_bytes=64 << 20,
+            chunk_bytes=1,
+            prefetch=prefetch,
+            read_ahead=3,
+        )
+        chunks = loader.receive(list(range(40, 46)), hashes, timeout_s=60)
+        assert next(chunks).copy_in()[0] == [40]
+        wait_until(lambda: counting.in_flight == 1, "the first chunk read ahead")
+        chunks.close()
+        counting.gate.set()
+    assert counting.calls == 2  # the first chunk, and the one already under way
+    assert staging_all_free(loader)
 
 
 def test_an_abandoned_prefetch_writes_no_block_and_gives_its_staging_back() -> None:

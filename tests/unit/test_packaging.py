@@ -36,12 +36,22 @@ def test_the_wheel_ships_only_the_shipped_packages(wheel: zipfile.ZipFile) -> No
     assert not any("redis_server" in n or "engine_runner" in n for n in names)
 
 
+def test_the_image_copies_every_package_the_wheel_ships(wheel: zipfile.ZipFile) -> None:
+    # the Dockerfile installs from copied folders: one left out installs an image whose worker
+    # cannot import (it once lacked datamover/)
+    tops = {n.split("/", 1)[0] for n in wheel.namelist() if ".dist-info/" not in n}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    for top in tops:
+        assert f"COPY {top} /opt/vllm-redis-kvstore/{top}" in dockerfile, top
+
+
 def test_entry_points_and_dependencies(wheel: zipfile.ZipFile) -> None:
     (info,) = {n.split("/", 1)[0] for n in wheel.namelist() if ".dist-info/" in n}
     entry_points = wheel.read(f"{info}/entry_points.txt").decode()
     assert "vllm-redis-proxy = connector.proxy.server:main" in entry_points
     assert "vllm-redis-warm = connector.warm.cli:main" in entry_points
     assert "kvstore = kvstore.cli:main" in entry_points
+    assert "vllm-redis-presence = connector.presence_cli:main" in entry_points
     assert "redis_kv_connector = connector.plugin:register" in entry_points
     meta = Parser().parsestr(wheel.read(f"{info}/METADATA").decode())
     requires = meta.get_all("Requires-Dist") or []
