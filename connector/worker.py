@@ -54,7 +54,7 @@ import torch
 
 from connector.config import RedisConnectorConfig
 from connector.kv_views import group_kv_views
-from connector.layout import HeadSlice, KVGroup, KVLayout
+from connector.layout import HeadSlice, KVLayout
 from connector.logs import FailureCounts
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.stats import StatsBuffer
@@ -202,7 +202,7 @@ class RedisConnectorWorker:
         total = len(self.layout.layer_names)
         self._slices = []
         for group in self.layout.groups:
-            caches = self._group_caches(group)
+            caches = group_kv_views(self._kv, group, self.layout.block_size)
             reads = self.layout.slices_read(self.tp_rank, group.num_kv_heads)
             written = {
                 sl.index for sl in self.layout.slices_written(self.tp_rank, group.num_kv_heads)
@@ -262,9 +262,6 @@ class RedisConnectorWorker:
     def movers(self) -> list[BlockMover]:
         """Every data mover, group by group, head slice by head slice (for tools and tests)."""
         return [sm.mover for movers in self._slices for sm in movers]
-
-    def _group_caches(self, group: KVGroup) -> dict[str, torch.Tensor]:
-        return group_kv_views(self._kv, group, self.layout.block_size)
 
     def unregister_kv_caches(self) -> None:
         """vLLM sleep mode (0.33+), before the KV cache's memory is released: no thread may

@@ -350,8 +350,8 @@ class BlockMover:
 
         With a ``prefetch`` executor, the next ``read_ahead`` chunks are received on it while the
         caller copies the current one in, each when a staging buffer is free and no load is
-        waiting for one
-        (measured on the 2-core VM: loads 12-32% faster; see docs/benchmarks.md). A prefetch
+        waiting for one (measured on the 2-core VM: loads 12-32% faster with one; see
+        docs/benchmarks.md). A prefetch
         writes only into staging: the cache is written by ``copy_in`` alone, on the caller's
         thread. A prefetch the caller no longer wants (it closed the generator, or the
         executor cancelled it) gives its buffer back when it ends."""
@@ -360,14 +360,12 @@ class BlockMover:
         n = self.chunk_blocks
         starts = list(range(0, len(hashes), n))
         # chunks received while the caller uses this one (each with the buffer it fills), in
-        # order: ahead[0] is chunk ``i`` whenever ``ahead`` is not empty
+        # order: chunks i + 1, i + 2, ... once chunk i is taken
         ahead: collections.deque[tuple[Future[LoadChunk], torch.Tensor]] = collections.deque()
-        started = 0  # chunks [0, started) were started (read ahead, or fetched in turn)
         try:
             for i, start in enumerate(starts):
                 ids, keys = list(block_ids[start : start + n]), hashes[start : start + n]
                 read = ahead.popleft() if ahead else None
-                started = max(started, i + 1)
                 chunk = self._read_ahead_or_now(
                     read, timeout_s, functools.partial(self._fetch, ids, keys)
                 )
@@ -375,13 +373,12 @@ class BlockMover:
                     while (
                         self.prefetch is not None
                         and len(ahead) < self.read_ahead
-                        and started < len(starts)
+                        and (following := i + 1 + len(ahead)) < len(starts)
                     ):
-                        more = self._read_ahead(starts[started], block_ids, hashes)
+                        more = self._read_ahead(starts[following], block_ids, hashes)
                         if more is None:
                             break
                         ahead.append(more)
-                        started += 1
                     yield chunk
                 finally:
                     self._load_pool.release(chunk.buffer)

@@ -538,6 +538,23 @@ class CountingStore:
                 self.in_flight -= 1
 
 
+def read_ahead_loader(
+    cache: dict[str, torch.Tensor],
+    store: CountingStore,
+    prefetch: ThreadPoolExecutor,
+    read_ahead: int,
+) -> BlockMover:
+    """A loader of one-block chunks reading ``read_ahead`` of them ahead from ``store``."""
+    return BlockMover(
+        cache,
+        store,  # type: ignore[arg-type]
+        max_inflight_bytes=64 << 20,
+        chunk_bytes=1,
+        prefetch=prefetch,
+        read_ahead=read_ahead,
+    )
+
+
 @pytest.mark.parametrize("read_ahead", [1, 3])
 def test_a_load_keeps_read_ahead_chunks_arriving_and_lands_every_one(read_ahead: int) -> None:
     # a load reads ``read_ahead`` chunks ahead, so several masters and connections stay busy
@@ -547,14 +564,7 @@ def test_a_load_keeps_read_ahead_chunks_arriving_and_lands_every_one(read_ahead:
     dst = caches("cpu", seed=None)
     counting = CountingStore(store_on(client))
     with ThreadPoolExecutor(4) as prefetch:
-        loader = BlockMover(
-            dst,
-            counting,  # type: ignore[arg-type]
-            max_inflight_bytes=64 << 20,
-            chunk_bytes=1,
-            prefetch=prefetch,
-            read_ahead=read_ahead,
-        )
+        loader = read_ahead_loader(dst, counting, prefetch, read_ahead)
         chunks = loader.receive(list(range(20, 29)), hashes, timeout_s=60)
         assert next(chunks).copy_in()[0] == [20]  # the chunks read ahead wait at the gate
         wait_until(lambda: counting.in_flight == read_ahead, f"{read_ahead} chunks in flight")
@@ -572,14 +582,7 @@ def test_a_load_abandoned_with_chunks_read_ahead_gives_every_buffer_back() -> No
     dst = caches("cpu", seed=None)
     counting = CountingStore(store_on(client))
     with ThreadPoolExecutor(4) as prefetch:
-        loader = BlockMover(
-            dst,
-            counting,  # type: ignore[arg-type]
-            max_inflight_bytes=64 << 20,
-            chunk_bytes=1,
-            prefetch=prefetch,
-            read_ahead=3,
-        )
+        loader = read_ahead_loader(dst, counting, prefetch, 3)
         chunks = loader.receive(list(range(40, 46)), hashes, timeout_s=60)
         assert next(chunks).copy_in()[0] == [40]
         wait_until(lambda: counting.in_flight == 3, "three chunks read ahead")
@@ -596,14 +599,7 @@ def test_a_load_abandoned_with_chunks_queued_never_fetches_them() -> None:
     _, hashes = saved_blocks(client, 6)
     counting = CountingStore(store_on(client))
     with ThreadPoolExecutor(1) as prefetch:
-        loader = BlockMover(
-            caches("cpu", seed=None),
-            counting,  # type: ignore[arg-type]
-            max_inflight_bytes=64 << 20,
-            chunk_bytes=1,
-            prefetch=prefetch,
-            read_ahead=3,
-        )
+        loader = read_ahead_loader(caches("cpu", seed=None), counting, prefetch, 3)
         chunks = loader.receive(list(range(40, 46)), hashes, timeout_s=60)
         assert next(chunks).copy_in()[0] == [40]
         wait_until(lambda: counting.in_flight == 1, "the first chunk read ahead")
