@@ -15,11 +15,12 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
-for version in ${KVSTORE_VLLM_VERSIONS:-0.30.0 0.31.0 0.33.0}; do
+oldest="$(python3 connector/versions.py releases | head -1)"
+for version in ${KVSTORE_VLLM_VERSIONS:-$(python3 connector/versions.py others)}; do
   echo "===== vLLM $version"
   start=$SECONDS
   export KVSTORE_LINT=0 KVSTORE_FUZZ_EXAMPLES="${KVSTORE_FUZZ_EXAMPLES:-10}"
-  if [ "$version" = 0.30.0 ]; then
+  if [ "$version" = "$oldest" ]; then
     VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not default_vllm_only" "$@"
   else
     VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not e2e" "$@"

