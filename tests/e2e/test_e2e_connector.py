@@ -1,5 +1,7 @@
 """End to end on real vLLM CPU engines: prefill (kv_producer) -> Redis -> decode (kv_consumer),
-and prefix sharing between two kv_both instances. Each engine is its own process.
+and prefix sharing between two kv_both instances. Each engine is its own process, and each
+connector engine runs its engine core and worker in processes of their own, as a server does
+(the other offline tests run them in one: faster to start).
 
 Reference outputs come from one engine without any connector, run twice over the same prompts:
 the cold pass computes everything, the warm pass reuses vLLM's own local prefix cache. A
@@ -49,11 +51,14 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         url = server.url
         ids = list(PROMPTS)
         phases = one_per_phase(PROMPTS, ids)
-        base = start_engine(tmp, "base", tiny_model, phases * 2, core=0)
+        # (the reference runs as the connector engines do: an in-process engine's logprobs
+        # differ from theirs in the last float bits)
+        base = start_engine(tmp, "base", tiny_model, phases * 2, core=0, separate_processes=True)
         # selected by name: the package's vLLM plugin entry point registers it
         prod = start_engine(
             tmp, "prod", tiny_model, phases, core=1, role="kv_producer", url=url,
             extra={"namespace": "pd"},
+            separate_processes=True,
         )  # fmt: skip
         res: dict[str, Any] = {"base": finish(base), "prod": finish(prod)}
         params = {k: v["kv_transfer_params"] for k, v in res["prod"]["prompts"].items()}
@@ -73,12 +78,14 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         cons = start_engine(
             tmp, "cons", tiny_model, phases, core=0, role="kv_consumer", url=url,
             extra={"namespace": "pd", "deadline_s": 3}, params=params, by_module_path=True,
+            separate_processes=True,
         )  # fmt: skip
         share_ids = ["few", "long", "shareA", "shareB"]
         share_phases = one_per_phase(PROMPTS, share_ids)
         both1 = start_engine(
             tmp, "both1", tiny_model, share_phases, core=1, role="kv_both", url=url,
             extra={"namespace": "pool"},
+            separate_processes=True,
         )  # fmt: skip
         res["cons"] = finish(cons)
         res["both1"] = finish(both1)
@@ -88,6 +95,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> dict[str,
         both2 = start_engine(
             tmp, "both2", tiny_model, share_phases, core=0, role="kv_both", url=url,
             extra={"namespace": "pool"},
+            separate_processes=True,
         )  # fmt: skip
         res["both2"] = finish(both2)
         res["pool_keys_after_2"] = count_blocks(client, "pool")

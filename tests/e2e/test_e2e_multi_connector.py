@@ -64,6 +64,9 @@ def test_behind_a_local_tier_redis_loads_only_what_the_tier_lacks_bit_for_bit(
         extra=children,
         connector="MultiConnector",
         gates={3: gate},
+        # stepping on its own as a server does: an in-process engine steps only inside
+        # generate(), and a request's saves then outlast its phase
+        separate_processes=True,
     )
     wait_at_gate(gate)
     assert storage.exists() and any(storage.iterdir()), "the first child saved nothing"
