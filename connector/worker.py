@@ -24,8 +24,9 @@
 - Tensor parallelism: a block is stored as ``store_tp_size`` head slices (``layout``). Each
   group gets one mover per slice this rank reads, over the cache heads the slice covers; the
   slices within this rank's heads are also the ones it writes (none on a rank whose heads an
-  earlier rank holds too). A block counts as loaded when every slice covering it arrived; a
-  commit record is published per slice written.
+  earlier rank holds too) (``slice_movers.py``). A block counts as loaded when every slice
+  covering it arrived; a commit record is published per slice written, saying what
+  ``commits.py``'s ledger confirmed.
 - Consume mode: a handed-off chain is deleted by the scheduler side once every rank has
   finished loading it (several ranks may read one slice), never by a worker.
 - Split loads (``LoadSpec.layered``, the load policy's ``split``): synchronous, within one
@@ -52,11 +53,17 @@ from typing import Any
 
 import torch
 
+from connector.commits import SaveLedger, StoredReport
 from connector.config import RedisConnectorConfig
-from connector.kv_views import group_kv_views
-from connector.layout import HeadSlice, KVLayout
+from connector.layout import KVLayout
 from connector.logs import FailureCounts
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.slice_movers import (
+    SliceMover,
+    build_slice_movers,
+    log_slice_movers,
+    slices_written,
+)
 from connector.stats import StatsBuffer
 from datamover import BlockMover, LayeredLoad, LoadChunk, SaveChunk, SaveItem, StagingBusyError
 from kvstore import (
@@ -72,10 +79,6 @@ logger = logging.getLogger("connector.worker")
 
 # A retry of a failed fetch is only worth it with this much of the deadline left.
 _RETRY_MIN_LEFT_S = 0.1
-# KV events on: how long vLLM keeps a finished request's blocks waiting for its writes to be
-# confirmed, so its event leaves with the step that frees it (writes take milliseconds; the
-# engine steps empty meanwhile, which is what a slow Redis must not prolong)
-_EVENT_HOLD_S = 0.2
 # forward passes timed on CUDA whose events have not completed yet, kept at most
 _PENDING_TIMINGS = 64
 
@@ -99,17 +102,6 @@ class _ForwardTiming:
 
 
 @dataclass
-class _SliceMover:
-    """One stored head slice of a group: the mover over the cache heads it covers, the store
-    under its fingerprint, and whether this rank writes it."""
-
-    head_slice: HeadSlice
-    mover: BlockMover
-    store: LookupBuffer
-    writes: bool
-
-
-@dataclass
 class _LoadJob:
     spec: LoadSpec
     deadline: float
@@ -125,18 +117,6 @@ class _LoadJob:
     after: Any = None
 
 
-@dataclass
-class _SaveTrack:
-    """One request's saves: which chain positions were acknowledged, what is in flight."""
-
-    ok: set[tuple[int, int, int]] = field(default_factory=set)  # (group, slice, position)
-    pending: int = 0
-    commit: CommitSpec | None = None
-    publishing: bool = False
-    # KV events: vLLM holds the request's blocks for us until this moment at most (monotonic)
-    release_by: float | None = None
-
-
 class RedisConnectorWorker:
     def __init__(
         self,
@@ -147,11 +127,9 @@ class RedisConnectorWorker:
         report_stored: bool = False,
     ) -> None:
         self.config = config
-        # KV events: report each finished request's blocks confirmed in Redis (``events.py``)
-        self.report_stored = report_stored
-        # (request, leading blocks confirmed, the hit lengths a load can end at, state models)
-        self._stored_reports: list[tuple[str, int, list[int]]] = []
-        self._reports_out: list[tuple[str, int, list[int]]] = []  # taken with the finished saves
+        # each request's saves and what its commit record will say (and, KV events, report)
+        self._ledger = SaveLedger(layout, report_stored)
+        self._reports_out: list[StoredReport] = []  # taken with the finished saves
         self.layout = layout
         self.tp_rank = tp_rank
         self.store = store
@@ -178,12 +156,10 @@ class RedisConnectorWorker:
             max(1, config.io_threads), thread_name_prefix="redis-kv-save"
         )
         # per KV-cache group (the layout's order), the head slices this rank reads
-        self._slices: list[list[_SliceMover]] = []
+        self._slices: list[list[SliceMover]] = []
         self._jobs: dict[str, _LoadJob] = {}
-        self._saves: dict[str, _SaveTrack] = {}
         self._commits_received: list[CommitSpec] = []
         self._finished_loads: set[str] = set()
-        self._finished_saves: set[str] = set()
         self._failed_block_ids: set[int] = set()
         self._failed_loads: set[str] = set()  # loads failed as a whole (fails_per_request)
         self._pending: set[Future[Any]] = set()
@@ -197,31 +173,10 @@ class RedisConnectorWorker:
         with self._lock:
             self._kv = {name: kv_caches[name] for name in self.layout.layer_names}
             self._kv_asleep, self._asleep = {}, False
-        # the staging budget is shared by the groups' movers, by their share of the layers,
-        # then by the slices a group reads
-        total = len(self.layout.layer_names)
-        self._slices = []
-        for group in self.layout.groups:
-            caches = group_kv_views(self._kv, group, self.layout.block_size)
-            reads = self.layout.slices_read(self.tp_rank, group.num_kv_heads)
-            written = {
-                sl.index for sl in self.layout.slices_written(self.tp_rank, group.num_kv_heads)
-            }
-            budget = self.config.max_inflight_bytes * len(group.layer_names) // total
-            movers = []
-            for sl in reads:
-                a, b = sl.cache_heads
-                mover = BlockMover(
-                    {name: t[:, a:b] for name, t in caches.items()},
-                    self.store.for_fingerprint(self.layout.fingerprint(sl.index)),
-                    max_inflight_bytes=max(1, budget // len(reads)),
-                    connections=self.config.connections,
-                    value_rows=(sl.value_heads, *sl.value_range),
-                    prefetch=self._prefetch_io,
-                    read_ahead=self.config.read_ahead_chunks,
-                )
-                movers.append(_SliceMover(sl, mover, mover.store, sl.index in written))
-            self._slices.append(movers)
+        self._slices = build_slice_movers(
+            self._kv, self.layout, self.store, self.config, self.tp_rank, self._prefetch_io
+        )
+        self._ledger.slices_written = slices_written(self._slices)
         if len(self._slices) == 1 and self._slices[0] and not self.layout.fails_per_request:
             # one group: what a split load reads, band of layers by band (the scheduler side
             # refuses splits for other layouts)
@@ -229,28 +184,7 @@ class RedisConnectorWorker:
             self._split_bands = first.layer_bands(self.config.split_band_bytes)
             self._layer_index = {name: i for i, name in enumerate(first.kv.names)}
         self._shape_reported = False
-        for group, movers in zip(self.layout.groups, self._slices, strict=True):
-            for m in movers:
-                logger.info(
-                    "RedisConnector worker (tp rank %d): group %d (%s): %d layers, head slice "
-                    "%d of %d (%s), block %s %s on %s, value %d bytes, chunks of %d blocks, "
-                    "%d MiB staging, %d connection(s) per batch, keys %s",
-                    self.tp_rank,
-                    group.index,
-                    group.kind,
-                    len(group.layer_names),
-                    m.head_slice.index,
-                    self.layout.store_tp_size,
-                    "reads and writes" if m.writes else "reads",
-                    list(m.mover.value_shape),
-                    m.mover.kv.dtype,
-                    m.mover.kv.device,
-                    m.mover.raw_bytes,
-                    m.mover.chunk_blocks,
-                    m.mover.staging_bytes >> 20,
-                    m.mover.connections,
-                    m.store.key_pattern(),
-                )
+        log_slice_movers(self._slices, self.layout, self.tp_rank)
 
     @property
     def movers_by_group(self) -> list[list[BlockMover]]:
@@ -498,26 +432,26 @@ class RedisConnectorWorker:
             self._report_load(job)
 
     def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[str]]]:
-        """(group, slice, block ids, keys) of each group's slices not copied yet; null blocks
-        (a sliding window's past) are neither read nor written."""
+        """(group, slice, block ids, the store's block hashes) of each group's slices not copied
+        yet; null blocks (a sliding window's past) are neither read nor written."""
         out = []
         for g, (group, ids) in enumerate(zip(self.layout.groups, job.spec.block_ids, strict=True)):
             for k in range(len(self._slices[g]) if self._slices else 1):
                 pairs = [
-                    (b, self.layout.group_key(h, group))
+                    (b, self.layout.group_block_hash(h, group))
                     for b, h in zip(ids, job.spec.hashes, strict=True)
                     if group.holds(b) and (g, k, b) not in job.copied
                 ]
                 if pairs:
-                    out.append((g, k, [b for b, _ in pairs], [key for _, key in pairs]))
+                    out.append((g, k, [b for b, _ in pairs], [h for _, h in pairs]))
         return out
 
     def _receive(self, job: _LoadJob) -> None:
         """Receive and copy in chunk by chunk, slice by slice, what is not copied yet; stops as
         soon as the load was reported."""
-        for g, k, block_ids, keys in self._uncopied(job):
+        for g, k, block_ids, hashes in self._uncopied(job):
             chunks = self._slices[g][k].mover.receive(
-                block_ids, keys, timeout_s=max(0.0, job.deadline - time.monotonic())
+                block_ids, hashes, timeout_s=max(0.0, job.deadline - time.monotonic())
             )
             try:
                 for chunk in chunks:
@@ -602,24 +536,7 @@ class RedisConnectorWorker:
         earlier step's ``wait_for_save``.)"""
         with self._lock:
             commits, self._commits_received = self._commits_received, []
-            for commit in commits:
-                track = self._saves.setdefault(commit.req_id, _SaveTrack())
-                track.commit = commit
-                if not commit.holds_blocks:
-                    continue  # vLLM did not hold it for us: never reported, it may be gone
-                if self.report_stored:
-                    # KV events: freed with its confirmed blocks (``_maybe_publish``), so the
-                    # step that frees it carries its event (an engine with nothing left to run
-                    # takes no later step that could) -- but held _EVENT_HOLD_S at most: a slow
-                    # Redis must not keep the engine stepping; its event then comes later
-                    track.release_by = time.monotonic() + _EVENT_HOLD_S
-                else:
-                    # Every save of the request was staged before this commit arrived (metadata
-                    # comes in order), so its blocks were copied out: vLLM may reuse them now,
-                    # whatever Redis does. (An engine that holds finished requests' blocks
-                    # keeps stepping; holding them until a hung Redis answers burned a core
-                    # for seconds.)
-                    self._finished_saves.add(commit.req_id)
+        self._ledger.committed(commits)
         for commit in commits:
             self._maybe_publish(commit.req_id)
 
@@ -629,7 +546,7 @@ class RedisConnectorWorker:
             [
                 SaveItem(
                     block_id,
-                    self.layout.group_key(block_hash, group),
+                    self.layout.group_block_hash(block_hash, group),
                     spec.first_position + i,
                     spec.req_id,
                 )
@@ -643,9 +560,7 @@ class RedisConnectorWorker:
         ]
 
     def _stage_and_submit(self, specs: list[SaveSpec]) -> None:
-        with self._lock:
-            for spec in specs:
-                self._saves.setdefault(spec.req_id, _SaveTrack())
+        self._ledger.opened(spec.req_id for spec in specs)
         for g, items in enumerate(self._save_items(specs)):
             if items:
                 self._stage_group(g, items)
@@ -676,9 +591,7 @@ class RedisConnectorWorker:
                 req=", ".join(sorted({item.owner for item in shed})),
             )
         for chunk in chunks:
-            with self._lock:
-                for owner in chunk.owners:
-                    self._saves[owner].pending += 1
+            self._ledger.writing(chunk.owners)
             self._track(self._save_io.submit(self._write, group, head_slice, chunk), "a save")
 
     def _write(self, group: int, head_slice: int, chunk: SaveChunk) -> None:
@@ -701,17 +614,8 @@ class RedisConnectorWorker:
                 "request(s) %s: saving %d block(s) failed", sorted(chunk.owners), len(chunk.items)
             )
         finally:
-            with self._lock:
-                for owner in chunk.owners:
-                    track = self._saves.get(owner)
-                    if track is not None:
-                        track.pending -= 1
-                        if ok:
-                            track.ok.update(
-                                (group, head_slice, i.position)
-                                for i in chunk.items
-                                if i.owner == owner
-                            )
+            acked = [(i.owner, group, head_slice, i.position) for i in chunk.items] if ok else []
+            self._ledger.written(chunk.owners, acked)
             self.stats.add(
                 saves=1,
                 blocks_saved=len(chunk.items) if ok else 0,
@@ -723,52 +627,13 @@ class RedisConnectorWorker:
                 self._maybe_publish(owner)
 
     def _maybe_publish(self, req_id: str) -> None:
-        """Once a finished request has no write in flight, publish its commit record (and
-        report its confirmed blocks for KV events: known now, whatever the record's fate)."""
-        with self._lock:
-            track = self._saves.get(req_id)
-            if track is None or track.commit is None or track.pending or track.publishing:
-                return
-            track.publishing = True
-            n = self._confirmed_blocks(track, track.commit)
-            if self.report_stored:
-                ends = self._loadable_ends(track, track.commit, n)
-                self._stored_reports.append((req_id, n, ends))
-                if track.release_by is not None:
-                    track.release_by = None
-                    self._finished_saves.add(req_id)
-        commit = track.commit
-        self._track(self._save_io.submit(self._publish, req_id, commit, n), "a commit record")
-
-    def _confirmed_blocks(self, track: _SaveTrack, commit: CommitSpec) -> int:
-        """The longest prefix a consumer can load: every needed block of every group written,
-        in every slice this rank writes (each slice's record is this rank's to publish; a rank
-        writing none confirms the whole chain)."""
-        written = self._slices_written()
-        return self.layout.usable_prefix(
-            lambda g, p: all((g, k, p) in track.ok for k in written[g]),
-            commit.present_blocks,
-            commit.num_blocks,
-        )
-
-    def _loadable_ends(self, track: _SaveTrack, commit: CommitSpec, n: int) -> list[int]:
-        """A model with state groups: the hit lengths in (present, n] a load can end at --
-        where every state group's state was confirmed written (in every slice this rank
-        writes); the blocks before are confirmed by ``n``. Empty for other models (every
-        length up to ``n`` is loadable)."""
-        states = [g for g, group in enumerate(self.layout.groups) if group.is_state]
-        if not states:
-            return []
-        written = self._slices_written()
-        return [
-            end
-            for end in range(commit.present_blocks + 1, n + 1)
-            if all((g, k, end - 1) in track.ok for g in states for k in written[g])
-        ]
-
-    def _slices_written(self) -> list[list[int]]:
-        """Per group, the head slices this rank writes."""
-        return [[k for k, sm in enumerate(movers) if sm.writes] for movers in self._slices]
+        """Once a finished request has no write in flight, publish its commit record."""
+        ready = self._ledger.ready(req_id)
+        if ready is not None:
+            self._track(
+                self._save_io.submit(self._publish, req_id, ready.commit, ready.blocks),
+                "a commit record",
+            )
 
     def _publish(self, req_id: str, commit: CommitSpec, n: int) -> None:
         stores = [sm.store for sm in self._slices[0] if sm.writes] if self._slices else []
@@ -784,8 +649,7 @@ class RedisConnectorWorker:
                 req=req_id,
             )
         finally:
-            with self._lock:
-                self._saves.pop(req_id, None)
+            self._ledger.published(req_id)
 
     def take_stored_reports(self) -> list[tuple[str, int, list[int]]]:
         """(request, leading blocks confirmed in Redis, loadable ends of a state model) of
@@ -827,7 +691,8 @@ class RedisConnectorWorker:
         """Requests whose loads or saves this worker still tracks: none once every request has
         finished and its saves were acknowledged (anything else is a leak)."""
         with self._lock:
-            return set(self._jobs) | set(self._saves)
+            jobs = set(self._jobs)
+        return jobs | self._ledger.requests()
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """(finished saves, finished loads): ``take_transfer_results`` without the failed."""
@@ -846,15 +711,10 @@ class RedisConnectorWorker:
             expired = [job for job in self._jobs.values() if now >= job.deadline]
         for job in expired:
             self._report_load(job, expired=True)
+        # taken with the finished saves: a request is freed in the step carrying its report
+        saves, reports = self._ledger.take_finished(now)
         with self._lock:
-            for req_id, track in self._saves.items():  # held as long as events may wait
-                if track.release_by is not None and now >= track.release_by:
-                    track.release_by = None
-                    self._finished_saves.add(req_id)
-            saves, self._finished_saves = self._finished_saves, set()
-            # taken with the finished saves: a request is freed in the step carrying its report
-            self._reports_out += self._stored_reports
-            self._stored_reports = []
+            self._reports_out += reports
             loads, self._finished_loads = self._finished_loads, set()
             failed, self._failed_loads = self._failed_loads, set()
         return saves, loads, failed

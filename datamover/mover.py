@@ -79,7 +79,7 @@ class StagingBusyError(Exception):
 @dataclass(frozen=True)
 class SaveItem:
     block_id: int
-    block_hash: str
+    block_hash: str  # the store's name for it (a model with several KV-cache groups: its group's)
     position: int  # the block's index in its chain (sets its TTL)
     owner: str  # e.g. the request id: whose outcome this block counts towards
 
@@ -364,10 +364,10 @@ class BlockMover:
         ahead: collections.deque[tuple[Future[LoadChunk], torch.Tensor]] = collections.deque()
         try:
             for i, start in enumerate(starts):
-                ids, keys = list(block_ids[start : start + n]), hashes[start : start + n]
+                ids, part = list(block_ids[start : start + n]), hashes[start : start + n]
                 read = ahead.popleft() if ahead else None
                 chunk = self._read_ahead_or_now(
-                    read, timeout_s, functools.partial(self._fetch, ids, keys)
+                    read, timeout_s, functools.partial(self._fetch, ids, part)
                 )
                 try:
                     while (
@@ -505,16 +505,16 @@ class BlockMover:
         try:
             part = spec.part
             rows = buf[: len(part) * spec.row_bytes].view(len(part), spec.row_bytes)
-            keys = [plan.hashes[i] for i in part]
+            hashes = [plan.hashes[i] for i in part]
             first, end = spec.layers
             if spec.band == 0:
                 ok, offset = self._read_heads(
-                    part, keys, plan.heads, rows, end, plan.headers, plan.whole
+                    part, hashes, plan.heads, rows, end, plan.headers, plan.whole
                 )
             else:
                 offset = 0
                 ok = self.store.select_tensors_into(
-                    keys,
+                    hashes,
                     [plan.headers[i] for i in part],  # type: ignore[misc]
                     list(rows),
                     first,
@@ -577,7 +577,7 @@ class BlockMover:
     def _read_heads(
         self,
         part: list[int],
-        keys: list[str],
+        hashes: list[str],
         heads: list[int],
         rows: torch.Tensor,
         end: int,
@@ -592,7 +592,7 @@ class BlockMover:
         got: list[ValueHeader | HeadMiss] = [HeadMiss.WHOLE] * len(part)
         if same:
             read = self.store.select_head_into(
-                [keys[i] for i in same],
+                [hashes[i] for i in same],
                 [rows[i] for i in same],
                 header_bytes=header_bytes,
                 entries=self.entries,
@@ -610,12 +610,12 @@ class BlockMover:
             ok.append(isinstance(r, ValueHeader))
         return ok, header_bytes
 
-    def _fetch(self, ids: list[int], keys: Sequence[str], buf: torch.Tensor) -> LoadChunk:
+    def _fetch(self, ids: list[int], hashes: Sequence[str], buf: torch.Tensor) -> LoadChunk:
         """Receive one chunk into ``buf``; on an error ``buf`` is released and the error
         raised."""
         try:
             rows = buf[: len(ids) * self.slot_bytes].view(len(ids), self.slot_bytes)
-            values = self.store.select_into(keys, list(rows), connections=self.connections)
+            values = self.store.select_into(hashes, list(rows), connections=self.connections)
             return LoadChunk(self, ids, values, rows, buf)
         except BaseException:
             self._load_pool.release(buf)
