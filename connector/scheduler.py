@@ -1,5 +1,6 @@
 """Scheduler side: which prompt blocks are in Redis, which to load, which to save -- one
-request's life as a state machine.
+request's life as a state machine. (Which blocks each step saves is planned in
+``save_plans.py``, from the state kept here.)
 
 Every request gets one deadline for everything Redis-related (lookup, waiting for the producer,
 load), scaled with its prompt length; when it passes -- or the store's circuit breaker is open
@@ -50,7 +51,8 @@ RUNNING: computing, after its load or with nothing to load.
       failing that, build_connector_meta of the next step does): splits are chosen only where
       vLLM schedules the next step after this one's output. What the step computes over the
       split's blocks is saved a step later, once the output says it landed on every rank.
-  build_connector_meta: plan the saves of the prompt blocks this step completes.
+  build_connector_meta: plan the saves of the prompt blocks this step completes
+      (``save_plans.py``).
   update_connector_output, invalid blocks (or, for a model with several KV-cache groups, the
       whole load failed): save the recomputed blocks again (share mode).
   request_finished: (True, params) if saves were planned -- the worker reports finished
@@ -61,7 +63,7 @@ nothing. (A split never meets an abort or a preemption mid-load: both happen bet
 the split ends with its step.)
 
 A model with several KV-cache groups (full attention, sliding window) keeps one chain of
-positions: each group's block at a position is its own key (``KVLayout.group_key``), a hit
+positions: each group's block at a position is its own key (``KVLayout.group_block_hash``), a hit
 needs every full-attention block and only a windowed group's window (``usable_prefix``), and
 loads and saves carry every group's block ids (a sliding window's past is vLLM's null block,
 which the worker skips).
@@ -88,12 +90,13 @@ from connector.chains import RequestChains
 from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
 from connector.drops import HandoffDrops
 from connector.figures import LoadRate, PrefillRate, step_shape
-from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
+from connector.layout import KVLayout
 from connector.load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinned
 from connector.logs import FailureCounts
 from connector.lookups import Lookup, LookupBatcher, LookupResult
-from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata
 from connector.resets import NamespaceResets
+from connector.save_plans import SavePlanner
 from connector.stats import StatsBuffer
 from connector.transfer_params import Handoff, ThisInstance, producer_params, read_handoff
 from kvstore import KVStoreError, LookupBuffer
@@ -128,7 +131,10 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class _RequestState:
+class RequestState:
+    """What the scheduler keeps of one request: its state machine's, and its saves' (read and
+    written by ``save_plans.SavePlanner`` each step)."""
+
     num_tokens: int  # prompt tokens
     load_hashes: list[str]  # the chain loads look up (the handoff's, or the shared one)
     save_hashes: list[str]  # the chain saves write (ours)
@@ -174,6 +180,11 @@ class _RequestState:
     def same_chain(self) -> bool:
         return self.load_hashes is self.save_hashes
 
+    @property
+    def running(self) -> bool:
+        """In ``Phase.RUNNING``: what its steps compute may be saved (``save_plans.py``)."""
+        return self.phase is Phase.RUNNING
+
 
 class RedisConnectorScheduler:
     def __init__(
@@ -211,7 +222,7 @@ class RedisConnectorScheduler:
         self.fingerprints = layout.all_fingerprints()
         self.failures = FailureCounts()
         self.stats = StatsBuffer()
-        self._reqs: dict[str, _RequestState] = {}
+        self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_commits: list[CommitSpec] = []
         # block hash -> request loading it now (share mode). A request whose blocks another
@@ -239,10 +250,15 @@ class RedisConnectorScheduler:
         self._load_outcomes: dict[str, list[int]] = {}
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
-        # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
-        self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
-        self._groups = range(len(layout.groups))
-        self._attention = any(not g.is_state for g in layout.groups)
+        # which blocks of which requests each step saves
+        self._save_planner = SavePlanner(
+            layout,
+            store,
+            self.fingerprints,
+            self.stats,
+            self._background_io,
+            self._log_background_failure,
+        )
         self._generation_read_at = 0.0
         self._resets = NamespaceResets(store, config, self.stats, events)
         try:  # best effort: lookups and a background refresh read it again
@@ -258,7 +274,7 @@ class RedisConnectorScheduler:
         return st is not None and st.handoff is not None
 
     # ------------------------------------------------------------------ request state
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request) -> RequestState:
         st = self._reqs.get(request.request_id)
         if st is not None and st.generation != self.store.generation and st.renamable():
             # the namespace was reset since its chains were named: name them again
@@ -287,7 +303,7 @@ class RedisConnectorScheduler:
         handoff, load_hashes = None, shared
         if self.config.loads:
             handoff, load_hashes = self._incoming_handoff(request, shared, chains)
-        st = _RequestState(
+        st = RequestState(
             num_tokens=len(chains.tokens),
             load_hashes=load_hashes,
             save_hashes=save_hashes,
@@ -347,7 +363,7 @@ class RedisConnectorScheduler:
             return None
         return Way(asked)
 
-    def _max_blocks(self, st: _RequestState, request: Request) -> int:
+    def _max_blocks(self, st: RequestState, request: Request) -> int:
         # Never load the last prompt token: vLLM must compute at least one to sample from.
         return min(len(st.load_hashes), (request.num_prompt_tokens - 1) // self.block_size)
 
@@ -371,18 +387,18 @@ class RedisConnectorScheduler:
         fut = self._background_io.submit(self.store.read_generation)
         fut.add_done_callback(self._log_background_failure)
 
-    def _lookupable(self, st: _RequestState) -> bool:
+    def _lookupable(self, st: RequestState) -> bool:
         if st.generation != self.store.generation:
             return False  # named before a reset, and no longer renamable: never load it
         if st.handoff is not None:
             return st.handoff.state == "waiting"
         return not self.config.consume  # consume mode loads only what was handed off to it
 
-    def _writes_back(self, st: _RequestState) -> bool:
+    def _writes_back(self, st: RequestState) -> bool:
         """Share mode: its chain is the pool's, and what Redis lacks of it is written back."""
         return st.same_chain and self._lookupable(st)
 
-    def _start_lookup(self, st: _RequestState, start: int, end: int) -> None:
+    def _start_lookup(self, st: RequestState, start: int, end: int) -> None:
         st.lookup_start = start
         handoff_id = st.handoff.handoff_id if st.handoff is not None else None
         st.lookup = self._lookups.submit(st.load_hashes[start:end], start, handoff_id)
@@ -399,7 +415,7 @@ class RedisConnectorScheduler:
         if left > 0:
             wait([fut], timeout=left)
 
-    def _poll_lookup(self, st: _RequestState, start: int, end: int) -> LookupResult | None:
+    def _poll_lookup(self, st: RequestState, start: int, end: int) -> LookupResult | None:
         """The answer of a lookup covering ``start``, started now if needed; None while out.
         A failed lookup answers ``present=-1``. A request that loads and saves one chain
         (share mode, an instance that saves) always asks from the chain's first block: what
@@ -446,7 +462,7 @@ class RedisConnectorScheduler:
             return None
         return result
 
-    def _give_up(self, st: _RequestState, rid: str, why: str) -> int:
+    def _give_up(self, st: RequestState, rid: str, why: str) -> int:
         """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded)."""
         self.stats.add(requests_given_up=1)
         total = self.failures.add(f"give-up:{why}")
@@ -456,7 +472,7 @@ class RedisConnectorScheduler:
             )
         return 0
 
-    def _present_blocks(self, st: _RequestState, rid: str, start: int, end: int) -> int | None:
+    def _present_blocks(self, st: RequestState, rid: str, start: int, end: int) -> int | None:
         """LOOKING_UP: the leading blocks vLLM may load (absolute), or None while unknown."""
         now = time.monotonic()
         if now >= st.deadline:
@@ -511,7 +527,7 @@ class RedisConnectorScheduler:
             present = found
         elif self.config.saves and self.config.loads and end > 0 and self._writes_back(st):
             # all of it a local hit: nothing to load, so the admission does not wait; its
-            # saves wait for the answer instead (``_settle_presence``), so a prefix Redis lost
+            # saves wait for the answer instead (``save_plans.py``), so a prefix Redis lost
             # is written back and one it holds is not written twice
             if st.lookup is None and self.store.available:
                 self._start_lookup(st, 0, end)
@@ -523,7 +539,7 @@ class RedisConnectorScheduler:
         self._decide(st, request, start)
         return self._answer(st, start)
 
-    def _answer(self, st: _RequestState, start: int) -> tuple[int, bool]:
+    def _answer(self, st: RequestState, start: int) -> tuple[int, bool]:
         n = st.load_end
         if n <= start:
             st.load_range = (start, start)
@@ -531,7 +547,7 @@ class RedisConnectorScheduler:
         st.load_range = (start, n)
         return (n - start) * self.block_size, not st.layered
 
-    def _decide(self, st: _RequestState, request: Request, start: int) -> None:
+    def _decide(self, st: RequestState, request: Request, start: int) -> None:
         """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
         way), counted and kept with the request."""
         hit = Hit(
@@ -630,7 +646,7 @@ class RedisConnectorScheduler:
         if self._owns_handoff(st):
             assert st.handoff is not None
             st.handoff.state, claim = "loading", st.handoff.handoff_id
-            self._consumed[rid] = (st.handoff, self.layout.keys_of(st.load_hashes))
+            self._consumed[rid] = (st.handoff, self.layout.group_block_hashes(st.load_hashes))
         self._pending_loads.append(
             LoadSpec(
                 req_id=rid,
@@ -651,11 +667,11 @@ class RedisConnectorScheduler:
             return [[] for _ in self.layout.groups]
         return [list(block_ids[g.index]) for g in self.layout.groups]
 
-    def _owns_handoff(self, st: _RequestState) -> bool:
+    def _owns_handoff(self, st: RequestState) -> bool:
         """A consume-mode handoff chain is this request's alone: it deletes it when done."""
         return self.config.consume and st.handoff is not None and st.handoff.scoped
 
-    def _drop_handoff(self, st: _RequestState) -> None:
+    def _drop_handoff(self, st: RequestState) -> None:
         """Consume mode leaves nothing behind: claim a handoff this request will not load (e.g.
         vLLM's local prefix cache had its blocks) and delete its blocks and record."""
         handoff = st.handoff
@@ -665,7 +681,7 @@ class RedisConnectorScheduler:
         self._drops.drop(
             handoff.handoff_id,
             handoff.owner,
-            self.layout.keys_of(st.load_hashes),
+            self.layout.group_block_hashes(st.load_hashes),
             expect_record=not handoff.opened,
         )
 
@@ -756,7 +772,7 @@ class RedisConnectorScheduler:
             tokens_load_failed=(end - failed) * self.block_size,
         )
 
-    def _release(self, req_id: str, st: _RequestState) -> None:
+    def _release(self, req_id: str, st: RequestState) -> None:
         """Forget the blocks this request was loading (share mode: others stop waiting)."""
         start, end = st.load_range
         for h in st.load_hashes[start:end]:
@@ -767,7 +783,7 @@ class RedisConnectorScheduler:
                 del self._load_blocks[block_id]
         st.load_range = (0, 0)
 
-    # ------------------------------------------------------------------ saves
+    # ------------------------------------------------------------------ steps and commits
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
         self._step_wait_until = None  # the step is over: the next one may wait again
         self._finish_splits()
@@ -786,68 +802,10 @@ class RedisConnectorScheduler:
             meta.reject_blocks, held = self._screen_tainted(scheduler_output, progress, fresh, meta)
         if not self.config.saves:
             return meta
-        held |= self._reading_splits(progress, meta)
-        for req_id, computed in progress:
-            st = self._reqs[req_id]
-            if st.phase is not Phase.RUNNING or req_id in held:
-                continue
-            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if not self._settle_presence(st, final=done >= st.num_tokens):
-                continue
-            full = min(
-                done // self.block_size,
-                len(st.save_hashes),
-                self._positional_blocks(st),
-            )
-            if full > st.saved_blocks:
-                self._open_saves(st)
-                meta.saves.append(
-                    SaveSpec(
-                        req_id=req_id,
-                        # a state group's blocks are saved only when vLLM offers them
-                        block_ids=[
-                            [NO_BLOCK] * (full - st.saved_blocks)
-                            if g.is_state
-                            else ids[st.saved_blocks : full]
-                            for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
-                        ],
-                        hashes=st.save_hashes[st.saved_blocks : full],
-                        first_position=st.saved_blocks,
-                        handoff=st.save_handoff,
-                    )
-                )
-                st.saved_blocks = full
-        if self._state_groups:
-            meta.saves += self._state_saves(scheduler_output)
+        meta.saves = self._save_planner.plan(
+            scheduler_output, self._reqs, progress, held, meta.loads
+        )
         return meta
-
-    def _settle_presence(self, st: _RequestState, final: bool) -> bool:
-        """Whether the request's saves may be planned: what Redis holds of its chain is known
-        (``saved_blocks`` then starts after it), or cannot be learned in time -- its deadline,
-        or ``final``: this step computes the rest of its prompt, and it may finish with it --
-        or at all (a failed lookup, a reset). Then everything is saved: a block written twice
-        is only wasted, a block never written back is lost to every other instance."""
-        lookup = st.presence
-        if lookup is None:
-            return True
-        if not lookup.future.done() and not final and time.monotonic() < st.deadline:
-            return False
-        st.presence = None
-        if not lookup.future.done() or lookup.future.cancelled():
-            return True
-        try:
-            result = lookup.future.result()
-        except Exception as exc:  # whatever it was, the saves go on (all of them)
-            self.stats.add(redis_errors=1)
-            if not isinstance(exc, KVStoreError):
-                logger.warning("Redis lookup raised %r; saving the whole prompt", exc)
-            return True
-        if result.generation == st.generation and st.save_start is None:
-            # (a save already planned -- a state group's offer -- started from the front:
-            # its commit confirms from there, so everything is saved)
-            st.present_blocks = max(st.present_blocks, result.present)
-            st.saved_blocks = max(st.saved_blocks, result.present)
-        return True
 
     def _track_block_tables(
         self, scheduler_output: SchedulerOutput
@@ -895,24 +853,6 @@ class RedisConnectorScheduler:
         if st is not None and st.block_ids:  # (only full blocks are cached)
             self._tainted.update(st.block_ids[0][position : st.computed_tokens // self.block_size])
 
-    def _reading_splits(
-        self, progress: list[tuple[str, int]], meta: RedisConnectorMetadata
-    ) -> set[str]:
-        """This step's requests that run on blocks a split of this step loads (the split's
-        own request, and any whose prefix-cache hit is on them): what they compute depends on
-        the split landing, on every TP rank, which only the step's output says. Their blocks
-        are saved a step later -- never to put KV computed over a failed load in the pool."""
-        loading = {b for spec in meta.loads if spec.layered for b in spec.block_ids[0]}
-        if not loading:
-            return set()
-        bs = self.block_size
-        out = set()
-        for req_id, computed in progress:
-            ids = self._reqs[req_id].block_ids
-            if ids and loading.intersection(ids[0][: computed // bs]):
-                out.add(req_id)
-        return out
-
     def _screen_tainted(
         self,
         scheduler_output: SchedulerOutput,
@@ -956,63 +896,6 @@ class RedisConnectorScheduler:
         if rejected:
             self.stats.add(tainted_blocks_rejected=len(rejected))
         return sorted(rejected), bad
-
-    def _positional_blocks(self, st: _RequestState) -> int:
-        """The blocks every attention group's table holds (a state group's table is as long
-        as the sequence, and is not read by position)."""
-        if not st.block_ids:
-            return 0
-        groups = zip(self.layout.groups, st.block_ids, strict=True)
-        return min((len(ids) for g, ids in groups if not g.is_state), default=0)
-
-    def _open_saves(self, st: _RequestState) -> None:
-        """A request's first save: write its "pending" record, so a consumer that finds the
-        blocks before the commit record knows to wait."""
-        if st.save_start is None:
-            st.save_start = st.saved_blocks
-            st.opening = self._background_io.submit(
-                self.store.open_handoff, st.save_handoff, self.fingerprints
-            )
-            st.opening.add_done_callback(self._log_background_failure)
-
-    def _state_saves(self, scheduler_output: SchedulerOutput) -> list[SaveSpec]:
-        """The states vLLM committed this step at block boundaries (align mode), each saved at
-        its chain position from the exact block vLLM names: a state table is rewritten in
-        place, so no other block of it is safe to read. Only positions of the request's prompt
-        chain, not in Redis already (a loaded state is offered again once cached) nor saved."""
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        offers = getattr(block_state, "boundary_state_offloads", None) or {}
-        specs = []
-        for req_id, entries in offers.items():
-            st = self._reqs.get(req_id)
-            if st is None or st.phase is not Phase.RUNNING:
-                continue
-            for engine_group, block_id, boundary in entries:
-                g = self._state_groups.get(engine_group)
-                p = boundary // self.block_size - 1
-                if (
-                    g is None
-                    or block_id == NULL_BLOCK_ID
-                    or boundary % self.block_size
-                    or not 0 <= p < len(st.save_hashes)
-                    or (st.same_chain and p < st.present_blocks)
-                    or (g, p) in st.states_saved
-                ):
-                    continue
-                st.states_saved.add((g, p))
-                self._open_saves(st)
-                if not self._attention:  # a model of states alone: its chain is its states'
-                    st.saved_blocks = max(st.saved_blocks, p + 1)
-                specs.append(
-                    SaveSpec(
-                        req_id=req_id,
-                        block_ids=[[block_id if i == g else NO_BLOCK] for i in self._groups],
-                        hashes=[st.save_hashes[p]],
-                        first_position=p,
-                        handoff=st.save_handoff,
-                    )
-                )
-        return specs
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted, in any state. A producer returns the handoff a consumer waits

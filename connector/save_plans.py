@@ -1,0 +1,216 @@
+"""Save planning: each scheduler step, which blocks of which requests the worker saves (the
+``SaveSpec`` list of ``RedisConnectorMetadata.saves``).
+
+It is apart from the request state machine (``scheduler.py``) because it answers no vLLM
+callback about one request: it is one pass over every request a step schedules, from their block
+tables and the tokens the step computes -- the prompt blocks the step completes, and the states
+vLLM offers at block boundaries (state groups) -- and it decides what is safe to put in the pool:
+nothing Redis holds already, nothing computed over a split load that may have failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
+from typing import TYPE_CHECKING, Any
+
+from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
+from connector.metadata import LoadSpec, SaveSpec
+from connector.stats import StatsBuffer
+from kvstore import KVStoreError, LookupBuffer
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from connector.scheduler import RequestState
+
+# the scheduler side's log: its lines keep the name they are filtered by
+logger = logging.getLogger("connector.scheduler")
+
+
+class SavePlanner:
+    """Plans each step's saves (``plan``) of the requests the scheduler keeps; what it reads and
+    writes of each is in its ``RequestState`` (``saved_blocks``, ``save_start``, ...), shared
+    with the state machine, which answers from it and commits what was saved."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        store: LookupBuffer,
+        fingerprints: list[str],
+        stats: StatsBuffer,
+        background_io: Executor,
+        on_background_done: Callable[[Future[Any]], None],
+    ) -> None:
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.store = store
+        self.fingerprints = fingerprints
+        self.stats = stats
+        # "pending" records are written here, and each is handed to on_background_done once
+        # written (a failure is logged and counted there)
+        self._background_io = background_io
+        self._on_background_done = on_background_done
+        # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
+        self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
+        self._groups = range(len(layout.groups))
+        self._attention = any(not g.is_state for g in layout.groups)
+
+    def plan(
+        self,
+        scheduler_output: SchedulerOutput,
+        requests: Mapping[str, RequestState],
+        progress: list[tuple[str, int]],
+        held: set[str],
+        loads: list[LoadSpec],
+    ) -> list[SaveSpec]:
+        """This step's saves: of each request the step runs (``progress``: the request, and
+        the tokens it had computed before the step) that is running and not ``held``, the
+        prompt blocks the step completes and Redis lacks; and the states vLLM offers (state
+        groups). ``loads``: the step's loads (a split's readers are held too,
+        ``_reading_splits``)."""
+        held = held | self._reading_splits(progress, loads, requests)
+        saves: list[SaveSpec] = []
+        for req_id, computed in progress:
+            st = requests[req_id]
+            if not st.running or req_id in held:
+                continue
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if not self._settle_presence(st, final=done >= st.num_tokens):
+                continue
+            full = min(
+                done // self.block_size,
+                len(st.save_hashes),
+                self._positional_blocks(st),
+            )
+            if full > st.saved_blocks:
+                self._open_saves(st)
+                saves.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        # a state group's blocks are saved only when vLLM offers them
+                        block_ids=[
+                            [NO_BLOCK] * (full - st.saved_blocks)
+                            if g.is_state
+                            else ids[st.saved_blocks : full]
+                            for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
+                        ],
+                        hashes=st.save_hashes[st.saved_blocks : full],
+                        first_position=st.saved_blocks,
+                        handoff=st.save_handoff,
+                    )
+                )
+                st.saved_blocks = full
+        if self._state_groups:
+            saves += self._state_saves(scheduler_output, requests)
+        return saves
+
+    def _settle_presence(self, st: RequestState, final: bool) -> bool:
+        """Whether the request's saves may be planned: what Redis holds of its chain is known
+        (``saved_blocks`` then starts after it), or cannot be learned in time -- its deadline,
+        or ``final``: this step computes the rest of its prompt, and it may finish with it --
+        or at all (a failed lookup, a reset). Then everything is saved: a block written twice
+        is only wasted, a block never written back is lost to every other instance."""
+        lookup = st.presence
+        if lookup is None:
+            return True
+        if not lookup.future.done() and not final and time.monotonic() < st.deadline:
+            return False
+        st.presence = None
+        if not lookup.future.done() or lookup.future.cancelled():
+            return True
+        try:
+            result = lookup.future.result()
+        except Exception as exc:  # whatever it was, the saves go on (all of them)
+            self.stats.add(redis_errors=1)
+            if not isinstance(exc, KVStoreError):
+                logger.warning("Redis lookup raised %r; saving the whole prompt", exc)
+            return True
+        if result.generation == st.generation and st.save_start is None:
+            # (a save already planned -- a state group's offer -- started from the front:
+            # its commit confirms from there, so everything is saved)
+            st.present_blocks = max(st.present_blocks, result.present)
+            st.saved_blocks = max(st.saved_blocks, result.present)
+        return True
+
+    def _reading_splits(
+        self,
+        progress: list[tuple[str, int]],
+        loads: list[LoadSpec],
+        requests: Mapping[str, RequestState],
+    ) -> set[str]:
+        """This step's requests that run on blocks a split of this step loads (the split's
+        own request, and any whose prefix-cache hit is on them): what they compute depends on
+        the split landing, on every TP rank, which only the step's output says. Their blocks
+        are saved a step later -- never to put KV computed over a failed load in the pool."""
+        loading = {b for spec in loads if spec.layered for b in spec.block_ids[0]}
+        if not loading:
+            return set()
+        bs = self.block_size
+        out = set()
+        for req_id, computed in progress:
+            ids = requests[req_id].block_ids
+            if ids and loading.intersection(ids[0][: computed // bs]):
+                out.add(req_id)
+        return out
+
+    def _positional_blocks(self, st: RequestState) -> int:
+        """The blocks every attention group's table holds (a state group's table is as long
+        as the sequence, and is not read by position)."""
+        if not st.block_ids:
+            return 0
+        groups = zip(self.layout.groups, st.block_ids, strict=True)
+        return min((len(ids) for g, ids in groups if not g.is_state), default=0)
+
+    def _open_saves(self, st: RequestState) -> None:
+        """A request's first save: write its "pending" record, so a consumer that finds the
+        blocks before the commit record knows to wait."""
+        if st.save_start is None:
+            st.save_start = st.saved_blocks
+            st.opening = self._background_io.submit(
+                self.store.open_handoff, st.save_handoff, self.fingerprints
+            )
+            st.opening.add_done_callback(self._on_background_done)
+
+    def _state_saves(
+        self, scheduler_output: SchedulerOutput, requests: Mapping[str, RequestState]
+    ) -> list[SaveSpec]:
+        """The states vLLM committed this step at block boundaries (align mode), each saved at
+        its chain position from the exact block vLLM names: a state table is rewritten in
+        place, so no other block of it is safe to read. Only positions of the request's prompt
+        chain, not in Redis already (a loaded state is offered again once cached) nor saved."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        specs = []
+        for req_id, entries in offers.items():
+            st = requests.get(req_id)
+            if st is None or not st.running:
+                continue
+            for engine_group, block_id, boundary in entries:
+                g = self._state_groups.get(engine_group)
+                p = boundary // self.block_size - 1
+                if (
+                    g is None
+                    or block_id == NULL_BLOCK_ID
+                    or boundary % self.block_size
+                    or not 0 <= p < len(st.save_hashes)
+                    or (st.same_chain and p < st.present_blocks)
+                    or (g, p) in st.states_saved
+                ):
+                    continue
+                st.states_saved.add((g, p))
+                self._open_saves(st)
+                if not self._attention:  # a model of states alone: its chain is its states'
+                    st.saved_blocks = max(st.saved_blocks, p + 1)
+                specs.append(
+                    SaveSpec(
+                        req_id=req_id,
+                        block_ids=[[block_id if i == g else NO_BLOCK] for i in self._groups],
+                        hashes=[st.save_hashes[p]],
+                        first_position=p,
+                        handoff=st.save_handoff,
+                    )
+                )
+        return specs
