@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from connector.presence import first_needed, usable_prefix, windowed
+from connector.versions import SUPPORTED_VLLM_WORDS
 from kvstore import layout_fingerprint
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ def _state_group(index: int, names: tuple[str, ...], spec: Any) -> KVGroup:
         raise UnsupportedModelError(
             f"RedisConnector cannot store {where}: this vLLM does not tell a connector which "
             "block holds each committed state (SchedulerOutput.kv_connector_block_state). "
-            "Serve it without --kv-transfer-config, or on vLLM 0.30 to 0.33."
+            f"Serve it without --kv-transfer-config, or on vLLM {SUPPORTED_VLLM_WORDS}."
         )
     if int(getattr(spec, "num_speculative_blocks", 0)):
         raise UnsupportedModelError(
@@ -330,9 +331,11 @@ class KVLayout:
         (a model with one attention group keeps the keys and fingerprint it always had)."""
         return len(self.groups) > 1 or self.groups[0].is_state
 
-    def group_key(self, block_hash: str, group: KVGroup) -> str:
-        """The name of ``group``'s block at the position ``block_hash`` names."""
-        return f"{block_hash}.g{group.index}" if self.hybrid else block_hash
+    def group_block_hash(self, chain_hash: str, group: KVGroup) -> str:
+        """The store's block hash of ``group``'s block at the chain position ``chain_hash``
+        names (the request's chain hashes name positions; the store keys each group's block
+        at a position apart)."""
+        return f"{chain_hash}.g{group.index}" if self.hybrid else chain_hash
 
     @property
     def fails_per_request(self) -> bool:
@@ -350,10 +353,11 @@ class KVLayout:
         kinds = [g.kind for g in self.groups]
         return usable_prefix(kinds, self.block_size, present, start, end)
 
-    def keys_of(self, hashes: list[str]) -> list[str]:
-        """Every group's key at each position, position by position: a chain's leading keys
-        present, divided by ``len(groups)``, are its leading positions present in every group."""
-        return [self.group_key(h, g) for h in hashes for g in self.groups]
+    def group_block_hashes(self, chain_hashes: list[str]) -> list[str]:
+        """Every group's block hash at each position, position by position: a chain's leading
+        blocks present, divided by ``len(groups)``, are its leading positions present in every
+        group."""
+        return [self.group_block_hash(h, g) for h in chain_hashes for g in self.groups]
 
     @classmethod
     def from_vllm(

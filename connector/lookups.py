@@ -117,8 +117,8 @@ class LookupBatcher:
             pool = [j for j in batch if j.handoff_id is None]
             handoffs = [j for j in batch if j.handoff_id is not None]
             found = self.store.survey(
-                [self._layout.keys_of(j.hashes) for j in pool],
-                [(j.handoff_id or "", self._layout.keys_of(j.hashes)) for j in handoffs],
+                [self._layout.group_block_hashes(j.hashes) for j in pool],
+                [(j.handoff_id or "", self._layout.group_block_hashes(j.hashes)) for j in handoffs],
                 self.fingerprints,
             )
             gen = found.generation

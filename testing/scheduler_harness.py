@@ -208,7 +208,7 @@ def committed_blocks(conn: RedisConnector, url: str, handoff: str, hashes: list[
     layout = conn.layout
     store = LookupBuffer.from_url(url, namespace="vllm", fingerprint=layout.fingerprint(0))
     try:
-        return store.read_handoff(handoff, layout.keys_of(hashes)).committed
+        return store.read_handoff(handoff, layout.group_block_hashes(hashes)).committed
     finally:
         store.close()
 

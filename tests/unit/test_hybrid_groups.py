@@ -74,7 +74,7 @@ def seed_groups(
     items = []
     for h in hashes[:n]:
         for group in layout.groups:
-            key = layout.group_key(h, group)
+            key = layout.group_block_hash(h, group)
             if key not in skip:
                 items.append((key, {name: values[name] for name in group.layer_names}))
     store.insert_many(items)
@@ -108,15 +108,15 @@ def test_groups_are_named_in_keys_and_fingerprint_and_one_group_keeps_its_own(
     _, two = make_configs(tiny_model, "kv_both", url=URL, sliding_window=WINDOW)
     dense = KVLayout.from_vllm(vllm_config, one, None)
     hybrid = KVLayout.from_vllm(vllm_config, two, None)
-    assert not dense.hybrid and dense.group_key("ab", dense.groups[0]) == "ab"
+    assert not dense.hybrid and dense.group_block_hash("ab", dense.groups[0]) == "ab"
     # the fingerprint a one-group model always had (a layout built without groups)
     legacy = KVLayout(
         dense.model_id, BS, 2, 64, "float32", tuple(LAYERS), 1, kv_cache_dtype=dense.kv_cache_dtype
     )
     assert dense.fingerprint(0) == legacy.fingerprint(0)
     assert hybrid.hybrid and [g.kind for g in hybrid.groups] == ["full", f"sliding_window={WINDOW}"]
-    assert [hybrid.group_key("ab", g) for g in hybrid.groups] == ["ab.g0", "ab.g1"]
-    assert hybrid.keys_of(["a", "b"]) == ["a.g0", "a.g1", "b.g0", "b.g1"]
+    assert [hybrid.group_block_hash("ab", g) for g in hybrid.groups] == ["ab.g0", "ab.g1"]
+    assert hybrid.group_block_hashes(["a", "b"]) == ["a.g0", "a.g1", "b.g0", "b.g1"]
     assert hybrid.fingerprint(0) != dense.fingerprint(0)
 
 
@@ -154,7 +154,9 @@ def test_a_hit_needs_every_full_block_and_only_the_window_of_a_sliding_group(
     tokens = prompt(6 * BS + 1)
     hashes = chain_hashes(tokens, BS)
     position, group = missing
-    seed_groups(layout, tokens, 6, skip={layout.group_key(hashes[position], layout.groups[group])})
+    seed_groups(
+        layout, tokens, 6, skip={layout.group_block_hash(hashes[position], layout.groups[group])}
+    )
     sched.add_request(make_request("r", tokens))
     (load,) = meta_of(sched.schedule()).loads
     assert load.hashes == hashes[:hit]
@@ -251,7 +253,7 @@ def test_a_block_missing_in_one_group_fails_the_request_not_blocks(
     hashes = chain_hashes(list(range(2 * BS)), BS)
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
     value = {LAYERS[0]: torch.ones(2, BS, 128)}
-    store.insert_many([(layout.group_key(h, layout.groups[0]), value) for h in hashes])
+    store.insert_many([(layout.group_block_hash(h, layout.groups[0]), value) for h in hashes])
     store.close()  # the sliding group's values are missing
     load = LoadSpec("d", [[1, 2], [3, 4]], hashes, timeout_s=30)
     run_worker_step(conn, RedisConnectorMetadata(loads=[load]))
@@ -318,7 +320,7 @@ def test_a_producer_with_a_local_hit_commits_what_a_consumer_can_load(
     assert conn.worker.shutdown_pending(timeout_s=30) == 0
     layout = conn.layout
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
-    state = store.read_handoff(save.handoff, layout.keys_of(save.hashes))
+    state = store.read_handoff(save.handoff, layout.group_block_hashes(save.hashes))
     assert n == 7 and state.committed == 7
     store.close()
     sched.connector.shutdown()  # type: ignore[union-attr]

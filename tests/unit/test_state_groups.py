@@ -111,7 +111,7 @@ def test_state_groups_get_keys_and_a_fingerprint_that_names_their_states(
     layout = layout_for(tiny_model, state_layers=STATES)
     assert [g.kind for g in layout.groups] == ["full"] + ["state=GDN_ATTN"] * STATES
     assert [g.layer_names for g in layout.groups[1:]] == [(n,) for n in STATE_LAYERS[:STATES]]
-    assert [layout.group_key("ab", g) for g in layout.groups] == ["ab.g0", "ab.g1", "ab.g2"]
+    assert [layout.group_block_hash("ab", g) for g in layout.groups] == ["ab.g0", "ab.g1", "ab.g2"]
     state = layout.groups[1]
     assert (state.num_kv_heads, state.head_size, state.dtype) == (1, STATE_BYTES, "int8")
     assert state.holds(5) and not state.holds(NULL) and not state.holds(NO_BLOCK)
@@ -241,12 +241,15 @@ def seed(layout: KVLayout, hashes: list[str], blocks: int, states: set[int]) -> 
     items = []
     for p, h in enumerate(hashes[:blocks]):
         items.append(
-            (layout.group_key(h, layout.groups[0]), {n: torch.zeros(2, BS, 128) for n in LAYERS})
+            (
+                layout.group_block_hash(h, layout.groups[0]),
+                {n: torch.zeros(2, BS, 128) for n in LAYERS},
+            )
         )
         if p in states:
             for group in layout.groups[1:]:
                 state = {group.layer_names[0]: torch.zeros(1, 1, STATE_BYTES, dtype=torch.int8)}
-                items.append((layout.group_key(h, group), state))
+                items.append((layout.group_block_hash(h, group), state))
     store.insert_many(items)
     store.close()
 
