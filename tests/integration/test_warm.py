@@ -263,8 +263,10 @@ def test_check_reports_each_warmed_document_and_what_is_missing(
 
 @pytest.mark.redis
 def test_check_prints_a_table_people_can_read(
-    redis_url: str, capsys: pytest.CaptureFixture[str]
+    redis_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # piped, as a script reads it (pytest-xdist's workers set COLUMNS=80, which it honours)
+    monkeypatch.delenv("COLUMNS", raising=False)
     buf = LookupBuffer.from_url(redis_url, namespace="w", fingerprint="f", ttl_s=600)
     buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0])])
     save_record(buf, _record("manual.txt", CHAINS[0], ["f"]))
