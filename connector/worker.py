@@ -592,14 +592,19 @@ class RedisConnectorWorker:
             )
         for chunk in chunks:
             self._ledger.writing(chunk.owners)
-            self._track(self._save_io.submit(self._write, group, head_slice, chunk), "a save")
+            # the mover that staged it writes it: a register_kv_caches meanwhile (sleep mode)
+            # replaces the movers, and the chunk's buffer belongs to this one's staging
+            mover = self._slices[group][head_slice].mover
+            self._track(
+                self._save_io.submit(self._write, group, head_slice, mover, chunk), "a save"
+            )
 
-    def _write(self, group: int, head_slice: int, chunk: SaveChunk) -> None:
+    def _write(self, group: int, head_slice: int, mover: BlockMover, chunk: SaveChunk) -> None:
         t0 = time.perf_counter()
         ok = False
         nbytes = 0
         try:
-            nbytes = self._slices[group][head_slice].mover.write(chunk)
+            nbytes = mover.write(chunk)
             ok = True
         except KVStoreError as exc:
             self._redis_error(

@@ -95,6 +95,46 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     conn.shutdown()
 
 
+def test_a_save_staged_before_the_caches_are_registered_again_is_written_by_its_own_mover(
+    tiny_model: Path, redis_url: str
+) -> None:
+    """A register_kv_caches (new tensors) while a save is being written replaces the movers:
+    the write goes on with the mover that staged it, and its staging buffer goes back to that
+    mover's pool, never into the new one's (which would then hold more than its budget)."""
+    # one writer thread: the second save waits in its queue, behind the first
+    conn, caches = make_worker_connector(tiny_model, redis_url, NUM_BLOCKS, io_threads=1)
+    worker = conn.worker
+    for t in caches.values():
+        t[2:4].fill_(7.0)
+    old = worker.movers[0]
+    release = threading.Event()
+    real_insert = old.store.insert_parts
+
+    def slow_insert(*a: object, **k: object) -> object:
+        release.wait(10)  # the write is on its way when the caches are registered again
+        return real_insert(*a, **k)  # type: ignore[arg-type]
+
+    old.store.insert_parts = slow_insert  # type: ignore[method-assign]
+    old_free = len(old._save_pool._free)  # (the pools' free lists: what each mover holds)
+    keys = ["cd" * 16, "ef" * 16]
+    for n, key in enumerate(keys):  # two steps: two chunks, two staging buffers
+        run_worker_step(
+            conn, RedisConnectorMetadata(saves=[SaveSpec(f"r{n}", [[2 + n]], [key], 0, f"h{n}")])
+        )
+    assert len(old._save_pool._free) == old_free - 2  # staged: two buffers out
+
+    conn.register_kv_caches({n: torch.zeros_like(t) for n, t in caches.items()})
+    new = worker.movers[0]
+    assert new is not old
+    new_free = len(new._save_pool._free)
+    release.set()
+    assert worker.shutdown_pending(timeout_s=60) == 0
+    assert len(old._save_pool._free) == old_free  # its buffers came home
+    assert len(new._save_pool._free) == new_free  # and nothing foreign joined the new pool
+    assert all(worker.store.contains(keys))  # both written, from the old cache's blocks
+    conn.shutdown()
+
+
 def test_sleep_mode_is_declared_supported_where_vllm_asks() -> None:
     if not hasattr(RedisConnector, "supports_sleep_mode"):
         pytest.skip("this vLLM (< 0.33) has no sleep-mode hooks for connectors")
