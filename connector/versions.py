@@ -35,7 +35,7 @@ _FIRST, _END = ("{}.{}".format(*release) for release in SUPPORTED_VLLM)
 SUPPORTED_VLLM_TEXT = f">={_FIRST},<{_END}"
 # "0.30 to 0.33", for messages
 SUPPORTED_VLLM_WORDS = " to ".join(
-    r.rsplit(".", 1)[0] for r in TESTED_RELEASES[:: len(TESTED_RELEASES) - 1]
+    r.rsplit(".", 1)[0] for r in (TESTED_RELEASES[0], TESTED_RELEASES[-1])
 )
 
 
