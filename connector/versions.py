@@ -70,11 +70,12 @@ def check_vllm_version(version: str, *, override: bool = False) -> str | None:
 
 
 def main(argv: list[str]) -> int:
-    """``releases`` (every tested one), ``others`` (all but the default), ``default``,
+    """``releases`` (every tested one), ``oldest``, ``others`` (all but the default), ``default``,
     ``range`` (pip's specifier): one a line, for the shell scripts."""
     what = argv[0] if argv else "releases"
     answers = {
         "releases": TESTED_RELEASES,
+        "oldest": TESTED_RELEASES[:1],
         "others": tuple(r for r in TESTED_RELEASES if r != DEFAULT_RELEASE),
         "default": (DEFAULT_RELEASE,),
         "range": (SUPPORTED_VLLM_TEXT,),

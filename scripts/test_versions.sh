@@ -15,7 +15,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
-oldest="$(python3 connector/versions.py releases | head -1)"
+# (no pipes into head: under pipefail, the writer's broken pipe would fail the script)
+oldest="$(python3 connector/versions.py oldest)"
 for version in ${KVSTORE_VLLM_VERSIONS:-$(python3 connector/versions.py others)}; do
   echo "===== vLLM $version"
   start=$SECONDS

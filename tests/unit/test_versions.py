@@ -57,6 +57,8 @@ def test_the_supported_range_is_written_once_and_everything_else_agrees() -> Non
     ask = [sys.executable, "-I", str(script)]
     releases = subprocess.run([*ask, "releases"], capture_output=True, text=True, check=True)
     assert releases.stdout.split() == list(TESTED_RELEASES)
+    oldest = subprocess.run([*ask, "oldest"], capture_output=True, text=True, check=True)
+    assert oldest.stdout.split() == [TESTED_RELEASES[0]]
     others = subprocess.run([*ask, "others"], capture_output=True, text=True, check=True)
     assert DEFAULT_RELEASE not in others.stdout.split()
     assert subprocess.run([*ask, "bogus"], capture_output=True).returncode == 2
