@@ -29,14 +29,15 @@ def _supported() -> tuple[tuple[int, int], tuple[int, int]]:
     return first, (last[0], last[1] + 1)
 
 
+def _minor(release: tuple[int, int]) -> str:
+    return "{}.{}".format(*release)
+
+
 # [first, first after the last) as (major, minor), and as a pip specifier.
 SUPPORTED_VLLM = _supported()
-_FIRST, _END = ("{}.{}".format(*release) for release in SUPPORTED_VLLM)
-SUPPORTED_VLLM_TEXT = f">={_FIRST},<{_END}"
+SUPPORTED_VLLM_TEXT = f">={_minor(SUPPORTED_VLLM[0])},<{_minor(SUPPORTED_VLLM[1])}"
 # "0.30 to 0.33", for messages
-SUPPORTED_VLLM_WORDS = " to ".join(
-    r.rsplit(".", 1)[0] for r in (TESTED_RELEASES[0], TESTED_RELEASES[-1])
-)
+SUPPORTED_VLLM_WORDS = f"{_minor(SUPPORTED_VLLM[0])} to {TESTED_RELEASES[-1].rsplit('.', 1)[0]}"
 
 
 def _at_most(version: str, other: str) -> bool:
