@@ -98,10 +98,12 @@ def start_engine(
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the scheduler, the connector's two sides and the
     model run the same code, but an engine starts in 11 s instead of 26 on a 2-core machine,
     and no engine core busy-polls for its worker's replies beside another engine's worker.
-    ``separate_processes=True`` (and ``tp > 1``, which needs a worker per rank, and a
-    ``kv_producer``, whose commit records go out after its last request) runs them as a server
-    does, so what crosses between the sides is serialized: ``test_e2e_connector`` and
-    ``test_e2e_tensor_parallel`` keep that path covered, as do the OpenAI-server tests."""
+    ``separate_processes=True`` (and ``tp > 1``, which needs a worker per rank) runs them as a
+    server does, so what crosses between the sides is serialized: ``test_e2e_connector`` and
+    ``test_e2e_tensor_parallel`` keep that path covered, as do the OpenAI-server tests. An
+    engine's logprobs differ between the two ways in the last float bits: engines whose
+    outputs or KV a test compares run the same way. (An in-process runner steps its engine
+    until the connector's last commit record is written: ``drain_in_process_connector``.)"""
     prompts = tmp / f"{name}.prompts.json"
     prompts.write_text(json.dumps(phases))
     out = tmp / f"{name}.out.json"
@@ -138,10 +140,6 @@ def start_engine(
     if layout_file:
         cmd += ["--layout-file", str(layout_file)]
     env = engine_env(core)
-    # a producer publishes a request's commit record a step after it finished: an in-process
-    # engine takes that step only in its runner's last tiny request, racing the exit
-    if role == "kv_producer":
-        separate_processes = True
     if not separate_processes and tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return stack.spawn(name, cmd, tmp, env=env), out
@@ -282,9 +280,6 @@ def family_runs(
     everything = {**first, **sharing}
     phases = one_per_phase(everything, list(everything))
     out: dict[str, Any] = {}
-    # every engine as the producer runs (separate processes): the consumer loads KV the
-    # producer computed, and an in-process engine computes it different in the last float bits
-    run = {**run, "separate_processes": True}
     beside = {**run, "core": 1}
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url)

@@ -153,12 +153,14 @@ def main() -> None:
                 "kv_transfer_params": res.kv_transfer_params,
                 "elapsed_s": elapsed,
             }
+    tiny = ([TokensPrompt(prompt_token_ids=[3])], SamplingParams(max_tokens=1))
+    drain_in_process_connector(llm, tiny)
     # An offline LLM processes engine outputs only while generate() runs; counters of work that
     # ended after the last request's final token (commit records, late saves) arrive in later,
     # stats-only outputs. One tiny request, a moment later, pulls them in. (A server's output
     # loop always pulls; it needs nothing like this.)
     time.sleep(0.5)
-    llm.generate([TokensPrompt(prompt_token_ids=[3])], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate(*tiny, use_tqdm=False)
     metrics: dict = {}
     for m in llm.get_metrics():
         if "redis_kv" in m.name or "prefix_cache" in m.name:
@@ -170,6 +172,30 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(out, f)
     os._exit(0)  # skip slow engine teardown
+
+
+def drain_in_process_connector(llm: object, tiny: tuple, timeout_s: float = 120) -> None:
+    """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only inside
+    ``generate``: a finished request's commit record reaches the connector's worker a step
+    later, and its write then runs on a connector thread that the runner's exit would kill.
+    Step with tiny requests until the worker tracks no request and runs no transfer. (In
+    separate processes the engine core keeps stepping on its own until shut down.)"""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
+    if worker is None:  # no connector, or not ours (its own shutdown is its business)
+        return
+    deadline = time.monotonic() + timeout_s
+    while worker.tracked_requests() or worker.shutdown_pending(0):
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"the connector still tracks {sorted(worker.tracked_requests())} after "
+                f"{timeout_s:.0f} s of steps"
+            )
+        time.sleep(0.02)
+        llm.generate(*tiny, use_tqdm=False)  # type: ignore[attr-defined]
 
 
 if __name__ == "__main__":
