@@ -988,6 +988,12 @@ class RedisConnectorScheduler:
             self._breaker_opens_reported = opens
         return data
 
+    @property
+    def drops_waiting(self) -> int:
+        """Handoffs this side still has to delete (it waits for their producer's record first);
+        a shutdown leaves them to their TTLs."""
+        return self._drops.waiting
+
     def shutdown(self) -> None:
         self._resets.close(0.0)  # sweeps stop (joined below)
         self._lookups.shutdown()

@@ -17,14 +17,25 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 # (no pipes into head: under pipefail, the writer's broken pipe would fail the script)
 oldest="$(python3 connector/versions.py oldest)"
+# every release runs even when one fails, so a run reports them all; the exit status says if any did
+failed=()
 for version in ${KVSTORE_VLLM_VERSIONS:-$(python3 connector/versions.py others)}; do
   echo "===== vLLM $version"
   start=$SECONDS
   export KVSTORE_LINT=0 KVSTORE_FUZZ_EXAMPLES="${KVSTORE_FUZZ_EXAMPLES:-10}"
   if [ "$version" = "$oldest" ]; then
-    VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not default_vllm_only" "$@"
+    marks="vllm and not default_vllm_only"
   else
-    VLLM_VERSION=$version bash scripts/test.sh -m "vllm and not e2e" "$@"
+    marks="vllm and not e2e"
   fi
-  echo "===== vLLM $version passed in $((SECONDS - start)) s"
+  if VLLM_VERSION=$version bash scripts/test.sh -m "$marks" "$@"; then
+    echo "===== vLLM $version passed in $((SECONDS - start)) s"
+  else
+    echo "===== vLLM $version FAILED after $((SECONDS - start)) s"
+    failed+=("$version")
+  fi
 done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "===== failed on vLLM ${failed[*]}" >&2
+  exit 1
+fi

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
+from typing import Any, NoReturn
 
 
 def main() -> None:
@@ -118,7 +120,7 @@ def main() -> None:
             waited = time.monotonic()
             while not os.path.exists(gates[n]):
                 if time.monotonic() - waited > 300:
-                    raise SystemExit(f"gate {gates[n]} never opened")
+                    die(f"gate {gates[n]} never opened")
                 time.sleep(0.05)
         if phase == "reset":  # vLLM's reset_prefix_cache, the connector's store too
             out.setdefault("resets", []).append(llm.reset_prefix_cache(reset_connector=True))
@@ -174,28 +176,45 @@ def main() -> None:
     os._exit(0)  # skip slow engine teardown
 
 
-def drain_in_process_connector(llm: object, tiny: tuple, timeout_s: float = 120) -> None:
+def drain_in_process_connector(llm: Any, tiny: tuple, timeout_s: float = 120) -> None:
     """An engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps only inside
     ``generate``: a finished request's commit record reaches the connector's worker a step
-    later, and its write then runs on a connector thread that the runner's exit would kill.
-    Step with tiny requests until the worker tracks no request and runs no transfer. (In
+    later, and its write, like a consumer's handoff deletes on the scheduler side, then runs on
+    a connector thread that the runner's exit would kill. Step with tiny requests until no
+    connector of ours tracks a request, runs a transfer or waits to delete a handoff. (In
     separate processes the engine core keeps stepping on its own until shut down.)"""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         return
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    worker = getattr(get_kv_transfer_group(), "worker", None) if has_kv_transfer_group() else None
-    if worker is None:  # no connector, or not ours (its own shutdown is its business)
+    if not has_kv_transfer_group():
         return
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler  # the in-process EngineCore's
+    sides = [get_kv_transfer_group(), scheduler.connector]
+    # ours, alone or inside a MultiConnector (another connector's shutdown is its business)
+    ours = [c for side in sides for c in getattr(side, "_connectors", [side])]
+    workers = [c.connector_worker for c in ours if getattr(c, "connector_worker", None)]
+    schedulers = [c.connector_scheduler for c in ours if getattr(c, "connector_scheduler", None)]
+
+    def busy() -> list[str]:
+        what = [r for w in workers for r in sorted(w.tracked_requests())]
+        what += ["a transfer"] * sum(w.shutdown_pending(0) for w in workers)
+        what += ["a handoff delete"] * sum(s.drops_waiting for s in schedulers)
+        return what
+
     deadline = time.monotonic() + timeout_s
-    while worker.tracked_requests() or worker.shutdown_pending(0):
+    while left := busy():
         if time.monotonic() > deadline:
-            raise SystemExit(
-                f"the connector still tracks {sorted(worker.tracked_requests())} after "
-                f"{timeout_s:.0f} s of steps"
-            )
+            die(f"the connector still has {left} after {timeout_s:.0f} s of steps")
         time.sleep(0.02)
-        llm.generate(*tiny, use_tqdm=False)  # type: ignore[attr-defined]
+        llm.generate(*tiny, use_tqdm=False)
+
+
+def die(message: str) -> NoReturn:
+    """Exit at once, failed: an orderly exit would join the connector's threads (perhaps what
+    is stuck) and tear vLLM down, and the test would wait out its own timeout."""
+    print(f"engine_runner: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 if __name__ == "__main__":

