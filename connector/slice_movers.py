@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.config import RedisConnectorConfig
+from connector.config import RedisConnectorConfig, usable_cores
 from connector.kv_views import group_kv_views
 from connector.layout import HeadSlice, KVLayout
 from datamover import BlockMover
@@ -83,7 +83,7 @@ def log_slice_movers(groups: list[list[SliceMover]], layout: KVLayout, tp_rank: 
             logger.info(
                 "RedisConnector worker (tp rank %d): group %d (%s): %d layers, head slice "
                 "%d of %d (%s), block %s %s on %s, value %d bytes, chunks of %d blocks, "
-                "%d MiB staging, %d connection(s) per batch, keys %s",
+                "%d MiB staging, %d connection(s) per batch, its threads on %d core(s), keys %s",
                 tp_rank,
                 group.index,
                 group.kind,
@@ -98,5 +98,7 @@ def log_slice_movers(groups: list[list[SliceMover]], layout: KVLayout, tp_rank: 
                 m.mover.chunk_blocks,
                 m.mover.staging_bytes >> 20,
                 m.mover.connections,
+                # (vLLM pins a CPU worker to its cores: the connector's threads inherit that)
+                usable_cores(),
                 m.store.key_pattern(),
             )
