@@ -61,6 +61,7 @@ import numpy as np
 from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.tiny_model import make_model
+from testing.zygote import Zygote
 
 SETUPS = ("single", "pair", "share", "consume", "offload")
 WORKLOADS = ("system_prompt", "doc_qa", "multi_turn", "no_reuse")
@@ -310,15 +311,17 @@ def started(
     log_dir: Path,
     extra: list[str],
     patient: bool = False,
+    fork_from: Zygote | None = None,
 ) -> Iterator[Endpoint]:
-    """The setup's servers, and the proxy (its own process, as deployed) where it has one."""
+    """The setup's servers, and the proxy (its own process, as deployed) where it has one.
+    ``fork_from``: the servers' first processes fork from that zygote (``--quick``)."""
     stk = stack.Stack()
     try:
         procs = [
             stk.add(stack.vllm_server(
                 server, model=model, port=free_port(), role=role, redis_url=redis_url,
                 log_dir=log_dir, core=i, served_name=name, extra_config=cfg,
-                extra_args=args + extra,
+                extra_args=args + extra, fork_from=fork_from,
             ))
             for i, (server, role, cfg, args) in enumerate(server_roles(setup, patient))
         ]  # fmt: skip
@@ -630,7 +633,11 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
     model = args.model_dir or str(
         make_model(tmp / "model", layers=args.layers, q_heads=8, kv_heads=2, head_size=64)
     )
-    with RedisServer() as store:
+    # --quick (CI's run) forks the servers' API processes from one that imported vLLM once
+    zygote = Zygote(tmp, {}) if args.quick else None
+    with RedisServer() as store, contextlib.ExitStack() as cleanup:
+        if zygote is not None:
+            cleanup.callback(zygote.stop)
         for setup in args.setups:
             if setup == "offload" and not has_accelerator():
                 skipped[setup] = OFFLOAD_UNSUPPORTED
@@ -639,7 +646,14 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
             print(f"== {setup}: starting servers", flush=True)
             t0 = time.monotonic()
             with started(
-                setup, model, args.served_name, store.url, log_dir, args.server_arg, args.quick
+                setup,
+                model,
+                args.served_name,
+                store.url,
+                log_dir,
+                args.server_arg,
+                args.quick,
+                fork_from=zygote,
             ) as endpoint:
                 print(f"   up in {time.monotonic() - t0:.0f}s", flush=True)
                 warm_up(endpoint, args.served_name)

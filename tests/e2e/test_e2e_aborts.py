@@ -23,7 +23,7 @@ import pytest
 import redis
 
 from testing import stack
-from testing.e2e import PATIENT, count_blocks, tokens
+from testing.e2e import PATIENT, count_blocks, tokens, zygote
 from testing.redis_server import RedisServer, free_port
 from testing.relay import DelayRelay
 
@@ -52,7 +52,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
             # default deadline (2 s + 1 s per 1,000 tokens, with every reply 40 ms late) passed
             # and share2 recomputed everything (CI)
             common = {"model": str(tiny_model), "redis_url": relay.url, "log_dir": logs,
-                      "extra_config": PATIENT}  # fmt: skip
+                      "extra_config": PATIENT, "fork_from": zygote()}  # fmt: skip
 
             def server(name: str, role: str | None, core: int) -> stack.Proc:
                 return s.add(stack.vllm_server(name, port=free_port(), role=role, core=core,

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from testing import stack
-from testing.e2e import make_model, tokens
+from testing.e2e import make_model, tokens, zygote
 from testing.redis_server import RedisServer, free_port
 
 # the families' vLLM side runs on every release in their engine-level files; this adds the
@@ -57,7 +57,7 @@ def served(
     with RedisServer() as server:
         try:
             common = {"model": str(model), "redis_url": server.url, "log_dir": logs,
-                      "extra_args": family["server_args"]}  # fmt: skip
+                      "extra_args": family["server_args"], "fork_from": zygote()}  # fmt: skip
             plain = s.add(stack.vllm_server("plain", port=free_port(), role=None, core=0,
                                             **common))  # fmt: skip
             pre = s.add(stack.vllm_server("prefill", port=free_port(), role="kv_producer",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from testing.e2e import zygote
 from testing.fault_matrix import CONNECTOR, SCENARIOS, FaultResult, Harness, run
 
 # Runs on the default vLLM release only (CI time): the faults act on Redis, above vLLM; what
@@ -33,7 +34,7 @@ BUDGET_S = CONNECTOR["deadline_s"] + 1.2 + 8.0
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterator[dict]:
-    h = Harness(tmp_path_factory.mktemp("faults"), tiny_model, hang_s=60)
+    h = Harness(tmp_path_factory.mktemp("faults"), tiny_model, hang_s=60, fork_from=zygote())
     try:
         h.start()
         yield {r.fault: r for r in run(h, REQUESTS, list(SCENARIOS))}

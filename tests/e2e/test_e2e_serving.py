@@ -21,6 +21,7 @@ import redis
 
 from kvstore.values.keys import parse_key
 from testing import stack
+from testing.e2e import zygote
 from testing.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm]
@@ -36,7 +37,8 @@ def serving(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Itera
     with RedisServer() as server:
         try:
             ports = {n: free_port() for n in ("prefill", "decode", "single", "proxy")}
-            common = {"model": str(tiny_model), "redis_url": server.url, "log_dir": logs}
+            common = {"model": str(tiny_model), "redis_url": server.url, "log_dir": logs,
+                      "fork_from": zygote()}  # fmt: skip
             pre = s.add(stack.vllm_server("prefill", port=ports["prefill"], role="kv_producer",
                                           core=1, **common))  # fmt: skip
             dec = s.add(stack.vllm_server("decode", port=ports["decode"], role="kv_consumer",

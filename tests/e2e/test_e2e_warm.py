@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from testing import stack
-from testing.e2e import ROOT, engine_env
+from testing.e2e import ROOT, engine_env, zygote
 from testing.redis_server import RedisServer, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
@@ -85,7 +85,8 @@ def warmed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
     with RedisServer() as server:
         try:
             url = server.url
-            common = {"model": str(tiny_model), "redis_url": url, "log_dir": tmp}
+            common = {"model": str(tiny_model), "redis_url": url, "log_dir": tmp,
+                      "fork_from": zygote()}  # fmt: skip
             ref = s.add(stack.vllm_server("reference", port=free_port(), role=None, core=1,
                                           **common))  # fmt: skip
             first = _result(_warm(tmp, "first", url, tiny_model, ["corpus", "more.jsonl"], 0))
