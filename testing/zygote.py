@@ -11,8 +11,8 @@ status, on the request's connection (one JSON line each). Android's zygote is th
 Only imports happen before a fork: no engine, no thread pool and no thread other than the main
 one (``serve`` refuses to start otherwise), so a child starts as clean as a fresh interpreter
 that ran the same imports. (A server's engine core and workers are still spawned by vLLM, from
-scratch.) Start it with ``python -m testing.zygote SOCKET``; it exits when its parent does, or
-on SIGTERM. Tests only: nothing shipped uses it.
+scratch.) Start it with ``python -m testing.zygote SOCKET [MODULE ...]`` (what to import; default
+``PRELOAD``); it exits when its parent does, or on SIGTERM. Tests only: nothing shipped uses it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,10 @@ PRELOAD = (
 )
 
 
-def preload() -> list[str]:
-    """Import ``PRELOAD``; the names that failed to import (a release without them)."""
+def preload(modules: Sequence[str]) -> list[str]:
+    """Import ``modules``; the names that failed to import (a release without them)."""
     missing = []
-    for name in PRELOAD:
+    for name in modules:
         try:
             importlib.import_module(name)
         except ImportError:
@@ -109,8 +110,8 @@ def run_child(request: dict[str, Any], listener: socket.socket, conn: socket.soc
         os._exit(code)
 
 
-def serve(path: str) -> None:
-    missing = preload()
+def serve(path: str, modules: Sequence[str] = PRELOAD) -> None:
+    missing = preload(modules)
     if os_threads() != 1:  # a fork would copy locks that other threads hold
         raise SystemExit(f"zygote: {os_threads()} threads after the imports; cannot fork safely")
     parent = os.getppid()
@@ -203,13 +204,17 @@ class Zygote:
     """``python -m testing.zygote`` started from this process (its parent), and the way to
     fork runners from it."""
 
-    def __init__(self, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, workdir: Path, env: dict[str, str], preload: Sequence[str] | None = None
+    ) -> None:
+        """Start one with ``env`` added to this process's environment, importing ``preload``
+        (default: ``PRELOAD``), its socket and log in ``workdir``."""
         self.path = str(workdir / "zygote.sock")
         self.log = workdir / "zygote.log"
         self._lock = threading.Lock()
         root = str(Path(__file__).resolve().parents[1])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "testing.zygote", self.path],
+            [sys.executable, "-m", "testing.zygote", self.path, *(preload or ())],
             stdout=subprocess.PIPE,
             stderr=self.log.open("wb"),
             # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
@@ -251,4 +256,4 @@ class Zygote:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:] or PRELOAD)
