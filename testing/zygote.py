@@ -10,8 +10,12 @@ status, on the request's connection (one JSON line each). Android's zygote is th
 
 Only imports happen before a fork: no engine, no thread pool and no thread other than the main
 one (``serve`` refuses to start otherwise), so a child starts as clean as a fresh interpreter
-that ran the same imports. (A server's engine core and workers are still spawned by vLLM, from
-scratch.) Start it with ``python -m testing.zygote SOCKET [MODULE ...]`` (what to import; default
+that ran the same imports. What an import reads once comes from the first test's environment
+(vLLM's logging settings, for one), and every child shares the zygote's hash seed and its
+single-threaded OpenBLAS. (A server's engine core and workers are spawned by vLLM, which forces
+``spawn`` on CPU: they start from scratch.)
+
+Start it with ``python -m testing.zygote SOCKET [MODULE ...]`` (what to import; default
 ``PRELOAD``); it exits when its parent does, or on SIGTERM. Tests only: nothing shipped uses it.
 """
 
@@ -60,12 +64,13 @@ PRELOAD = (
 
 
 def preload(modules: Sequence[str]) -> list[str]:
-    """Import ``modules``; the names that failed to import (a release without them)."""
+    """Import ``modules``; the names that failed to import (a release without them, or one
+    whose import raised): a child imports those itself, as a fresh interpreter would."""
     missing = []
     for name in modules:
         try:
             importlib.import_module(name)
-        except ImportError:
+        except Exception:
             missing.append(name)
     return missing
 
@@ -74,12 +79,14 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def run_child(request: dict[str, Any], listener: socket.socket, conn: socket.socket) -> None:
-    """In the forked child: become the runner process the request describes; never returns."""
+def run_child(request: dict[str, Any], inherited: list[socket.socket]) -> None:
+    """In the forked child: become the process the request describes; never returns.
+    ``inherited``: the zygote's sockets (its listener, every asker's connection), closed here
+    so that a zygote's death still ends its askers' connections."""
     code = 1
     try:
-        listener.close()
-        conn.close()
+        for sock in inherited:
+            sock.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()  # its own process group, as ``start_new_session=True`` gives
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -87,6 +94,8 @@ def run_child(request: dict[str, Any], listener: socket.socket, conn: socket.soc
         os.dup2(devnull, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        os.close(log)
+        os.close(devnull)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -135,7 +144,7 @@ def serve(path: str, modules: Sequence[str] = PRELOAD) -> None:
                 conn.close()
                 continue
             if pid == 0:
-                run_child(request, listener, conn)
+                run_child(request, [listener, conn, *children.values()])
             children[pid] = conn
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -143,25 +152,32 @@ def serve(path: str, modules: Sequence[str] = PRELOAD) -> None:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn = children.pop(pid)
+            asker = children.pop(pid, None)  # (None: something an import left behind)
+            if asker is None:
+                continue
             with contextlib.suppress(OSError):
                 exitcode = os.waitstatus_to_exitcode(status)
-                conn.sendall(json.dumps({"status": exitcode}).encode() + b"\n")
-            conn.close()
+                asker.sendall(json.dumps({"status": exitcode}).encode() + b"\n")
+            asker.close()
 
 
 class ZygoteChild:
-    """A forked runner, seen as much like a ``subprocess.Popen`` as the tests use: ``pid``
-    (its process group too), ``poll``, ``wait`` and ``returncode``."""
+    """A forked child, seen as much like a ``subprocess.Popen`` as the tests use: ``pid``
+    (its process group too), ``poll``, ``wait`` and ``returncode``. Its exit status comes from
+    the zygote; should the zygote die first, a pidfd tells when the child ends (its status is
+    then unknown: reported as killed). Unlike a Popen's, its pid is freed when it exits."""
 
     def __init__(self, conn: socket.socket) -> None:
         self._conn = conn
         self._buffer = b""
         pid_line = self._line(timeout_s=60)
-        if pid_line is None:
-            raise RuntimeError("the zygote did not answer with a pid within 60 s")
+        if not pid_line:
+            raise RuntimeError("the zygote did not answer with a pid within 60 s (see its log)")
         self.pid: int = json.loads(pid_line)["pid"]
         self.returncode: int | None = None
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError):  # (gone already: its status is on its way)
+            self._pidfd = os.pidfd_open(self.pid)
 
     def _line(self, timeout_s: float | None) -> bytes | None:
         """The next line from the zygote; ``None`` if none came within ``timeout_s``; ``b""``
@@ -180,12 +196,30 @@ class ZygoteChild:
         return line
 
     def _read_status(self, timeout_s: float | None) -> None:
+        if self._conn.fileno() == -1:  # the zygote died: wait on the child itself
+            self._wait_orphan(timeout_s)
+            return
         line = self._line(timeout_s)
         if line is None:
             return
-        # b"": the zygote itself died (it sends every status it reaps): report it as killed
-        self.returncode = json.loads(line)["status"] if line else -signal.SIGKILL
         self._conn.close()
+        if line:
+            self._set(json.loads(line)["status"])
+        else:  # the zygote died: nobody reaps the child for us now
+            self._wait_orphan(timeout_s)
+
+    def _wait_orphan(self, timeout_s: float | None) -> None:
+        if self._pidfd is not None:
+            ready, _, _ = select.select([self._pidfd], [], [], timeout_s)
+            if not ready:
+                return
+        self._set(-signal.SIGKILL)
+
+    def _set(self, returncode: int) -> None:
+        self.returncode = returncode
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -220,11 +254,15 @@ class Zygote:
             # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
             env={**os.environ, **env, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
             cwd=root,
+            # (a Ctrl-C to the tests' group would kill it before the tests stop its children)
+            start_new_session=True,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 600)
+        line = self.proc.stdout.readline() if ready else b""
         if not line:
-            raise RuntimeError(f"the zygote exited before it was ready:\n{self.log_tail()}")
+            self.stop()
+            raise RuntimeError(f"the zygote was not ready within 600 s:\n{self.log_tail()}")
         self.missing: list[str] = json.loads(line)["missing"]
 
     def log_tail(self, n: int = 4000) -> str:
