@@ -402,11 +402,16 @@ class RedisConnectorWorker:
 
     def _load(self, job: _LoadJob) -> None:
         spec = job.spec
+        expired = False
         try:
             if not self._claim(spec):
                 return
-            if time.monotonic() >= job.deadline or job.reported:
-                return  # past its deadline, or cancelled (sleep): reported, nothing to copy
+            if job.reported:
+                return  # cancelled (sleep), or found past its deadline: reported already
+            if time.monotonic() >= job.deadline:
+                # its thread started (or its claim ended) too late: an expiry all the same
+                expired = True
+                return
             try:
                 self._receive(job)
             except (StoreUnavailableError, StoreTimeoutError):
@@ -429,7 +434,7 @@ class RedisConnectorWorker:
         except Exception:  # never leave the request waiting, whatever went wrong
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
         finally:
-            self._report_load(job)
+            self._report_load(job, expired=expired)
 
     def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[str]]]:
         """(group, slice, block ids, the store's block hashes) of each group's slices not copied

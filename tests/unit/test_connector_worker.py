@@ -414,6 +414,23 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
     assert dst.take_stats()["loads_expired"] == 1
 
 
+def test_a_load_whose_thread_starts_after_its_deadline_counts_as_expired() -> None:
+    """On a busy machine the load thread may start only after the deadline passed (CI: the
+    test above then saw no ``loads_expired``, the load counted as a plain failure)."""
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client)
+    dst, dst_kv = make_worker(client)
+    fill_random(src_kv)
+    hashes = chain_hashes(list(range(2 * N)), N)
+    save(src, "p", [0, 1], hashes)
+    dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.0))  # past it when the thread runs
+    settle(dst)  # (no get_finished before: the thread itself finds the deadline passed)
+    assert "d" in dst.get_finished()[1]
+    assert dst.get_block_ids_with_load_errors() == {5, 6}
+    assert dst_kv[LAYERS[0]][5].abs().sum() == 0
+    assert dst.take_stats()["loads_expired"] == 1
+
+
 def test_a_load_whose_thread_is_still_reporting_at_its_deadline_is_reported_then() -> None:
     """The load thread was preempted right after marking its load reported (a busy machine):
     get_finished at the deadline must still return the load, or vLLM waits a step more than
