@@ -152,6 +152,7 @@ def start_engine(
 
 _zygote: Zygote | None = None
 _zygote_lock = threading.Lock()
+_zygote_failed: Exception | None = None
 
 
 def zygote() -> Zygote | None:
@@ -162,9 +163,16 @@ def zygote() -> Zygote | None:
     global _zygote
     if os.environ.get("KVSTORE_TEST_ZYGOTE", "1") == "0":
         return None
+    global _zygote_failed
     with _zygote_lock:
+        if _zygote_failed is not None:  # (each test retrying would import vLLM again)
+            raise RuntimeError("the zygote failed to start earlier") from _zygote_failed
         if _zygote is None or _zygote.proc.poll() is not None:
-            _zygote = Zygote(Path(tempfile.mkdtemp(prefix="kvstore-zygote-")), {})
+            try:
+                _zygote = Zygote(Path(tempfile.mkdtemp(prefix="kvstore-zygote-")), {})
+            except Exception as e:
+                _zygote_failed = e
+                raise
             atexit.register(_zygote.stop)
         return _zygote
 

@@ -15,8 +15,9 @@ that ran the same imports. What an import reads once comes from the first test's
 single-threaded OpenBLAS. (A server's engine core and workers are spawned by vLLM, which forces
 ``spawn`` on CPU: they start from scratch.)
 
-Start it with ``python -m testing.zygote SOCKET [MODULE ...]`` (what to import; default
-``PRELOAD``); it exits when its parent does, or on SIGTERM. Tests only: nothing shipped uses it.
+Start it through ``Zygote`` (``python -m testing.zygote SOCKET READY_FD [MODULE ...]``: what
+to import, by default ``PRELOAD``). It exits when its parent does, or on SIGTERM. Tests only:
+nothing shipped uses it.
 """
 
 from __future__ import annotations
@@ -119,7 +120,9 @@ def run_child(request: dict[str, Any], inherited: list[socket.socket]) -> None:
         os._exit(code)
 
 
-def serve(path: str, modules: Sequence[str] = PRELOAD) -> None:
+def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
+    """Import ``modules``, say so on ``ready_fd`` (one JSON line: a pipe of its own, since
+    vLLM's logging writes to stdout), then fork for every request on ``path``."""
     missing = preload(modules)
     if os_threads() != 1:  # a fork would copy locks that other threads hold
         raise SystemExit(f"zygote: {os_threads()} threads after the imports; cannot fork safely")
@@ -128,7 +131,8 @@ def serve(path: str, modules: Sequence[str] = PRELOAD) -> None:
     listener.bind(path)
     listener.listen(64)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(json.dumps({"ready": True, "missing": missing}), flush=True)
+    with os.fdopen(ready_fd, "w") as ready_pipe:  # (closed: no child inherits it)
+        ready_pipe.write(json.dumps({"ready": True, "missing": missing}) + "\n")
     children: dict[int, socket.socket] = {}
     while os.getppid() == parent:  # (its parent gone, nobody would ask again)
         ready, _, _ = select.select([listener], [], [], 0.05)
@@ -247,22 +251,26 @@ class Zygote:
         self.log = workdir / "zygote.log"
         self._lock = threading.Lock()
         root = str(Path(__file__).resolve().parents[1])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "testing.zygote", self.path, *(preload or ())],
-            stdout=subprocess.PIPE,
-            stderr=self.log.open("wb"),
-            # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
-            env={**os.environ, **env, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
-            cwd=root,
-            # (a Ctrl-C to the tests' group would kill it before the tests stop its children)
-            start_new_session=True,
-        )
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], 600)
-        line = self.proc.stdout.readline() if ready else b""
+        ready_r, ready_w = os.pipe()
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "testing.zygote", self.path, str(ready_w), *(preload or ())],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(ready_w,),
+                # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
+                env={**os.environ, **env, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
+                cwd=root,
+                # (a Ctrl-C to the tests' group would kill it before the tests stop its children)
+                start_new_session=True,
+            )
+        os.close(ready_w)
+        with os.fdopen(ready_r, "rb") as ready_pipe:
+            ready, _, _ = select.select([ready_pipe], [], [], 600)
+            line = ready_pipe.readline() if ready else b""
         if not line:
             self.stop()
-            raise RuntimeError(f"the zygote was not ready within 600 s:\n{self.log_tail()}")
+            raise RuntimeError(f"the zygote exited or hung while importing:\n{self.log_tail()}")
         self.missing: list[str] = json.loads(line)["missing"]
 
     def log_tail(self, n: int = 4000) -> str:
@@ -294,4 +302,4 @@ class Zygote:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], sys.argv[2:] or PRELOAD)
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3:] or PRELOAD)

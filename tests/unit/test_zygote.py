@@ -1,7 +1,8 @@
 """testing/zygote.py: a forked child runs its command as a fresh interpreter would (arguments,
 environment, directory, log, exit status), and looks to the tests like a subprocess.Popen:
 poll, wait with a timeout, and a kill of its process group. (The zygote here imports only
-``json``: what a real one imports is the engines' business, checked end to end.)"""
+``this``, which prints to stdout as vLLM 0.30's logging does at import: what a real one imports
+is the engines' business, checked end to end.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ sys.exit(int(sys.argv[2]))
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    z = Zygote(tmp_path_factory.mktemp("zygote"), {}, preload=["json"])
+    z = Zygote(tmp_path_factory.mktemp("zygote"), {}, preload=["this", "no_such_module_here"])
     yield z
     z.stop()
 
@@ -39,6 +40,13 @@ def script(tmp_path: Path) -> Path:
     path = tmp_path / "child.py"
     path.write_text(SCRIPT)
     return path
+
+
+def test_output_at_import_goes_to_the_log_and_a_missing_module_is_left_to_the_children(
+    zygote: Zygote,
+) -> None:
+    assert zygote.missing == ["no_such_module_here"]
+    assert "Beautiful is better than ugly" in zygote.log_tail()  # not taken for its answer
 
 
 def test_a_child_runs_its_script_with_its_own_arguments_environment_directory_and_log(
