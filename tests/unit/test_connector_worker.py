@@ -388,13 +388,20 @@ def test_any_exception_while_loading_still_finishes_the_request(error: Exception
     assert dst.get_block_ids_with_load_errors() == {3, 4}
 
 
-def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing() -> None:
+def saved_and_a_fresh_worker() -> tuple[RedisConnectorWorker, dict[str, torch.Tensor], list[str]]:
+    """A worker that saved prompt "p" (blocks 0 and 1) and a fresh one on the same store: the
+    fresh one, its KV and the prompt's chain hashes."""
     client = fakeredis.FakeRedis()
     src, src_kv = make_worker(client)
     dst, dst_kv = make_worker(client)
     fill_random(src_kv)
     hashes = chain_hashes(list(range(2 * N)), N)
     save(src, "p", [0, 1], hashes)
+    return dst, dst_kv, hashes
+
+
+def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing() -> None:
+    dst, dst_kv, hashes = saved_and_a_fresh_worker()
     release = threading.Event()
     real_select = dst.store.select_into
 
@@ -417,12 +424,7 @@ def test_a_load_past_its_deadline_is_reported_and_the_late_thread_writes_nothing
 def test_a_load_whose_thread_starts_after_its_deadline_counts_as_expired() -> None:
     """On a busy machine the load thread may start only after the deadline passed (CI: the
     test above then saw no ``loads_expired``, the load counted as a plain failure)."""
-    client = fakeredis.FakeRedis()
-    src, src_kv = make_worker(client)
-    dst, dst_kv = make_worker(client)
-    fill_random(src_kv)
-    hashes = chain_hashes(list(range(2 * N)), N)
-    save(src, "p", [0, 1], hashes)
+    dst, dst_kv, hashes = saved_and_a_fresh_worker()
     dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.0))  # past it when the thread runs
     settle(dst)  # (no get_finished before: the thread itself finds the deadline passed)
     assert "d" in dst.get_finished()[1]
