@@ -634,7 +634,7 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
         make_model(tmp / "model", layers=args.layers, q_heads=8, kv_heads=2, head_size=64)
     )
     # --quick (CI's run) forks the servers' API processes from one that imported vLLM once
-    zygote = Zygote(tmp, {}) if args.quick else None
+    zygote = Zygote(tmp) if args.quick else None
     with RedisServer() as store, contextlib.ExitStack() as cleanup:
         if zygote is not None:
             cleanup.callback(zygote.stop)

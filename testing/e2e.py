@@ -160,16 +160,15 @@ def zygote() -> Zygote | None:
     in-process engines and OpenAI servers fork from it instead of importing vLLM each (an
     engine: 25 -> 10 s beside another test run on a 2-core machine). ``None`` with
     ``KVSTORE_TEST_ZYGOTE=0``: they start as plain processes."""
-    global _zygote
+    global _zygote, _zygote_failed
     if os.environ.get("KVSTORE_TEST_ZYGOTE", "1") == "0":
         return None
-    global _zygote_failed
     with _zygote_lock:
         if _zygote_failed is not None:  # (each test retrying would import vLLM again)
             raise RuntimeError("the zygote failed to start earlier") from _zygote_failed
         if _zygote is None or _zygote.proc.poll() is not None:
             try:
-                _zygote = Zygote(Path(tempfile.mkdtemp(prefix="kvstore-zygote-")), {})
+                _zygote = Zygote(Path(tempfile.mkdtemp(prefix="kvstore-zygote-")))
             except Exception as e:
                 _zygote_failed = e
                 raise

@@ -50,7 +50,7 @@ def require_free_ports(ports: dict[str, int]) -> None:
 @dataclass
 class Proc:
     name: str
-    popen: subprocess.Popen[bytes] | ZygoteChild  # (an in-process test engine: forked)
+    popen: subprocess.Popen[bytes] | ZygoteChild  # (a test engine or server: forked)
     log: Path
     url: str = ""
 

@@ -242,11 +242,9 @@ class Zygote:
     """``python -m testing.zygote`` started from this process (its parent), and the way to
     fork runners from it."""
 
-    def __init__(
-        self, workdir: Path, env: dict[str, str], preload: Sequence[str] | None = None
-    ) -> None:
-        """Start one with ``env`` added to this process's environment, importing ``preload``
-        (default: ``PRELOAD``), its socket and log in ``workdir``."""
+    def __init__(self, workdir: Path, preload: Sequence[str] | None = None) -> None:
+        """Start one in this process's environment, importing ``preload`` (default:
+        ``PRELOAD``), its socket and log in ``workdir``."""
         self.path = str(workdir / "zygote.sock")
         self.log = workdir / "zygote.log"
         self._lock = threading.Lock()
@@ -259,7 +257,7 @@ class Zygote:
                 stderr=subprocess.STDOUT,
                 pass_fds=(ready_w,),
                 # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
-                env={**os.environ, **env, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
+                env={**os.environ, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
                 cwd=root,
                 # (a Ctrl-C to the tests' group would kill it before the tests stop its children)
                 start_new_session=True,

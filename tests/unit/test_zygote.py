@@ -30,7 +30,7 @@ sys.exit(int(sys.argv[2]))
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
-    z = Zygote(tmp_path_factory.mktemp("zygote"), {}, preload=["this", "no_such_module_here"])
+    z = Zygote(tmp_path_factory.mktemp("zygote"), preload=["this", "no_such_module_here"])
     yield z
     z.stop()
 
@@ -107,7 +107,7 @@ def test_children_started_together_each_get_their_own_status(
 def test_a_child_outliving_its_zygote_is_seen_running_until_it_ends(
     tmp_path: Path, script: Path
 ) -> None:
-    z = Zygote(tmp_path, {}, preload=["json"])
+    z = Zygote(tmp_path, preload=["json"])
     child = z.spawn([str(script), "sleep", "0"], dict(os.environ), tmp_path, tmp_path / "s.log")
     z.proc.kill()
     z.proc.wait()
