@@ -11,7 +11,8 @@
 # scheduler tests check). CI time is why (it must stay under an hour on a busy 2-core host).
 # Lint and types ran once too (KVSTORE_LINT=0 here), and the lifecycle fuzzer runs fewer
 # examples per release (KVSTORE_FUZZ_EXAMPLES: it drives the same scheduler code). Extra
-# arguments go to pytest.
+# arguments go to pytest. KVSTORE_VERSIONS_TIER=e2e runs only the oldest release's end-to-end
+# tests, =rest everything else (.ci/run puts the two in different lanes); the default, both.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
@@ -20,14 +21,26 @@ oldest="$(python3 connector/versions.py oldest)"
 # every release runs even when one fails, so a run reports them all; the exit status says if any did
 failed=()
 for version in ${KVSTORE_VLLM_VERSIONS:-$(python3 connector/versions.py others)}; do
-  echo "===== vLLM $version"
-  start=$SECONDS
   export KVSTORE_LINT=0 KVSTORE_FUZZ_EXAMPLES="${KVSTORE_FUZZ_EXAMPLES:-10}"
   if [ "$version" = "$oldest" ]; then
     marks="vllm and not default_vllm_only"
   else
     marks="vllm and not e2e"
   fi
+  case "${KVSTORE_VERSIONS_TIER:-all}" in
+    all) ;;
+    e2e)
+      [ "$version" = "$oldest" ] || continue
+      marks="$marks and e2e"
+      ;;
+    rest) marks="$marks and not e2e" ;;
+    *)
+      echo "KVSTORE_VERSIONS_TIER must be all, e2e or rest" >&2
+      exit 2
+      ;;
+  esac
+  echo "===== vLLM $version ($marks)"
+  start=$SECONDS
   if VLLM_VERSION=$version bash scripts/test.sh -m "$marks" "$@"; then
     echo "===== vLLM $version passed in $((SECONDS - start)) s"
   else

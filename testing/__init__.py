@@ -1,5 +1,6 @@
 """Test and benchmark support, not shipped: a throwaway redis-server (``redis_server``), stacks of
 real vLLM servers and the proxy (``stack``), an offline engine runner (``engine_runner``), a
-pre-imported parent that forks the tests' engines and servers (``zygote``), vLLM's real
-Scheduler with RedisConnector and no model (``scheduler_harness``), and the cross-release block
-check (``cross_version``). Used by ``tests/`` and ``scripts/``."""
+pre-imported parent that forks the tests' engines and servers and the processes vLLM spawns
+for them (``zygote``, ``zygote_shim``), vLLM's real Scheduler with RedisConnector and no model
+(``scheduler_harness``), and the cross-release block check (``cross_version``). Used by
+``tests/`` and ``scripts/``."""

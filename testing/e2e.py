@@ -146,8 +146,8 @@ def start_engine(
     env = engine_env(core)
     if not separate_processes and tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return stack.spawn(name, cmd, tmp, env=env, fork_from=zygote()), out
-    return stack.spawn(name, cmd, tmp, env=env), out
+    # forked from the zygote; in separate processes, so are the engine core and workers it spawns
+    return stack.spawn(name, cmd, tmp, env=env, fork_from=zygote()), out
 
 
 _zygote: Zygote | None = None

@@ -12,8 +12,13 @@ Only imports happen before a fork: no engine, no thread pool and no thread other
 one (``serve`` refuses to start otherwise), so a child starts as clean as a fresh interpreter
 that ran the same imports. What an import reads once comes from the first test's environment
 (vLLM's logging settings, for one), and every child shares the zygote's hash seed and its
-single-threaded OpenBLAS. (A server's engine core and workers are spawned by vLLM, which forces
-``spawn`` on CPU: they start from scratch.)
+single-threaded OpenBLAS.
+
+vLLM starts a server's engine core and every engine core's worker with ``spawn`` (forced on
+CPU). In a zygote child, spawn's executable is ``testing/zygote_shim.py``: the zygote forks
+those too, handing each the descriptors the spawning process passed, while the shim stands in
+for it as the spawner's child (see there). ``KVSTORE_TEST_ZYGOTE_SPAWN=0`` in the zygote's
+environment leaves them to start from scratch.
 
 Start it through ``Zygote`` (``python -m testing.zygote SOCKET READY_FD [MODULE ...]``: what
 to import, by default ``PRELOAD``). It exits when its parent does, or on SIGTERM. Tests only:
@@ -23,9 +28,12 @@ nothing shipped uses it.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import fcntl
 import importlib
 import importlib.util
 import json
+import multiprocessing.spawn
 import os
 import runpy
 import select
@@ -36,6 +44,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -80,31 +89,98 @@ def os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def run_child(request: dict[str, Any], inherited: list[socket.socket]) -> None:
+def place_fds(targets: list[int], received: list[int]) -> None:
+    """Put each received descriptor at the number it had in the asker (``targets``), as
+    ``pass_fds`` would have: via free numbers above both lists, so none is overwritten early."""
+    base = max([*targets, *received, 2]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in received]
+    for fd in received:
+        os.close(fd)
+    for fd, target in zip(moved, targets, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def die_with(asker: int) -> None:
+    """Kill this process when ``asker`` (the shim standing in for it) ends first."""
+    try:
+        pidfd = os.pidfd_open(asker)
+    except OSError:  # gone already
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="zygote-asker-watch", daemon=True).start()
+
+
+def cpu_list(spec: str) -> set[int]:
+    """The CPUs of a ``GOMP_CPU_AFFINITY`` list: ``"0 1"``, ``"0,2"``, ``"0-7"``, ``"0-7:2"``."""
+    cpus: set[int] = set()
+    for item in spec.replace(",", " ").split():
+        span, _, stride = item.partition(":")
+        first, _, last = span.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1, int(stride or 1)))
+    return cpus
+
+
+def apply_openmp_env() -> None:
+    """Do what libgomp does with ``OMP_NUM_THREADS`` and ``GOMP_CPU_AFFINITY`` when a process
+    loads it. A forked child loaded it in the zygote, before its environment was set; vLLM sets
+    both for each worker it spawns (one thread per core it binds the worker to), and a worker
+    forked without them computed 1.6x slower, its threads on every core."""
+    affinity = os.environ.get("GOMP_CPU_AFFINITY", "")
+    if affinity.strip():
+        os.sched_setaffinity(0, cpu_list(affinity))  # (the threads it starts inherit it)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+
+
+def run_child(
+    request: dict[str, Any], inherited: list[socket.socket], received: list[int], shim: str
+) -> None:
     """In the forked child: become the process the request describes; never returns.
     ``inherited``: the zygote's sockets (its listener, every asker's connection), closed here
-    so that a zygote's death still ends its askers' connections."""
+    so that a zygote's death still ends its askers' connections. ``received``: the asker's
+    descriptors (a spawn through ``shim``), or none (a test's request, with a log file).
+    ``shim``: multiprocessing's spawn executable here, so the child's own spawns fork too."""
     code = 1
     try:
         for sock in inherited:
             sock.close()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()  # its own process group, as ``start_new_session=True`` gives
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(devnull)
+        if "fds" in request:  # a spawn: its standard streams and pipes are the asker's
+            place_fds(request["fds"], received)
+            die_with(request["asker"])
+        else:
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            stdout = request.get("stdout")
+            out = os.open(stdout, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if stdout else log
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(out, 1)
+            os.dup2(log, 2)
+            for fd in {log, out, devnull}:
+                os.close(fd)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        apply_openmp_env()
+        if shim:
+            multiprocessing.spawn.set_executable(shim)
         argv = list(request["argv"])
         if argv[0] == "-m":  # python -m MODULE args...
             spec = importlib.util.find_spec(argv[1])
             sys.argv = [spec.origin if spec and spec.origin else argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":  # python -c PROGRAM args... (multiprocessing's spawn)
+            sys.argv = ["-c", *argv[2:]]
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(argv[1], "<string>", "exec"), main.__dict__)
         else:  # python SCRIPT args...
             sys.argv = argv
             runpy.run_path(argv[0], run_name="__main__")
@@ -120,6 +196,34 @@ def run_child(request: dict[str, Any], inherited: list[socket.socket]) -> None:
         os._exit(code)
 
 
+def write_shim(path: str) -> str:
+    """``testing/zygote_shim.py`` as an executable beside the socket, naming this interpreter
+    and the socket; "" when ``KVSTORE_TEST_ZYGOTE_SPAWN=0``."""
+    if os.environ.get("KVSTORE_TEST_ZYGOTE_SPAWN", "1") == "0":
+        return ""
+    source = (Path(__file__).parent / "zygote_shim.py").read_text()
+    source = source.replace('ZYGOTE_SOCKET = ""', f"ZYGOTE_SOCKET = {path!r}", 1)
+    shim = str(Path(path).with_suffix(".shim"))
+    with open(shim, "w") as f:
+        f.write(f"#!{sys.executable} -S\n{source}")
+    os.chmod(shim, 0o755)
+    return shim
+
+
+def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One JSON line from an asker, and the descriptors sent with it (a shim's)."""
+    buffer, fds = b"", list[int]()
+    while b"\n" not in buffer:
+        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 256)
+        if not chunk:
+            for fd in fds + more:
+                os.close(fd)
+            raise ValueError("the asker closed its connection before a whole request")
+        buffer += chunk
+        fds += more
+    return json.loads(buffer.split(b"\n", 1)[0]), fds
+
+
 def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
     """Import ``modules``, say so on ``ready_fd`` (one JSON line: a pipe of its own, since
     vLLM's logging writes to stdout), then fork for every request on ``path``."""
@@ -127,9 +231,13 @@ def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
     if os_threads() != 1:  # a fork would copy locks that other threads hold
         raise SystemExit(f"zygote: {os_threads()} threads after the imports; cannot fork safely")
     parent = os.getppid()
+    # the orphans of its children (a shim whose spawner was killed) become its to reap
+    PR_SET_CHILD_SUBREAPER = 36
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    shim = write_shim(path)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with os.fdopen(ready_fd, "w") as ready_pipe:  # (closed: no child inherits it)
         ready_pipe.write(json.dumps({"ready": True, "missing": missing}) + "\n")
@@ -139,24 +247,31 @@ def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
         if ready:
             conn, _ = listener.accept()
             conn.settimeout(10)
+            received: list[int] = []
             try:
-                with conn.makefile("rb") as f:
-                    request = json.loads(f.readline())
+                request, received = read_request(conn)
                 pid = os.fork()
             except (OSError, ValueError) as e:  # the asker sees its connection closed
                 print(f"zygote: a request failed: {e!r}", file=sys.stderr, flush=True)
+                for fd in received:
+                    os.close(fd)
                 conn.close()
                 continue
             if pid == 0:
-                run_child(request, [listener, conn, *children.values()])
+                run_child(request, [listener, conn, *children.values()], received, shim)
+            for fd in received:  # (the child's now)
+                os.close(fd)
             children[pid] = conn
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-        while children:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:  # none at all
+                break
             if pid == 0:
                 break
-            asker = children.pop(pid, None)  # (None: something an import left behind)
+            asker = children.pop(pid, None)  # (None: an orphan of a child, or an import's)
             if asker is None:
                 continue
             with contextlib.suppress(OSError):
@@ -238,6 +353,32 @@ class ZygoteChild:
         return self.returncode
 
 
+def vllm_ld_preload(current: str = "") -> str:
+    """``LD_PRELOAD`` as vLLM's CPU platform sets it for the processes it spawns: PyTorch's own
+    libgomp (thread binding uses one core otherwise, vLLM issue 27369) and vLLM's tcmalloc.
+    A library is loaded when a process starts, so the zygote needs them from its start for its
+    children to have them: without them a forked worker computed 1.6x slower. (Found without
+    importing torch or vLLM here: their packages' paths.)"""
+    found = []
+    searched = {
+        "vllm": ("libs/libtcmalloc_minimal*.so*", "libs/libtcmalloc.so*"),
+        "torch": ("../torch.libs/libgomp*.so*", "lib/libgomp*.so*"),
+    }
+    for package, patterns in searched.items():
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = Path(next(iter(spec.submodule_search_locations)))
+        for pattern in patterns:
+            matches = sorted(root.glob(pattern))
+            if matches:
+                found.append(str(matches[0].resolve()))
+                break
+    kept = [lib for lib in current.split(":") if lib]
+    libs = [lib for lib in found if Path(lib).name.split(".")[0] not in " ".join(kept)]
+    return ":".join([*kept, *libs])
+
+
 class Zygote:
     """``python -m testing.zygote`` started from this process (its parent), and the way to
     fork runners from it."""
@@ -256,8 +397,14 @@ class Zygote:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 pass_fds=(ready_w,),
-                # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool
-                env={**os.environ, "PYTHONPATH": root, "OPENBLAS_NUM_THREADS": "1"},
+                # OpenBLAS (numpy's) would start a thread pool at import: one thread, no pool;
+                # the libraries vLLM preloads in the processes it spawns, loaded from the start
+                env={
+                    **os.environ,
+                    "PYTHONPATH": root,
+                    "OPENBLAS_NUM_THREADS": "1",
+                    "LD_PRELOAD": vllm_ld_preload(os.environ.get("LD_PRELOAD", "")),
+                },
                 cwd=root,
                 # (a Ctrl-C to the tests' group would kill it before the tests stop its children)
                 start_new_session=True,
@@ -274,10 +421,15 @@ class Zygote:
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, log: Path) -> ZygoteChild:
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: Path, log: Path, stdout: Path | None = None
+    ) -> ZygoteChild:
         """Fork a child that runs ``argv`` (``[script, args...]``) as ``python script args``
-        would, with exactly ``env``, in ``cwd``, its output in ``log``."""
+        would, with exactly ``env``, in ``cwd``, its output in ``log`` (its standard output in
+        ``stdout`` where given)."""
         request = {"argv": argv, "env": env, "cwd": str(cwd), "log": str(log)}
+        if stdout is not None:
+            request["stdout"] = str(stdout)
         with self._lock:
             if self.proc.poll() is not None:
                 rc = self.proc.returncode

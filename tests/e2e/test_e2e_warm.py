@@ -21,6 +21,7 @@ import pytest
 from testing import stack
 from testing.e2e import ROOT, engine_env, zygote
 from testing.redis_server import RedisServer, free_port
+from testing.zygote import ZygoteChild
 
 pytestmark = [pytest.mark.e2e, pytest.mark.redis, pytest.mark.vllm, pytest.mark.default_vllm_only]
 
@@ -37,15 +38,26 @@ def _text(n_words: int, seed: int) -> str:
 
 
 def _warm(tmp: Path, name: str, url: str, model: Path, args: list[str], core: int):
-    cmd = [sys.executable, "-m", "connector.warm", "--model", str(model), "--url", url]
-    cmd += ["--namespace", NAMESPACE, "--enforce-eager", "--max-model-len", "2048"]
-    cmd += ["--in-flight", "1", "--json", *args]
+    """``python -m connector.warm``: forked from the zygote (and so are its engine core and
+    worker), its JSON on stdout in NAME.json."""
+    argv = ["-m", "connector.warm", "--model", str(model), "--url", url]
+    argv += ["--namespace", NAMESPACE, "--enforce-eager", "--max-model-len", "2048"]
+    argv += ["--in-flight", "1", "--json", *args]
     env = {**os.environ, **engine_env(core)}
-    out, err = (tmp / f"{name}.json").open("wb"), (tmp / f"{name}.log").open("wb")
-    return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=tmp), tmp / name
+    out, err = tmp / f"{name}.json", tmp / f"{name}.log"
+    forks = zygote()
+    if forks is not None:
+        return forks.spawn(argv, env, tmp, err, stdout=out), tmp / name
+    with out.open("wb") as stdout, err.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, *argv], stdout=stdout, stderr=stderr, env=env, cwd=tmp
+        )
+    return proc, tmp / name
 
 
-def _result(job: tuple[subprocess.Popen, Path], timeout_s: float = 600) -> tuple[int, dict]:
+def _result(
+    job: tuple[subprocess.Popen | ZygoteChild, Path], timeout_s: float = 600
+) -> tuple[int, dict]:
     proc, base = job
     rc = proc.wait(timeout=timeout_s)
     out = Path(str(base) + ".json").read_text()

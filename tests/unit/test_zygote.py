@@ -2,11 +2,15 @@
 environment, directory, log, exit status), and looks to the tests like a subprocess.Popen:
 poll, wait with a timeout, and a kill of its process group. (The zygote here imports only
 ``this``, which prints to stdout as vLLM 0.30's logging does at import: what a real one imports
-is the engines' business, checked end to end.)"""
+is the engines' business, checked end to end.) A child's own ``spawn`` of a process, as vLLM
+starts its engine core and workers, is forked by the zygote too, behind a stand-in that passes
+on its pipes, signals and exit status.)"""
 
 from __future__ import annotations
 
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -16,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from testing.stack import Proc, spawn
-from testing.zygote import Zygote
+from testing.zygote import Zygote, cpu_list
 
 SCRIPT = """
 import json, os, sys, time
@@ -118,3 +122,100 @@ def test_a_child_outliving_its_zygote_is_seen_running_until_it_ends(
     assert child.wait(timeout=30) == -signal.SIGKILL  # (its real status died with the zygote)
     with pytest.raises(RuntimeError, match="zygote exited"):
         z.spawn([str(script), "exit", "0"], dict(os.environ), tmp_path, tmp_path / "x.log")
+
+
+SPAWNER = """
+import json, multiprocessing, os, sys, time
+
+def work(conn, code):
+    conn.send({"ppid": os.getppid(), "pid": os.getpid(), "env": os.environ.get("ZYGOTE_T"),
+               "cpus": sorted(os.sched_getaffinity(0))})
+    print("from the spawned process", flush=True)
+    if code == "sleep":
+        time.sleep(60)
+    sys.exit(code)
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    os.environ["ZYGOTE_T"] = "set by the spawner"
+    os.environ["GOMP_CPU_AFFINITY"] = "0"  # (as vLLM binds a worker; libgomp read it at load)
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=work, args=(writer, 7 if mode == "exit" else "sleep"))
+    proc.start()
+    writer.close()
+    info = {**reader.recv(), "stand_in": proc.pid}
+    if mode == "orphan":
+        print(json.dumps(info), flush=True)
+        time.sleep(60)
+    if mode == "terminate":
+        proc.terminate()
+    if mode == "kill":
+        os.kill(info["pid"], 9)
+    proc.join(30)
+    print(json.dumps({**info, "exitcode": proc.exitcode}), flush=True)
+"""
+
+
+def _spawner(zygote: Zygote, tmp_path: Path, mode: str) -> tuple[Proc, Path]:
+    script = tmp_path / "spawner.py"
+    script.write_text(SPAWNER)
+    proc = spawn(f"spawner-{mode}", [sys.executable, str(script), mode], tmp_path,
+                 fork_from=zygote)  # fmt: skip
+    return proc, tmp_path / f"spawner-{mode}.log"
+
+
+def _last_json(log: Path) -> dict:
+    return json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])
+
+
+def test_a_childs_spawned_process_is_forked_too_with_its_pipes_environment_and_status(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    proc, log = _spawner(zygote, tmp_path, "exit")
+    assert proc.popen.wait(timeout=60) == 0, log.read_text()
+    info = _last_json(log)
+    assert info["ppid"] == zygote.proc.pid  # forked by the zygote, not started from scratch
+    assert info["stand_in"] != info["pid"]
+    assert info["env"] == "set by the spawner"  # the spawner's environment when it spawned
+    assert info["cpus"] == [0]  # what libgomp would have done with GOMP_CPU_AFFINITY
+    assert info["exitcode"] == 7  # the spawner sees the spawned process's own status
+    assert "from the spawned process" in log.read_text()  # its standard streams, passed on
+
+
+@pytest.mark.parametrize(
+    ("mode", "exitcode"), [("terminate", -signal.SIGTERM), ("kill", -signal.SIGKILL)]
+)
+def test_a_signal_to_the_stand_in_reaches_the_spawned_process_and_its_death_comes_back(
+    zygote: Zygote, tmp_path: Path, mode: str, exitcode: int
+) -> None:
+    """terminate() signals the stand-in, which passes it on; a spawned process killed
+    outright is seen so by its spawner."""
+    proc, log = _spawner(zygote, tmp_path, mode)
+    assert proc.popen.wait(timeout=60) == 0, log.read_text()
+    assert _last_json(log)["exitcode"] == exitcode
+
+
+def test_a_spawned_process_dies_with_the_process_that_spawned_it(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    proc, log = _spawner(zygote, tmp_path, "orphan")
+    for _ in range(600):  # (its line comes once the spawned process is up)
+        if log.exists() and '"pid"' in log.read_text():
+            break
+        assert proc.alive(), log.read_text()
+        select.select([], [], [], 0.1)
+    spawned = _last_json(log)["pid"]
+    pidfd = os.pidfd_open(spawned)
+    proc.kill()  # the spawner's whole group, its stand-in included; not the spawned process's
+    ready, _, _ = select.select([pidfd], [], [], 60)
+    os.close(pidfd)
+    assert ready, "the spawned process outlived the process that spawned it"
+
+
+@pytest.mark.parametrize(
+    ("spec", "cpus"),
+    [("0", {0}), ("0 1", {0, 1}), ("0,2", {0, 2}), ("0-3", {0, 1, 2, 3}), ("0-7:2", {0, 2, 4, 6})],
+)
+def test_gomp_cpu_affinity_lists_parse_as_libgomp_reads_them(spec: str, cpus: set[int]) -> None:
+    assert cpu_list(spec) == cpus
