@@ -86,9 +86,10 @@ for name in os.listdir(bin_dir):
             text = f.read()
     except UnicodeDecodeError:
         continue  # a binary
-    changed = shebang.sub(lambda m: f"#!{new}/bin/{m[1]}", text, count=1)
-    for o in olds:
-        changed = changed.replace(o, new)
+    changed = text
+    for o in olds:  # (a whole path only: the new one, .venvs/..., starts with .venv)
+        changed = re.sub(re.escape(o) + r"(?=[/'\"\s]|$)", new, changed, flags=re.M)
+    changed = shebang.sub(lambda m: f"#!{new}/bin/{m[1]}", changed, count=1)
     if changed != text:
         with open(path + ".new", "w", encoding="utf-8") as f:
             f.write(changed)
