@@ -213,15 +213,20 @@ def write_shim(path: str) -> str:
 def read_request(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
     """One JSON line from an asker, and the descriptors sent with it (a shim's)."""
     buffer, fds = b"", list[int]()
-    while b"\n" not in buffer:
-        chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 256)
-        if not chunk:
-            for fd in fds + more:
-                os.close(fd)
-            raise ValueError("the asker closed its connection before a whole request")
-        buffer += chunk
-        fds += more
-    return json.loads(buffer.split(b"\n", 1)[0]), fds
+    deadline = time.monotonic() + 10  # (one slow asker holds up every fork: not for long)
+    try:
+        while b"\n" not in buffer:
+            conn.settimeout(max(0.0, deadline - time.monotonic()))
+            chunk, more, _, _ = socket.recv_fds(conn, 1 << 16, 256)
+            fds += more
+            if not chunk:
+                raise ValueError("the asker closed its connection before a whole request")
+            buffer += chunk
+        return json.loads(buffer.split(b"\n", 1)[0]), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
@@ -250,15 +255,22 @@ def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
             received: list[int] = []
             try:
                 request, received = read_request(conn)
+                conn.settimeout(10)  # (its replies: a pid, then a status)
+                # (a SIGTERM the asker passes on at once must not meet this process's handler)
+                signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
                 pid = os.fork()
             except (OSError, ValueError) as e:  # the asker sees its connection closed
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 print(f"zygote: a request failed: {e!r}", file=sys.stderr, flush=True)
                 for fd in received:
                     os.close(fd)
                 conn.close()
                 continue
             if pid == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
                 run_child(request, [listener, conn, *children.values()], received, shim)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
             for fd in received:  # (the child's now)
                 os.close(fd)
             children[pid] = conn
@@ -440,7 +452,8 @@ class Zygote:
             return ZygoteChild(conn)
 
     def stop(self) -> None:
-        """Stop the zygote (children it forked run on: they are their tests' to stop)."""
+        """Stop the zygote. The children it forked for tests run on (they are their tests' to
+        stop); the processes it forked for their spawns end with their shims, which end with it."""
         self.proc.terminate()
         try:
             self.proc.wait(15)

@@ -54,7 +54,10 @@ def exit_like(status: int) -> None:
 def main(socket_path: str, argv: list[str]) -> None:
     """Have the zygote at ``socket_path`` run ``argv`` (``-c PROGRAM args``), then stand in
     for that child until it exits."""
+    if "--multiprocessing-fork" not in argv:  # not a Process (the resource tracker): as asked
+        os.execv(sys.executable, [sys.executable, *argv])
     parent = os.getppid()
+    parent_fd = os.pidfd_open(parent)
     fds = open_fds()
     child: int | None = None
     pending: list[int] = []
@@ -62,9 +65,9 @@ def main(socket_path: str, argv: list[str]) -> None:
     def forward(signum: int, _frame: object) -> None:
         if child is None:
             pending.append(signum)
-        else:
+        else:  # (its group: what it spawned stands in the same group)
             with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signum)
+                os.killpg(child, signum)
 
     for forwarded in FORWARDED:
         signal.signal(forwarded, forward)
@@ -74,19 +77,16 @@ def main(socket_path: str, argv: list[str]) -> None:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(socket_path)
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
-    for fd in fds:  # the child holds them now: a pipe's end closes when the child's does
-        if fd > 2:
-            os.close(fd)
+    # (its copies stay open until it exits: the spawner's sentinel, a pipe's end, must not
+    # close before the exit status it then reads is here)
     buffer = b""
     while True:
-        ready, _, _ = select.select([conn], [], [], 0.5)
-        if os.getppid() != parent:  # whoever spawned it is gone: so goes the child
+        ready, _, _ = select.select([conn.fileno(), parent_fd], [], [])
+        if parent_fd in ready:  # whoever spawned it is gone: so goes the child, group and all
             if child is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(child, signal.SIGKILL)
+                    os.killpg(child, signal.SIGKILL)
             os._exit(1)
-        if not ready:
-            continue
         chunk = conn.recv(4096)
         if not chunk:
             print("zygote_shim: the zygote closed the connection", file=sys.stderr)

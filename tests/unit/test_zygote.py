@@ -138,7 +138,7 @@ def work(conn, code):
 if __name__ == "__main__":
     mode = sys.argv[1]
     os.environ["ZYGOTE_T"] = "set by the spawner"
-    os.environ["GOMP_CPU_AFFINITY"] = "0"  # (as vLLM binds a worker; libgomp read it at load)
+    os.environ["GOMP_CPU_AFFINITY"] = str(min(os.sched_getaffinity(0)))  # (as vLLM binds one)
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=work, args=(writer, 7 if mode == "exit" else "sleep"))
@@ -178,7 +178,7 @@ def test_a_childs_spawned_process_is_forked_too_with_its_pipes_environment_and_s
     assert info["ppid"] == zygote.proc.pid  # forked by the zygote, not started from scratch
     assert info["stand_in"] != info["pid"]
     assert info["env"] == "set by the spawner"  # the spawner's environment when it spawned
-    assert info["cpus"] == [0]  # what libgomp would have done with GOMP_CPU_AFFINITY
+    assert info["cpus"] == [min(os.sched_getaffinity(0))]  # as libgomp would have bound it
     assert info["exitcode"] == 7  # the spawner sees the spawned process's own status
     assert "from the spawned process" in log.read_text()  # its standard streams, passed on
 
@@ -193,7 +193,9 @@ def test_a_signal_to_the_stand_in_reaches_the_spawned_process_and_its_death_come
     outright is seen so by its spawner."""
     proc, log = _spawner(zygote, tmp_path, mode)
     assert proc.popen.wait(timeout=60) == 0, log.read_text()
-    assert _last_json(log)["exitcode"] == exitcode
+    info = _last_json(log)
+    assert info["ppid"] == zygote.proc.pid  # (forked, not a plain spawn)
+    assert info["exitcode"] == exitcode
 
 
 def test_a_spawned_process_dies_with_the_process_that_spawned_it(
@@ -205,7 +207,9 @@ def test_a_spawned_process_dies_with_the_process_that_spawned_it(
             break
         assert proc.alive(), log.read_text()
         select.select([], [], [], 0.1)
-    spawned = _last_json(log)["pid"]
+    info = _last_json(log)
+    assert info["ppid"] == zygote.proc.pid
+    spawned = info["pid"]
     pidfd = os.pidfd_open(spawned)
     proc.kill()  # the spawner's whole group, its stand-in included; not the spawned process's
     ready, _, _ = select.select([pidfd], [], [], 60)
