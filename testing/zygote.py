@@ -150,7 +150,6 @@ def run_child(
     try:
         for sock in inherited:
             sock.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.setsid()  # its own process group, as ``start_new_session=True`` gives
         if "fds" in request:  # a spawn: its standard streams and pipes are the asker's
             place_fds(request["fds"], received)
@@ -251,7 +250,6 @@ def serve(path: str, ready_fd: int, modules: Sequence[str] = PRELOAD) -> None:
         ready, _, _ = select.select([listener], [], [], 0.05)
         if ready:
             conn, _ = listener.accept()
-            conn.settimeout(10)
             received: list[int] = []
             try:
                 request, received = read_request(conn)
@@ -368,9 +366,9 @@ class ZygoteChild:
 def vllm_ld_preload(current: str = "") -> str:
     """``LD_PRELOAD`` as vLLM's CPU platform sets it for the processes it spawns: PyTorch's own
     libgomp (thread binding uses one core otherwise, vLLM issue 27369) and vLLM's tcmalloc.
-    A library is loaded when a process starts, so the zygote needs them from its start for its
-    children to have them: without them a forked worker computed 1.6x slower. (Found without
-    importing torch or vLLM here: their packages' paths.)"""
+    A library is loaded when a process starts, so the zygote needs them from its start for the
+    engine cores and workers it forks to run with what vLLM would have given them. (Found
+    without importing torch or vLLM here: their packages' paths.)"""
     found = []
     searched = {
         "vllm": ("libs/libtcmalloc_minimal*.so*", "libs/libtcmalloc.so*"),

@@ -9,8 +9,9 @@ runs this instead, as the spawning process's child. It sends the zygote its comm
 environment, directory and every open file descriptor (``SCM_RIGHTS``); the zygote forks a
 child that takes those descriptors at the same numbers and runs the command. This process then
 stands in for that child: the spawning process waits on it, and a signal sent to it goes to
-the child. It exits with the child's status (or dies by the same signal). Should it die first,
-or its parent, the child kills itself: nothing outlives the process that started it.
+the child's process group (the child's own spawns included). It exits with the child's status
+(or dies by the same signal). Should its parent die, it kills that group; should it die first,
+the child kills itself: nothing outlives the process that started it.
 
 Standard library only, and started with ``python -S``: it runs once per spawned process. The
 zygote writes it out with a first line naming the interpreter and the zygote's socket
@@ -62,12 +63,16 @@ def main(socket_path: str, argv: list[str]) -> None:
     child: int | None = None
     pending: list[int] = []
 
+    def signal_child(signum: int) -> None:
+        assert child is not None
+        with contextlib.suppress(ProcessLookupError):  # (its group: what it spawned too)
+            os.killpg(child, signum)
+
     def forward(signum: int, _frame: object) -> None:
         if child is None:
             pending.append(signum)
-        else:  # (its group: what it spawned stands in the same group)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child, signum)
+        else:
+            signal_child(signum)
 
     for forwarded in FORWARDED:
         signal.signal(forwarded, forward)
@@ -84,8 +89,7 @@ def main(socket_path: str, argv: list[str]) -> None:
         ready, _, _ = select.select([conn.fileno(), parent_fd], [], [])
         if parent_fd in ready:  # whoever spawned it is gone: so goes the child, group and all
             if child is not None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child, signal.SIGKILL)
+                signal_child(signal.SIGKILL)
             os._exit(1)
         chunk = conn.recv(4096)
         if not chunk:
@@ -98,8 +102,7 @@ def main(socket_path: str, argv: list[str]) -> None:
             if "pid" in message:
                 child = int(message["pid"])
                 for signum in pending:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child, signum)
+                    signal_child(signum)
             elif "status" in message:
                 exit_like(int(message["status"]))
 
