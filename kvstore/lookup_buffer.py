@@ -344,6 +344,7 @@ class LookupBuffer:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        self._clock.close()  # a clock reading under way ends before its connection closes
         self._transport.close()
 
     @property

@@ -215,23 +215,46 @@ class ServerClock:
         self.offset_s: float | None = None
         self._read_at = float("-inf")
         self._reading = threading.Lock()
+        self._closed = False
         self.disagrees = 0  # calls whose "too late" came back in time, in a row
 
     def read_now(self) -> None:
-        """Measure the offset now (a failure keeps the last one, or none)."""
+        """Measure the offset now (a failure keeps the last one, or none; none once closed)."""
         with self._reading:
+            if self._closed:
+                return
             self._read_at = time.time()
             with contextlib.suppress(KVStoreError):
                 self.offset_s = self._read()
+
+    def _read_in_background(self) -> None:
+        try:
+            self.read_now()
+        except Exception:  # not the store's error: reported here, not lost with the thread
+            logger.warning(
+                "kvstore: reading the server's clock failed unexpectedly; the last offset "
+                "stays (claims go without a time limit until one is known)",
+                exc_info=True,
+            )
+
+    def close(self) -> None:
+        """No readings from now on, and none still running when this returns (one under way
+        is waited for: its call is bounded by the client's timeouts). Called before the
+        connections close: a reading on a closing client would break inside redis-py, or
+        open a connection again after the close."""
+        with self._reading:
+            self._closed = True
 
     def late_ms(self, reply_timeout_s: float) -> str:
         """ARGV[3] of a claim sent now: the server time (ms) past which it must take nothing
         -- when its caller stops waiting for the reply, less a margin -- or "" (no limit) while
         the clock is unknown or does not agree with replies."""
         now = time.time()
-        if now - self._read_at > _CLOCK_EVERY_S and not self._reading.locked():
+        if now - self._read_at > _CLOCK_EVERY_S and not self._reading.locked() and not self._closed:
             self._read_at = now
-            threading.Thread(target=self.read_now, name="kvstore-clock", daemon=True).start()
+            threading.Thread(
+                target=self._read_in_background, name="kvstore-clock", daemon=True
+            ).start()
         offset = self.offset_s
         if offset is None or self.disagrees >= 2:
             return ""
