@@ -6,9 +6,11 @@ block comes from Redis. A second warm run prefills nothing; ``--check`` reports 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,9 +52,20 @@ def _warm(tmp: Path, name: str, url: str, model: Path, args: list[str], core: in
         return forks.spawn(argv, env, tmp, err, stdout=out), tmp / name
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, *argv], stdout=stdout, stderr=stderr, env=env, cwd=tmp
-        )
+            [sys.executable, *argv], stdout=stdout, stderr=stderr, env=env, cwd=tmp,
+            start_new_session=True,  # (its engine core and worker: stopped with it, by group)
+        )  # fmt: skip
     return proc, tmp / name
+
+
+def _stop_if_running(job: tuple[subprocess.Popen | ZygoteChild, Path]) -> None:
+    """A warm run still going when the fixture ends (a run before it failed): it and the engine
+    it started are killed, not left computing beside the next tests."""
+    proc, _ = job
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
 
 
 def _result(
@@ -94,6 +107,7 @@ def warmed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
     )
     docs["more.jsonl#faq"] = jsonl["faq"]
     s = stack.Stack()
+    runs: list[tuple[subprocess.Popen | ZygoteChild, Path]] = []
     with RedisServer() as server:
         try:
             url = server.url
@@ -101,9 +115,12 @@ def warmed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
                       "fork_from": zygote()}  # fmt: skip
             ref = s.add(stack.vllm_server("reference", port=free_port(), role=None, core=1,
                                           **common))  # fmt: skip
-            first = _result(_warm(tmp, "first", url, tiny_model, ["corpus", "more.jsonl"], 0))
+            runs.append(_warm(tmp, "first", url, tiny_model, ["corpus", "more.jsonl"], 0))
+            first = _result(runs[-1])
             again = _warm(tmp, "again", url, tiny_model, ["corpus", "more.jsonl"], 1)
+            runs.append(again)
             chat = _warm(tmp, "chat", url, tiny_model, ["--system", SYSTEM, "corpus"], 0)
+            runs.append(chat)
             res = {"first": first, "again": _result(again), "chat": _result(chat)}
             res["check_before"] = _check(url, ["corpus", "more.jsonl"], tmp)
             share = s.add(stack.vllm_server("share", port=free_port(), role="kv_both", core=0,
@@ -113,6 +130,8 @@ def warmed(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Iterat
             res.update(url=url, docs=docs, share=share.url, reference=ref.url, tmp=tmp)
             yield res
         finally:
+            for run in runs:
+                _stop_if_running(run)
             s.stop()
 
 
