@@ -43,6 +43,7 @@ class CircuitBreaker:
         self._closed_event = threading.Event()
         self._closed_event.set()
         self._stopped = threading.Event()
+        self._prober: threading.Thread | None = None
         self.opens = 0  # times it opened since creation
         self.last_error = ""
 
@@ -83,7 +84,11 @@ class CircuitBreaker:
             why,
             self.probe_interval_s,
         )
-        threading.Thread(target=self._probe_until_closed, name="kvstore-probe", daemon=True).start()
+        prober = threading.Thread(
+            target=self._probe_until_closed, name="kvstore-probe", daemon=True
+        )
+        self._prober = prober
+        prober.start()
 
     def _probe_until_closed(self) -> None:
         while not self._stopped.wait(self.probe_interval_s):
@@ -115,6 +120,18 @@ class CircuitBreaker:
         """Block until the breaker is closed (for tools and tests); True if it is."""
         return self._closed_event.wait(timeout_s)
 
-    def stop(self) -> None:
-        """Stop probing (on close); the breaker stays in its current state."""
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Stop probing (on close), waiting up to ``wait_s`` for a probe under way (each is
+        bounded by the connect and socket timeouts): one still running as the connections
+        close could open one again. The breaker stays in its current state."""
         self._stopped.set()
+        prober = self._prober
+        if prober is None or prober is threading.current_thread():
+            return
+        prober.join(wait_s)
+        if prober.is_alive():
+            logger.warning(
+                "%s: a probe still runs after %.0fs; closing without waiting for it",
+                self.name,
+                wait_s,
+            )

@@ -59,3 +59,27 @@ def test_a_caller_can_probe_now_instead_of_waiting_for_the_background_probe() ->
     assert b.probe_now() and b.allow()
     assert b.probe_now()  # closed: nothing to do
     b.stop()
+
+
+def test_stop_waits_for_a_probe_under_way_and_no_probe_follows() -> None:
+    # (a probe still running as a buffer closes its connections could open one again)
+    started, release = threading.Event(), threading.Event()
+    probes: list[int] = []
+
+    def probe() -> None:
+        probes.append(1)
+        started.set()
+        assert release.wait(30)
+        raise ConnectionError("still down")
+
+    b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=0.01)
+    b.record_failure("refused")
+    assert started.wait(30)
+    stopper = threading.Thread(target=b.stop)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # the probe holds it
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
+    assert probes == [1] and b.is_open  # no probe after the stop; the state stays
