@@ -83,6 +83,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_VALUE_BYTES = 512 << 20  # Redis' own proto-max-bulk-len default
+CLOSE_WAIT_S = 10.0  # the least close() waits for a clock reading or a probe under way
 
 
 def layout_fingerprint(layout: Mapping[str, Any] | None = None) -> str:
@@ -171,6 +172,9 @@ class LookupBuffer:
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._owner: LookupBuffer | None = None  # set on a view made by for_fingerprint
+        # how long close() waits for a clock reading or a probe under way (from_url: one
+        # connect and one control round trip's timeouts, if longer)
+        self.close_wait_s = CLOSE_WAIT_S
         # the namespace's: every fingerprint's view shares it
         self._generations = Generations(self._transport, self.guard, self.keys)
         # what drop_select's claims share over every view: the thread giving claimed blocks
@@ -316,6 +320,9 @@ class LookupBuffer:
         )
         buf.address = address
         buf._transport.owns_clients = True
+        buf.close_wait_s = max(
+            CLOSE_WAIT_S, connect_timeout_s + (control_timeout_s or socket_timeout_s) + 1.0
+        )
         if check:
             buf.ping()
             buf.check_topology()
@@ -339,12 +346,12 @@ class LookupBuffer:
         if self._owner is not None:  # a view (for_fingerprint): its owner holds everything
             return
         self._releaser.close()  # claims being given back go first (bounded)
-        self.guard.stop()
+        self.guard.stop(self.close_wait_s)
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
-        self._clock.close()  # a clock reading under way ends before its connection closes
+        self._clock.close(self.close_wait_s)  # a reading under way ends before its connection
         self._transport.close()
 
     @property

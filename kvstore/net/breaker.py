@@ -43,7 +43,9 @@ class CircuitBreaker:
         self._closed_event = threading.Event()
         self._closed_event.set()
         self._stopped = threading.Event()
-        self._prober: threading.Thread | None = None
+        # (several: a caller's probe_now may close the breaker, and the next failure reopen
+        # it, while an older prober is still in its probe)
+        self._probers: list[threading.Thread] = []
         self.opens = 0  # times it opened since creation
         self.last_error = ""
 
@@ -87,7 +89,8 @@ class CircuitBreaker:
         prober = threading.Thread(
             target=self._probe_until_closed, name="kvstore-probe", daemon=True
         )
-        self._prober = prober
+        with self._lock:
+            self._probers = [t for t in self._probers if t.is_alive()] + [prober]
         prober.start()
 
     def _probe_until_closed(self) -> None:
@@ -121,17 +124,19 @@ class CircuitBreaker:
         return self._closed_event.wait(timeout_s)
 
     def stop(self, wait_s: float = 10.0) -> None:
-        """Stop probing (on close), waiting up to ``wait_s`` for a probe under way (each is
-        bounded by the connect and socket timeouts): one still running as the connections
-        close could open one again. The breaker stays in its current state."""
+        """Stop probing (on close), waiting up to ``wait_s`` in all for the probes under way
+        (each is bounded by the connect and socket timeouts): one still running as the
+        connections close could open one again. A probe that outlasts it is logged and left.
+        The breaker stays in its current state."""
         self._stopped.set()
-        prober = self._prober
-        if prober is None or prober is threading.current_thread():
-            return
-        prober.join(wait_s)
-        if prober.is_alive():
+        with self._lock:
+            probers = [t for t in self._probers if t is not threading.current_thread()]
+        deadline = time.monotonic() + wait_s
+        for prober in probers:
+            prober.join(max(0.0, deadline - time.monotonic()))
+        if any(prober.is_alive() for prober in probers):
             logger.warning(
-                "%s: a probe still runs after %.0fs; closing without waiting for it",
+                "%s: a probe still runs after %.1fs; closing without waiting for it",
                 self.name,
                 wait_s,
             )

@@ -237,13 +237,21 @@ class ServerClock:
                 exc_info=True,
             )
 
-    def close(self) -> None:
-        """No readings from now on, and none still running when this returns (one under way
-        is waited for: its call is bounded by the client's timeouts). Called before the
-        connections close: a reading on a closing client would break inside redis-py, or
-        open a connection again after the close."""
-        with self._reading:
-            self._closed = True
+    def close(self, wait_s: float = 10.0) -> None:
+        """No readings from now on, and none still running when this returns: one under way
+        is waited for, up to ``wait_s`` (a client without a socket timeout, on a hung server,
+        could hold it for ever: it is then logged and left). Called before the connections
+        close: a reading on a closing client would break inside redis-py, or open a
+        connection again after the close."""
+        self._closed = True  # (a reading not yet started sees it under the lock and returns)
+        if not self._reading.acquire(timeout=wait_s):
+            logger.warning(
+                "kvstore: a reading of the server's clock still runs after %.1fs; closing "
+                "without waiting for it",
+                wait_s,
+            )
+            return
+        self._reading.release()
 
     def late_ms(self, reply_timeout_s: float) -> str:
         """ARGV[3] of a claim sent now: the server time (ms) past which it must take nothing

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
+
+import pytest
 
 from kvstore.net.breaker import CircuitBreaker
 
@@ -83,3 +86,52 @@ def test_stop_waits_for_a_probe_under_way_and_no_probe_follows() -> None:
     stopper.join(30)
     assert not stopper.is_alive()
     assert probes == [1] and b.is_open  # no probe after the stop; the state stays
+
+
+def test_stop_waits_for_an_older_probe_too() -> None:
+    # Found by a review: a caller's probe_now closes the breaker, the next failure reopens it
+    # and starts a second prober while the first is still in its probe; stop() waited for the
+    # newest only.
+    first_in_probe, release_first = threading.Event(), threading.Event()
+    first: list[threading.Thread] = []
+
+    def probe() -> None:
+        if threading.current_thread() is threading.main_thread():
+            return  # the caller's probe_now: the store answers
+        if not first:
+            first.append(threading.current_thread())
+            first_in_probe.set()
+            assert release_first.wait(30)
+        raise ConnectionError("still down")
+
+    b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=0.01)
+    b.record_failure("refused")
+    assert first_in_probe.wait(30)
+    assert b.probe_now()  # closed (half-open)
+    b.record_failure("again")  # reopened at once: a second prober starts
+    stopper = threading.Thread(target=b.stop)
+    stopper.start()
+    stopper.join(0.2)
+    assert stopper.is_alive()  # the first prober's probe holds it
+    release_first.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and not first[0].is_alive()
+
+
+def test_stop_gives_up_on_a_probe_that_outlasts_its_wait_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    in_probe, release = threading.Event(), threading.Event()
+
+    def probe() -> None:
+        in_probe.set()
+        assert release.wait(30)  # a server hung, a client without a socket timeout
+        raise ConnectionError("still down")
+
+    b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=0.01, name="Redis at x")
+    b.record_failure("refused")
+    assert in_probe.wait(30)
+    with caplog.at_level(logging.WARNING, logger="kvstore.breaker"):
+        b.stop(wait_s=0.1)
+    assert "Redis at x: a probe still runs after 0.1s" in caplog.text
+    release.set()

@@ -82,3 +82,25 @@ def test_an_unexpected_error_while_reading_is_logged_and_the_clock_stays_unknown
     assert clock.offset_s is None
     assert clock.late_ms(1.0) == ""  # claims still go, without a limit
     assert thread_crashes == []
+
+
+def test_close_gives_up_on_a_reading_that_outlasts_its_wait_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by a review: a client without a socket timeout, on a hung server, held close()
+    # for as long as the server hung
+    in_read, release = threading.Event(), threading.Event()
+
+    def read() -> float:
+        in_read.set()
+        assert release.wait(30)
+        return 0.0
+
+    clock = ServerClock(read)
+    clock.late_ms(1.0)
+    assert in_read.wait(30)
+    with caplog.at_level(logging.WARNING, logger="kvstore"):
+        clock.close(wait_s=0.1)
+    assert "a reading of the server's clock still runs after 0.1s" in caplog.text
+    release.set()
+    join_clock_threads()
