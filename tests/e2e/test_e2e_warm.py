@@ -65,7 +65,8 @@ def _stop_if_running(job: tuple[subprocess.Popen | ZygoteChild, Path]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # (the next runs are stopped too)
+            proc.wait(timeout=60)
 
 
 def _result(
