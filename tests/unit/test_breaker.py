@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -64,6 +65,18 @@ def test_a_caller_can_probe_now_instead_of_waiting_for_the_background_probe() ->
     b.stop()
 
 
+def returns_only_once_set(call: Callable[[], object], release: threading.Event) -> None:
+    """``call``, run on a thread, is still blocked while ``release`` is unset (a slow machine
+    can only make this pass, never fail), and returns once it is set."""
+    waiter = threading.Thread(target=call)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive()
+
+
 def test_stop_waits_for_a_probe_under_way_and_no_probe_follows() -> None:
     # (a probe still running as a buffer closes its connections could open one again)
     started, release = threading.Event(), threading.Event()
@@ -78,13 +91,7 @@ def test_stop_waits_for_a_probe_under_way_and_no_probe_follows() -> None:
     b = CircuitBreaker(probe, failure_threshold=1, probe_interval_s=0.01)
     b.record_failure("refused")
     assert started.wait(30)
-    stopper = threading.Thread(target=b.stop)
-    stopper.start()
-    stopper.join(0.2)
-    assert stopper.is_alive()  # the probe holds it
-    release.set()
-    stopper.join(30)
-    assert not stopper.is_alive()
+    returns_only_once_set(b.stop, release)  # the probe holds it
     assert probes == [1] and b.is_open  # no probe after the stop; the state stays
 
 
@@ -109,13 +116,8 @@ def test_stop_waits_for_an_older_probe_too() -> None:
     assert first_in_probe.wait(30)
     assert b.probe_now()  # closed (half-open)
     b.record_failure("again")  # reopened at once: a second prober starts
-    stopper = threading.Thread(target=b.stop)
-    stopper.start()
-    stopper.join(0.2)
-    assert stopper.is_alive()  # the first prober's probe holds it
-    release_first.set()
-    stopper.join(30)
-    assert not stopper.is_alive() and not first[0].is_alive()
+    returns_only_once_set(b.stop, release_first)  # the first prober's probe holds it
+    assert not first[0].is_alive()
 
 
 def test_stop_gives_up_on_a_probe_that_outlasts_its_wait_and_says_so(

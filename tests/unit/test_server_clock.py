@@ -16,6 +16,7 @@ import pytest
 
 from kvstore.values import drop_select
 from kvstore.values.drop_select import ServerClock
+from tests.unit.test_breaker import returns_only_once_set
 
 
 def join_clock_threads() -> None:
@@ -50,13 +51,7 @@ def test_close_waits_for_a_reading_under_way_and_no_reading_follows_it(
     clock = ServerClock(read)
     assert clock.late_ms(1.0) == ""  # unknown yet: no limit; a reading starts in the background
     assert started.wait(30)
-    closer = threading.Thread(target=clock.close)
-    closer.start()
-    closer.join(0.2)
-    assert closer.is_alive()  # the reading holds it: nothing may close under the reading
-    release.set()
-    closer.join(30)
-    assert not closer.is_alive()
+    returns_only_once_set(clock.close, release)  # nothing may close under the reading
     assert clock.offset_s == 0.5
 
     monkeypatch.setattr(drop_select, "_CLOCK_EVERY_S", -1.0)  # a reading due on every call
