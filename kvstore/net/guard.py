@@ -60,6 +60,6 @@ class Guard:
             raise
         return result
 
-    def stop(self, wait_s: float = 10.0) -> None:
+    def stop(self, wait_s: float) -> None:
         """Stop the breaker's probing, waiting up to ``wait_s`` for a probe under way."""
         self.breaker.stop(wait_s)

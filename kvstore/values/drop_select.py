@@ -237,7 +237,7 @@ class ServerClock:
                 exc_info=True,
             )
 
-    def close(self, wait_s: float = 10.0) -> None:
+    def close(self, wait_s: float) -> None:
         """No readings from now on, and none still running when this returns: one under way
         is waited for, up to ``wait_s`` (a client without a socket timeout, on a hung server,
         could hold it for ever: it is then logged and left). Called before the connections

@@ -51,7 +51,7 @@ def test_close_waits_for_a_reading_under_way_and_no_reading_follows_it(
     clock = ServerClock(read)
     assert clock.late_ms(1.0) == ""  # unknown yet: no limit; a reading starts in the background
     assert started.wait(30)
-    returns_only_once_set(clock.close, release)  # nothing may close under the reading
+    returns_only_once_set(lambda: clock.close(30.0), release)  # nothing may close under the reading
     assert clock.offset_s == 0.5
 
     monkeypatch.setattr(drop_select, "_CLOCK_EVERY_S", -1.0)  # a reading due on every call
