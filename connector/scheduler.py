@@ -130,6 +130,17 @@ class Phase(enum.Enum):
     RUNNING = "running"
 
 
+@dataclass(frozen=True)
+class StepBlocks:
+    """One request's blocks in one step (first KV-cache group): what it runs on, computed
+    before the step; what it completes from their first token on; the full blocks it computes
+    (vLLM caches them as it allocates them)."""
+
+    context: list[int]
+    whole: list[int]
+    cached: list[int]
+
+
 @dataclass
 class RequestState:
     """What the scheduler keeps of one request: its state machine's, and its saves' (read and
@@ -210,6 +221,9 @@ class RedisConnectorScheduler:
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
         self._splits_running: list[str] = []
+        # the blocks each request of the running splits' step ran on and computed: a failed
+        # split taints what its same-step readers computed too (``_taint_readers``)
+        self._split_step_blocks: dict[str, StepBlocks] = {}
         # block ids (first KV-cache group) vLLM's prefix cache holds with wrong KV after a
         # failed split, until computed again (``_taint``)
         self._tainted: set[int] = set()
@@ -689,6 +703,7 @@ class RedisConnectorScheduler:
         if self.events is not None:
             self.events.reported(getattr(output, "kv_cache_events", None))
         self._take_samples(getattr(output, "kv_connector_stats", None))
+        failed_split_blocks: set[int] = set()
         for block_id in output.invalid_block_ids or ():
             owner = self._load_blocks.get(block_id)
             if owner is None:
@@ -698,11 +713,14 @@ class RedisConnectorScheduler:
                 outcome[2] = min(outcome[2], owner[1])
             if owner[0] in self._splits_running:  # (a failed async load was never cached)
                 self._taint(*owner)
+                failed_split_blocks.add(block_id)
             st = self._reqs.get(owner[0])
             if st is not None and st.same_chain:
                 # share mode: save the recomputed block again, so the bad value is replaced
                 st.saved_blocks = min(st.saved_blocks, owner[1])
                 st.present_blocks = min(st.present_blocks, owner[1])
+        if failed_split_blocks:
+            self._taint_readers(failed_split_blocks)
         for req_id in getattr(output, "failed_recving", None) or ():
             # a load failed as a whole (several groups, or a windowed one): vLLM recomputes the
             # whole prompt
@@ -757,6 +775,7 @@ class RedisConnectorScheduler:
                 handoff, keys = consumed
                 self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
         self._splits_running = []
+        self._split_step_blocks = {}
 
     def _count_load(self, req_id: str) -> None:
         """A load vLLM reports finished on every rank: what it delivered, once per request."""
@@ -797,6 +816,8 @@ class RedisConnectorScheduler:
         )
         self._pending_loads, self._pending_commits = [], []
         progress, fresh = self._track_block_tables(scheduler_output)
+        if self._splits_running:  # what a failed split would taint (``_taint_readers``)
+            self._split_step_blocks = self._step_blocks(scheduler_output, progress)
         held: set[str] = set()  # requests whose blocks of this step are saved a step later
         if self._tainted:
             meta.reject_blocks, held = self._screen_tainted(scheduler_output, progress, fresh, meta)
@@ -853,6 +874,41 @@ class RedisConnectorScheduler:
         if st is not None and st.block_ids:  # (only full blocks are cached)
             self._tainted.update(st.block_ids[0][position : st.computed_tokens // self.block_size])
 
+    def _step_blocks(
+        self, scheduler_output: SchedulerOutput, progress: list[tuple[str, int]]
+    ) -> dict[str, StepBlocks]:
+        """What each scheduled request's step runs on and computes, in block ids (first
+        KV-cache group), from (request, tokens computed before the step)."""
+        bs = self.block_size
+        rows: dict[str, StepBlocks] = {}
+        for req_id, computed in progress:
+            ids = self._reqs[req_id].block_ids
+            table = ids[0] if ids else []
+            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            rows[req_id] = StepBlocks(
+                context=table[: computed // bs],
+                whole=table[-(-computed // bs) : done // bs],
+                cached=table[computed // bs : done // bs],
+            )
+        return rows
+
+    def _taint_readers(self, failed: set[int]) -> None:
+        """A split of the step whose output came in failed on ``failed``. vLLM caches a
+        split's blocks when it allocates them, so a request admitted after it in the same
+        step may have run on them as a local hit: vLLM rewinds such a request, but the full
+        blocks it computed over them stay in its prefix cache with wrong KV until it computes
+        them again -- which it never does if it is aborted or preempted first. Taint them
+        (``_screen_tainted`` then keeps everyone off them), and what any request of the step
+        computed over those, settled until nothing changes."""
+        bad = set(failed)
+        rows = self._split_step_blocks
+        while True:
+            more = {b for row in rows.values() if bad.intersection(row.context) for b in row.cached}
+            if more <= bad:
+                break
+            bad |= more
+        self._tainted |= bad
+
     def _screen_tainted(
         self,
         scheduler_output: SchedulerOutput,
@@ -868,17 +924,10 @@ class RedisConnectorScheduler:
         taints what it computes too (vLLM caches it when it allocates it, so another request
         of the same step may read it): settled until nothing changes. Returns the blocks to
         report and the requests that run on them (nothing they compute now is saved)."""
-        bs = self.block_size
-        context: dict[str, list[int]] = {}  # blocks each request's step runs on, computed
-        whole: dict[str, list[int]] = {}  # blocks it completes from their first token on
-        cached: dict[str, list[int]] = {}  # full blocks it computes (vLLM caches them)
-        for req_id, computed in progress:
-            ids = self._reqs[req_id].block_ids
-            table = ids[0] if ids else []
-            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            context[req_id] = table[: computed // bs]
-            whole[req_id] = table[-(-computed // bs) : done // bs]
-            cached[req_id] = table[computed // bs : done // bs]
+        rows = self._step_blocks(scheduler_output, progress)
+        context = {r: row.context for r, row in rows.items()}
+        whole = {r: row.whole for r, row in rows.items()}
+        cached = {r: row.cached for r, row in rows.items()}
         for handed_out in fresh.values():  # out of the prefix cache: what it held is gone
             self._tainted.difference_update(handed_out)
         for spec in meta.loads:  # written whole by a load (a failed one taints anew)

@@ -8,7 +8,11 @@ and the workers' stats; clear).
 The stand-in model's forward pass writes every block it computes a value determined by what
 the block's KV depends on -- the tokens (or prompt embeddings) up to the block's end, the LoRA
 adapter and, deliberately, the cache salt -- so a block that holds anything else was loaded
-from the wrong key or overwritten. The simulator checks, as it runs:
+from the wrong key or overwritten. Like a real model, it turns a wrong context into wrong
+output: a request whose attention in some layer reads a block that does not hold its own KV
+computes wrong KV in every later layer (a value no right block ever holds) and samples a wrong
+token, so KV computed over a failed load is wrong wherever it ends up. The simulator checks, as
+it runs:
 
 - every block the connector writes (its loads' scatters) is owned at that moment by the
   request loading it, and by no other, in vLLM's own block tables, while the request waits for
@@ -16,7 +20,9 @@ from the wrong key or overwritten. The simulator checks, as it runs:
   run yet (``write_violations``);
 - every block a request is scheduled on holds that request's value (``value_violations``); a
   split's blocks, in each layer, when that layer runs;
-- no load is still held past its deadline (``deadline_violations``).
+- no load is still held past its deadline (``deadline_violations``);
+- no token vLLM hands out was sampled over a wrong context (``value_violations``): vLLM must
+  drop the step's token of every request that ran on a block whose load failed.
 
 Used by tests/unit/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
 """
@@ -49,6 +55,8 @@ from .scheduler_harness import (
 )
 
 SAMPLED_TOKEN = 7
+# what a request samples when its attention read KV that was not its own (a wrong context)
+WRONG_TOKEN = 8
 _BLOCK_NUMEL = 2 * BS * 128  # one layer's block: [kv_heads=2, BS, 2 * head_size]
 
 
@@ -83,6 +91,12 @@ def block_value(identity: int, layer: int) -> torch.Tensor:
     """The stand-in model's KV for one block of one layer: integers, exact in float32."""
     base = torch.arange(_BLOCK_NUMEL, dtype=torch.float32) + float(identity + 7 * layer)
     return base.view(2, BS, 128)
+
+
+def wrong_value(identity: int, layer: int) -> torch.Tensor:
+    """What the stand-in model computes for a block after its attention read a wrong context:
+    no right block of any identity ever holds it (half-integers)."""
+    return block_value(identity, layer) + 0.5
 
 
 @dataclass
@@ -144,6 +158,9 @@ class SimEngine:
         self._admitted: set[str] = set()
         self._split_checks: list[tuple[str, int, str]] = []  # (request, block, violation)
         self.layers_waited: list[str] = []  # wait_for_layer_load calls, in order (all steps)
+        # requests whose attention read a wrong context in this step's forward pass: their KV
+        # from the next layer on, and their sampled token, are wrong
+        self._wrong_context: set[str] = set()
         # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
         # ``take_stats`` hands them to a test)
         self._reported: dict[str, int] = {}
@@ -336,6 +353,11 @@ class SimEngine:
                 if isinstance(value, int):  # (not the latency histograms)
                     self._reported[key] = self._reported.get(key, 0) + value
             for o in eco.outputs:
+                if WRONG_TOKEN in (o.new_token_ids or ()):
+                    self.value_violations.append(
+                        f"{o.request_id}: vLLM handed out a token sampled over KV that was not "
+                        "the request's own"
+                    )
                 if o.finished:
                     result.finished.add(o.request_id)
                     result.params[o.request_id] = o.kv_transfer_params
@@ -387,9 +409,14 @@ class SimEngine:
                     continue
                 for layer, cache in enumerate(self.layers):
                     if not torch.equal(cache[blocks[p]], block_value(ids[p], layer)):
-                        held = int(cache[blocks[p]].flatten()[0].item()) - 7 * layer
+                        first = float(cache[blocks[p]].flatten()[0].item()) - 7 * layer
+                        held = (
+                            f"KV {first:.0f}"
+                            if first.is_integer()
+                            else "KV computed over a wrong context"
+                        )
                         self.value_violations.append(
-                            f"{rid}: block {blocks[p]} (position {p}, layer {layer}) holds KV "
+                            f"{rid}: block {blocks[p]} (position {p}, layer {layer}) holds "
                             f"{held}, not this request's {ids[p]}"
                         )
                         break
@@ -398,8 +425,12 @@ class SimEngine:
         """The stand-in model, layer by layer as vLLM's: before a layer runs, the connector
         waits for its loads (``wait_for_layer_load``, vLLM's attention wrapper); a split's
         loaded blocks then hold their values in that layer (checked); the layer writes the
-        KV of each block completed by this step's tokens."""
+        KV of each block completed by this step's tokens (every request's, as vLLM writes a
+        layer's keys and values before attending), then each request attends to its context:
+        one that reads a full block not holding its own KV computes wrong KV in the layers
+        after and samples a wrong token."""
         rows = self._scheduled(out)
+        wrong = self._wrong_context = set()
         for layer, (name, cache) in enumerate(self.caches.items()):
             if name not in LAYERS:
                 continue
@@ -426,8 +457,21 @@ class SimEngine:
                     continue
                 ids = block_identities(req, last)
                 blocks = self._blocks(rid)
+                value = wrong_value if rid in wrong else block_value
                 for p in range(first, last):
-                    cache[blocks[p]].copy_(block_value(ids[p], layer))
+                    cache[blocks[p]].copy_(value(ids[p], layer))
+            for rid, computed, scheduled in rows:  # attention over the context
+                if rid in wrong:
+                    continue
+                req = self.sched.requests[rid]
+                context = (computed + scheduled) // BS  # full blocks (a partial one: not modelled)
+                ids = block_identities(req, context)
+                blocks = self._blocks(rid)
+                if any(
+                    not torch.equal(cache[blocks[p]], block_value(ids[p], layer))
+                    for p in range(context)
+                ):
+                    wrong.add(rid)
 
     def _runner_output(
         self,
@@ -441,7 +485,8 @@ class SimEngine:
         sampled = []
         for rid, computed, scheduled in rows:
             req = self.sched.requests[rid]
-            sampled.append([SAMPLED_TOKEN] if computed + scheduled >= req.num_tokens else [])
+            token = WRONG_TOKEN if rid in self._wrong_context else SAMPLED_TOKEN
+            sampled.append([token] if computed + scheduled >= req.num_tokens else [])
         kv_out = None
         events = self.worker_conn.get_kv_connector_kv_cache_events()
         # the worker's stats go to the scheduler side with the output, as in vLLM (its load

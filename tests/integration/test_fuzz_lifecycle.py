@@ -574,6 +574,21 @@ class ShareMachine(LifecycleMachine):
         self.send(data, e, self.new_id(), spec)
         self.tick(ticks)
 
+    @rule(data=st.data(), system=st.sampled_from(range(len(_SYSTEM))), ticks=TICKS)
+    def send_together(self, data: Any, system: int, ticks: int) -> None:
+        """Two or three prompts of one system prompt, to one instance at once: admitted in one
+        step, the later ones run on the blocks the first loads (a split's, on the splitting
+        instance) as local prefix-cache hits."""
+        e = data.draw(st.sampled_from(self.engines))
+        family = [
+            i for i, p in enumerate(CATALOGUE) if p[: len(_SYSTEM[system])] == _SYSTEM[system]
+        ]
+        for entry in data.draw(st.lists(st.sampled_from(family), min_size=2, max_size=3)):
+            spec = Prompt(entry, None, tokens=list(CATALOGUE[entry]), max_tokens=2)
+            self.sent.append(dict(spec))
+            self.send(data, e, self.new_id(), spec)
+        self.tick(ticks)
+
     @rule(data=st.data(), ticks=TICKS)
     def send_again(self, data: Any, ticks: int) -> None:
         """A prompt already sent, to either instance: a hit in the pool or a local one."""

@@ -299,6 +299,33 @@ def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_reco
     assert not reader.connector.scheduler._tainted  # computed again: clean
 
 
+def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_another_request(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """vLLM caches a split's blocks when it allocates them, so a request admitted later in the
+    same step runs on them as a local prefix-cache hit. When the split fails, vLLM rewinds
+    that reader too, but the blocks it computed over the failed ones stay in vLLM's prefix
+    cache: if it goes away before computing them again, the next request with its prompt must
+    not run on them (the stand-in model computes wrong KV over a wrong context)."""
+    shared = prompt(6 * BS, seed=41)
+    saved(engines, shared + prompt(3, seed=42))
+    reader = engines(**SPLIT)
+    evicting(reader.worker.store, fake_redis, 2)
+    owner = shared + prompt(3, seed=42)  # six blocks split, the block at 2 missing
+    follower = shared + prompt(3 * BS + 5, seed=43)  # three blocks of its own
+    reader.add("a", owner)
+    reader.add("b", follower)
+    res = first_step_of(reader, "a")
+    assert res.invalid  # the split failed at its third block
+    assert res.output.scheduled_new_reqs[1].num_computed_tokens == 6 * BS  # on a's blocks
+    assert res.output.num_scheduled_tokens.get("b") == 3 * BS + 5  # in that very step
+    reader.abort("b")  # before computing its blocks again
+    reader.add("c", follower)  # b's prompt: vLLM's prefix cache holds b's blocks
+    reader.run_until_idle()
+    assert reader.finish_reasons["c"] == "length"
+    assert reader.take_stats()["tainted_blocks_rejected"] >= 1  # c recomputed b's blocks
+
+
 def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recomputed(
     engines: Any, fake_redis: fakeredis.FakeRedis
 ) -> None:
