@@ -175,6 +175,10 @@ class RedisConnectorConfig:
     # let each request pin its way in kv_transfer_params["redis_kv_load"] (benchmarks, routers
     # you trust): off, a client cannot choose what its request costs the others
     request_load_policy: bool = False
+    # what a second of a decode's delay counts for in the load policy, against a second of a
+    # request's time to first token (0: the policy never delays a first token to spare the
+    # decodes' inter-token gaps; raise it to favour throughput on engines full of decodes)
+    busy_decode_weight: float = 0.0
     # a split reads each block in bands of layers of at least this many bytes per value (one
     # GETRANGE each): smaller bands overlap more, each costs a command (bench_layer_reads.py)
     split_band_bytes: int = 32 << 10

@@ -1,66 +1,161 @@
 """What this instance measures while it serves, for the load policy (``load_policy.py``): how
-fast one rank loads from Redis, and how long vLLM's forward passes take for the tokens they
-compute. Both are least-squares fits over recent samples the worker sends with its stats
-(``worker.py``), so they follow the store and the engine as they change.
+fast each rank loads from Redis, whole and band by band, and how long vLLM's forward passes
+take for what they hold. Three paths, three figures; no fit mixes them:
 
-- Loads: ``seconds = overhead + bytes / bandwidth`` (a rank's bytes, from the first request to
-  Redis to the last block in the KV cache). The overhead is fitted over the recent loads (it
-  shows only where their sizes differ); the bandwidth is the median of the newest
-  ``RECENT_LOADS`` loads' own, so a store that got ten times slower or faster is followed
-  within two loads, not averaged with what it was.
-- Forward passes: ``seconds = step + token * tokens + attention * context work``, where a
-  step's context work is the sum over its requests of tokens x (the context each token attends
-  to, on average): how attention grows with the prompt. Passes that computed many tokens and
-  those that computed few are kept in windows of their own, so a stream of decode steps does
-  not push the prefills a prompt's cost is predicted from out of the fit.
+- **Whole loads** (``LoadRate`` -> ``LoadFit``): ``seconds = overhead + bytes / bandwidth``,
+  a rank's asynchronous load or background probe read, timed from its first request to Redis
+  to its last byte in place (a wait for the GPU's compute fence does not count). The overhead
+  is fitted where the sizes differ enough to tell it from the rate, and never exceeds the
+  fastest sample; the bandwidth is over the newest few samples, bytes-weighted (a small
+  probe's time is mostly its fixed cost), so a store that got ten times slower or faster is
+  followed within a few samples. A load also says how long after
+  its step began its first byte went out (``lag_s``: vLLM starts asynchronous loads after the
+  forward pass on some releases and platforms).
+- **Split loads** (``SplitRate`` -> ``SplitFit``): a split reads every block's band of layers
+  ``i`` before any block's band ``i + 1``; band ``i`` lands ``first_s + (i + 1) x`` after the
+  split starts, ``x = band_s + band bytes / bandwidth``. Fitted from the band timeline each
+  split (or band probe) records: its first band's time and the median time between bands.
+- **Forward passes** (``ComputeRate`` -> ``ComputeFit``): ``seconds = step + token x prefill
+  tokens + attention x prefill context work + decode_row x decode rows + decode_context x the
+  context decodes read``. A pass is classified by the prefill tokens it holds (a batch of 64
+  decodes is not a prefill); prefills and other passes keep windows of their own, so a stream
+  of decode steps never pushes out the prefills a prompt's cost is predicted from.
 
-Nothing is assumed: until enough has been measured, ``estimate()`` is None and the policy
-behaves as the connector always did (it loads every hit).
+Every figure is per TP rank where ranks differ (the loads): the slowest rank sets the pace, so
+its figure counts. Samples age: none older than ``MAX_AGE_S`` is used, and the policy asks for
+background probes when the newest is older than it likes (``probes.py``). A load that expired
+or failed, or a probe that did, teaches an upper bound: the store gave at most what landed over
+the time spent; until a newer complete sample, the bandwidth is at most that. Every fit is
+bounded: no coefficient below zero, no overhead above the fastest sample, no bandwidth above
+what a sample achieved.
+
+Nothing is assumed: until enough has been measured an estimate is None, and the policy serves
+hits the way it does without figures (``load_policy.py``).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-# loads kept for the overhead's fit, how many it needs, and how many the bandwidth is from
+# loads kept per rank for the overhead's fit, how many it needs, and how many the bandwidth is
+# the median of
 LOAD_WINDOW = 32
-MIN_LOADS = 2
+MIN_LOADS = 1
 RECENT_LOADS = 3
-# forward passes kept (each window) and how many the fit needs
+# splits (or band probes) kept per rank, and how many the fit needs
+SPLIT_WINDOW = 16
+MIN_SPLITS = 1
+# forward passes kept (each window), and how many the fit needs
 STEP_WINDOW = 64
 MIN_STEPS = 8
-# a pass that computed at least this many tokens goes to the prefill window
+MIN_PREFILLS = 2
+# a pass that computed at least this many prompt tokens is a prefill sample
 PREFILL_TOKENS = 64
+# no sample older than this is used (seconds): a store's speed from minutes ago is not a figure
+MAX_AGE_S = 120.0
+
+Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
 class LoadFit:
-    overhead_s: float  # a load's fixed cost: round trips, claiming, scheduling
-    bytes_per_s: float  # one rank's bandwidth from Redis into the KV cache
+    """One rank's whole loads (the slowest rank's, across ranks)."""
+
+    overhead_s: float  # a load's fixed cost: round trips, claiming
+    bytes_per_s: float  # one rank's bandwidth from Redis into its KV cache
     samples: int
+    lag_s: float = 0.0  # from the load's step starting to its first byte out
+    age_s: float = 0.0  # how old the newest sample is
+    bounded: bool = False  # the bandwidth is an expired or failed load's upper bound
 
     def seconds(self, nbytes: float) -> float:
         return self.overhead_s + nbytes / self.bytes_per_s
 
 
 @dataclass(frozen=True)
+class SplitFit:
+    """One rank's split loads, band by band (the slowest rank's, across ranks)."""
+
+    first_s: float  # before the first band's bytes: claims, round trips, headers
+    band_s: float  # each band's fixed cost: its commands and replies
+    bytes_per_s: float  # one rank's bandwidth, band by band
+    samples: int
+    age_s: float = 0.0
+    bounded: bool = False
+
+    def band_seconds(self, band_bytes: float) -> float:
+        """One band of a split whose every block's band is ``band_bytes`` in all."""
+        return self.band_s + band_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one forward pass computes: prompt tokens (their count and the context work of
+    their attention: each token attends to everything before it), and decodes (rows, and the
+    context they read: memory-bound)."""
+
+    prefill_tokens: int = 0
+    prefill_attention: float = 0.0
+    decode_rows: int = 0
+    decode_context: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.prefill_tokens <= 0 and self.decode_rows <= 0
+
+    def plus(self, other: StepShape) -> StepShape:
+        return StepShape(
+            self.prefill_tokens + other.prefill_tokens,
+            self.prefill_attention + other.prefill_attention,
+            self.decode_rows + other.decode_rows,
+            self.decode_context + other.decode_context,
+        )
+
+    def features(self) -> list[float]:
+        return [
+            1.0,
+            float(self.prefill_tokens),
+            float(self.prefill_attention),
+            float(self.decode_rows),
+            float(self.decode_context),
+        ]
+
+
+@dataclass(frozen=True)
 class ComputeFit:
     step_s: float  # a forward pass's fixed cost
-    token_s: float  # per token computed
-    attention_s: float  # per token x context token attended to
-    samples: int
+    token_s: float  # per prompt token computed
+    attention_s: float  # per prompt token x context token it attends to
+    decode_row_s: float = 0.0  # per decode in the pass
+    decode_context_s: float = 0.0  # per context token a decode reads
+    samples: int = 0
+
+    def pass_seconds(self, shape: StepShape) -> float:
+        """A forward pass holding ``shape`` (its fixed cost alone, if nothing)."""
+        return (
+            self.step_s
+            + self.token_s * shape.prefill_tokens
+            + self.attention_s * shape.prefill_attention
+            + self.decode_row_s * shape.decode_rows
+            + self.decode_context_s * shape.decode_context
+        )
+
+    def prefill_seconds(self, first: int, end: int) -> float:
+        """What computing prompt tokens ``[first, end)`` adds to a pass (tokens before
+        ``first`` cached): the tokens', and their attention to the context."""
+        n = max(0, end - first)
+        return self.token_s * n + self.attention_s * attention_work(n, first)
 
     def seconds(self, first: int, end: int) -> float:
-        """A forward pass computing prompt tokens ``[first, end)``, tokens before ``first``
-        cached: its fixed cost, the tokens', and their attention to the context."""
-        n = max(0, end - first)
-        return self.step_s + self.token_s * n + self.attention_s * n * (first + end) / 2
+        """A pass computing prompt tokens ``[first, end)`` and nothing else."""
+        return self.step_s + self.prefill_seconds(first, end)
 
 
 def attention_work(tokens: int, context_before: int) -> float:
@@ -69,89 +164,291 @@ def attention_work(tokens: int, context_before: int) -> float:
     return tokens * (context_before + tokens / 2)
 
 
-class LoadRate:
-    """The load bandwidth one rank gets, from its recent loads."""
+def step_shape(rows: Sequence[tuple[int, int, bool]]) -> StepShape:
+    """A forward pass's shape from its requests' (tokens cached before the pass, tokens
+    computed in it, whether they are prompt tokens)."""
+    prefill = [(before, n) for before, n, prompt in rows if prompt and n > 0]
+    decodes = [before for before, n, prompt in rows if not prompt and n > 0]
+    return StepShape(
+        prefill_tokens=sum(n for _, n in prefill),
+        prefill_attention=sum(attention_work(n, before) for before, n in prefill),
+        decode_rows=len(decodes),
+        decode_context=sum(decodes),
+    )
 
-    def __init__(self, window: int = LOAD_WINDOW) -> None:
+
+def _finite(*values: float) -> bool:
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
+class _RankSamples:
+    """One rank's recent samples of one path: complete ones, and the newest upper bound."""
+
+    def __init__(self, window: int) -> None:
+        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.bound: tuple[float, float] | None = None  # (bytes per second at most, when)
+
+    def fresh(self, now: float) -> list[tuple[float, ...]]:
+        return [s for s, at in self.samples if now - at <= MAX_AGE_S]
+
+    def newest(self) -> float:
+        return self.samples[-1][1] if self.samples else -math.inf
+
+    def bound_now(self, now: float) -> float | None:
+        """The upper bound, while no complete sample came after it (and it is not too old)."""
+        if self.bound is None:
+            return None
+        rate, at = self.bound
+        if at < self.newest() or now - at > MAX_AGE_S:
+            return None
+        return rate
+
+
+class _PerRank:
+    """Samples per TP rank, thread-safe, with the fit made again only after new samples."""
+
+    def __init__(self, window: int, clock: Clock) -> None:
         self._lock = threading.Lock()
-        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
-        self.count = 0  # samples ever added: tells a fresh sample from an old fit
-        self._fit: tuple[int, LoadFit | None] = (0, None)  # (count it was made at, the fit)
+        self._ranks: dict[int, _RankSamples] = {}
+        self._window = window
+        self.clock = clock
+        self.count = 0  # samples and bounds ever added: tells a fresh sample from an old fit
 
-    def add(self, nbytes: float, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0 and math.isfinite(nbytes) and math.isfinite(seconds):
-            with self._lock:
-                self._samples.append((float(nbytes), float(seconds)))
-                self.count += 1
+    def add(self, rank: int, values: tuple[float, ...]) -> None:
+        with self._lock:
+            self._rank(rank).samples.append((values, self.clock()))
+            self.count += 1
+
+    def add_bound(self, rank: int, bytes_per_s: float) -> None:
+        with self._lock:
+            self._rank(rank).bound = (bytes_per_s, self.clock())
+            self.count += 1
+
+    def _rank(self, rank: int) -> _RankSamples:
+        return self._ranks.setdefault(int(rank), _RankSamples(self._window))
+
+    def snapshot(self) -> tuple[float, list[tuple[list[tuple[float, ...]], float | None, float]]]:
+        """(now, per rank: fresh samples, upper bound, newest sample's time)."""
+        now = self.clock()
+        with self._lock:
+            return now, [(r.fresh(now), r.bound_now(now), r.newest()) for r in self._ranks.values()]
+
+
+class LoadRate:
+    """The whole-load bandwidth each rank gets, from its recent loads and probes."""
+
+    def __init__(self, window: int = LOAD_WINDOW, clock: Clock = time.monotonic) -> None:
+        self._ranks = _PerRank(window, clock)
+        self._fit: tuple[int, float, LoadFit | None] = (-1, 0.0, None)
+
+    @property
+    def count(self) -> int:
+        return self._ranks.count
+
+    def add(self, nbytes: float, seconds: float, rank: int = 0, lag_s: float | None = None) -> None:
+        """A whole load (or probe) that landed: ``nbytes`` in ``seconds`` from its first byte;
+        ``lag_s``: from its step's start to that first byte (None: not a step's load)."""
+        if not _finite(nbytes, seconds) or nbytes <= 0 or seconds <= 0:
+            return
+        lag = float(lag_s) if lag_s is not None and _finite(lag_s) and lag_s >= 0 else math.nan
+        self._ranks.add(rank, (float(nbytes), float(seconds), lag))
+
+    def add_bound(self, nbytes: float, seconds: float, rank: int = 0) -> None:
+        """A load (or probe) that expired or failed after ``seconds`` with ``nbytes`` landed:
+        the store was at most that fast (nothing landed: as good as not at all)."""
+        if not _finite(nbytes, seconds) or seconds <= 0 or nbytes < 0:
+            return
+        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds))
 
     def estimate(self) -> LoadFit | None:
-        """The fit over the recent loads (made again only after new ones), or None."""
-        with self._lock:
-            count, samples = self.count, list(self._samples)
-        if self._fit[0] != count:
-            self._fit = (count, self._estimate(samples))
-        return self._fit[1]
-
-    @staticmethod
-    def _estimate(samples: list[tuple[float, float]]) -> LoadFit | None:
-        if len(samples) < MIN_LOADS:
-            return None
-        sizes = np.array([s[0] for s in samples])
-        times = np.array([s[1] for s in samples])
-        overhead = 0.0
-        if sizes.max() > 1.5 * sizes.min():  # sizes spread enough to tell overhead from rate
-            fit = _nonnegative_fit(np.stack([np.ones_like(sizes), sizes], axis=1), times)
-            if fit[1] > 0:
-                overhead = min(fit[0], float(times.min()))
-        recent = samples[-RECENT_LOADS:]
-        rates = [b / max(t - overhead, 1e-3 * t) for b, t in recent]
-        return LoadFit(overhead, float(np.median(rates)), len(samples))
+        """The slowest rank's fit over its recent loads, or None while any rank that reported
+        has too few."""
+        now, ranks = self._ranks.snapshot()
+        if self._fit[0] == self.count and now - self._fit[1] < 1.0:
+            return self._fit[2]
+        fits = [_fit_loads(samples, bound, now - newest) for samples, bound, newest in ranks]
+        fit = _slowest_load(fits) if fits and all(f is not None for f in fits) else None
+        self._fit = (self.count, now, fit)
+        return fit
 
 
-class PrefillRate:
-    """How long forward passes take for what they compute, from recent ones."""
+def _fit_loads(samples: list[tuple[float, ...]], bound: float | None, age: float) -> LoadFit | None:
+    if len(samples) < MIN_LOADS:
+        # an upper bound alone is a figure: at most that fast (the policy then loads only
+        # what would pay even at that speed)
+        return None if bound is None else LoadFit(0.0, bound, 0, bounded=True)
+    overhead, rate = fixed_and_rate([(s[0], s[1]) for s in samples])
+    lags = [s[2] for s in samples[-RECENT_LOADS * 2 :] if not math.isnan(s[2])]
+    bounded = bound is not None and bound < rate
+    return LoadFit(
+        overhead_s=overhead,
+        bytes_per_s=min(rate, bound) if bound is not None else rate,
+        samples=len(samples),
+        lag_s=float(np.median(lags)) if lags else 0.0,
+        age_s=max(0.0, age),
+        bounded=bounded,
+    )
+
+
+def fixed_and_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(fixed seconds, bytes per second) of transfers given as (bytes, seconds), the window
+    oldest first. Where sizes differ enough, a line through them tells the fixed cost from the
+    rate (the fixed cost never above the fastest sample). The rate is the line's while the
+    newest samples agree with it (within 2x), else theirs -- bytes-weighted, a small probe's
+    time being mostly its fixed cost: a store that changed is followed within a few
+    samples."""
+    sizes = np.array([b for b, _ in samples])
+    times = np.array([t for _, t in samples])
+    fixed, line = 0.0, None
+    if len(samples) >= 2 and sizes.max() > 1.5 * sizes.min():
+        fit = nonnegative_fit(np.stack([np.ones_like(sizes), sizes], axis=1), times)
+        fixed = min(fit[0], float(times.min()))
+        if fit[1] > 0:
+            line = 1.0 / fit[1]
+    recent = samples[-RECENT_LOADS:]
+    rate = sum(b for b, _ in recent) / sum(max(t - fixed, 0.1 * t) for _, t in recent)
+    if line is not None and line / 2 <= rate <= 2 * line:
+        rate = line
+    return fixed, rate
+
+
+def _slowest_load(fits: Sequence[LoadFit | None]) -> LoadFit:
+    known = [f for f in fits if f is not None]
+    slow = min(known, key=lambda f: f.bytes_per_s)
+    return LoadFit(
+        overhead_s=max(f.overhead_s for f in known),
+        bytes_per_s=slow.bytes_per_s,
+        samples=min(f.samples for f in known),
+        lag_s=max(f.lag_s for f in known),
+        age_s=max(f.age_s for f in known),
+        bounded=any(f.bounded for f in known),
+    )
+
+
+class SplitRate:
+    """Each rank's split loads, band by band, from the band timelines splits record."""
+
+    def __init__(self, window: int = SPLIT_WINDOW, clock: Clock = time.monotonic) -> None:
+        self._ranks = _PerRank(window, clock)
+        self._fit: tuple[int, float, SplitFit | None] = (-1, 0.0, None)
+
+    @property
+    def count(self) -> int:
+        return self._ranks.count
+
+    def add(
+        self, band_bytes: float, first_s: float, between_s: float, bands: int, rank: int = 0
+    ) -> None:
+        """A split whose every band landed: each band ``band_bytes`` (every block's), the first
+        landed ``first_s`` after it started, later ones ``between_s`` apart (the median)."""
+        if not _finite(band_bytes, first_s, between_s) or band_bytes <= 0 or first_s <= 0:
+            return
+        if bands < 2 or between_s <= 0:
+            between_s = math.nan  # one band: nothing between bands
+        self._ranks.add(rank, (float(band_bytes), float(first_s), float(between_s)))
+
+    def add_bound(self, nbytes: float, seconds: float, rank: int = 0) -> None:
+        """A split that ended before its bands landed: ``nbytes`` (what landed and the band it
+        waited for) in ``seconds``: its bands came at most that fast."""
+        if not _finite(nbytes, seconds) or seconds <= 0 or nbytes < 0:
+            return
+        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds))
+
+    def estimate(self) -> SplitFit | None:
+        now, ranks = self._ranks.snapshot()
+        if self._fit[0] == self.count and now - self._fit[1] < 1.0:
+            return self._fit[2]
+        fits = [_fit_splits(samples, bound, now - newest) for samples, bound, newest in ranks]
+        fit = _slowest_split(fits) if fits and all(f is not None for f in fits) else None
+        self._fit = (self.count, now, fit)
+        return fit
+
+
+def _fit_splits(
+    samples: list[tuple[float, ...]], bound: float | None, age: float
+) -> SplitFit | None:
+    if len(samples) < MIN_SPLITS:
+        return None if bound is None else SplitFit(0.0, 0.0, bound, 0, bounded=True)
+    # a band's time: the gap between bands where a sample has them, else its first band's
+    band_s, rate = fixed_and_rate([(b, x if not math.isnan(x) else f) for b, f, x in samples])
+    if bound is not None:
+        rate = min(rate, bound)
+    firsts = [max(0.0, f - (band_s + b / rate)) for b, f, _ in samples[-RECENT_LOADS:]]
+    return SplitFit(
+        first_s=float(np.median(firsts)),
+        band_s=band_s,
+        bytes_per_s=rate,
+        samples=len(samples),
+        age_s=max(0.0, age),
+        bounded=bound is not None and bound <= rate,
+    )
+
+
+def _slowest_split(fits: Sequence[SplitFit | None]) -> SplitFit:
+    known = [f for f in fits if f is not None]
+    slow = min(known, key=lambda f: f.bytes_per_s)
+    return SplitFit(
+        first_s=max(f.first_s for f in known),
+        band_s=max(f.band_s for f in known),
+        bytes_per_s=slow.bytes_per_s,
+        samples=min(f.samples for f in known),
+        age_s=max(f.age_s for f in known),
+        bounded=any(f.bounded for f in known),
+    )
+
+
+class ComputeRate:
+    """How long forward passes take for what they hold, from recent ones (rank 0's)."""
 
     def __init__(self, window: int = STEP_WINDOW) -> None:
         self._lock = threading.Lock()
-        self._prefills: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._others: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._prefills: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        self._others: deque[tuple[StepShape, float]] = deque(maxlen=window)
         self.count = 0
-        self._fit: tuple[int, ComputeFit | None] = (0, None)
+        self._fit: tuple[int, ComputeFit | None] = (-1, None)
 
-    def add(self, tokens: float, attention: float, seconds: float) -> None:
-        values = (tokens, attention, seconds)
-        if not all(math.isfinite(v) for v in values) or tokens <= 0 or seconds <= 0:
-            return
-        if attention < 0:
+    def add(self, shape: StepShape, seconds: float) -> None:
+        values = (*shape.features(), seconds)
+        if not _finite(*values) or min(values) < 0 or seconds <= 0 or shape.empty:
             return
         with self._lock:
-            window = self._prefills if tokens >= PREFILL_TOKENS else self._others
-            window.append((float(tokens), float(attention), float(seconds)))
+            prefill = shape.prefill_tokens >= PREFILL_TOKENS
+            (self._prefills if prefill else self._others).append((shape, float(seconds)))
             self.count += 1
 
     def estimate(self) -> ComputeFit | None:
-        """The fit over the recent forward passes (made again only after new ones), or None."""
+        """The fit over the recent forward passes (made again only after new ones), or None
+        while too few prefills were seen to predict a prompt's cost."""
         with self._lock:
             count = self.count
-            samples = list(self._prefills) + list(self._others)
-            prefills = len(self._prefills)
+            prefills, others = list(self._prefills), list(self._others)
         if self._fit[0] != count:
-            self._fit = (count, self._estimate(samples, prefills))
+            self._fit = (count, _fit_compute(prefills, others))
         return self._fit[1]
 
-    @staticmethod
-    def _estimate(samples: list[tuple[float, float, float]], prefills: int) -> ComputeFit | None:
-        if len(samples) < MIN_STEPS or prefills < 2:
-            return None  # a prompt's cost is not predicted from decode steps alone
-        x = np.array([[1.0, s[0], s[1]] for s in samples])
-        y = np.array([s[2] for s in samples])
-        step, token, attention = _nonnegative_fit(x, y)
-        if token <= 0 and attention <= 0:
-            return None  # nothing grows with the tokens: not a usable fit yet
-        return ComputeFit(step, token, attention, len(samples))
+    def token_seconds(self) -> float | None:
+        """A prompt token's cost by the slowest prefill seen (its fixed cost included): what a
+        prompt plausibly costs before the fit exists. None before any prefill."""
+        with self._lock:
+            rates = [s / shape.prefill_tokens for shape, s in self._prefills]
+        return max(rates) if rates else None
 
 
-def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
+def _fit_compute(
+    prefills: list[tuple[StepShape, float]], others: list[tuple[StepShape, float]]
+) -> ComputeFit | None:
+    samples = prefills + others
+    if len(samples) < MIN_STEPS or len(prefills) < MIN_PREFILLS:
+        return None  # a prompt's cost is not predicted from decode steps alone
+    x = np.array([shape.features() for shape, _ in samples])
+    y = np.array([s for _, s in samples])
+    step, token, attention, row, context = nonnegative_fit(x, y)
+    if token <= 0 and attention <= 0:
+        return None  # nothing grows with the prompt: not a usable fit yet
+    return ComputeFit(step, token, attention, row, context, len(samples))
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
     """Least squares with every coefficient >= 0: a coefficient the plain fit makes negative
     (noise on a term that barely varies) is dropped and the rest refitted."""
     keep = list(range(x.shape[1]))
@@ -163,10 +460,3 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:
             break
         keep = [k for k, v in zip(keep, sol, strict=True) if v >= 0] if (sol >= 0).any() else []
     return [float(c) for c in coef]
-
-
-def step_shape(rows: Sequence[tuple[int, int]]) -> tuple[int, float]:
-    """A forward pass's (tokens, context work) from its requests' (tokens cached before the
-    pass, tokens computed in it)."""
-    tokens = sum(n for _, n in rows)
-    return tokens, sum(attention_work(n, before) for before, n in rows)

@@ -1,43 +1,68 @@
 """How to serve a prompt's blocks found in Redis: load them all before the request runs
 (``async``), load the first of them layer by layer while vLLM computes the rest of the prompt in
 the same forward pass (``split``), or load nothing (``recompute``). Chosen per request from
-what this instance measures (``figures.py``), to give the earliest first token -- and, on a
-busy engine, to delay the other requests least.
+what this instance measures (``figures.py``), to give the earliest first token -- counting
+what each way costs the other requests whose first token is still to come.
 
 The model behind the choice, for a request whose blocks ``[s, s + h)`` are in Redis (``s``
-blocks cached locally), ``n`` prompt tokens, ``B`` the block size:
+blocks cached locally), ``n`` prompt tokens, ``B`` the block size. vLLM runs steps; each holds
+the running decodes, then prompt tokens up to its token budget (``Engine``), the requests
+already computing their prompts first (``Busy``), each request at most ``chunk_tokens`` of
+its prompt per step. A pass costs ``ComputeFit.pass_seconds`` of what it holds.
 
-- recompute: ``T = C(s B)``, ``C(a)`` a forward pass computing tokens ``[a, n)`` (its fixed
-  cost, the tokens, their attention over the context: ``ComputeFit.seconds``);
-- async: ``T = L(h) + C((s + h) B) + step``: the load, then the rest of the prompt in the next
-  pass; ``L(j)`` a load of ``j`` blocks (``LoadFit.seconds``);
-- split of ``j`` blocks, read in ``b`` bands of layers: the forward pass waits for each band
-  before its layers run, so with ``x = (L(j) - o) / b`` per band and ``c = C((s + j) B) / b``
-  per band of layers, ``T = o + max(x + b c, b x + c)`` -- loading and computing overlap, and
-  the slower of the two sets the pace. ``j`` is the crossing of the two, searched.
+- recompute: the passes that compute tokens ``[s B, n)``, chunk by chunk;
+- async: the load (``LoadFit``: its lag after the step starts, its overhead, then its bytes
+  after the bytes of the loads already in flight, which share the store), rounded up to the
+  end of the step it lands in (vLLM hears of it with that step's output), then the passes
+  that compute the rest;
+- split of ``j`` blocks (``SplitFit``), in ``b`` bands of layers: the admitting step computes
+  its first chunk of the rest while the bands land; each band of layers of the pass waits for
+  its band, so with ``x`` a band's transfer and ``c`` the pass's compute per band of layers,
+  the step takes ``first + max(x + b c, b x + c)`` -- loading and computing overlap, the slower
+  sets the pace; later chunks follow as passes. ``j`` leaves at least ``MIN_SPLIT_REST``
+  tokens to compute (a one-token pass is a uniform decode batch, which vLLM replays as a full
+  CUDA graph: no per-layer wait runs).
 
-On a busy engine every second a forward pass runs is a second the ``R`` other requests it holds
-wait, so each way costs its ``T`` plus ``R`` times the forward time it takes (the whole ``T``
-for a split, whose pass also waits for its loads; only the compute for the others): a busy
-engine prefers ``async``, which costs its forward passes nothing while it loads.
+Each way's cost is the request's own time to first token plus what it adds to the others'
+(``BusyWeights``):
+- every request still computing its prompt loses the time the way adds to the passes it shares
+  with it (a split stalls the whole pass while it waits for bands);
+- every request loading loses the time the store spends on this one's bytes, and, if its load
+  lands while this request's passes run, half a pass;
+- decodes count at ``decode`` weight (0 by default: the policy never trades a request's first
+  token for the others' inter-token gaps).
+An idle engine reduces this to the request's own time; on a busy one ``async`` (which takes
+nothing of the forward pass) gains, until the loads in flight make it slow.
 
 A way that is pinned (``load_policy``, or a request's own) is taken as it is: a pinned
 ``split`` loads the best ``j`` where the figures are measured, the whole hit before. Until the
-instance has measured loads and forward passes the choice is ``async``, as the connector always
-did. A store judged too slow is still probed now and then (``PROBE_EVERY``), so a store that
-got faster is noticed.
+instance has measured loads and forward passes, a hit is loaded asynchronously as the
+connector always did, but no longer than recomputing it would plausibly take
+(``plausible_recompute_s``): a load past that ends and the request recomputes, and what landed
+by then is a figure (``figures.py``). Background probes (``probes.py``), not users' requests,
+keep the figures current.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 
-from connector.figures import ComputeFit, LoadFit
+from connector.figures import ComputeFit, LoadFit, SplitFit, StepShape, step_shape
 
-# after this many hits in a row recomputed by choice, one is loaded (a split, if possible)
-# sized as if the store were twice as fast as measured: the bandwidth is measured again
-PROBE_EVERY = 16
+# a split leaves at least this many prompt tokens to compute in its pass (see above)
+MIN_SPLIT_REST = 2
+# a load is chosen only where it is predicted to cost at least this much less than recomputing
+# (a fraction of recomputing's cost): the model's errors on a busy engine are of this order
+MARGIN = 0.1
+# before any prefill was measured: what a prompt plausibly costs at most (a slow CPU's figures:
+# a GPU computes a token 30-300x faster, and is measured within its first passes)
+PRIOR_STEP_S = 0.05
+PRIOR_TOKEN_S = 1e-3
+# past this many steps of others' prompts ahead, the rest is taken as one lump (bounded work)
+_MAX_STEPS = 256
 
 
 class Way(enum.Enum):
@@ -47,6 +72,16 @@ class Way(enum.Enum):
 
 
 POLICIES = ("auto", *(w.value for w in Way))
+
+
+class Reason(enum.Enum):
+    """Why a hit is served the way it is."""
+
+    NO_HIT = "no hit"
+    PINNED = "pinned"
+    MEASURED = "measured"
+    NOT_MEASURED = "not measured yet"
+    SPLIT_UNAVAILABLE = "split unavailable"
 
 
 @dataclass(frozen=True)
@@ -65,108 +100,459 @@ class Hit:
     def blocks(self) -> int:
         return self.end - self.start
 
+    def max_split(self) -> int:
+        """The most blocks a split may load: it leaves ``MIN_SPLIT_REST`` tokens to compute."""
+        room = (self.prompt_tokens - MIN_SPLIT_REST) // self.block_size - self.start
+        return max(0, min(self.blocks, room))
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What vLLM's scheduler lets one step hold (its scheduler config)."""
+
+    token_budget: int = 8192  # max_num_batched_tokens
+    chunk_tokens: int = 0  # the most prompt tokens one request gets per step (0: the budget)
+
+    @property
+    def cap(self) -> int:
+        budget = max(1, self.token_budget)
+        return min(budget, self.chunk_tokens) if self.chunk_tokens > 0 else budget
+
+
+@dataclass(frozen=True)
+class Busy:
+    """What the engine holds as a request is admitted (its other requests)."""
+
+    batch: StepShape = field(default_factory=StepShape)  # their next pass: decodes, prompts
+    prefills: int = 0  # requests still computing their prompts (their first token waits)
+    prefill_tokens_ahead: int = 0  # prompt tokens those still compute: served first
+    loads: int = 0  # requests loading asynchronously now (their first token waits on it)
+    load_bytes_ahead: float = 0.0  # what a rank still receives for those loads
+    split_bytes: float = 0.0  # what a rank reads for the splits of the pass being planned
+
+    @property
+    def idle(self) -> bool:
+        return self.batch.empty and self.prefills == 0 and self.loads == 0
+
+
+IDLE = Busy()
+
+
+def next_pass(rows: Sequence[tuple[int, int, bool, int]], engine: Engine) -> Busy:
+    """The engine's next pass as the pass just scheduled leaves it, from its requests' (tokens
+    cached before it, tokens it computes, whether they are prompt tokens, prompt length):
+    its decodes (a prompt finished now decodes next), and the prompts still being computed,
+    a chunk each."""
+    prefills: list[tuple[int, int]] = []  # (computed after this pass, tokens left)
+    decode_rows = decode_context = 0
+    for before, n, prompt, prompt_len in rows:
+        done = before + n
+        if prompt and done < prompt_len:
+            prefills.append((done, prompt_len - done))
+        else:
+            decode_rows += 1
+            decode_context += done
+    batch = step_shape([(done, min(left, engine.cap), True) for done, left in prefills])
+    return Busy(
+        batch=batch.plus(StepShape(decode_rows=decode_rows, decode_context=decode_context)),
+        prefills=len(prefills),
+        prefill_tokens_ahead=sum(left for _, left in prefills),
+    )
+
+
+class LoadsInFlight:
+    """Asynchronous loads running now: what a new load queues behind at the store (each
+    one's bytes, less what its predicted time says has landed)."""
+
+    def __init__(self) -> None:
+        self._loads: dict[str, tuple[float, float, float]] = {}  # bytes, started, predicted
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._loads
+
+    def started(self, req_id: str, nbytes: float, now: float, predicted_s: float) -> None:
+        self._loads[req_id] = (nbytes, now, predicted_s)
+
+    def ended(self, req_id: str) -> None:
+        self._loads.pop(req_id, None)
+
+    def bytes_left(self, now: float) -> float:
+        left = 0.0
+        for nbytes, started, predicted in self._loads.values():
+            done = (now - started) / predicted if predicted > 0 else 0.0
+            left += nbytes * max(0.0, 1.0 - done)
+        return left
+
+
+def admitted(busy: Busy, hit: Hit, decision: Decision) -> Busy:
+    """What an admission adds to what the engine holds, for the next admission of the step."""
+    if decision.way is Way.ASYNC:
+        return replace(
+            busy,
+            loads=busy.loads + 1,
+            load_bytes_ahead=busy.load_bytes_ahead + hit.blocks * hit.block_bytes,
+        )
+    loaded = hit.start + decision.blocks
+    computed = max(0, hit.prompt_tokens - loaded * hit.block_size)
+    return replace(
+        busy,
+        prefills=busy.prefills + 1,
+        prefill_tokens_ahead=busy.prefill_tokens_ahead + computed,
+        split_bytes=busy.split_bytes
+        + decision.blocks * hit.block_bytes * (decision.way is Way.SPLIT),
+    )
+
+
+@dataclass(frozen=True)
+class BusyWeights:
+    """What a second of each kind of other request's delay counts for, against a second of
+    the request's own time to first token."""
+
+    prefill: float = 1.0  # a request computing its prompt: its first token
+    load: float = 1.0  # a request waiting for its load: its first token
+    decode: float = 0.0  # a decode: one inter-token gap
+
+
+@dataclass(frozen=True)
+class Figures:
+    loads: LoadFit | None = None  # whole loads
+    splits: SplitFit | None = None  # split loads, band by band
+    compute: ComputeFit | None = None  # forward passes
+
 
 @dataclass(frozen=True)
 class Decision:
-    """A way to serve a hit, how many of its blocks it loads, and why."""
+    """A way to serve a hit, how many of its blocks it loads, why, and for how long its load
+    may run before the request recomputes instead."""
 
     way: Way
     blocks: int  # loaded from the hit's start (0 to recompute)
-    reason: str  # "pinned", "measured", "probe", "not measured yet", "split unavailable", ...
+    reason: Reason
     # each way's predicted time to the first token (seconds), when figures were used
     predicted_s: dict[str, float] = field(default_factory=dict)
+    wait_s: float | None = None  # None: the request's deadline alone
+
+    @property
+    def gain_s(self) -> float | None:
+        """What the choice is predicted to save against recomputing (None: not predicted)."""
+        chosen = self.predicted_s.get(self.way.value)
+        recompute = self.predicted_s.get(Way.RECOMPUTE.value)
+        return None if chosen is None or recompute is None else max(0.0, recompute - chosen)
+
+
+@dataclass(frozen=True)
+class _Passes:
+    """Passes computing a request's prompt tokens: until its last one (seconds); what it adds
+    to them in all (what each decode loses), summed over the others computing their prompts
+    that each of those passes holds (what they lose), and to the longest of them (what a
+    request whose load lands meanwhile waits for at most, before it is scheduled)."""
+
+    seconds: float
+    added_s: float
+    prefills_lose_s: float
+    longest_s: float
+
+
+class _Model:
+    """Each way's time to first token and what it costs the others, for one hit."""
+
+    def __init__(
+        self,
+        hit: Hit,
+        compute: ComputeFit,
+        engine: Engine,
+        busy: Busy,
+        weights: BusyWeights,
+        loads: LoadFit | None = None,
+    ) -> None:
+        self.hit, self.c, self.engine, self.busy, self.w = hit, compute, engine, busy, weights
+        # how long the store takes for the loads in flight (their landings spread over it)
+        rate = loads.bytes_per_s if loads is not None else math.inf
+        self.loads_drain_s = max(busy.load_bytes_ahead / rate, 1e-3)
+        batch = busy.batch
+        self.decodes = StepShape(decode_rows=batch.decode_rows, decode_context=batch.decode_context)
+        # the others' prompt tokens: the context work each brings (their average)
+        self.others_attention = (
+            batch.prefill_attention / batch.prefill_tokens if batch.prefill_tokens else 0.0
+        )
+        # the steps the engine runs meanwhile, without this request (an idle engine's steps
+        # run no forward pass: they take next to nothing)
+        self.step_s = 0.0 if batch.empty else compute.pass_seconds(batch)
+
+    # ------------------------------------------------------------------ passes
+    def _others(self, tokens: int) -> StepShape:
+        return self.decodes.plus(StepShape(tokens, tokens * self.others_attention))
+
+    def _pending(self, ahead: int) -> int:
+        """How many others still compute their prompts while ``ahead`` of their tokens are
+        left (their average size from what the engine holds)."""
+        busy = self.busy
+        if ahead <= 0 or busy.prefills <= 0:
+            return 0
+        size = max(1.0, busy.prefill_tokens_ahead / busy.prefills)
+        return min(busy.prefills, math.ceil(ahead / size))
+
+    def passes(self, first: int, end: int, ahead: int) -> _Passes:
+        """Compute prompt tokens ``[first, end)`` from now, after ``ahead`` others' prompt
+        tokens (the budget serves them first, ``cap`` per request and step): every pass this
+        request's tokens are in is longer for the others it holds."""
+        c, engine, busy = self.c, self.engine, self.busy
+        room = max(1, engine.token_budget - busy.batch.decode_rows)
+        per_step_ahead = max(1, busy.prefills) * engine.cap
+        t = added = lose = longest = 0.0
+        ctx, left, steps = first, max(0, end - first), 0
+        while left > 0 and ahead > 0:
+            if steps >= _MAX_STEPS:  # the rest of the others' tokens, as one lump
+                t += c.pass_seconds(self._others(ahead))
+                ahead = 0
+                break
+            pending = self._pending(ahead)  # (those finishing in this pass wait for it too)
+            take = min(ahead, room, per_step_ahead)
+            ahead -= take
+            own = min(left, engine.cap, room - take)
+            base = c.pass_seconds(self._others(take))
+            mine = c.prefill_seconds(ctx, ctx + own) if own > 0 else 0.0
+            added += mine
+            lose += mine * pending
+            longest = max(longest, mine)
+            t += base + mine
+            ctx += own
+            left -= own
+            steps += 1
+        if left <= 0:
+            return _Passes(t, added, lose, longest)
+        # the others are done: full chunks of ``size`` tokens, then what is left
+        size = max(1, min(engine.cap, room))
+        full, rest = divmod(left, size)
+        base = c.pass_seconds(self.decodes)
+        if full:
+            # chunk i computes [ctx + i size, ctx + (i + 1) size): its attention grows with i
+            work = size * (full * ctx + size * full * (full - 1) / 2 + full * size / 2)
+            chunks = full * c.token_s * size + c.attention_s * work
+            added += chunks
+            t += full * base + chunks
+            longest = max(longest, c.prefill_seconds(ctx + (full - 1) * size, ctx + full * size))
+            ctx += full * size
+        if rest:
+            last = c.prefill_seconds(ctx, ctx + rest)
+            added += last
+            longest = max(longest, last)
+            t += base + last
+        return _Passes(t, added, lose, longest)
+
+    # ------------------------------------------------------------------ ways
+    def recompute(self) -> tuple[float, float]:
+        """(time to first token, cost to the others)."""
+        hit = self.hit
+        first = hit.start * hit.block_size
+        p = self.passes(first, hit.prompt_tokens, self.busy.prefill_tokens_ahead)
+        return p.seconds, self._compute_cost(p)
+
+    def async_(self, loads: LoadFit) -> tuple[float, float]:
+        hit, busy = self.hit, self.busy
+        own = hit.blocks * hit.block_bytes
+        ahead = busy.load_bytes_ahead + busy.split_bytes  # the store serves them meanwhile
+        landed = loads.lag_s + loads.overhead_s + (ahead + own) / loads.bytes_per_s
+        if self.step_s > 0:  # vLLM hears of it with the output of the step it lands in
+            landed = math.ceil(landed / self.step_s) * self.step_s
+        # the prompts being computed now are done by then, but a busy engine admits others
+        # meanwhile, which it serves before this one once it landed: as many, say
+        p = self.passes(hit.end * hit.block_size, hit.prompt_tokens, busy.prefill_tokens_ahead)
+        on_store = own / loads.bytes_per_s  # what the others' loads wait for this one's bytes
+        return landed + p.seconds, self.w.load * busy.loads * on_store + self._compute_cost(p)
+
+    def split(self, splits: SplitFit, j: int) -> tuple[float, float]:
+        hit, busy, c, engine = self.hit, self.busy, self.c, self.engine
+        b = max(1, hit.bands)
+        loaded = (hit.start + j) * hit.block_size
+        room = max(1, engine.token_budget - busy.batch.decode_rows)
+        take = min(busy.prefill_tokens_ahead, room - 1, max(1, busy.prefills) * engine.cap)
+        own = min(hit.prompt_tokens - loaded, engine.cap, room - take)
+        base = c.pass_seconds(self._others(take))
+        compute = base + c.prefill_seconds(loaded, loaded + own)
+        # the pass waits for every split of it, read beside the loads in flight
+        bands = (j * hit.block_bytes + busy.split_bytes) / b
+        x = splits.band_seconds(bands * (1 + busy.loads))
+        step = splits.first_s + max(x + compute, b * x + compute / b)
+        later = self.passes(loaded + own, hit.prompt_tokens, busy.prefill_tokens_ahead - take)
+        # what the pass takes longer for it (its loads and its own compute): everyone in it
+        stall = step - base
+        pending = self._pending(busy.prefill_tokens_ahead)
+        lost = _Passes(
+            0.0,
+            stall + later.added_s,
+            stall * pending + later.prefills_lose_s,
+            max(stall, later.longest_s),
+        )
+        return step + later.seconds, self._compute_cost(lost)
+
+    def _compute_cost(self, p: _Passes) -> float:
+        """What the others lose to this request's passes: those computing their prompts in
+        them; those whose loads land while they run, half a pass each; and the decodes, all
+        of them."""
+        w, busy = self.w, self.busy
+        # the loads in flight land over the time the store takes for them: those landing
+        # while this request's passes run wait, on average, half a pass
+        landing = busy.loads * min(1.0, p.added_s / self.loads_drain_s) if busy.loads else 0.0
+        return (
+            w.prefill * p.prefills_lose_s
+            + w.load * landing * p.longest_s / 2
+            + w.decode * busy.batch.decode_rows * p.added_s
+        )
+
+
+def plausible_recompute_s(hit: Hit, compute: ComputeFit | None, token_s: float | None) -> float:
+    """How long computing the hit's request plausibly takes, for how long a load without
+    figures may run: the fit's prediction, else the slowest prompt token measured, else a slow
+    CPU's figures (``PRIOR_TOKEN_S``)."""
+    first = hit.start * hit.block_size
+    if compute is not None:
+        return compute.seconds(first, hit.prompt_tokens)
+    per_token = token_s if token_s is not None else PRIOR_TOKEN_S
+    return PRIOR_STEP_S + per_token * (hit.prompt_tokens - first)
 
 
 def pinned(
     way: Way,
     hit: Hit,
     split_ok: bool,
-    loads: LoadFit | None = None,
-    compute: ComputeFit | None = None,
+    figures: Figures = Figures(),
+    engine: Engine = Engine(),
+    busy: Busy = IDLE,
 ) -> Decision:
     """``way`` as it is: the whole hit, or a split of the best size where the figures are
     measured (a split that is not possible here loads asynchronously)."""
     if way is Way.RECOMPUTE:
-        return Decision(way, 0, "pinned")
-    if way is Way.SPLIT and not split_ok:
-        return Decision(Way.ASYNC, hit.blocks, "split unavailable")
-    if way is Way.SPLIT and loads is not None and compute is not None and hit.blocks > 0:
-        blocks, seconds = best_split(hit, loads, compute)
-        recompute = compute.seconds(hit.start * hit.block_size, hit.prompt_tokens)
-        return Decision(way, blocks, "pinned", _rounded({way: seconds, Way.RECOMPUTE: recompute}))
-    return Decision(way, hit.blocks, "pinned")
+        return Decision(way, 0, Reason.PINNED)
+    if way is Way.SPLIT and (not split_ok or hit.max_split() < 1):
+        return Decision(Way.ASYNC, hit.blocks, Reason.SPLIT_UNAVAILABLE)
+    if way is Way.SPLIT and figures.splits is not None and figures.compute is not None:
+        model = _Model(hit, figures.compute, engine, busy, BusyWeights())
+        blocks, seconds = _best_split(model, figures.splits)
+        recompute = model.recompute()[0]
+        predicted = _rounded({way: seconds, Way.RECOMPUTE: recompute})
+        return Decision(way, blocks, Reason.PINNED, predicted, wait_s=seconds + recompute)
+    if way is Way.SPLIT:
+        return Decision(way, hit.max_split(), Reason.PINNED)
+    return Decision(way, hit.blocks, Reason.PINNED)
 
 
 def choose(
     hit: Hit,
-    loads: LoadFit | None,
-    compute: ComputeFit | None,
+    figures: Figures,
     *,
-    others: int = 0,
+    engine: Engine = Engine(),
+    busy: Busy = IDLE,
     split_ok: bool = True,
-    probe: bool = False,
+    weights: BusyWeights = BusyWeights(),
+    token_s: float | None = None,
+    unmeasured: Way = Way.RECOMPUTE,
 ) -> Decision:
-    """The way that gives ``hit``'s request its first token soonest (plus what it costs the
-    ``others`` requests the engine holds), from the measured figures; ``probe``: measure the
-    store again (see the module docstring)."""
+    """The way that gives ``hit``'s request its first token soonest, counting what it costs
+    the others ``busy`` holds (see the module docstring). Before the figures exist:
+    ``unmeasured``, either recompute (the probes measure the store meanwhile) or load it all
+    (a handoff, made for this request to load), waiting no longer than recomputing plausibly
+    takes (``token_s``: the slowest prompt token measured, before the fit exists)."""
     if hit.blocks <= 0:
-        return Decision(Way.RECOMPUTE, 0, "no hit")
-    if loads is None or compute is None:
-        return Decision(Way.ASYNC, hit.blocks, "not measured yet")
-    n, bs = hit.prompt_tokens, hit.block_size
-    s, h = hit.start, hit.blocks
-
-    def compute_from(block: int) -> float:
-        return compute.seconds(block * bs, n)
-
-    def load(blocks: int) -> float:
-        return loads.seconds(blocks * hit.block_bytes)
-
-    times = {
-        Way.RECOMPUTE: compute_from(s),
-        Way.ASYNC: load(h) + compute_from(s + h) + compute.step_s,
-    }
-    engine = {Way.RECOMPUTE: times[Way.RECOMPUTE], Way.ASYNC: compute_from(s + h)}
+        return Decision(Way.RECOMPUTE, 0, Reason.NO_HIT)
+    loads, compute = figures.loads, figures.compute
+    if loads is None:
+        if unmeasured is Way.RECOMPUTE:
+            return Decision(Way.RECOMPUTE, 0, Reason.NOT_MEASURED)
+        wait = plausible_recompute_s(hit, compute, token_s)
+        return Decision(Way.ASYNC, hit.blocks, Reason.NOT_MEASURED, wait_s=wait)
+    if compute is None:
+        # the store is measured, the engine not yet (an instance that loads every prompt):
+        # loading it all against what recomputing plausibly takes
+        plausible = plausible_recompute_s(hit, None, token_s)
+        own = hit.blocks * hit.block_bytes + busy.load_bytes_ahead
+        load = loads.lag_s + loads.seconds(own)
+        times = _rounded({Way.ASYNC: load, Way.RECOMPUTE: plausible})
+        if load < (1 - MARGIN) * plausible:
+            return Decision(Way.ASYNC, hit.blocks, Reason.NOT_MEASURED, times, load + plausible)
+        return Decision(Way.RECOMPUTE, 0, Reason.NOT_MEASURED, times)
+    model = _Model(hit, compute, engine, busy, weights, loads)
+    times: dict[Way, float] = {}
+    costs: dict[Way, float] = {}
+    times[Way.RECOMPUTE], costs[Way.RECOMPUTE] = model.recompute()
+    times[Way.ASYNC], costs[Way.ASYNC] = model.async_(loads)
     j = 0
-    if split_ok:
-        j, times[Way.SPLIT] = best_split(hit, loads, compute)
-        engine[Way.SPLIT] = times[Way.SPLIT]  # the pass waits for its loads: all of it
-    if probe:
-        faster = LoadFit(loads.overhead_s, 2 * loads.bytes_per_s, loads.samples)
-        way = Way.SPLIT if split_ok else Way.ASYNC
-        blocks = max(1, best_split(hit, faster, compute)[0]) if split_ok else h
-        return Decision(way, blocks, "probe", _rounded(times))
-    cost = {way: t + others * engine[way] for way, t in times.items()}
-    way = min(cost, key=lambda w: (cost[w], w is not Way.RECOMPUTE))  # ties: recompute
-    blocks = {Way.RECOMPUTE: 0, Way.ASYNC: h, Way.SPLIT: j}[way]
-    return Decision(way, blocks, "measured" if not others else "measured, busy", _rounded(times))
+    # one split a pass: a second one's bands would slow the first's past its wait
+    if split_ok and figures.splits is not None and hit.max_split() >= 1 and not busy.split_bytes:
+        j, times[Way.SPLIT] = _best_split(model, figures.splits)
+        costs[Way.SPLIT] = model.split(figures.splits, j)[1]
+    total = {way: times[way] + costs[way] for way in times}
+    way = min(total, key=lambda w: (total[w], w is not Way.RECOMPUTE))
+    if total[way] > (1 - MARGIN) * total[Way.RECOMPUTE]:
+        way = Way.RECOMPUTE  # a gain within the model's error is no gain
+    blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
+    # a load may wait as long as it was predicted to take plus recomputing (past that, even
+    # landing it has cost more than recomputing would have)
+    wait = times[way] + times[Way.RECOMPUTE]
+    return Decision(way, blocks, Reason.MEASURED, _rounded(times), wait_s=wait)
 
 
-def best_split(hit: Hit, loads: LoadFit, compute: ComputeFit) -> tuple[int, float]:
-    """(blocks, predicted seconds) of the best split of ``hit``: the loads of ``j`` blocks and
-    the computing of the rest overlap band by band, so the best ``j`` is near where the two
-    take as long; searched by bisection on their difference, which only grows with ``j``."""
+def best_split(hit: Hit, figures: Figures, engine: Engine = Engine()) -> tuple[int, float]:
+    """(blocks, predicted seconds) of the best split of ``hit`` on an idle engine."""
+    assert figures.splits is not None and figures.compute is not None
+    model = _Model(hit, figures.compute, engine, IDLE, BusyWeights())
+    return _best_split(model, figures.splits)
+
+
+def _best_split(model: _Model, splits: SplitFit) -> tuple[int, float]:
+    """The split that costs least (its time plus the others'): near where its bands' transfer
+    takes as long as its pass computes, searched by bisection on their difference (which only
+    grows with ``j``), and on an even grid besides (later chunks bend the curve)."""
+    hit = model.hit
+    top = hit.max_split()
+    if top < 1:
+        return 0, math.inf
+    cache: dict[int, tuple[float, float]] = {}
+
+    def at(j: int) -> tuple[float, float]:
+        if j not in cache:
+            cache[j] = model.split(splits, j)
+        return cache[j]
+
     b = max(1, hit.bands)
+    first = hit.start * hit.block_size
 
-    def parts(j: int) -> tuple[float, float]:
-        transfer = loads.seconds(j * hit.block_bytes) - loads.overhead_s
-        return transfer, compute.seconds((hit.start + j) * hit.block_size, hit.prompt_tokens)
+    busy = model.busy
 
-    def total(j: int) -> float:
-        transfer, rest = parts(j)
-        return loads.overhead_s + max(transfer / b + rest, transfer + rest / b)
+    base = model.c.pass_seconds(model._others(0))
 
-    lo, hi = 1, hit.blocks
-    while lo < hi:  # the first j whose transfer takes at least as long as the rest
+    def transfer_longer(j: int) -> bool:
+        loaded = first + j * hit.block_size
+        compute = model.c.prefill_seconds(loaded, min(hit.prompt_tokens, loaded + model.engine.cap))
+        bands = (j * hit.block_bytes + busy.split_bytes) / b * (1 + busy.loads)
+        return b * splits.band_seconds(bands) >= base + compute
+
+    def cost(j: int) -> tuple[float, int]:
+        return sum(at(j)), -j
+
+    lo, hi = 1, top
+    while lo < hi:
         mid = (lo + hi) // 2
-        transfer, rest = parts(mid)
-        if transfer >= rest:
+        if transfer_longer(mid):
             hi = mid
         else:
             lo = mid + 1
-    candidates = {1, hit.blocks, lo, max(1, lo - 1)}
-    best = min(candidates, key=lambda j: (total(j), -j))
-    return best, total(best)
+    candidates = {1, top, lo, max(1, lo - 1), min(top, lo + 1)}
+    candidates |= {max(1, round(top * k / 8)) for k in range(1, 8)}
+    best = min(candidates, key=cost)
+    # then down to the block, around the best found (later chunks bend the curve)
+    lo, hi = max(1, best - top // 8 - 1), min(top, best + top // 8 + 1)
+    while hi - lo > 2:
+        left, right = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if cost(left) <= cost(right):
+            hi = right
+        else:
+            lo = left
+    best = min({best, *range(lo, hi + 1)}, key=cost)
+    return best, at(best)[0]
 
 
 def _rounded(times: dict[Way, float]) -> dict[str, float]:

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from connector.figures import StepShape
+from connector.probes import ProbeSpec
+
 
 @dataclass
 class LoadSpec:
@@ -64,10 +67,10 @@ class RedisConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     commits: list[CommitSpec] = field(default_factory=list)
-    # what this step's forward pass computes, for the load policy's figures (figures.py): the
-    # tokens, and their context work (tokens x the context each attends to)
-    step_tokens: int = 0
-    step_attention: float = 0.0
+    # what this step's forward pass computes, for the load policy's figures (figures.py)
+    step: StepShape = field(default_factory=StepShape)
+    # background reads that measure the store for the load policy (probes.py)
+    probes: list[ProbeSpec] = field(default_factory=list)
     # blocks to report failed with this step's output: left wrong in vLLM's prefix cache by a
     # failed split, about to be read by this step's requests (the scheduler's _taint)
     reject_blocks: list[int] = field(default_factory=list)

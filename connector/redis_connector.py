@@ -37,6 +37,7 @@ from connector.events import (
     hash_block_size,
 )
 from connector.layout import KVLayout
+from connector.load_policy import Engine
 from connector.logs import adopt_vllm_logging
 from connector.metadata import RedisConnectorMetadata
 from connector.scheduler import RedisConnectorScheduler
@@ -174,6 +175,15 @@ def load_shape(
     block = sum(p * len(g.layer_names) for p, g in zip(pages, layout.groups, strict=True))
     first = layout.groups[0]
     return block, len(layer_bands(len(first.layer_names), pages[0], band_bytes))
+
+
+def engine_shape(vllm_config: VllmConfig) -> Engine:
+    """What one of vLLM's steps may hold, from its scheduler config: the load policy models
+    chunked prefill with it."""
+    sc = vllm_config.scheduler_config
+    budget = int(getattr(sc, "max_num_batched_tokens", 0) or 0)
+    chunk = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
+    return Engine(token_budget=budget or Engine().token_budget, chunk_tokens=max(0, chunk))
 
 
 def split_refusal(vllm_config: VllmConfig, layout: KVLayout) -> str | None:
@@ -326,6 +336,7 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
                 events=emitter,
                 split_refusal=refusal,
                 load_shape=load_shape(kv_cache_config, self.layout, self.rc.split_band_bytes),
+                engine=engine_shape(vllm_config),
             )
             write_layout_file(os.environ.get(LAYOUT_FILE_ENV), self.rc, self.layout)
         else:

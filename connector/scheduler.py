@@ -89,12 +89,27 @@ from typing import TYPE_CHECKING, Any
 from connector.chains import RequestChains
 from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
 from connector.drops import HandoffDrops
-from connector.figures import LoadRate, PrefillRate, step_shape
+from connector.figures import ComputeRate, LoadRate, SplitRate, StepShape, step_shape
 from connector.layout import KVLayout
-from connector.load_policy import PROBE_EVERY, Decision, Hit, Way, choose, pinned
+from connector.load_policy import (
+    Busy,
+    BusyWeights,
+    Decision,
+    Engine,
+    Figures,
+    Hit,
+    LoadsInFlight,
+    Reason,
+    Way,
+    admitted,
+    choose,
+    next_pass,
+    pinned,
+)
 from connector.logs import FailureCounts
 from connector.lookups import Lookup, LookupBatcher, LookupResult
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata
+from connector.probes import ProbePlanner
 from connector.resets import NamespaceResets
 from connector.save_plans import SavePlanner
 from connector.stats import StatsBuffer
@@ -116,6 +131,9 @@ _POLL_INTERVAL_S = 0.01
 # an instance that does no lookups (a producer) reads the namespace's generation at most this
 # often, in the background: it names its saves in a reset's generation within about a second
 _GENERATION_REFRESH_S = 1.0
+# splits whose forward pass ran layers without waiting for their bands (a full CUDA graph):
+# after this many, no split is chosen any more (each such split fails and is recomputed)
+UNWAITED_SPLITS_LIMIT = 2
 
 
 def opened(fut: Future[None] | None) -> bool:
@@ -206,17 +224,27 @@ class RedisConnectorScheduler:
         events: KVEventsEmitter | None = None,
         split_refusal: str | None = None,
         load_shape: tuple[int, int] = (0, 0),
+        engine: Engine | None = None,
     ) -> None:
         self.config = config
         # why this engine cannot take a split (None: it can), and what the policy decides from
         self.split_refusal = split_refusal
+        self.engine = engine or Engine()
         self.load_rate = LoadRate()
-        self.prefill_rate = PrefillRate()
+        self.split_rate = SplitRate()
+        self.compute_rate = ComputeRate()
+        self.weights = BusyWeights(decode=config.busy_decode_weight)
+        self.probes = ProbePlanner()
+        self._unwaited_splits = 0  # splits whose forward pass skipped their waits
+        # what the engine runs besides a request being admitted (``_busy``): the pass just
+        # scheduled, seen as the next one, and what this step's admissions added to it
+        self._running = Busy()
+        self._admitted = Busy()
+        self._loads_out = LoadsInFlight()  # requests loading asynchronously
         # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
         # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
         # report what they read
         self._block_bytes, self._bands = load_shape
-        self._recomputed_in_row = 0  # hits recomputed by choice since the last load
         # requests whose split load the metadata being built carries; and those of the step
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
@@ -561,6 +589,27 @@ class RedisConnectorScheduler:
         st.load_range = (start, n)
         return (n - start) * self.block_size, not st.layered
 
+    def figures(self) -> Figures:
+        """What the load policy decides from now (``figures.py``)."""
+        loads = self.load_rate.estimate() if self._block_bytes > 0 else None
+        return Figures(loads, self.split_rate.estimate(), self.compute_rate.estimate())
+
+    @property
+    def splits_allowed(self) -> bool:
+        return self.split_refusal is None and self._unwaited_splits < UNWAITED_SPLITS_LIMIT
+
+    def _busy(self) -> Busy:
+        """What the engine holds besides the request being admitted: the pass just scheduled
+        (as the next one), this step's admissions so far, and the loads in flight."""
+        run, more = self._running, self._admitted
+        return Busy(
+            batch=run.batch,
+            prefills=run.prefills + more.prefills,
+            prefill_tokens_ahead=run.prefill_tokens_ahead + more.prefill_tokens_ahead,
+            loads=len(self._loads_out) + more.loads,
+            load_bytes_ahead=self._loads_out.bytes_left(time.monotonic()) + more.load_bytes_ahead,
+        )
+
     def _decide(self, st: RequestState, request: Request, start: int) -> None:
         """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
         way), counted and kept with the request."""
@@ -575,31 +624,34 @@ class RedisConnectorScheduler:
         st.decision, st.layered, st.load_end = None, False, start
         if hit.blocks <= 0:
             return
-        split_ok = self.split_refusal is None
+        self.probes.remember(st.load_hashes[start : hit.end])
+        split_ok = self.splits_allowed
         way = st.pin or (
             None if self.config.load_policy == "auto" else Way(self.config.load_policy)
         )
-        loads = self.load_rate.estimate() if self._block_bytes > 0 else None
-        compute = self.prefill_rate.estimate()
+        figures, busy = self.figures(), self._busy()
         if way is not None:
-            decision = pinned(way, hit, split_ok, loads, compute)
+            decision = pinned(way, hit, split_ok, figures, self.engine, busy)
         else:
             decision = choose(
                 hit,
-                loads,
-                compute,
-                others=max(0, len(self._reqs) - 1),
+                figures,
+                engine=self.engine,
+                busy=busy,
                 split_ok=split_ok,
-                probe=self._recomputed_in_row >= PROBE_EVERY,
+                weights=self.weights,
+                token_s=self.compute_rate.token_seconds(),
+                # a handoff was made for this request to load; the pool's blocks are not
+                # loaded before the store is measured (the probes do that meanwhile)
+                unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
             )
-            recomputed = decision.way is Way.RECOMPUTE
-            self._recomputed_in_row = self._recomputed_in_row + 1 if recomputed else 0
-            if decision.predicted_s:
-                chosen = decision.predicted_s.get(decision.way.value, 0.0)
-                gain = decision.predicted_s[Way.RECOMPUTE.value] - chosen
-                self.stats.observe("predicted_gain_seconds", max(0.0, gain))
+            measured = decision.reason is Reason.MEASURED
+            self.probes.note_choice(measured and decision.way is Way.RECOMPUTE)
+            if decision.gain_s is not None:
+                self.stats.observe("predicted_gain_seconds", decision.gain_s)
         st.decision, st.layered = decision, decision.way is Way.SPLIT
         st.load_end = start + decision.blocks
+        self._admitted = admitted(self._admitted, hit, decision)
         self.stats.add(**{f"chose_{decision.way.value}": 1})
         if decision.way is Way.RECOMPUTE:
             self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
@@ -610,7 +662,7 @@ class RedisConnectorScheduler:
             start,
             decision.way.value,
             decision.blocks,
-            decision.reason,
+            decision.reason.value,
             decision.predicted_s or "-",
         )
 
@@ -637,21 +689,24 @@ class RedisConnectorScheduler:
         st.load_range = (start, end)
         rid = request.request_id
         timeout = max(0.0, st.deadline - now)
+        # the policy's wait: a load past it has cost more than recomputing would have (and,
+        # before any figures, than recomputing plausibly takes)
+        wait = st.decision.wait_s if st.decision is not None else None
+        if wait is not None:
+            timeout = min(timeout, wait)
         if st.layered:
             # it runs in this step: its blocks are vLLM's cached blocks at once, no other
-            # request waits for them; it waits at most as long as it was predicted to take
-            # plus what recomputing would have (past that, even landing it has cost more)
+            # request waits for them
             st.phase = Phase.RUNNING
             self._splits_planned.append(rid)
-            predicted = st.decision.predicted_s if st.decision is not None else {}
-            if Way.SPLIT.value in predicted and Way.RECOMPUTE.value in predicted:
-                budget = predicted[Way.SPLIT.value] + predicted[Way.RECOMPUTE.value]
-                timeout = min(timeout, budget)
         else:
             st.phase = Phase.LOADING
             if not self.config.consume:
                 for h in st.load_hashes[start:end]:
                     self._loading[h] = rid
+            predicted = st.decision.predicted_s if st.decision is not None else {}
+            nbytes = (end - start) * self._block_bytes
+            self._loads_out.started(rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout)
         if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
@@ -732,6 +787,7 @@ class RedisConnectorScheduler:
                 st.saved_blocks = min(st.saved_blocks, st.load_range[0])
                 st.present_blocks = min(st.present_blocks, st.load_range[0])
         for req_id in output.finished_recving or ():
+            self._loads_out.ended(req_id)
             self._count_load(req_id)
             st = self._reqs.get(req_id)
             if st is not None and st.phase is Phase.LOADING:
@@ -744,21 +800,48 @@ class RedisConnectorScheduler:
         self._finish_splits()
 
     def _take_samples(self, stats: Any) -> None:
-        """The workers' measurements, for the load policy's figures (``figures.py``)."""
+        """The workers' measurements, for the load policy's figures (``figures.py``): each
+        kind as the workers send it (``worker.py``); anything else teaches nothing."""
         data = getattr(stats, "data", None)
         if not isinstance(data, dict):
             return
+        kinds: dict[str, Any] = {
+            "load_samples": lambda r, b, s, lag: self.load_rate.add(
+                b, s, int(r), lag if lag >= 0 else None
+            ),
+            "load_bounds": lambda r, b, s: self.load_rate.add_bound(b, s, int(r)),
+            "split_samples": lambda r, b, first, between, bands: self.split_rate.add(
+                b, first, between, int(bands), int(r)
+            ),
+            "split_bounds": lambda r, b, s: self.split_rate.add_bound(b, s, int(r)),
+            "compute_samples": lambda p, a, d, x, s: self.compute_rate.add(
+                StepShape(int(p), float(a), int(d), int(x)), s
+            ),
+        }
+        for key, take in kinds.items():
+            for values in data.get(key, ()):
+                try:
+                    take(*(float(v) for v in values))
+                except (TypeError, ValueError):  # not what our workers send
+                    logger.debug("ignoring a malformed %s in the connector's stats", key)
         try:
-            for nbytes, seconds in data.get("load_samples", ()):
-                self.load_rate.add(float(nbytes), float(seconds))
-            for tokens, attention, seconds in data.get("compute_samples", ()):
-                self.prefill_rate.add(float(tokens), float(attention), float(seconds))
             if data.get("rank_block_bytes"):  # each rank's, the slowest sets the pace
                 self._block_bytes = max(int(b) for (b,) in data["rank_block_bytes"])
             if data.get("split_bands"):
                 self._bands = min(int(b) for (b,) in data["split_bands"])
-        except (TypeError, ValueError):  # not what our workers send: nothing is learnt
-            logger.debug("ignoring malformed load-policy samples in the connector's stats")
+        except (TypeError, ValueError):
+            logger.debug("ignoring a malformed load shape in the connector's stats")
+        unwaited = data.get("split_unwaited")
+        if isinstance(unwaited, list) and unwaited:
+            self._unwaited_splits += len(unwaited)
+            if self._unwaited_splits >= UNWAITED_SPLITS_LIMIT and self.split_refusal is None:
+                logger.warning(
+                    "RedisConnector: %d split loads ran in forward passes that did not wait "
+                    "for their layers (a full CUDA graph replays none of the waits); no more "
+                    "splits are chosen on this engine",
+                    self._unwaited_splits,
+                )
+                self.split_refusal = "forward passes did not wait for split loads"
 
     def _finish_splits(self) -> None:
         """The splits of the step whose output came in: counted (its failed blocks came with
@@ -807,13 +890,20 @@ class RedisConnectorScheduler:
         self._step_wait_until = None  # the step is over: the next one may wait again
         self._finish_splits()
         self._splits_running, self._splits_planned = self._splits_planned, []
-        tokens, attention = step_shape(_scheduled_rows(scheduler_output))
+        rows = self._scheduled_rows(scheduler_output)
         meta = RedisConnectorMetadata(
             loads=self._pending_loads,
             commits=self._pending_commits,
-            step_tokens=tokens,
-            step_attention=attention,
+            step=step_shape([(before, n, prompt) for before, n, prompt, _ in rows]),
         )
+        self._running, self._admitted = next_pass(rows, self.engine), Busy()
+        if self.config.loads:
+            figures = self.figures()
+            probe = self.probes.due(
+                figures.loads, figures.splits, self.splits_allowed, self._block_bytes
+            )
+            if probe is not None:
+                meta.probes.append(probe)
         self._pending_loads, self._pending_commits = [], []
         progress, fresh = self._track_block_tables(scheduler_output)
         if self._splits_running:  # what a failed split would taint (``_taint_readers``)
@@ -827,6 +917,21 @@ class RedisConnectorScheduler:
             scheduler_output, self._reqs, progress, held, meta.loads
         )
         return meta
+
+    def _scheduled_rows(self, out: SchedulerOutput) -> list[tuple[int, int, bool, int]]:
+        """(tokens cached before this step, tokens computed in it, whether they are prompt
+        tokens, the prompt's length) of each scheduled request (a request this side does not
+        track is a prompt while it computes more than one token)."""
+        rows: list[tuple[int, int, bool, int]] = []
+        cached = out.scheduled_cached_reqs
+        pairs = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
+        pairs += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for req_id, before in pairs:
+            n = out.num_scheduled_tokens.get(req_id, 0)
+            st = self._reqs.get(req_id)
+            prompt_len = st.num_tokens if st is not None else (before + n if n > 1 else before)
+            rows.append((before, n, before < prompt_len, prompt_len))
+        return rows
 
     def _track_block_tables(
         self, scheduler_output: SchedulerOutput
@@ -956,6 +1061,8 @@ class RedisConnectorScheduler:
         if st is None:
             return False, None
         loading = st.phase is Phase.LOADING
+        if not loading:
+            self._loads_out.ended(request.request_id)
         self._release(request.request_id, st)
         if not loading:
             self._drop_handoff(st)  # not loaded, and never will be: claim and delete it
@@ -1019,10 +1126,13 @@ class RedisConnectorScheduler:
 
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()
-        loads, compute = self.load_rate.estimate(), self.prefill_rate.estimate()
+        figures = self.figures()
+        loads, splits, compute = figures.loads, figures.splits, figures.compute
         if loads is not None:
             data["policy_load_bytes_per_second"] = loads.bytes_per_s
             data["policy_load_overhead_seconds"] = loads.overhead_s
+        if splits is not None:
+            data["policy_split_bytes_per_second"] = splits.bytes_per_s
         if compute is not None:
             data["policy_step_seconds"] = compute.step_s
             data["policy_token_seconds"] = compute.token_s
@@ -1057,15 +1167,3 @@ class RedisConnectorScheduler:
         self._background_io.shutdown(wait=True)
         self._resets.close(limit)
         self.store.close()
-
-
-def _scheduled_rows(out: SchedulerOutput) -> list[tuple[int, int]]:
-    """(tokens cached before this step, tokens computed in it) of each scheduled request."""
-    rows = [
-        (new.num_computed_tokens, out.num_scheduled_tokens.get(new.req_id, 0))
-        for new in out.scheduled_new_reqs
-    ]
-    cached = out.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        rows.append((cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0)))
-    return rows

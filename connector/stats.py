@@ -141,6 +141,16 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Split loads whose bands did not all land in their forward pass (their blocks were "
         "recomputed), per TP rank",
     ),
+    "split_loads_unwaited": (
+        "vllm:redis_kv_split_loads_unwaited",
+        "Split loads whose forward pass ran layers without waiting for their bands (a full "
+        "CUDA graph?): recomputed; after 2, the engine chooses no more splits",
+    ),
+    "load_probes": (
+        "vllm:redis_kv_load_probes",
+        "Background reads of a few stored blocks that measure the store for the load policy "
+        "(nothing is written into the KV cache), per TP rank",
+    ),
 }
 # stats key -> (Prometheus name, help text, buckets in seconds)
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30]
@@ -191,6 +201,11 @@ GAUGES: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_policy_load_overhead_seconds",
         "A load's fixed cost (round trips, claims), fitted over recent loads",
     ),
+    "policy_split_bytes_per_second": (
+        "vllm:redis_kv_policy_split_bytes_per_second",
+        "Bandwidth one rank gets from Redis reading split loads band by band, fitted over "
+        "recent splits and band probes",
+    ),
     "policy_step_seconds": (
         "vllm:redis_kv_policy_step_seconds",
         "A forward pass's fixed cost, fitted over recent forward passes",
@@ -206,7 +221,16 @@ GAUGES: dict[str, tuple[str, str]] = {
 }
 # samples the worker sends the scheduler side's load policy (figures.py) with its stats:
 # lists, concatenated over TP ranks, never exported
-SAMPLES = ("load_samples", "compute_samples", "rank_block_bytes", "split_bands")
+SAMPLES = (
+    "load_samples",
+    "load_bounds",
+    "split_samples",
+    "split_bounds",
+    "split_unwaited",
+    "compute_samples",
+    "rank_block_bytes",
+    "split_bands",
+)
 
 
 class StatsBuffer:

@@ -35,29 +35,41 @@
   attention layer) waits for that layer's band; the step's ``take_transfer_results`` ends it,
   and whatever did not land is a failed block, reported with that step's output. Never
   reported finished: vLLM holds nothing for it.
-- Measurements for the load policy (``figures.py``), sent with the stats: each load's bytes and
-  seconds, and (rank 0) each forward pass's tokens, context work and seconds -- less what it
-  waited for split loads -- from ``bind_connector_metadata`` to ``wait_for_save`` (CUDA: events
-  on the compute stream, read once they completed).
+- Measurements for the load policy (``figures.py``), sent with the stats, each rank's tagged
+  with it: each whole load's bytes and seconds from its first request to Redis (a wait for the
+  compute fence does not count) and how long after its step began that was; each split's band
+  timeline; an upper bound from each load or split that expired or failed; and (rank 0) each
+  forward pass's shape and seconds from ``bind_connector_metadata`` to ``wait_for_save`` --
+  less what it waited for split loads on the CPU; a CUDA pass that waited for bands gives no
+  sample (the GPU idled while the host waited, and its events cannot tell).
+- Probes (``probes.py``): background reads of a few stored blocks into staging, nothing written
+  into the KV cache, one at a time on a thread of their own; their time is a figure's sample.
+- The compute fence (``BlockMover.compute_fence``) is recorded when vLLM binds the step's
+  metadata, before the forward pass is launched: vLLM starts asynchronous loads after it, and a
+  fence recorded then would hold the load's writes until that whole pass has run.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
 
 from connector.commits import SaveLedger, StoredReport
 from connector.config import RedisConnectorConfig
+from connector.figures import StepShape
 from connector.layout import KVLayout
 from connector.logs import FailureCounts
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.probes import ProbeKind, ProbeSpec
 from connector.slice_movers import (
     SliceMover,
     build_slice_movers,
@@ -85,18 +97,19 @@ _PENDING_TIMINGS = 64
 
 @dataclass
 class _Split:
-    """A split load of this step: its spec and the layered load behind it."""
+    """A split load of this step: its spec, the layered load behind it, and this rank's bytes
+    landed (every load's) when it started."""
 
     spec: LoadSpec
     load: LayeredLoad
+    landed_before: int = 0
 
 
 @dataclass
 class _ForwardTiming:
-    """One forward pass being timed: what it computes, from when, and what it waited for."""
+    """One forward pass being timed: what it computes, and from when."""
 
-    tokens: int
-    attention: float
+    step: StepShape
     started: Any  # perf_counter seconds, or a CUDA event on the compute stream
     ended: Any = None
 
@@ -112,9 +125,13 @@ class _LoadJob:
     copied: set[tuple[int, int, int]] = field(default_factory=set)
     nbytes: int = 0
     reported: bool = False  # once True, nothing touches this request's blocks any more
-    # CUDA: the compute stream's work queued when the load started; the load's writes go
+    # CUDA: the compute stream's work queued when the step began; the load's writes go
     # after it (``BlockMover.compute_fence``)
     after: Any = None
+    step_started: float = 0.0  # perf_counter when vLLM bound the load's step
+    first_byte: float | None = None  # perf_counter when its first request to Redis went out
+    fenced_s: float = 0.0  # time it waited for the compute fence (not the store's)
+    landed_before: int = 0  # this rank's bytes landed (every load's) at its first byte
 
 
 class RedisConnectorWorker:
@@ -148,6 +165,15 @@ class RedisConnectorWorker:
         self._shape_reported = False  # what a block costs to load, sent once with the stats
         self._timing: _ForwardTiming | None = None  # this step's forward pass
         self._timings: list[_ForwardTiming] = []  # CUDA: passes whose events are not done
+        # this step's compute fence and when vLLM bound it (``forward_started``)
+        self._step_fence: Any = None
+        self._step_started = time.perf_counter()
+        # probes run here, one at a time, never holding up a load
+        self._probe_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-probe")
+        self._probing = False
+        # bytes every load, split and probe of this rank received so far: over one load's
+        # time, what the store gave the rank (loads side by side share it), not that load
+        self._landed = 0
         # each load receives its next chunk here while it copies the current one in
         self._prefetch_io = ThreadPoolExecutor(
             max(2, 2 * config.read_ahead_chunks), thread_name_prefix="redis-kv-prefetch"
@@ -241,16 +267,21 @@ class RedisConnectorWorker:
             # recomputes them from this step's output on
             self._failed_block_ids.update(meta.reject_blocks)
         now = time.monotonic()
-        # on this thread, which launches the forward passes: the blocks these loads write may
-        # still have writes of an earlier step pending on the GPU
-        movers = self.movers if meta.loads else []
-        fence = movers[0].compute_fence() if movers else None
+        # recorded when the step was bound, before its forward pass (``forward_started``);
+        # the blocks these loads write may still have writes of an earlier step pending
+        fence, self._step_fence = self._step_fence, None
+        if fence is None and meta.loads and self.movers:
+            fence = self.movers[0].compute_fence()
         for spec in meta.loads:
             if spec.layered:
                 self._start_split(spec, now, fence)
                 continue
             job = _LoadJob(
-                spec, deadline=now + spec.timeout_s, started=time.perf_counter(), after=fence
+                spec,
+                deadline=now + spec.timeout_s,
+                started=time.perf_counter(),
+                after=fence,
+                step_started=self._step_started,
             )
             with self._lock:
                 asleep = self._asleep
@@ -260,6 +291,92 @@ class RedisConnectorWorker:
                 self._report_load(job, cancelled=True)  # deleted by the scheduler side)
                 continue
             self._track(self._load_io.submit(self._load, job))
+        for probe in meta.probes:
+            self._start_probe(probe)
+
+    def _count_landed(self, nbytes: int) -> None:
+        with self._lock:
+            self._landed += nbytes
+
+    def _landed_since(self, before: int, own: int) -> int:
+        """What the store gave this rank since it had given ``before`` (at least ``own``)."""
+        with self._lock:
+            return max(own, self._landed - before)
+
+    def _start_probe(self, spec: ProbeSpec) -> None:
+        """A probe of the store (``probes.py``), unless one is still running or there is
+        nothing to read with (asleep, or a layout without one group's movers)."""
+        with self._lock:
+            if self._probing or self._asleep or not self._slices or not self._slices[0]:
+                return
+            self._probing = True
+        self.stats.add(load_probes=1)
+        self._track(self._probe_io.submit(self._probe, spec), "a probe")
+
+    def _probe(self, spec: ProbeSpec) -> None:
+        """Read ``spec``'s blocks into staging as a load of its kind would, writing nothing
+        into the KV cache; the time is a sample of that kind's figure, an upper bound if it
+        expired or failed. Values not there (evicted, or a handoff already deleted) are no
+        sample."""
+        group = self.layout.groups[0]
+        hashes = [self.layout.group_block_hash(h, group) for h in spec.hashes]
+        ids = list(range(len(hashes)))  # (nothing is written: no block ids are needed)
+        movers = [sm.mover for sm in self._slices[0]]
+        nbytes, missing, t0 = 0, 0, time.perf_counter()
+        landed_before = self._landed_since(0, 0)
+        deadline = time.monotonic() + spec.timeout_s
+        kind = "load" if spec.kind is ProbeKind.WHOLE else "split"
+        timeline: list[float] = []
+        try:
+            for mover in movers:
+                left = max(0.0, deadline - time.monotonic())
+                if spec.kind is ProbeKind.WHOLE:
+                    chunks = mover.receive(ids, hashes, timeout_s=left)
+                    try:
+                        for chunk in chunks:
+                            got = [v for v in chunk.values if v is not None]
+                            missing += len(chunk.values) - len(got)
+                            nbytes += len(got) * (mover.header_bytes + mover.raw_bytes)
+                            self._count_landed(len(got) * (mover.header_bytes + mover.raw_bytes))
+                            if time.monotonic() > deadline:
+                                raise TimeoutError("the probe ran past its time")
+                    finally:
+                        chunks.close()
+                    continue
+                bands = self._split_bands or [(0, len(mover.kv.names))]
+                pieces = mover.receive_bands(ids, hashes, bands, timeout_s=left)
+                try:
+                    for piece in pieces:
+                        good = sum(piece.ok)
+                        missing += len(piece.ok) - good if piece.band == 0 else 0
+                        layers = piece.layers[1] - piece.layers[0]
+                        nbytes += good * layers * mover.layer_raw_bytes
+                        self._count_landed(good * layers * mover.layer_raw_bytes)
+                        if piece.last_of_band and mover is movers[-1]:
+                            timeline.append(time.perf_counter() - t0)
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the probe ran past its time")
+                finally:
+                    pieces.close()
+        except (KVStoreError, StagingBusyError, TimeoutError) as exc:
+            seconds = time.perf_counter() - t0
+            logger.debug("probing the store ended early (%s): %s", kind, exc)
+            self.stats.sample(f"{kind}_bounds", self.tp_rank, nbytes, seconds)
+            return
+        finally:
+            with self._lock:
+                self._probing = False
+        seconds = time.perf_counter() - t0
+        if missing or not nbytes:
+            return  # part of it was not there: its time says little of the store
+        shared = self._landed_since(landed_before, nbytes)  # (what loads beside it got too)
+        if spec.kind is ProbeKind.WHOLE:
+            self.stats.sample("load_samples", self.tp_rank, shared, seconds, -1.0)
+            return
+        between = statistics.median(b - a for a, b in pairwise(timeline)) if timeline[1:] else 0.0
+        per_band = shared // max(1, len(timeline))
+        first = timeline[0] if timeline else seconds
+        self.stats.sample("split_samples", self.tp_rank, per_band, first, between, len(timeline))
 
     def _start_split(self, spec: LoadSpec, now: float, fence: Any) -> None:
         """A split load of this step (see the module docstring): started now, on a thread of
@@ -278,8 +395,9 @@ class RedisConnectorWorker:
                 self._split_bands,
                 now + spec.timeout_s,
                 after=fence,
+                on_landed=self._count_landed,
             )
-            self._splits[spec.req_id] = _Split(spec, load)
+            self._splits[spec.req_id] = _Split(spec, load, self._landed)
 
         def claim() -> bool:
             return self._claim(spec)
@@ -323,13 +441,31 @@ class RedisConnectorWorker:
             splits, self._splits = self._splits, {}
         for req_id, split in splits.items():
             load = split.load
-            sample = load.transfer_sample()  # (before finish: the time it ran)
+            bound = load.transfer_sample()  # (before finish: the time it ran)
             failed = load.finish()
             self.stats.add(bytes_loaded=load.nbytes)
             self.stats.observe("split_stall_seconds", load.stall_s)
             self.stats.observe("load_seconds", time.perf_counter() - load.started)
-            if sample is not None:  # a failed split too: a store that got slower shows
-                self.stats.sample("load_samples", *sample)
+            timeline = load.band_timeline()
+            if timeline is not None:
+                # its bands shared the store with the loads beside it: what it gave the rank
+                band_bytes, first, between, bands = timeline
+                shared = self._landed_since(split.landed_before, load.nbytes) / max(1, load.nbytes)
+                sample = (int(band_bytes * shared), first, between, bands)
+                self.stats.sample("split_samples", self.tp_rank, *sample)
+            elif bound is not None and not load.skipped_waits:
+                # a failed split too: a store that got slower shows
+                self.stats.sample("split_bounds", self.tp_rank, *bound)
+            if load.skipped_waits:
+                self.stats.add(split_loads_unwaited=1)
+                self.stats.sample("split_unwaited", 1)  # (for the scheduler side's policy)
+                self._warn(
+                    "unwaited",
+                    "request %(req)s: its forward pass ran layers without waiting for its split "
+                    "load (a full CUDA graph?); recomputing (%(total)d so far; the scheduler "
+                    "stops choosing splits)",
+                    req=req_id,
+                )
             if load.misfits:
                 self._warn(
                     "layout",
@@ -365,16 +501,24 @@ class RedisConnectorWorker:
 
     # ------------------------------------------------------------------ forward timing
     def forward_started(self, meta: RedisConnectorMetadata) -> None:
-        """vLLM bound this step's metadata: its forward pass starts (timed on rank 0, for the
-        load policy's figures)."""
+        """vLLM bound this step's metadata, before launching its forward pass: the compute
+        fence of the step's loads is recorded now (``start_load_kv`` may come after the pass
+        was launched), and the pass is timed on rank 0 for the load policy's figures."""
+        self._step_started = time.perf_counter()
+        self._step_fence = None
+        movers = self.movers if meta.loads else []
+        if movers:
+            self._step_fence = movers[0].compute_fence()
         self._timing = None
-        if self.tp_rank != 0 or meta.step_tokens <= 0:
+        if self.tp_rank != 0 or meta.step.empty:
             return
-        self._timing = _ForwardTiming(meta.step_tokens, meta.step_attention, self._clock())
+        self._timing = _ForwardTiming(meta.step, self._clock())
 
     def forward_ended(self) -> None:
         """The forward pass was launched and ran (CPU) or is queued (CUDA): its time, less
-        what it waited for split loads, is a sample once known."""
+        what it waited for split loads (CPU), is a sample once known. A CUDA pass that waited
+        for split loads gives none: the GPU idled while the host waited, which its events
+        cannot tell from compute."""
         timing, self._timing = self._timing, None
         if timing is None:
             return
@@ -382,14 +526,24 @@ class RedisConnectorWorker:
         timing.ended = self._clock()
         if isinstance(timing.started, float):
             seconds = timing.ended - timing.started - stall
-            self.stats.sample("compute_samples", timing.tokens, timing.attention, seconds)
+            self._compute_sample(timing.step, seconds)
             return
-        self._timings.append(timing)  # CUDA: read once its events completed
-        self._timings = self._timings[-_PENDING_TIMINGS:]
+        if not self._splits:
+            self._timings.append(timing)  # CUDA: read once its events completed
+            self._timings = self._timings[-_PENDING_TIMINGS:]
         while self._timings and self._timings[0].ended.query():
             done = self._timings.pop(0)
-            seconds = done.started.elapsed_time(done.ended) / 1000
-            self.stats.sample("compute_samples", done.tokens, done.attention, seconds)
+            self._compute_sample(done.step, done.started.elapsed_time(done.ended) / 1000)
+
+    def _compute_sample(self, step: StepShape, seconds: float) -> None:
+        self.stats.sample(
+            "compute_samples",
+            step.prefill_tokens,
+            step.prefill_attention,
+            step.decode_rows,
+            step.decode_context,
+            seconds,
+        )
 
     def _clock(self) -> Any:
         """Now: perf_counter seconds, or on CUDA an event recorded on the compute stream."""
@@ -402,8 +556,10 @@ class RedisConnectorWorker:
 
     def _load(self, job: _LoadJob) -> None:
         spec = job.spec
-        expired = False
+        expired = store_failed = False
         try:
+            job.first_byte = time.perf_counter()
+            job.landed_before = self._landed_since(0, 0)
             if not self._claim(spec):
                 return
             if job.reported:
@@ -421,6 +577,7 @@ class RedisConnectorWorker:
                     raise
                 self._receive(job)
         except KVStoreError as exc:
+            store_failed = True
             self._redis_error(
                 exc,
                 "request %(req)s: loading from Redis failed (%(total)d so far): %(exc)s; "
@@ -434,7 +591,7 @@ class RedisConnectorWorker:
         except Exception:  # never leave the request waiting, whatever went wrong
             logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
         finally:
-            self._report_load(job, expired=expired)
+            self._report_load(job, expired=expired, store_failed=store_failed)
 
     def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[str]]]:
         """(group, slice, block ids, the store's block hashes) of each group's slices not copied
@@ -467,16 +624,19 @@ class RedisConnectorWorker:
 
     def _copy_in(self, job: _LoadJob, group: int, head_slice: int, chunk: LoadChunk) -> bool:
         if job.after is not None:
-            # the GPU work the load is ordered after (the forward pass in flight when it
-            # started) is waited for here, not under the lock: the model-runner thread takes
-            # the lock to report a load whose deadline passed, and must not wait a step for it
+            # the GPU work the load is ordered after (what was queued when its step began) is
+            # waited for here, not under the lock: the model-runner thread takes the lock to
+            # report a load whose deadline passed, and must not wait a step for it
+            t0 = time.perf_counter()
             job.after.synchronize()
+            job.fenced_s += time.perf_counter() - t0
         with job.lock:
             if job.reported:  # the deadline passed: these blocks are no longer ours
                 return False
             copied, nbytes = chunk.copy_in(job.after)  # synchronous: done when it returns
             job.copied.update((group, head_slice, b) for b in copied)
             job.nbytes += nbytes
+        self._count_landed(nbytes)
         if chunk.misfits:
             self._warn(
                 "layout",
@@ -487,7 +647,13 @@ class RedisConnectorWorker:
             )
         return True
 
-    def _report_load(self, job: _LoadJob, expired: bool = False, cancelled: bool = False) -> None:
+    def _report_load(
+        self,
+        job: _LoadJob,
+        expired: bool = False,
+        cancelled: bool = False,
+        store_failed: bool = False,
+    ) -> None:
         """Report a load finished, exactly once; blocks not copied by now are failed."""
         spec = job.spec
         with job.lock:
@@ -513,10 +679,19 @@ class RedisConnectorWorker:
         self.stats.add(
             loads_expired=int(expired), loads_cancelled=int(cancelled), bytes_loaded=job.nbytes
         )
-        seconds = time.perf_counter() - job.started
-        self.stats.observe("load_seconds", seconds)
-        if not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
-            self.stats.sample("load_samples", job.nbytes, seconds)
+        now = time.perf_counter()
+        self.stats.observe("load_seconds", now - job.started)
+        if job.first_byte is not None and not cancelled:
+            # timed from its first request to Redis: queued behind other loads, or waiting
+            # for the GPU, is not the store's time
+            seconds = now - job.first_byte - job.fenced_s
+            if (expired or store_failed) and seconds > 0:
+                # the store gave at most this: the policy trusts no more until measured again
+                self.stats.sample("load_bounds", self.tp_rank, job.nbytes, seconds)
+            elif not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
+                lag = job.first_byte - job.step_started
+                shared = self._landed_since(job.landed_before, job.nbytes)
+                self.stats.sample("load_samples", self.tp_rank, shared, seconds, lag)
         if expired:
             self._warn(
                 "deadline",
@@ -772,6 +947,12 @@ class RedisConnectorWorker:
             logger.warning(
                 "RedisConnector: %d transfer(s) still running at shutdown", still_running
             )
-        for pool in (self._load_io, self._layered_io, self._prefetch_io, self._save_io):
+        for pool in (
+            self._load_io,
+            self._layered_io,
+            self._prefetch_io,
+            self._save_io,
+            self._probe_io,
+        ):
             pool.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -20,9 +20,11 @@ overlap (a "split" load: ``connector.load_policy``).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from itertools import pairwise
 from typing import Any
 
 from datamover.mover import BandPiece, BlockMover
@@ -38,9 +40,11 @@ class LayeredLoad:
         deadline: float,
         *,
         after: Any = None,
+        on_landed: Callable[[int], None] | None = None,
     ) -> None:
         """``deadline``: ``time.monotonic()`` past which no wait waits; ``after``: on CUDA,
-        the compute fence the writes go after (``BlockMover.compute_fence``)."""
+        the compute fence the writes go after (``BlockMover.compute_fence``); ``on_landed``:
+        told the bytes of each piece written."""
         if not movers:
             raise ValueError("a layered load needs a mover")
         self.movers = list(movers)
@@ -49,6 +53,7 @@ class LayeredLoad:
         self.bands = list(bands)
         self.deadline = deadline
         self.after = after
+        self.on_landed = on_landed
         layers = len(self.movers[0].kv.names)
         # the band each layer's bytes come in
         self._band_of = [0] * layers
@@ -60,6 +65,7 @@ class LayeredLoad:
         self._landed = 0  # bands landed, every block's that arrived
         self._ended = False
         self._layers_cleared: set[int] = set()
+        self._layers_waited: set[int] = set()  # layers the forward pass waited for at all
         # per block id: bands written of it, per mover (a block is loaded once every mover
         # wrote every band of it)
         self._written: dict[int, int] = dict.fromkeys(self.block_ids, 0)
@@ -79,6 +85,24 @@ class LayeredLoad:
         """The bytes of every block's band ``band`` (one mover's)."""
         first, end = self.bands[band]
         return len(self.block_ids) * (end - first) * self.movers[0].layer_raw_bytes
+
+    @property
+    def skipped_waits(self) -> bool:
+        """A layer ran without waiting for its band at all: the forward pass does not call
+        the per-layer wait (a full CUDA graph replays no Python), so no split can land in it."""
+        return len(self._layers_waited) < len(self._band_of)
+
+    def band_timeline(self) -> tuple[int, float, float, int] | None:
+        """(bytes of one band, every block's and every mover's; seconds until the first band
+        landed; the median seconds between bands; bands) of a load whose every band landed,
+        for the split figure (``connector.figures.SplitRate``); else None."""
+        times = self.band_landed_s
+        if self.landed_s is None or not times or not self.nbytes:
+            return None
+        between = statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else 0.0
+        layers, bands = len(self._band_of), len(self.bands)
+        per_band = len(self.block_ids) * layers * self.movers[0].layer_raw_bytes // bands
+        return per_band * len(self.movers), times[0], between, bands
 
     def transfer_sample(self) -> tuple[int, float] | None:
         """(bytes, seconds) this load says of the store's bandwidth: its bytes and the time
@@ -148,6 +172,8 @@ class LayeredLoad:
             for block_id in written:
                 self._written[block_id] += bands
             self.nbytes += nbytes
+        if self.on_landed is not None:
+            self.on_landed(nbytes)
             self.misfits += piece.misfits
         return True
 
@@ -157,6 +183,7 @@ class LayeredLoad:
         band = self._band_of[layer]
         t0 = time.perf_counter()
         with self._changed:
+            self._layers_waited.add(layer)
             while self._landed <= band and not self._ended:
                 left = self.deadline - time.monotonic()
                 if left <= 0:

@@ -36,8 +36,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from connector.figures import ComputeFit, LoadFit
-from connector.load_policy import Hit, choose
+from connector.figures import ComputeFit, LoadFit, SplitFit
+from connector.load_policy import Engine, Figures, Hit, choose
 from datamover.mover import layer_bands
 
 from .gpu_suite_summary import SUITE_FILE, best, one_server
@@ -150,11 +150,16 @@ class Deployment:
             attention_s=m.layers * 2 * m.heads * (m.qk_dim + m.v_dim) / peak,
             samples=0,
         )
-        loads = LoadFit(overhead_s, gbps_per_gpu * 1e9, samples=0)
+        loads = LoadFit(overhead_s, gbps_per_gpu * 1e9, samples=1)
+        # splits' bands as fast as whole loads: the path's target (scripts.sim_load_policy
+        # models them at the measured third too)
+        splits = SplitFit(0.0, 0.0, gbps_per_gpu * 1e9, samples=1)
         block = BLOCK_TOKENS * self.kv_bytes_per_rank
         bands = len(layer_bands(m.layers, int(block / m.layers), SPLIT_BAND_BYTES))
         hit = Hit(0, tokens // BLOCK_TOKENS, tokens, BLOCK_TOKENS, int(block), bands)
-        decision = choose(hit, loads, compute)
+        # one pass however long the prompt (vLLM would chunk it: the simulator models that)
+        engine = Engine(token_budget=1 << 30)
+        decision = choose(hit, Figures(loads, splits, compute), engine=engine)
         times = dict(decision.predicted_s)
         times["auto"] = times[decision.way.value]
         return times, decision.way.value

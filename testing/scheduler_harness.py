@@ -97,7 +97,10 @@ def make_configs(
     ``attention=False``, the model is those alone: a Mamba model); with ``kv_events``, vLLM
     publishes KV events (to its null publisher: a test swaps in its own). ``extra``
     (``url`` among them) goes to ``kv_connector_extra_config``. Lookups are waited for up to
-    1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise."""
+    1 s in the step that starts them, unless ``lookup_wait_s`` says otherwise. Every hit is
+    loaded whole (``load_policy: async``) unless ``load_policy`` says otherwise: these tests
+    are about a request's life, and ``auto`` recomputes a share-mode hit until it has
+    measured the store (the policy's own tests say when it loads)."""
     model_config = ModelConfig(model=str(model), dtype="float32", seed=0, max_model_len=4096)
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -117,7 +120,7 @@ def make_configs(
             kv_connector_module_path="connector.redis_connector",
             kv_role=role,
             kv_load_failure_policy=failure_policy,
-            kv_connector_extra_config={"lookup_wait_s": 1, **extra},
+            kv_connector_extra_config={"lookup_wait_s": 1, "load_policy": "async", **extra},
         ),
         device_config=DeviceConfig("cpu"),
     )

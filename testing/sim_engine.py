@@ -132,9 +132,16 @@ class SimEngine:
         num_blocks: int = 64,
         max_num_seqs: int = 8,
         max_batched: int = 256,
+        layer_waits: bool = True,
+        full_graphs: bool = False,
         **extra: Any,
     ) -> None:
+        """``layer_waits=False``: the model's attention never calls the connector's per-layer
+        wait (a backend without the hook); ``full_graphs``: a pass whose every request
+        computes one token is replayed as vLLM replays a uniform decode batch on a GPU, as a
+        full CUDA graph, which runs no Python: no per-layer wait either."""
         self.role = role
+        self.layer_waits, self.full_graphs = layer_waits, full_graphs
         cfg = {"num_blocks": num_blocks, "max_num_seqs": max_num_seqs, **extra}
         self.sched = make_scheduler(model, role, url=url, max_batched=max_batched, **cfg)
         self.worker_conn, self.caches = make_worker_connector(model, url, role=role, **cfg)
@@ -161,6 +168,10 @@ class SimEngine:
         # requests whose attention read a wrong context in this step's forward pass: their KV
         # from the next layer on, and their sampled token, are wrong
         self._wrong_context: set[str] = set()
+        # whether this step's pass calls the per-layer waits, and the split blocks written into
+        # layers that had run without them (they must come back failed)
+        self._waits = True
+        self._late_split_writes: set[int] = set()
         # the scheduler side's counters, as vLLM reports them after each step (vLLM takes them;
         # ``take_stats`` hands them to a test)
         self._reported: dict[str, int] = {}
@@ -242,11 +253,15 @@ class SimEngine:
                     f"group {group} block {b} written for {req_id} while vLLM gives it to "
                     f"{sorted(owners)}"
                 )
-            elif split and self._layers_run.intersection(layers):
+            elif split and self._layers_run.intersection(layers) and self._waits:
                 self.write_violations.append(
                     f"block {b} written for {req_id} in layers {sorted(layers)} after layers "
                     f"{sorted(self._layers_run.intersection(layers))} ran"
                 )
+            elif split and self._layers_run.intersection(layers):
+                # a pass that waits for nothing: the load cannot know its layers ran, so the
+                # split must come back failed (checked after the step)
+                self._late_split_writes.add(b)
             elif not split and not (
                 req.status == RequestStatus.WAITING_FOR_REMOTE_KVS or req.is_finished()
             ):
@@ -329,6 +344,11 @@ class SimEngine:
         # step's output for that request), whatever they hold
         self._check_values(out, set(invalid))
         self.value_violations += [v for rid, b, v in self._split_checks if b not in invalid]
+        self.write_violations += [
+            f"split block {b} written after its layers ran (no wait) and not reported failed"
+            for b in sorted(self._late_split_writes - set(invalid))
+        ]
+        self._late_split_writes = set()
         self._splits = {}
         recving, sending = set(results.finished_recving), set(results.finished_sending)
         failed = set(getattr(results, "failed_recving", ()) or ())
@@ -431,11 +451,14 @@ class SimEngine:
         after and samples a wrong token."""
         rows = self._scheduled(out)
         wrong = self._wrong_context = set()
+        uniform_decode = bool(rows) and all(n == 1 for _, _, n in rows)
+        waits = self._waits = self.layer_waits and not (self.full_graphs and uniform_decode)
         for layer, (name, cache) in enumerate(self.caches.items()):
             if name not in LAYERS:
                 continue
-            self.worker_conn.wait_for_layer_load(name)
-            self.layers_waited.append(name)
+            if waits:
+                self.worker_conn.wait_for_layer_load(name)
+                self.layers_waited.append(name)
             with self.world:
                 self._layers_run.add(layer)
             for rid, blocks in self._splits.items():

@@ -560,8 +560,9 @@ class ShareMachine(LifecycleMachine):
     @initialize()
     def start(self) -> None:
         self.make("kv_both", **self.splitting())
-        # KV events on: a finished request is freed only once its saves are confirmed
-        self.make("kv_both", kv_events=True)
+        # KV events on: a finished request is freed only once its saves are confirmed; the
+        # load policy choosing (it recomputes until probes have measured the store)
+        self.make("kv_both", kv_events=True, load_policy="auto")
 
     def __init__(self) -> None:
         super().__init__()
@@ -621,7 +622,10 @@ class ConsumeMachine(LifecycleMachine):
     @initialize()
     def start(self) -> None:
         self.producer = self.make("kv_producer")
-        self.consumers = [self.make("kv_consumer"), self.make("kv_consumer", **self.splitting())]
+        self.consumers = [
+            self.make("kv_consumer", load_policy="auto"),
+            self.make("kv_consumer", **self.splitting()),
+        ]
         for c in self.consumers:
             self._trace(c)
 

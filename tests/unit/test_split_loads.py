@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
+from connector.figures import StepShape
 from kvstore import LookupBuffer
 from kvstore.values.keys import parse_key
 from testing.scheduler_harness import BS, LAYERS
@@ -63,6 +64,21 @@ def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
         e.shutdown()
     for e in made:
         e.assert_clean()
+
+
+def measured(
+    engine: SimEngine, *, token_s: float, load_bytes_per_s: float, band_bytes_per_s: float
+) -> None:
+    """Figures fed in as the workers would send them: prefills of ``token_s`` a token, whole
+    loads and split bands at the given bandwidths (no fixed costs)."""
+    policy = engine.connector.scheduler
+    policy._block_bytes, policy._bands = 32 << 10, 2
+    for tokens in (64, 128, 256, 512):
+        for _ in range(4):
+            policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), token_s * tokens)
+    for size in (1 << 20, 4 << 20):
+        policy.load_rate.add(size, size / load_bytes_per_s)
+        policy.split_rate.add(size, size / band_bytes_per_s, size / band_bytes_per_s, 2)
 
 
 def saved(engines: Any, tokens: list[int], **kw: Any) -> SimEngine:
@@ -198,19 +214,22 @@ def test_a_request_may_pin_its_way_when_the_instance_allows_it(engines: Any) -> 
     for rid, t in tokens.items():
         writer.add(rid, t)
     writer.run_until_idle()
-    reader = engines(request_load_policy=True)
+    reader = engines(load_policy="auto", request_load_policy=True)
     for rid, way in (("a", "async"), ("s", "split"), ("r", "recompute")):
         reader.add(rid, tokens[rid], params={"redis_kv_load": way})
         reader.run_until_idle()
     stats = reader.take_stats()
     assert (stats["chose_async"], stats["chose_split"], stats["chose_recompute"]) == (1, 1, 1)
-    assert stats["blocks_loaded"] == 8  # async and split: 4 blocks each
+    # async: all 4 blocks; the split 3, leaving the prompt's last 17 tokens to compute: a
+    # split never leaves a pass of one token (vLLM would replay it as a full CUDA graph,
+    # which runs no per-layer wait)
+    assert stats["blocks_loaded"] == 7
     assert stats["tokens_recompute_chosen"] == 4 * BS
     # without the setting, a request's wish is nobody's business
     other = engines()
     other.add("x", tokens["r"], params={"redis_kv_load": "recompute"})
     other.run_until_idle()
-    assert other.take_stats()["chose_async"] == 1  # not measured yet: as always, it loads
+    assert other.take_stats()["chose_async"] == 1  # the instance's own way
 
 
 def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
@@ -221,20 +240,15 @@ def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
     for rid, t in prompts.items():
         writer.add(rid, t)
     writer.run_until_idle()
-    reader = engines(split_band_bytes=16 << 10)
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     policy = reader.connector.scheduler
-    policy._block_bytes, policy._bands = 32 << 10, 2
-    for tokens in (64, 128, 256, 512):  # about 1 ms a token
-        for _ in range(4):
-            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
-    for size in (1 << 20, 4 << 20):  # 1 MB/s: a block takes 32 ms, computing it 16 ms
-        policy.load_rate.add(size, size / 1e6)
+    # 1 ms a token; 1 MB/s: a block takes 32 ms, computing it 16 ms
+    measured(reader, token_s=0.001, load_bytes_per_s=1e6, band_bytes_per_s=1e6)
     reader.add("p0", prompts["p0"])
     reader.run_until_idle()
     assert reader.take_stats()["chose_recompute"] == 1
-    policy.load_rate = type(policy.load_rate)()
-    for size in (1 << 20, 4 << 20):  # 10 GB/s
-        policy.load_rate.add(size, size / 1e10)
+    policy.load_rate, policy.split_rate = type(policy.load_rate)(), type(policy.split_rate)()
+    measured(reader, token_s=0.001, load_bytes_per_s=1e10, band_bytes_per_s=1e10)
     reader.add("p1", prompts["p1"])
     reader.run_until_idle()
     stats = reader.take_stats()
@@ -259,13 +273,8 @@ def test_a_pinned_split_with_measured_figures_loads_the_best_part_and_computes_t
     tokens = prompt(8 * BS + 3)
     saved(engines, tokens)
     reader = engines(**SPLIT)
-    policy = reader.connector.scheduler
-    policy._block_bytes = 32 << 10
-    for n in (64, 128, 256, 512):  # 1 ms a token
-        for _ in range(4):
-            policy.prefill_rate.add(n, n * n / 2, 0.001 * n)
-    for size in (1 << 20, 4 << 20):  # a block in 16 ms: as long as computing 16 tokens
-        policy.load_rate.add(size, size / (2 << 20))
+    # 1 ms a token; a block in 16 ms: as long as computing 16 tokens
+    measured(reader, token_s=0.001, load_bytes_per_s=2 << 20, band_bytes_per_s=2 << 20)
     reader.add("r", tokens)
     res = first_step_of(reader, "r")
     loaded = (8 * BS + 3 - res.output.num_scheduled_tokens["r"]) // BS
@@ -341,7 +350,7 @@ def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recompu
         time.sleep(0.005)
     else:
         raise AssertionError("no split was planned")
-    assert len(res.invalid) == 5  # every block: vLLM computes them
+    assert len(res.invalid) == 4  # every block it split (the fifth: its last 17 tokens)
     consumer.run_until_idle()
     stats = consumer.take_stats()
     assert stats["split_loads_failed"] == 1 and "blocks_loaded" not in stats
@@ -357,13 +366,10 @@ def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engine
     for rid, t in prompts.items():
         writer.add(rid, t)
     writer.run_until_idle()
-    reader = engines(split_band_bytes=16 << 10)
-    policy = reader.connector.scheduler
-    for tokens in (64, 128, 256, 512):  # about 1 ms a token
-        for _ in range(4):
-            policy.prefill_rate.add(tokens, tokens * tokens / 2, 0.001 * tokens)
-    for size in (1 << 20, 4 << 20):  # 10 GB/s, as measured
-        policy.load_rate.add(size, size / 1e10)
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
+    # 1 ms a token, bands at 10 GB/s, whole loads at 5 MB/s (a split of 5 blocks: 17 tokens
+    # computed, ~17 ms; all 6 loaded whole: ~40 ms), as measured
+    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
     slowed(reader.worker.store, "select_tensors_into", 0.5)  # now each band takes 0.5 s
     ways = []
     for rid, tokens in prompts.items():
@@ -372,7 +378,8 @@ def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engine
         chose = {k: v for k, v in reader.take_stats().items() if k.startswith("chose_")}
         ways.append(next(iter(chose)))
     assert ways[0] == "chose_split"  # as measured before
-    assert ways[-3:] == ["chose_recompute"] * 3, ways  # learnt from its failed splits
+    # learnt from its failed splits, without touching the whole loads' figure
+    assert ways[-3:] == ["chose_async"] * 3, ways
 
 
 @pytest.mark.parametrize("fails", [False, True])
@@ -454,3 +461,137 @@ def test_no_split_where_vllm_would_not_undo_a_failed_one(change: dict, why: str)
 
     assert split_refusal(engine(), layout) is None
     assert why in (split_refusal(engine(**change), layout) or "")
+
+
+def test_splits_whose_forward_pass_never_waits_stop_being_chosen(engines: Any) -> None:
+    """A forward pass that runs its layers without the connector's per-layer wait (a full
+    CUDA graph replays no Python) lands no split: each such split fails and is recomputed.
+    After two, the engine chooses none."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=50 + i) for i in range(5)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10, layer_waits=False)
+    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
+    ways = []
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+        reader.run_until_idle()
+        stats = reader.take_stats()
+        ways.append(next(k for k in stats if k.startswith("chose_")))
+    assert ways[:2] == ["chose_split"] * 2
+    assert "chose_split" not in ways[2:], ways
+    assert not reader.connector.scheduler.splits_allowed
+
+
+def test_a_split_never_leaves_the_one_token_pass_vllm_replays_as_a_full_cuda_graph(
+    engines: Any,
+) -> None:
+    """A split that left exactly one token to compute made the request's pass a uniform
+    decode batch, which vLLM replays as a full CUDA graph: no wait ran, so the split always
+    failed and the request paid the load and the recompute. A split leaves two."""
+    tokens = prompt(4 * BS + 1)
+    saved(engines, tokens)
+    reader = engines(**SPLIT, full_graphs=True)
+    reader.add("r", tokens)
+    res = first_step_of(reader, "r")
+    assert res.output.num_scheduled_tokens["r"] == BS + 1  # three blocks split, 17 computed
+    assert not res.invalid
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["blocks_loaded"] == 3
+    assert "split_loads_failed" not in stats and "split_loads_unwaited" not in stats
+
+
+def slow_reads(store: LookupBuffer, seconds: float) -> threading.Event:
+    """Every read of ``store`` takes ``seconds`` more while the returned event is set."""
+    slow = threading.Event()
+    slow.set()
+    for method in ("select_into", "select_head_into", "select_tensors_into"):
+        real = getattr(store, method)
+
+        def call(*a: Any, _real: Any = real, **k: Any) -> Any:
+            if slow.is_set():
+                time.sleep(seconds)
+            return _real(*a, **k)
+
+        setattr(store, method, call)
+    return slow
+
+
+def step_until(engine: SimEngine, done: Any, timeout_s: float = 60.0) -> None:
+    """Step an idle engine (vLLM's loop keeps stepping while it has work; a test stands in
+    for that) until ``done()``: probes run and report with the steps."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "it never happened"
+        engine.step()
+        time.sleep(0.01)
+
+
+def test_the_store_is_measured_by_probes_not_by_users_requests_and_trusted_again_when_fast(
+    engines: Any,
+) -> None:
+    """A cold instance recomputes its first hit while probes measure the store; a store too
+    slow for the probes' time is at most that fast, and hits are recomputed; once it is fast
+    again the next probe says so (about a second later, no request needed) and hits load.
+    (Before: a store judged slow was measured again only by loading a user's request, after
+    16 recomputed hits in a row, and an expired load taught nothing.)"""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=60 + i) for i in range(3)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(load_policy="auto")
+    policy = reader.connector.scheduler
+    for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), 0.001 * tokens)
+    slow = slow_reads(reader.worker.store, 1.5)  # past a probe's time (1 s)
+    reader.add("p0", prompts["p0"])
+    reader.run_until_idle()
+    assert reader.take_stats()["chose_recompute"] == 1  # cold: not loaded
+    step_until(reader, lambda: (f := policy.figures().loads) is not None and f.bounded)
+    reader.add("p1", prompts["p1"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats["chose_recompute"] == 1 and stats["load_probes"] >= 1
+    assert "blocks_loaded" not in stats  # no user's request was loaded to measure the store
+    slow.clear()  # the store recovers: the probes see it, with no request in between
+    step_until(reader, lambda: (f := policy.figures().loads) is not None and not f.bounded)
+    reader.add("p2", prompts["p2"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert "chose_recompute" not in stats and stats["blocks_loaded"] >= 1
+
+
+def test_a_cold_consumer_waits_for_a_handoff_no_longer_than_recomputing_plausibly_takes(
+    engines: Any,
+) -> None:
+    """Before any figures, a handoff is loaded (it was made for this request), but a store
+    that hangs costs it no more than what computing the prompt plausibly takes -- not its
+    whole deadline -- and what landed by then is a figure: the next is recomputed."""
+    tokens = [prompt(5 * BS + 3, seed=70 + i) for i in range(2)]
+    params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
+    consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
+    slow_reads(consumer.worker.store, 3.0)
+    planned: list[float] = []
+    real = consumer.connector.scheduler.build_connector_meta
+
+    def build(out: Any) -> Any:
+        meta = real(out)
+        planned.extend(spec.timeout_s for spec in meta.loads)
+        return meta
+
+    consumer.connector.scheduler.build_connector_meta = build  # type: ignore[method-assign]
+    consumer.add("c0", tokens[0], params=params[0])
+    consumer.run_until_idle()
+    stats = consumer.take_stats()
+    assert stats["chose_async"] == 1 and stats["loads_expired"] == 1
+    assert planned and planned[0] < 1.0  # ~0.15 s for 83 tokens at a slow CPU's 1 ms each
+    assert consumer.finish_reasons["c0"] == "length"
+    assert consumer.connector.scheduler.figures().loads is not None  # the expiry's bound
+    consumer.add("c1", tokens[1], params=params[1])
+    consumer.run_until_idle()
+    assert consumer.take_stats()["chose_recompute"] == 1

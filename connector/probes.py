@@ -1,0 +1,122 @@
+"""When the load policy's figures of the store need measuring again, without a user's request
+paying for it: small background reads of stored values (a probe), planned on the scheduler side
+and run by every worker rank beside its loads (``worker.py``). A probe reads a few blocks of a
+recent hit into staging and writes nothing into the KV cache: whole values (``ProbeKind.WHOLE``,
+the figure of asynchronous loads) or band by band (``ProbeKind.BANDS``, the figure of splits).
+Its time is a sample like a load's; one that expires or fails is an upper bound
+(``figures.py``).
+
+A probe is due when a figure is missing (every ``MISSING_INTERVAL_S``: the first hits are
+decided without one), and at most every ``PROBE_INTERVAL_S`` when it is an upper bound (a load
+or probe expired or failed) or older than ``STALE_S``, or when the policy has been recomputing
+hits because the store looked too slow -- so a store that got faster again is trusted within
+seconds, not after some number of recomputed requests. Sizes alternate between one block and
+what the store gives in ``PROBE_SECONDS`` by its figure (``PROBE_BYTES`` before there is one;
+at most ``PROBE_MAX_BYTES``): the fixed cost shows only where sizes differ, and the bandwidth
+only where a probe's bytes take longer than its fixed costs. A store measured slow gets one
+block, so a probe never costs a slow store long.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from connector.figures import LoadFit, SplitFit
+
+# at most one probe this often (seconds), while a figure is missing, and otherwise
+MISSING_INTERVAL_S = 0.05
+PROBE_INTERVAL_S = 1.0
+# a figure older than this is measured again when a probe is possible
+STALE_S = 30.0
+# the larger of the two probe sizes: what the store gives in this long by its figure (bytes a
+# rank reads), before a figure exists, and at most
+PROBE_SECONDS = 0.02
+PROBE_BYTES = 16 << 20
+PROBE_MAX_BYTES = 256 << 20
+# a figure of fewer samples is measured again at once (every MISSING_INTERVAL_S)
+FEW_SAMPLES = 3
+# what a probe may take before it ends and says the store is at most that fast
+PROBE_TIMEOUT_S = 1.0
+# a store slower than this gets one-block probes only (bytes per second)
+SLOW_BYTES_PER_S = 20e6
+
+
+class ProbeKind(enum.Enum):
+    WHOLE = "whole"  # values read whole, as an asynchronous load reads them
+    BANDS = "bands"  # values read band of layers by band, as a split reads them
+
+
+@dataclass(frozen=True)
+class ProbeSpec:
+    """Read ``hashes`` (block positions of one chain; values not there are skipped) into
+    staging, ``kind``-wise, within ``timeout_s``; report the time as a figure's sample."""
+
+    kind: ProbeKind
+    hashes: list[str]
+    timeout_s: float = PROBE_TIMEOUT_S
+
+
+class ProbePlanner:
+    """Which probe, if any, the next step's workers run (scheduler side)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._hashes: list[str] = []  # a recent hit's blocks, as present in Redis
+        self._sent_at = -float("inf")
+        self._sent = 0
+        self._store_too_slow = False  # the last hit was recomputed because of the store
+
+    def remember(self, hashes: list[str]) -> None:
+        """Blocks a lookup just found in Redis: what probes read (the newest hit's)."""
+        if hashes:
+            self._hashes = list(hashes)
+
+    def note_choice(self, recomputed_for_the_store: bool) -> None:
+        """The policy chose how to serve a measured hit: recomputing it because loading looked
+        slower keeps the store under watch."""
+        self._store_too_slow = recomputed_for_the_store
+
+    def due(
+        self,
+        loads: LoadFit | None,
+        splits: SplitFit | None,
+        splits_allowed: bool,
+        block_bytes: int,
+    ) -> ProbeSpec | None:
+        """The probe to run now, or None."""
+        now = self._clock()
+        if not self._hashes or block_bytes <= 0:
+            return None
+        missing = _few(loads) or (splits_allowed and _few(splits))
+        interval = MISSING_INTERVAL_S if missing else PROBE_INTERVAL_S
+        if now - self._sent_at < interval:
+            return None
+        whole = _needs(loads) or self._store_too_slow
+        bands = splits_allowed and (_needs(splits) or self._store_too_slow)
+        if not whole and not bands:
+            return None
+        kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
+        kind = kinds[self._sent % len(kinds)]
+        rate = (loads if kind is ProbeKind.WHOLE else splits) or loads
+        slow = rate is not None and (rate.bounded or rate.bytes_per_s < SLOW_BYTES_PER_S)
+        nbytes = (
+            PROBE_BYTES if rate is None else min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
+        )
+        large = max(1, min(len(self._hashes), int(nbytes // block_bytes)))
+        # large, small, then large again (sized by what the first two said), and so on
+        blocks = 1 if slow or (self._sent // len(kinds)) % 2 == 1 else large
+        self._sent_at, self._sent = now, self._sent + 1
+        return ProbeSpec(kind, self._hashes[:blocks])
+
+
+def _needs(fit: LoadFit | SplitFit | None) -> bool:
+    return _few(fit) or fit is None or fit.bounded or fit.age_s > STALE_S
+
+
+def _few(fit: LoadFit | SplitFit | None) -> bool:
+    """Too few samples yet: two sizes tell the fixed cost from the rate, and a third sized by
+    what those say measures the rate where the bytes outweigh the fixed costs."""
+    return fit is None or fit.samples < FEW_SAMPLES
