@@ -19,6 +19,8 @@ TRANSFER_PARAMS_KEY = "redis_kv"
 LOAD_POLICY_KEY = "redis_kv_load"
 # how a hit is served (load_policy.py): chosen per request, or one way pinned
 LOAD_POLICIES = ("auto", "async", "split", "recompute")
+# asynchronous loads a worker runs at once (more queue for a thread; the load policy models it)
+LOAD_THREADS = 2
 
 
 # settings that count things: 0 of them cannot work

@@ -34,13 +34,16 @@ Each way's cost is the request's own time to first token plus what it adds to th
 An idle engine reduces this to the request's own time; on a busy one ``async`` (which takes
 nothing of the forward pass) gains, until the loads in flight make it slow.
 
+A load is chosen only where its cost beats recomputing's by ``MARGIN``, and a split only where
+it beats a plain load by as much: a gain within the model's error is no gain.
+
 A way that is pinned (``load_policy``, or a request's own) is taken as it is: a pinned
 ``split`` loads the best ``j`` where the figures are measured, the whole hit before. Until the
-instance has measured loads and forward passes, a hit is loaded asynchronously as the
-connector always did, but no longer than recomputing it would plausibly take
-(``plausible_recompute_s``): a load past that ends and the request recomputes, and what landed
-by then is a figure (``figures.py``). Background probes (``probes.py``), not users' requests,
-keep the figures current.
+instance has measured the store, a share-mode hit is recomputed while background probes
+(``probes.py``) measure it, not users' requests; a handoff (made for this request to load) is
+loaded, but no longer than recomputing it would plausibly take (``plausible_recompute_s``): a
+load past that ends and the request recomputes, and what landed by then is a figure
+(``figures.py``). A measured choice's load waits at most its prediction plus recomputing's.
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from connector.config import LOAD_THREADS
 from connector.figures import ComputeFit, LoadFit, SplitFit, StepShape, step_shape
 
 # a split leaves at least this many prompt tokens to compute in its pass (see above)
 MIN_SPLIT_REST = 2
 # a load is chosen only where it is predicted to cost at least this much less than recomputing
-# (a fraction of recomputing's cost): the model's errors on a busy engine are of this order
-MARGIN = 0.1
+# (a fraction of recomputing's cost), and a split only where it beats a plain load by as much:
+# the model's errors are of this order (scripts/sim_load_policy.py; 0.10 lost more gains)
+MARGIN = 0.05
 # before any prefill was measured: what a prompt plausibly costs at most (a slow CPU's figures:
 # a GPU computes a token 30-300x faster, and is measured within its first passes)
 PRIOR_STEP_S = 0.05
@@ -130,10 +135,6 @@ class Busy:
     load_bytes_ahead: float = 0.0  # what a rank still receives for those loads
     split_bytes: float = 0.0  # what a rank reads for the splits of the pass being planned
 
-    @property
-    def idle(self) -> bool:
-        return self.batch.empty and self.prefills == 0 and self.loads == 0
-
 
 IDLE = Busy()
 
@@ -169,9 +170,6 @@ class LoadsInFlight:
 
     def __len__(self) -> int:
         return len(self._loads)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._loads
 
     def started(self, req_id: str, nbytes: float, now: float, predicted_s: float) -> None:
         self._loads[req_id] = (nbytes, now, predicted_s)
@@ -304,6 +302,11 @@ class _Model:
         per_step_ahead = max(1, busy.prefills) * engine.cap
         t = added = lose = longest = 0.0
         ctx, left, steps = first, max(0, end - first), 0
+        if left > 0 and per_step_ahead >= room and ahead > room:
+            # passes the others fill whole: this request gets nothing of them
+            full = (ahead - 1) // room
+            t += full * c.pass_seconds(self._others(room))
+            ahead -= full * room
         while left > 0 and ahead > 0:
             if steps >= _MAX_STEPS:  # the rest of the others' tokens, as one lump
                 t += c.pass_seconds(self._others(ahead))
@@ -373,9 +376,10 @@ class _Model:
         own = min(hit.prompt_tokens - loaded, engine.cap, room - take)
         base = c.pass_seconds(self._others(take))
         compute = base + c.prefill_seconds(loaded, loaded + own)
-        # the pass waits for every split of it, read beside the loads in flight
+        # the pass waits for every split of it, read beside the loads running (a worker runs
+        # LOAD_THREADS at once)
         bands = (j * hit.block_bytes + busy.split_bytes) / b
-        x = splits.band_seconds(bands * (1 + busy.loads))
+        x = splits.band_seconds(bands * (1 + min(busy.loads, LOAD_THREADS)))
         step = splits.first_s + max(x + compute, b * x + compute / b)
         later = self.passes(loaded + own, hit.prompt_tokens, busy.prefill_tokens_ahead - take)
         # what the pass takes longer for it (its loads and its own compute): everyone in it
@@ -470,10 +474,10 @@ def choose(
         plausible = plausible_recompute_s(hit, None, token_s)
         own = hit.blocks * hit.block_bytes + busy.load_bytes_ahead
         load = loads.lag_s + loads.seconds(own)
-        times = _rounded({Way.ASYNC: load, Way.RECOMPUTE: plausible})
+        guesses = _rounded({Way.ASYNC: load, Way.RECOMPUTE: plausible})
         if load < (1 - MARGIN) * plausible:
-            return Decision(Way.ASYNC, hit.blocks, Reason.NOT_MEASURED, times, load + plausible)
-        return Decision(Way.RECOMPUTE, 0, Reason.NOT_MEASURED, times)
+            return Decision(Way.ASYNC, hit.blocks, Reason.NOT_MEASURED, guesses, load + plausible)
+        return Decision(Way.RECOMPUTE, 0, Reason.NOT_MEASURED, guesses)
     model = _Model(hit, compute, engine, busy, weights, loads)
     times: dict[Way, float] = {}
     costs: dict[Way, float] = {}
@@ -485,9 +489,13 @@ def choose(
         j, times[Way.SPLIT] = _best_split(model, figures.splits)
         costs[Way.SPLIT] = model.split(figures.splits, j)[1]
     total = {way: times[way] + costs[way] for way in times}
+    # a gain within the model's error is no gain: a load must beat recomputing by the margin,
+    # and a split (which stalls its whole pass, and fails it if a band is late) a plain load
+    if Way.SPLIT in total and total[Way.SPLIT] > (1 - MARGIN) * total[Way.ASYNC]:
+        del total[Way.SPLIT]
     way = min(total, key=lambda w: (total[w], w is not Way.RECOMPUTE))
     if total[way] > (1 - MARGIN) * total[Way.RECOMPUTE]:
-        way = Way.RECOMPUTE  # a gain within the model's error is no gain
+        way = Way.RECOMPUTE
     blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
     # a load may wait as long as it was predicted to take plus recomputing (past that, even
     # landing it has cost more than recomputing would have)
@@ -527,7 +535,7 @@ def _best_split(model: _Model, splits: SplitFit) -> tuple[int, float]:
     def transfer_longer(j: int) -> bool:
         loaded = first + j * hit.block_size
         compute = model.c.prefill_seconds(loaded, min(hit.prompt_tokens, loaded + model.engine.cap))
-        bands = (j * hit.block_bytes + busy.split_bytes) / b * (1 + busy.loads)
+        bands = (j * hit.block_bytes + busy.split_bytes) / b * (1 + min(busy.loads, LOAD_THREADS))
         return b * splits.band_seconds(bands) >= base + compute
 
     def cost(j: int) -> tuple[float, int]:

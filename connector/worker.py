@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from connector.commits import SaveLedger, StoredReport
-from connector.config import RedisConnectorConfig
+from connector.config import LOAD_THREADS, RedisConnectorConfig
 from connector.figures import StepShape
 from connector.layout import KVLayout
 from connector.logs import FailureCounts
@@ -156,7 +156,7 @@ class RedisConnectorWorker:
         self._kv: dict[str, torch.Tensor] = {}
         self._kv_asleep: dict[str, torch.Tensor] = {}  # vLLM sleep mode: set aside, not used
         self._asleep = False
-        self._load_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-load")
+        self._load_io = ThreadPoolExecutor(LOAD_THREADS, thread_name_prefix="redis-kv-load")
         # split loads never queue behind asynchronous ones: a forward pass waits for them
         self._layered_io = ThreadPoolExecutor(2, thread_name_prefix="redis-kv-layered")
         self._splits: dict[str, _Split] = {}  # this step's

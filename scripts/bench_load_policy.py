@@ -20,14 +20,24 @@ loader takes to compute it; the phases run at ``--below`` and ``--near`` times t
 unthrottled. Prints a table (TTFT p50 and p90 per way; ``auto`` and ``split`` against the
 better of ``recompute`` and ``async``; what ``auto`` chose) and writes ``--json`` and a plot.
 
+``--instances``: one fresh server per way instead (``recompute``, ``async``, ``auto``: each its
+instance's ``load_policy``, nothing pinned per request), each reading Redis through a relay of
+its own at the same cap, so ``auto`` learns only from its own requests and probes. Phases:
+``--slow`` bytes per second first, on servers that have measured nothing of the store (a cold
+start with a slow store), then the break-even and unthrottled, then the same three again (after
+learning on a fast store). Every answer (``--answer-tokens`` greedy tokens) of ``async`` and
+``auto`` is checked against the recomputing server's; TTFT is the first streamed token's.
+
     python -m scripts.bench_load_policy [--docs 8] [--doc-tokens 1500] [--layers 8]
         [--json docs/results/bench_load_policy/bench_load_policy.json]
         [--plot docs/plots/load_policy.png]
+    python -m scripts.bench_load_policy --instances [--docs 6] [--slow 0.5e6] [--json ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -201,6 +211,189 @@ def plot(phases: list[Phase], out: Path, title: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+# ---------------------------------------------------------------------- one instance per way
+INSTANCE_WAYS = ("recompute", "async", "auto")
+
+
+def stream(url: str, name: str, prompt: str, tokens: int) -> tuple[float, str, int]:
+    """One request, streamed: (seconds to its first token, its answer, prompt tokens served
+    from a cache; -1 if the server did not say)."""
+    body: dict[str, Any] = {
+        "model": name, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    first, text, cached = None, [], -1
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or ():
+                if first is None:
+                    first = time.perf_counter() - t0
+                text.append(choice.get("text") or "")
+            details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+            if "cached_tokens" in details:
+                cached = int(details["cached_tokens"] or 0)
+    return (first if first is not None else time.perf_counter() - t0), "".join(text), cached
+
+
+@dataclass
+class InstancePhase:
+    name: str
+    bytes_per_s: float | None
+    ttft_s: dict[str, list[float]] = field(default_factory=dict)
+    cached_tokens: dict[str, list[int]] = field(default_factory=dict)
+    answers_differ: dict[str, int] = field(default_factory=dict)  # against recompute's
+    auto_chose: dict[str, int] = field(default_factory=dict)
+
+    def p50(self, way: str) -> float:
+        return statistics.median(self.ttft_s[way])
+
+    def auto_ratio(self) -> float:
+        return self.p50("auto") / min(self.p50("recompute"), self.p50("async"))
+
+
+def instance_table(phases: list[InstancePhase]) -> str:
+    lines = [
+        "| store bandwidth | recompute | async | auto | auto / better of recompute and async "
+        "| auto chose | answers unlike recompute's |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for ph in phases:
+        cells = [f"{1000 * ph.p50(w):.0f} ms" for w in INSTANCE_WAYS]
+        chose = ", ".join(f"{k} {v}" for k, v in sorted(ph.auto_chose.items())) or "-"
+        differ = sum(ph.answers_differ.values())
+        lines.append(
+            f"| {ph.name} | {' | '.join(cells)} | **{ph.auto_ratio():.2f}x** | {chose} | {differ} |"
+        )
+    return "\n".join(lines)
+
+
+def run_instances(args: argparse.Namespace) -> int:
+    """One fresh server per way, phases from a cold start (see the module docstring)."""
+    from testing.zygote import Zygote
+
+    name = "tiny-llama"
+    with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack_:
+        tmp = Path(tmp_dir)
+        log_dir = args.log_dir or tmp / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        model = str(make_model(tmp / "model", layers=args.layers, q_heads=8, kv_heads=2))
+        docs = documents(7 * args.docs + 4, args.doc_tokens, seed=2)
+        questions = [f" Question {i}: what does it say?" for i in range(args.docs)]
+        t0 = time.monotonic()
+        store = stack_.enter_context(RedisServer())
+        relays = {
+            w: stack_.enter_context(DelayRelay("127.0.0.1", store.port, 0.0)) for w in INSTANCE_WAYS
+        }
+        client = redis.Redis.from_url(store.url)
+        zygote = Zygote(tmp)
+        stack_.callback(zygote.stop)
+        stk = stack.Stack()
+        stack_.callback(stk.stop)
+        saver = stk.add(stack.vllm_server(
+            "saver", model=model, role="kv_both", log_dir=log_dir, port=free_port(),
+            redis_url=store.url, core=0, extra_config={"mode": "share", **PATIENT},
+            fork_from=zygote,
+        ))  # fmt: skip
+        servers = {
+            w: stk.add(
+                stack.vllm_server(
+                    w,
+                    model=model,
+                    role="kv_both",
+                    log_dir=log_dir,
+                    port=free_port(),
+                    redis_url=relays[w].url,
+                    core=1,
+                    fork_from=zygote,
+                    extra_config={"mode": "share", **PATIENT, "load_policy": w},
+                )
+            )
+            for w in INSTANCE_WAYS
+        }
+        stack.wait_healthy([saver, *servers.values()])
+        print(f"servers up in {time.monotonic() - t0:.0f}s", flush=True)
+        for proc in (saver, *servers.values()):  # first passes are slow: not measured
+            complete(proc.url, name, "warm up " * 60)
+        # the break-even, on the recomputing server (its figures are not the auto server's)
+        bstar = break_even(servers["recompute"].url, saver.url, name, client, docs[:4])
+        print(f"break-even: {bstar / 1e6:.1f} MB/s", flush=True)
+        plan = [
+            (f"{args.slow / 1e6:g} MB/s, cold", args.slow),
+            (f"break-even ({bstar / 1e6:.1f} MB/s)", bstar),
+            ("unthrottled", None),
+            (f"{args.slow / 1e6:g} MB/s, after the fast store", args.slow),
+            (f"break-even ({bstar / 1e6:.1f} MB/s), after", bstar),
+            ("unthrottled, after", None),
+        ]
+        phases = []
+        for k, (label, rate) in enumerate(plan):
+            phase = InstancePhase(label, rate)
+            batch = docs[4 + k * args.docs : 4 + (k + 1) * args.docs]
+            run_instance_phase(phase, relays, saver.url, servers, name, client, batch,
+                               questions, args.answer_tokens)  # fmt: skip
+            phases.append(phase)
+            print(instance_table([phase]).splitlines()[-1], flush=True)
+        elapsed = time.monotonic() - t0
+        client.close()
+    where = f"{os.uname().nodename}: {os.cpu_count()} cores, no GPU"
+    print(f"\n{where}; {args.docs} requests per way and phase, {args.doc_tokens}-token "
+          f"documents, {args.layers}-layer tiny Llama, one server per way; break-even "
+          f"{bstar / 1e6:.1f} MB/s; {elapsed:.0f}s")  # fmt: skip
+    print(instance_table(phases))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "machine": where, "mode": "instances",
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "break_even_bytes_per_s": bstar, "seconds": elapsed,
+            "phases": [{**asdict(ph), "auto_vs_better": ph.auto_ratio()} for ph in phases],
+        }, indent=1))  # fmt: skip
+    differ = sum(sum(ph.answers_differ.values()) for ph in phases)
+    return 1 if differ else 0
+
+
+def run_instance_phase(
+    phase: InstancePhase,
+    relays: dict[str, DelayRelay],
+    saver: str,
+    servers: dict[str, Any],
+    name: str,
+    client: redis.Redis,
+    docs: list[str],
+    questions: list[str],
+    answer_tokens: int,
+) -> None:
+    for relay in relays.values():
+        relay.rate_bytes_per_s = phase.bytes_per_s
+    for doc in docs:  # every document in Redis first
+        complete(saver, name, doc)
+    settle(client)
+    phase.ttft_s = {w: [] for w in INSTANCE_WAYS}
+    phase.cached_tokens = {w: [] for w in INSTANCE_WAYS}
+    phase.answers_differ = dict.fromkeys(INSTANCE_WAYS, 0)
+    before = choices(servers["auto"].url)
+    for i, doc in enumerate(docs):
+        k = i % len(INSTANCE_WAYS)
+        order = INSTANCE_WAYS[k:] + INSTANCE_WAYS[:k]  # each in each place: drift hits alike
+        answers = {}
+        for way in order:
+            took, text, cached = stream(servers[way].url, name, doc + questions[i], answer_tokens)
+            phase.ttft_s[way].append(took)
+            phase.cached_tokens[way].append(cached)
+            answers[way] = text
+        for way in ("async", "auto"):
+            phase.answers_differ[way] += int(answers[way] != answers["recompute"])
+    after = choices(servers["auto"].url)
+    phase.auto_chose = {
+        c.removeprefix("chose_"): int(after[c] - before[c]) for c in CHOICES if after[c] > before[c]
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, default=8, help="measured requests per way and phase")
@@ -211,7 +404,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--log-dir", type=Path)
+    ap.add_argument("--instances", action="store_true", help="one fresh server per way")
+    ap.add_argument("--slow", type=float, default=0.5e6, help="--instances: bytes/s, slow store")
+    ap.add_argument("--answer-tokens", type=int, default=4, help="--instances: tokens compared")
     args = ap.parse_args(argv)
+    if args.instances:
+        return run_instances(args)
     name = "tiny-llama"
     warm = 1
     per_phase = (args.docs + warm) * len(WAYS)

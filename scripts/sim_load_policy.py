@@ -12,8 +12,9 @@ admits waiting requests in arrival order while the budget lasts. A pass takes
 achieved FLOPs + decode KV reads / HBM bandwidth``, with 5% noise: a compute-bound prefill,
 memory-bound decodes. Not the policy's own (linear) model: the policy has to learn it.
 
-The store (``Store``): each rank's link gives ``gbps`` to whole loads, shared evenly among the
-transfers on it (loads and probes); a load pays ``overhead_s`` first. A split reads band by
+The store (``Store``): each rank's link gives ``gbps`` to whole loads, served first come first
+served two at a time (a worker's two load threads), shared evenly among those; a load pays
+``overhead_s`` first. A split reads band by
 band at ``split_ratio`` of that, ``band_s`` per band and ``first_s`` before the first; its
 forward pass runs each band of layers once that band landed. 10% noise on every transfer. With
 TP, every rank reads its share; one rank is 15% slower (the slowest sets the pace). An
@@ -54,6 +55,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from connector.config import LOAD_THREADS
 from connector.figures import (
     ComputeRate,
     LoadRate,
@@ -195,12 +197,15 @@ class Transfer:
     nbytes: float
     owner: object  # the request, or a probe
     done_at: float | None = None
-    moved_before: float = 0.0  # the link's bytes moved (every transfer's) when it started
+    began: float | None = None  # when the link began serving it (a load thread took it)
+    moved_before: float = 0.0  # the link's bytes moved (every transfer's) when it began
     moved_by_done: float = 0.0  # and when it was done
 
 
 class Links:
-    """Each rank's link to the store: its transfers share its bandwidth evenly."""
+    """Each rank's link to the store: its transfers are served first come first served, at
+    most ``LOAD_THREADS`` at a time (the worker's load threads), sharing its bandwidth
+    evenly."""
 
     def __init__(self, store: Store, ranks: int, rng: random.Random) -> None:
         self.store, self.ranks, self.rng = store, ranks, rng
@@ -218,24 +223,29 @@ class Links:
             )  # fmt: skip
 
     def active(self, rank: int) -> int:
-        return sum(1 for t in self.transfers if t.rank == rank and t.done_at is None)
+        """Transfers the link serves now (a split's bands share it with them)."""
+        return sum(1 for t in self.transfers if t.rank == rank and t.done_at is None and t.began)
 
     def advance(self, t0: float, t1: float) -> None:
-        """Progress every transfer from ``t0`` to ``t1`` (processor sharing per link)."""
+        """Progress every transfer from ``t0`` to ``t1``."""
         for rank in range(self.ranks):
             rate = self.store.rank_bytes_per_s(rank, self.ranks)
             mine = [t for t in self.transfers if t.rank == rank and t.done_at is None]
             now = t0
             while now < t1 and mine:
-                live = [t for t in mine if t.started <= now]
+                live = [t for t in mine if t.started <= now][:LOAD_THREADS]
                 later = [t.started for t in mine if t.started > now]
                 if not live:
                     if not later or min(later) >= t1:
                         break
                     now = min(later)
                     continue
+                for t in live:
+                    if t.began is None:  # its first byte (the worker times it from here)
+                        t.began, t.moved_before = now, self.moved[rank]
                 share = rate / len(live)
-                until = min([t1, *later, now + min(t.left for t in live) / share])
+                arrivals = later if len(live) < LOAD_THREADS else []
+                until = min([t1, *arrivals, now + min(t.left for t in live) / share])
                 self.moved[rank] += share * len(live) * (until - now)
                 for t in live:
                     t.left -= share * (until - now)
@@ -245,26 +255,40 @@ class Links:
                 mine = [t for t in mine if t.done_at is None]
                 now = until
 
+    def _of(self, owner: object) -> list[Transfer]:
+        return [t for t in self.transfers if t.owner is owner]
+
     def finished(self, owner: object) -> float | None:
         """When every rank's transfer of ``owner`` finished (None: not yet)."""
-        mine = [t for t in self.transfers if t.owner is owner]
+        mine = self._of(owner)
         if not mine or any(t.done_at is None for t in mine):
             return None
         return max(t.done_at for t in mine if t.done_at is not None)
 
-    def landed(self, owner: object) -> list[tuple[int, float, float]]:
-        """(rank, bytes landed, when it started) of each of ``owner``'s transfers so far."""
-        return [(t.rank, max(0.0, t.nbytes - max(0.0, t.left)), t.started)
-                for t in self.transfers if t.owner is owner]  # fmt: skip
+    def landed(self, owner: object) -> list[tuple[int, float, float | None]]:
+        """(rank, bytes landed, when its first byte went) of each of ``owner``'s transfers."""
+        return [(t.rank, max(0.0, t.nbytes - max(0.0, t.left)), t.began) for t in self._of(owner)]
 
     def shared(self, owner: object, rank: int) -> float:
         """What ``rank``'s link moved while ``owner``'s transfer ran (every transfer's bytes:
         what a worker's sample counts), at least its own."""
-        t = next(t for t in self.transfers if t.owner is owner and t.rank == rank)
+        t = next(t for t in self._of(owner) if t.rank == rank)
         return max(t.nbytes, t.moved_by_done - t.moved_before)
 
     def drop(self, owner: object) -> None:
         self.transfers = [t for t in self.transfers if t.owner is not owner]
+
+    def next_event(self, now: float) -> float:
+        """When the next transfer finishes or starts, if nothing new comes (inf: none)."""
+        soonest = math.inf
+        for rank in range(self.ranks):
+            mine = [t for t in self.transfers if t.rank == rank and t.done_at is None]
+            live = [t for t in mine if t.started <= now][:LOAD_THREADS]
+            if live:
+                share = self.store.rank_bytes_per_s(rank, self.ranks) / len(live)
+                soonest = min(soonest, now + min(t.left for t in live) / share)
+            soonest = min([soonest, *(t.started for t in mine if t.started > now)])
+        return soonest
 
 
 @dataclass
@@ -423,7 +447,12 @@ class EngineSim:
         if not self.loading and not self.running and not self.waiting and self.arrivals:
             self.t = max(self.t, self.arrivals[0].arrival)
         else:
-            self.t += 0.001
+            # empty steps until the next thing happens: a load lands, runs out of time, or a
+            # request arrives (each empty step is ~1 ms: the engine notices within one)
+            events = [self.links.next_event(t0), *(self._limit(r) for r in self.loading.values())]
+            if self.arrivals:
+                events.append(self.arrivals[0].arrival)
+            self.t = max(t0 + 0.001, min(events))
         self.links.advance(t0, self.t)
         self._loads_done(self.t)
         self._arrived()
@@ -565,16 +594,21 @@ class EngineSim:
         self.loads_out.started(str(r.rid), nbytes, step_start, predicted or wait or 1.0)
         r.arrival_load = step_start  # type: ignore[attr-defined]
 
+    def _limit(self, r: Request) -> float:
+        """When ``r``'s load runs out of time (the policy's wait, within its deadline)."""
+        wait = r.decision.wait_s if r.decision and r.decision.wait_s is not None else math.inf
+        return r.arrival_load + min(self.deadline_s, wait)  # type: ignore[attr-defined]
+
     def _loads_done(self, now: float) -> None:
         """Loads that landed (their requests are scheduled next step) or ran past their wait
         (their requests recompute)."""
         for rid, r in list(self.loading.items()):
             started = r.arrival_load  # type: ignore[attr-defined]
-            wait = r.decision.wait_s if r.decision and r.decision.wait_s is not None else None
-            limit = started + min(self.deadline_s, wait if wait is not None else math.inf)
+            limit = self._limit(r)
             done = self.links.finished(r)
             if done is not None and done <= limit:
                 for rank, _, first in self.links.landed(r):
+                    assert first is not None
                     lag = first - started
                     done_rank = next(
                         t.done_at for t in self.links.transfers if t.owner is r and t.rank == rank
@@ -584,7 +618,8 @@ class EngineSim:
                 r.state = "loaded"
             elif now >= limit:
                 for rank, nbytes, first in self.links.landed(r):
-                    self.load_rate.add_bound(nbytes, limit - first, rank)
+                    if first is not None:  # (one still queued says nothing of the store)
+                        self.load_rate.add_bound(nbytes, limit - first, rank)
                 r.state = "recompute"
             else:
                 continue

@@ -16,8 +16,10 @@ import torch
 pytest.importorskip("vllm")
 
 from connector.config import RedisConnectorConfig
+from connector.figures import StepShape
 from connector.layout import KVLayout
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
+from connector.probes import ProbeKind, ProbeSpec
 from connector.worker import RedisConnectorWorker
 from kvstore import Claim, LookupBuffer, StoreUnavailableError, chain_hashes
 
@@ -645,3 +647,143 @@ def test_a_failed_copy_out_sheds_the_blocks_and_the_commit_still_comes() -> None
     # the consumer learns at once that nothing was written: it recomputes, never waits
     assert worker.store.read_handoff("hp", hashes).committed == 0
     assert worker.get_finished()[0] == {"p"}
+
+
+# ---------------------------------------------------------------------- the load policy's figures
+def test_a_load_queued_behind_others_is_timed_from_its_first_request() -> None:
+    """A worker runs two loads at a time: a third waits for a thread. Its sample is its own
+    time at the store (the queue is its lag), else a busy worker looks like a slow store."""
+    client = fakeredis.FakeRedis()
+    src, src_kv = make_worker(client)
+    dst, _ = make_worker(client)
+    fill_random(src_kv)
+    chains = [chain_hashes([i] * (2 * N), N) for i in range(3)]
+    for i, chain in enumerate(chains):
+        save(src, f"p{i}", [2 * i, 2 * i + 1], chain)
+    release = threading.Event()
+    real_select = dst.store.select_into
+
+    def held(hashes: list[str], *a: object, **k: object) -> object:
+        if hashes[0] != chains[2][0]:
+            release.wait(10)  # the first two loads hold both threads
+        return real_select(hashes, *a, **k)  # type: ignore[arg-type]
+
+    dst.store.select_into = held  # type: ignore[method-assign]
+    specs = [LoadSpec(f"d{i}", [[10 + 2 * i, 11 + 2 * i]], c, 30.0) for i, c in enumerate(chains)]
+    meta = RedisConnectorMetadata(loads=specs)
+    dst.forward_started(meta)
+    dst.start_load_kv(meta)
+    time.sleep(0.3)  # the third load waits for a thread all this while
+    release.set()
+    settle(dst)
+    assert dst.get_finished()[1] == {"d0", "d1", "d2"}
+    samples = dst.take_stats()["load_samples"]
+    assert len(samples) == 3 and {s[0] for s in samples} == {0}  # rank, bytes, seconds, lag
+    third = max(samples, key=lambda s: s[3])  # the one that waited longest to begin
+    assert third[3] >= 0.3  # its lag: the queue
+    assert third[2] < third[3]  # its time at the store: without the queue
+
+
+def test_loads_that_expire_or_fail_bound_the_bandwidth() -> None:
+    dst, _, hashes = saved_and_a_fresh_worker()
+    release = threading.Event()
+    real_select = dst.store.select_into
+
+    def hung_select(*a: object, **k: object) -> object:
+        release.wait(10)
+        return real_select(*a, **k)  # type: ignore[arg-type]
+
+    dst.store.select_into = hung_select  # type: ignore[method-assign]
+    dst.start_load_kv(load("d", [5, 6], hashes, timeout_s=0.3))
+    wait_loaded(dst, "d")
+    release.set()
+    settle(dst)
+    stats = dst.take_stats()
+    assert "load_samples" not in stats
+    ((rank, landed, seconds),) = stats["load_bounds"]  # nothing landed in ~0.3 s
+    assert (rank, landed) == (0, 0) and seconds >= 0.25
+
+
+def test_the_compute_fence_of_a_steps_loads_is_the_one_recorded_when_it_was_bound() -> None:
+    """vLLM launches a step's forward pass before it starts the step's asynchronous loads: a
+    fence recorded then orders the loads' writes after the whole pass. The worker records it
+    when the step's metadata is bound, before the pass."""
+    dst, _, hashes = saved_and_a_fresh_worker()
+    fences: list[str] = []
+    waited: list[str] = []
+
+    class Fence:
+        def __init__(self, when: str) -> None:
+            self.when = when
+
+        def synchronize(self) -> None:
+            waited.append(self.when)
+
+    phase = "bound"
+
+    def compute_fence() -> Fence:
+        fences.append(phase)
+        return Fence(phase)
+
+    for mover in dst.movers:
+        mover.compute_fence = compute_fence  # type: ignore[method-assign]
+    meta = load("d", [5, 6], hashes)
+    dst.forward_started(meta)
+    phase = "after the forward pass was launched"  # what vLLM does next
+    dst.start_load_kv(meta)
+    wait_loaded(dst, "d")
+    assert fences == ["bound"] and set(waited) == {"bound"}
+
+
+def test_a_probe_reads_stored_blocks_into_staging_and_writes_nothing() -> None:
+    dst, dst_kv, hashes = saved_and_a_fresh_worker()
+    dst.start_load_kv(RedisConnectorMetadata(probes=[ProbeSpec(ProbeKind.WHOLE, hashes)]))
+    settle(dst)
+    stats = dst.take_stats()
+    assert stats["load_probes"] == 1
+    ((rank, nbytes, seconds, lag),) = stats["load_samples"]
+    block = dst.movers[0].header_bytes + dst.movers[0].raw_bytes
+    assert (rank, lag) == (0, -1.0) and nbytes >= 2 * block and seconds > 0
+    assert all(int(t.count_nonzero()) == 0 for t in dst_kv.values())  # nothing written
+    # by bands, as a split reads: a split figure's sample
+    dst.start_load_kv(RedisConnectorMetadata(probes=[ProbeSpec(ProbeKind.BANDS, hashes)]))
+    settle(dst)
+    ((rank, band_bytes, first, _, bands),) = dst.take_stats()["split_samples"]
+    assert bands == 1 and band_bytes >= 2 * dst.movers[0].raw_bytes and first > 0
+    # a block not there: no sample (its time says little of the store)
+    missing = chain_hashes(list(range(100, 100 + 2 * N)), N)
+    dst.start_load_kv(RedisConnectorMetadata(probes=[ProbeSpec(ProbeKind.WHOLE, missing)]))
+    settle(dst)
+    assert "load_samples" not in dst.take_stats()
+
+
+def test_a_probe_that_runs_out_of_time_bounds_the_bandwidth() -> None:
+    dst, _, hashes = saved_and_a_fresh_worker()
+    real_select = dst.store.select_into
+
+    def slow_select(*a: object, **k: object) -> object:
+        time.sleep(0.3)
+        return real_select(*a, **k)  # type: ignore[arg-type]
+
+    dst.store.select_into = slow_select  # type: ignore[method-assign]
+    spec = ProbeSpec(ProbeKind.WHOLE, hashes, timeout_s=0.1)
+    dst.start_load_kv(RedisConnectorMetadata(probes=[spec]))
+    settle(dst)
+    ((rank, _, seconds),) = dst.take_stats()["load_bounds"]
+    assert rank == 0 and seconds >= 0.1
+
+
+def test_forward_passes_are_sampled_with_their_shape_less_their_split_waits() -> None:
+    dst, _, _ = saved_and_a_fresh_worker()
+    shape = StepShape(
+        prefill_tokens=100, prefill_attention=5000.0, decode_rows=3, decode_context=900
+    )
+    meta = RedisConnectorMetadata(step=shape)
+    dst.forward_started(meta)
+    time.sleep(0.02)
+    dst.wait_for_save(meta)
+    ((tokens, attention, rows, context, seconds),) = dst.take_stats()["compute_samples"]
+    assert (tokens, attention, rows, context) == (100, 5000.0, 3, 900) and seconds >= 0.02
+    dst.forward_started(RedisConnectorMetadata())  # nothing computed: no sample
+    dst.wait_for_save(RedisConnectorMetadata())
+    assert "compute_samples" not in dst.take_stats()

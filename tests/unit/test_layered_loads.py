@@ -129,6 +129,28 @@ def test_layers_that_never_waited_fail_every_block() -> None:
     for layer in range(LAYERS - 1):
         assert load.wait(layer)
     assert sorted(load.finish()) == dst_ids  # layer 3 was never waited for
+    assert load.skipped_waits  # (the scheduler side stops choosing splits after two)
+
+
+def test_a_landed_load_gives_its_band_timeline() -> None:
+    """When each band landed, for the split figure: the first band's time, the median time
+    between bands, and the bytes of a band (every block's, every mover's)."""
+    _, _, mover, hashes, _ = saved("cpu")
+    load = LayeredLoad([mover], list(range(20, 30)), hashes, BANDS, time.monotonic() + 30)
+    load.run()
+    for layer in range(LAYERS):
+        assert load.wait(layer)
+    assert load.finish() == [] and not load.skipped_waits
+    timeline = load.band_timeline()
+    assert timeline is not None
+    band_bytes, first, between, bands = timeline
+    assert bands == len(BANDS) and band_bytes == 10 * mover.raw_bytes // len(BANDS)
+    assert first == load.band_landed_s[0] and 0 <= between <= load.landed_s  # type: ignore[operator]
+    # a load that ended first has none (its upper bound is transfer_sample's)
+    ended = LayeredLoad([mover], list(range(20, 30)), hashes, BANDS, time.monotonic() + 30)
+    ended.cancel()
+    ended.run()
+    assert ended.band_timeline() is None
 
 
 def test_a_missing_block_fails_alone_and_old_values_are_read_whole() -> None:
