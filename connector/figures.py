@@ -74,6 +74,7 @@ class LoadFit:
     lag_s: float = 0.0  # from the load's step starting to its first byte out
     age_s: float = 0.0  # how old the newest sample is
     bounded: bool = False  # the bandwidth is an expired or failed load's upper bound
+    changed: bool = False  # the newest samples disagree with the window: the store changed
 
     def seconds(self, nbytes: float) -> float:
         return self.overhead_s + nbytes / self.bytes_per_s
@@ -89,6 +90,7 @@ class SplitFit:
     samples: int
     age_s: float = 0.0
     bounded: bool = False
+    changed: bool = False
 
     def band_seconds(self, band_bytes: float) -> float:
         """One band of a split whose every block's band is ``band_bytes`` in all."""
@@ -136,15 +138,19 @@ class ComputeFit:
     decode_row_s: float = 0.0  # per decode in the pass
     decode_context_s: float = 0.0  # per context token a decode reads
     samples: int = 0
+    # no pass is faster than a pass of a few decodes: a GPU reads every weight in each, so a
+    # pass computing a few tokens costs that, not what the line through larger passes says
+    floor_s: float = 0.0
 
     def pass_seconds(self, shape: StepShape) -> float:
         """A forward pass holding ``shape`` (its fixed cost alone, if nothing)."""
-        return (
+        return max(
+            self.floor_s,
             self.step_s
             + self.token_s * shape.prefill_tokens
             + self.attention_s * shape.prefill_attention
             + self.decode_row_s * shape.decode_rows
-            + self.decode_context_s * shape.decode_context
+            + self.decode_context_s * shape.decode_context,
         )
 
     def prefill_seconds(self, first: int, end: int) -> float:
@@ -155,7 +161,7 @@ class ComputeFit:
 
     def seconds(self, first: int, end: int) -> float:
         """A pass computing prompt tokens ``[first, end)`` and nothing else."""
-        return self.step_s + self.prefill_seconds(first, end)
+        return max(self.floor_s, self.step_s + self.prefill_seconds(first, end))
 
 
 def attention_work(tokens: int, context_before: int) -> float:
@@ -277,7 +283,7 @@ def _fit_loads(samples: list[tuple[float, ...]], bound: float | None, age: float
         # an upper bound alone is a figure: at most that fast (the policy then loads only
         # what would pay even at that speed)
         return None if bound is None else LoadFit(0.0, bound, 0, bounded=True)
-    overhead, rate = fixed_and_rate([(s[0], s[1]) for s in samples])
+    overhead, rate, changed = fixed_and_rate([(s[0], s[1]) for s in samples])
     lags = [s[2] for s in samples[-RECENT_LOADS * 2 :] if not math.isnan(s[2])]
     bounded = bound is not None and bound < rate
     return LoadFit(
@@ -287,16 +293,17 @@ def _fit_loads(samples: list[tuple[float, ...]], bound: float | None, age: float
         lag_s=float(np.median(lags)) if lags else 0.0,
         age_s=max(0.0, age),
         bounded=bounded,
+        changed=changed,
     )
 
 
-def fixed_and_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """(fixed seconds, bytes per second) of transfers given as (bytes, seconds), the window
-    oldest first. Where sizes differ enough, a line through them tells the fixed cost from the
-    rate (the fixed cost never above the fastest sample). The rate is the line's while the
-    newest samples agree with it (within 2x), else theirs -- bytes-weighted, a small probe's
-    time being mostly its fixed cost: a store that changed is followed within a few
-    samples."""
+def fixed_and_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float, bool]:
+    """(fixed seconds, bytes per second, whether the store changed) of transfers given as
+    (bytes, seconds), the window oldest first. Where sizes differ enough, a line through them
+    tells the fixed cost from the rate (the fixed cost never above the fastest sample). The
+    rate is the line's while the newest samples agree with it (within 2x), else theirs --
+    bytes-weighted, a small probe's time being mostly its fixed cost: a store that changed is
+    followed within a few samples (and measured again at once: ``probes.py``)."""
     sizes = np.array([b for b, _ in samples])
     times = np.array([t for _, t in samples])
     fixed, line = 0.0, None
@@ -308,8 +315,8 @@ def fixed_and_rate(samples: Sequence[tuple[float, float]]) -> tuple[float, float
     recent = samples[-RECENT_LOADS:]
     rate = sum(b for b, _ in recent) / sum(max(t - fixed, 0.1 * t) for _, t in recent)
     if line is not None and line / 2 <= rate <= 2 * line:
-        rate = line
-    return fixed, rate
+        return fixed, line, False
+    return fixed, rate, line is not None
 
 
 def _slowest_load(fits: Sequence[LoadFit | None]) -> LoadFit:
@@ -322,6 +329,7 @@ def _slowest_load(fits: Sequence[LoadFit | None]) -> LoadFit:
         lag_s=max(f.lag_s for f in known),
         age_s=max(f.age_s for f in known),
         bounded=any(f.bounded for f in known),
+        changed=any(f.changed for f in known),
     )
 
 
@@ -370,7 +378,9 @@ def _fit_splits(
     if len(samples) < MIN_SPLITS:
         return None if bound is None else SplitFit(0.0, 0.0, bound, 0, bounded=True)
     # a band's time: the gap between bands where a sample has them, else its first band's
-    band_s, rate = fixed_and_rate([(b, x if not math.isnan(x) else f) for b, f, x in samples])
+    band_s, rate, changed = fixed_and_rate(
+        [(b, x if not math.isnan(x) else f) for b, f, x in samples]
+    )
     if bound is not None:
         rate = min(rate, bound)
     firsts = [max(0.0, f - (band_s + b / rate)) for b, f, _ in samples[-RECENT_LOADS:]]
@@ -381,6 +391,7 @@ def _fit_splits(
         samples=len(samples),
         age_s=max(0.0, age),
         bounded=bound is not None and bound <= rate,
+        changed=changed,
     )
 
 
@@ -394,6 +405,7 @@ def _slowest_split(fits: Sequence[SplitFit | None]) -> SplitFit:
         samples=min(f.samples for f in known),
         age_s=max(f.age_s for f in known),
         bounded=any(f.bounded for f in known),
+        changed=any(f.changed for f in known),
     )
 
 
@@ -440,12 +452,20 @@ def _fit_compute(
     samples = prefills + others
     if len(samples) < MIN_STEPS or len(prefills) < MIN_PREFILLS:
         return None  # a prompt's cost is not predicted from decode steps alone
+    # the floor: a pass of a few decodes (the median of those seen)
+    few = [s for shape, s in others if shape.prefill_tokens == 0 and shape.decode_rows <= 16]
+    floor = float(np.median(few)) if few else 0.0
+    # the line through the passes above it (those at the floor say nothing of their tokens),
+    # where enough prefills are
+    above = [(shape, s) for shape, s in samples if s > 1.5 * floor]
+    if sum(1 for shape, _ in above if shape.prefill_tokens >= PREFILL_TOKENS) >= MIN_PREFILLS:
+        samples = above
     x = np.array([shape.features() for shape, _ in samples])
     y = np.array([s for _, s in samples])
     step, token, attention, row, context = nonnegative_fit(x, y)
     if token <= 0 and attention <= 0:
         return None  # nothing grows with the prompt: not a usable fit yet
-    return ComputeFit(step, token, attention, row, context, len(samples))
+    return ComputeFit(step, token, attention, row, context, len(samples), floor)
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:

@@ -54,7 +54,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from connector.config import LOAD_THREADS
-from connector.figures import ComputeFit, LoadFit, SplitFit, StepShape, step_shape
+from connector.figures import (
+    ComputeFit,
+    LoadFit,
+    SplitFit,
+    StepShape,
+    attention_work,
+    step_shape,
+)
 
 # a split leaves at least this many prompt tokens to compute in its pass (see above)
 MIN_SPLIT_REST = 2
@@ -117,6 +124,9 @@ class Engine:
 
     token_budget: int = 8192  # max_num_batched_tokens
     chunk_tokens: int = 0  # the most prompt tokens one request gets per step (0: the budget)
+    # whether a split's reads overlap the pass's compute: on a GPU they do (the pass runs on
+    # the device); on vLLM's CPU backend the pass runs on the cores the loader threads share
+    overlap: bool = True
 
     @property
     def cap(self) -> int:
@@ -284,6 +294,11 @@ class _Model:
     def _others(self, tokens: int) -> StepShape:
         return self.decodes.plus(StepShape(tokens, tokens * self.others_attention))
 
+    @staticmethod
+    def _own(context: int, tokens: int) -> StepShape:
+        """This request's part of a pass: ``tokens`` prompt tokens after ``context``."""
+        return StepShape(tokens, attention_work(tokens, context)) if tokens > 0 else StepShape()
+
     def _pending(self, ahead: int) -> int:
         """How many others still compute their prompts while ``ahead`` of their tokens are
         left (their average size from what the engine holds)."""
@@ -317,7 +332,7 @@ class _Model:
             ahead -= take
             own = min(left, engine.cap, room - take)
             base = c.pass_seconds(self._others(take))
-            mine = c.prefill_seconds(ctx, ctx + own) if own > 0 else 0.0
+            mine = c.pass_seconds(self._others(take).plus(self._own(ctx, own))) - base
             added += mine
             lose += mine * pending
             longest = max(longest, mine)
@@ -340,7 +355,7 @@ class _Model:
             longest = max(longest, c.prefill_seconds(ctx + (full - 1) * size, ctx + full * size))
             ctx += full * size
         if rest:
-            last = c.prefill_seconds(ctx, ctx + rest)
+            last = c.pass_seconds(self.decodes.plus(self._own(ctx, rest))) - base
             added += last
             longest = max(longest, last)
             t += base + last
@@ -375,12 +390,15 @@ class _Model:
         take = min(busy.prefill_tokens_ahead, room - 1, max(1, busy.prefills) * engine.cap)
         own = min(hit.prompt_tokens - loaded, engine.cap, room - take)
         base = c.pass_seconds(self._others(take))
-        compute = base + c.prefill_seconds(loaded, loaded + own)
+        compute = c.pass_seconds(self._others(take).plus(self._own(loaded, own)))
         # the pass waits for every split of it, read beside the loads running (a worker runs
         # LOAD_THREADS at once)
         bands = (j * hit.block_bytes + busy.split_bytes) / b
         x = splits.band_seconds(bands * (1 + min(busy.loads, LOAD_THREADS)))
-        step = splits.first_s + max(x + compute, b * x + compute / b)
+        if engine.overlap:
+            step = splits.first_s + max(x + compute, b * x + compute / b)
+        else:  # one after the other
+            step = splits.first_s + b * x + compute
         later = self.passes(loaded + own, hit.prompt_tokens, busy.prefill_tokens_ahead - take)
         # what the pass takes longer for it (its loads and its own compute): everyone in it
         stall = step - base

@@ -6,15 +6,17 @@ the figure of asynchronous loads) or band by band (``ProbeKind.BANDS``, the figu
 Its time is a sample like a load's; one that expires or fails is an upper bound
 (``figures.py``).
 
-A probe is due when a figure is missing (every ``MISSING_INTERVAL_S``: the first hits are
-decided without one), and at most every ``PROBE_INTERVAL_S`` when it is an upper bound (a load
+A probe is due when a figure is missing, has too few samples, or follows a store that just
+changed (every ``MISSING_INTERVAL_S``: hits are decided on it meanwhile), and at most every
+``PROBE_INTERVAL_S`` when it is an upper bound (a load
 or probe expired or failed) or older than ``STALE_S``, or when the policy has been recomputing
 hits because the store looked too slow -- so a store that got faster again is trusted within
-seconds, not after some number of recomputed requests. Sizes alternate between one block and
-what the store gives in ``PROBE_SECONDS`` by its figure (``PROBE_BYTES`` before there is one;
-at most ``PROBE_MAX_BYTES``): the fixed cost shows only where sizes differ, and the bandwidth
-only where a probe's bytes take longer than its fixed costs. A store measured slow gets one
-block, so a probe never costs a slow store long.
+seconds, not after some number of recomputed requests. Sizes alternate between one block
+(first: nothing is known of the store yet) and what the store gives in ``PROBE_SECONDS`` by its
+figure (at most ``PROBE_MAX_BYTES`` and the hit): the fixed cost shows only where sizes differ,
+and the bandwidth only where a probe's bytes take longer than its fixed costs. A store slower
+than a block in ``PROBE_SECONDS``, or one whose figure is an upper bound, gets one block, so a
+probe never costs a slow store long.
 """
 
 from __future__ import annotations
@@ -32,16 +34,16 @@ PROBE_INTERVAL_S = 1.0
 # a figure older than this is measured again when a probe is possible
 STALE_S = 30.0
 # the larger of the two probe sizes: what the store gives in this long by its figure (bytes a
-# rank reads), before a figure exists, and at most
-PROBE_SECONDS = 0.02
-PROBE_BYTES = 16 << 20
+# rank reads), and at most
+PROBE_SECONDS = 0.25
 PROBE_MAX_BYTES = 256 << 20
+# the larger size is at least this many blocks (where the hit has them): one block's time is
+# mostly fixed costs on a slow store, and two sizes a block apart say little of the rate
+MIN_LARGE_BLOCKS = 4
 # a figure of fewer samples is measured again at once (every MISSING_INTERVAL_S)
 FEW_SAMPLES = 3
 # what a probe may take before it ends and says the store is at most that fast
 PROBE_TIMEOUT_S = 1.0
-# a store slower than this gets one-block probes only (bytes per second)
-SLOW_BYTES_PER_S = 20e6
 
 
 class ProbeKind(enum.Enum):
@@ -101,13 +103,13 @@ class ProbePlanner:
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
         kind = kinds[self._sent % len(kinds)]
         rate = (loads if kind is ProbeKind.WHOLE else splits) or loads
-        slow = rate is not None and (rate.bounded or rate.bytes_per_s < SLOW_BYTES_PER_S)
-        nbytes = (
-            PROBE_BYTES if rate is None else min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
-        )
-        large = max(1, min(len(self._hashes), int(nbytes // block_bytes)))
-        # large, small, then large again (sized by what the first two said), and so on
-        blocks = 1 if slow or (self._sent // len(kinds)) % 2 == 1 else large
+        large = 1  # nothing known, or an upper bound: one block
+        if rate is not None and not rate.bounded:
+            nbytes = min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
+            blocks = max(MIN_LARGE_BLOCKS, int(nbytes // block_bytes))
+            large = max(1, min(len(self._hashes), blocks))
+        # small, then large (sized by what the small one said), and so on
+        blocks = large if (self._sent // len(kinds)) % 2 == 1 else 1
         self._sent_at, self._sent = now, self._sent + 1
         return ProbeSpec(kind, self._hashes[:blocks])
 
@@ -117,6 +119,7 @@ def _needs(fit: LoadFit | SplitFit | None) -> bool:
 
 
 def _few(fit: LoadFit | SplitFit | None) -> bool:
-    """Too few samples yet: two sizes tell the fixed cost from the rate, and a third sized by
-    what those say measures the rate where the bytes outweigh the fixed costs."""
-    return fit is None or fit.samples < FEW_SAMPLES
+    """Too few samples yet, or the newest disagree with the rest (the store changed): two sizes
+    tell the fixed cost from the rate, and a third sized by what those say measures the rate
+    where the bytes outweigh the fixed costs."""
+    return fit is None or fit.samples < FEW_SAMPLES or fit.changed

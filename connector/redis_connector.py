@@ -183,7 +183,11 @@ def engine_shape(vllm_config: VllmConfig) -> Engine:
     sc = vllm_config.scheduler_config
     budget = int(getattr(sc, "max_num_batched_tokens", 0) or 0)
     chunk = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
-    return Engine(token_budget=budget or Engine().token_budget, chunk_tokens=max(0, chunk))
+    return Engine(
+        token_budget=budget or Engine().token_budget,
+        chunk_tokens=max(0, chunk),
+        overlap=vllm_config.device_config.device_type != "cpu",
+    )
 
 
 def split_refusal(vllm_config: VllmConfig, layout: KVLayout) -> str | None:

@@ -213,6 +213,18 @@ def plot(phases: list[Phase], out: Path, title: str) -> None:
 
 # ---------------------------------------------------------------------- one instance per way
 INSTANCE_WAYS = ("recompute", "async", "auto")
+# what the auto server decided from, read off its /metrics after each phase
+FIGURES = (
+    "policy_load_bytes_per_second",
+    "policy_load_overhead_seconds",
+    "policy_split_bytes_per_second",
+    "policy_token_seconds",
+    "load_probes_total",
+)
+# float32 on every server: a prompt computed in one pass and one whose prefix a store gave
+# differ in bf16's last bits, enough to change a greedy token at a near tie (docs/design.md,
+# Correctness); in float32 every way's answer must be the recomputing server's
+FLOAT32 = ["--dtype", "float32"]
 
 
 def stream(url: str, name: str, prompt: str, tokens: int) -> tuple[float, str, int]:
@@ -248,6 +260,7 @@ class InstancePhase:
     cached_tokens: dict[str, list[int]] = field(default_factory=dict)
     answers_differ: dict[str, int] = field(default_factory=dict)  # against recompute's
     auto_chose: dict[str, int] = field(default_factory=dict)
+    auto_figures: dict[str, float] = field(default_factory=dict)  # its gauges at the end
 
     def p50(self, way: str) -> float:
         return statistics.median(self.ttft_s[way])
@@ -297,7 +310,7 @@ def run_instances(args: argparse.Namespace) -> int:
         saver = stk.add(stack.vllm_server(
             "saver", model=model, role="kv_both", log_dir=log_dir, port=free_port(),
             redis_url=store.url, core=0, extra_config={"mode": "share", **PATIENT},
-            fork_from=zygote,
+            fork_from=zygote, extra_args=FLOAT32,
         ))  # fmt: skip
         servers = {
             w: stk.add(
@@ -311,14 +324,17 @@ def run_instances(args: argparse.Namespace) -> int:
                     core=1,
                     fork_from=zygote,
                     extra_config={"mode": "share", **PATIENT, "load_policy": w},
+                    extra_args=FLOAT32,
                 )
             )
             for w in INSTANCE_WAYS
         }
         stack.wait_healthy([saver, *servers.values()])
         print(f"servers up in {time.monotonic() - t0:.0f}s", flush=True)
-        for proc in (saver, *servers.values()):  # first passes are slow: not measured
-            complete(proc.url, name, "warm up " * 60)
+        # first passes are slow: not measured (each its own prompt, so the saver's warm-up
+        # puts nothing in Redis that the others would find: they start cold)
+        for i, proc in enumerate((saver, *servers.values())):
+            complete(proc.url, name, f"warm up {i} " * 60)
         # the break-even, on the recomputing server (its figures are not the auto server's)
         bstar = break_even(servers["recompute"].url, saver.url, name, client, docs[:4])
         print(f"break-even: {bstar / 1e6:.1f} MB/s", flush=True)
@@ -392,6 +408,9 @@ def run_instance_phase(
     phase.auto_chose = {
         c.removeprefix("chose_"): int(after[c] - before[c]) for c in CHOICES if after[c] > before[c]
     }
+    gauges = tuple(f"vllm:redis_kv_{g}" for g in FIGURES)
+    totals = stack.metric_totals(servers["auto"].url, gauges)
+    phase.auto_figures = {g.removeprefix("vllm:redis_kv_"): v for g, v in totals.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -363,7 +363,8 @@ class EngineSim:
         self.running: list[Request] = []
         self.loading: dict[int, Request] = {}
         self.loads_out = LoadsInFlight()
-        self.ttft: list[float] = []
+        self.ttft: list[float] = []  # in the order requests got their first token
+        self.first_ttft = math.nan  # the first request's
         self.chose: dict[str, int] = {}
         self.sent = 0
         self.busy_next = Busy()
@@ -524,6 +525,8 @@ class EngineSim:
                 r.first_token = self.t
                 if not r.background:
                     self.ttft.append(self.t - r.arrival)
+                    if r.rid == 1:
+                        self.first_ttft = self.t - r.arrival
             elif any(r is row[0] for row in rows):
                 r.decoded += 1
             if r.decoded >= DECODED and not r.background:
@@ -671,7 +674,7 @@ def run_cell(
     for way in WAYS:
         sim = EngineSim(d, store, work, hit, way, requests + warm_up, seed)
         ttft = sim.run()
-        cell.first[way], cell.ttft[way] = ttft[0], ttft[warm_up:]
+        cell.first[way], cell.ttft[way] = sim.first_ttft, ttft[warm_up:]
         if way == "auto":
             cell.auto_chose = sim.chose
     return cell
@@ -739,6 +742,8 @@ def plot(cells: list[Cell], out: Path) -> None:
                             label=f"{hit // 1024}k, split {ratio:g}x")  # fmt: skip
             ax.axhline(1.0, color="k", lw=0.8)
             ax.set_xscale("log")
+            ax.set_xticks(list(GBPS), [f"{g:g}" for g in GBPS])
+            ax.minorticks_off()
             ax.set_title(f"{dep}\n{work}", fontsize=8)
             if k == 0:
                 ax.set_ylabel("auto / recompute, mean TTFT", fontsize=8)
@@ -759,7 +764,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
+    ap.add_argument("--replot", type=Path, help="draw --plot from a --json written before")
     args = ap.parse_args(argv)
+    if args.replot:
+        saved = json.loads(args.replot.read_text())["cells"]
+        fields = Cell.__dataclass_fields__
+        cells = [Cell(**{k: v for k, v in c.items() if k in fields}) for c in saved]
+        print(summary(cells))
+        if args.plot:
+            plot(cells, args.plot)
+        return 0
     deployments = DEPLOYMENTS[:1] if args.quick else DEPLOYMENTS
     hits = HITS[:2] if args.quick else HITS
     requests = min(args.requests, 40) if args.quick else args.requests

@@ -36,7 +36,7 @@ from connector.load_policy import (
     pinned,
     plausible_recompute_s,
 )
-from connector.probes import PROBE_INTERVAL_S, STALE_S, ProbeKind, ProbePlanner
+from connector.probes import PROBE_INTERVAL_S, PROBE_SECONDS, STALE_S, ProbeKind, ProbePlanner
 
 # a prompt of 2,000 tokens, 16-token blocks, 1,984 tokens (124 blocks) in Redis, 32 bands:
 # Llama-3.1-8B's block is 2 MiB (128 KiB a token)
@@ -264,6 +264,21 @@ def test_the_load_fit_recovers_overhead_and_bandwidth() -> None:
     assert rate.estimate() == fit
 
 
+def test_the_load_fit_follows_a_store_that_changed_within_a_few_samples_and_says_so() -> None:
+    rate = LoadRate()
+    for i in range(30):
+        nbytes = (1 + i % 3) << 20
+        rate.add(nbytes, 0.001 + nbytes / 2e9)  # 2 GB/s
+    fit = rate.estimate()
+    assert fit is not None and not fit.changed and fit.bytes_per_s == pytest.approx(2e9, rel=0.01)
+    for i in range(3):
+        nbytes = (1 + i % 3) << 20
+        rate.add(nbytes, 0.001 + nbytes / 2e7)  # then 20 MB/s
+    fit = rate.estimate()
+    # (the probes then measure it at once, not a second later)
+    assert fit is not None and fit.changed and fit.bytes_per_s < 4e7
+
+
 def test_a_fitted_overhead_never_exceeds_the_fastest_load() -> None:
     """Samples of two kinds once made the overhead come out at 60-280 ms (truly ~5 ms)."""
     rate = LoadRate()
@@ -370,10 +385,16 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
     assert probes.due(None, None, True, block) is None  # no hit seen: nothing to read
     probes.remember([f"h{i}" for i in range(64)])
     first = probes.due(None, None, True, block)
-    assert first is not None and first.kind is ProbeKind.WHOLE and len(first.hashes) == 8
+    assert first is not None and first.kind is ProbeKind.WHOLE
+    assert len(first.hashes) == 1  # nothing known of the store yet: one block
     clock.now += 0.1
     second = probes.due(None, None, True, block)
     assert second is not None and second.kind is ProbeKind.BANDS  # both figures missing
+    clock.now += 0.1
+    rough = LoadFit(0.0, 1e8, 1)  # what the first probe said: larger ones measure more
+    third = probes.due(rough, None, True, block)
+    assert third is not None and third.kind is ProbeKind.WHOLE
+    assert len(third.hashes) == int(1e8 * PROBE_SECONDS) // block  # 0.25 s of the store
     fresh = LoadFit(0.001, 2e9, 8)
     splits = SplitFit(0.001, 0.0001, 6e8, 8)
     clock.now += 10
@@ -386,7 +407,26 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
     probes.note_choice(False)
     stale = LoadFit(0.001, 2e9, 8, age_s=STALE_S + 1)
     assert probes.due(stale, splits, False, block) is not None
-    clock.now += PROBE_INTERVAL_S
-    slow = LoadFit(0.0, 1e6, 0, bounded=True)  # a slow store: one block at a time
-    spec = probes.due(slow, None, False, block)
-    assert spec is not None and spec.kind is ProbeKind.WHOLE and len(spec.hashes) == 1
+    for _ in range(4):  # a store with an upper bound: one block at a time, never more
+        clock.now += PROBE_INTERVAL_S
+        slow = LoadFit(0.0, 1e6, 0, bounded=True)
+        spec = probes.due(slow, None, False, block)
+        assert spec is not None and spec.kind is ProbeKind.WHOLE and len(spec.hashes) == 1
+
+
+def test_on_the_cpu_a_splits_reads_and_its_pass_take_turns() -> None:
+    """vLLM's CPU backend computes on the cores the loader threads share: a split's bands do
+    not overlap its pass there, so it is never predicted faster than its reads and its
+    compute one after the other (measured on the 2-core VM: a split took 320 ms where the
+    plain load took 198)."""
+    cpu = Engine(overlap=False)
+    figures = at(20.0)
+    d = choose(HIT, figures, engine=cpu)
+    assert d.way is Way.ASYNC  # a GPU would split here
+    assert choose(HIT, figures).way is Way.SPLIT
+    assert figures.splits is not None
+    j, t = best_split(HIT, figures, cpu)
+    reads = figures.splits.first_s + HIT.bands * figures.splits.band_seconds(
+        j * HIT.block_bytes / HIT.bands
+    )
+    assert t >= reads + H100.seconds(j * 16, HIT.prompt_tokens) - 1e-9

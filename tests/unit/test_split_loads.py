@@ -7,6 +7,7 @@ ran, and that the connector holds nothing once the requests are gone."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -70,9 +71,11 @@ def measured(
     engine: SimEngine, *, token_s: float, load_bytes_per_s: float, band_bytes_per_s: float
 ) -> None:
     """Figures fed in as the workers would send them: prefills of ``token_s`` a token, whole
-    loads and split bands at the given bandwidths (no fixed costs)."""
+    loads and split bands at the given bandwidths (no fixed costs); a split's reads overlap
+    its pass, as on a GPU (the harness's engine is a CPU one, where they would not)."""
     policy = engine.connector.scheduler
     policy._block_bytes, policy._bands = 32 << 10, 2
+    policy.engine = dataclasses.replace(policy.engine, overlap=True)
     for tokens in (64, 128, 256, 512):
         for _ in range(4):
             policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), token_s * tokens)
@@ -595,3 +598,24 @@ def test_a_cold_consumer_waits_for_a_handoff_no_longer_than_recomputing_plausibl
     consumer.add("c1", tokens[1], params=params[1])
     consumer.run_until_idle()
     assert consumer.take_stats()["chose_recompute"] == 1
+
+
+def test_the_engine_the_policy_models_is_vllms_scheduler_config() -> None:
+    """The token budget and the per-request chunk of vLLM's chunked prefill, and whether a
+    split's reads can overlap the pass (not on the CPU backend: same cores)."""
+    from types import SimpleNamespace
+
+    from connector.redis_connector import engine_shape
+
+    def config(device: str, budget: int, threshold: int) -> Any:
+        return SimpleNamespace(
+            scheduler_config=SimpleNamespace(
+                max_num_batched_tokens=budget, long_prefill_token_threshold=threshold
+            ),
+            device_config=SimpleNamespace(device_type=device),
+        )
+
+    gpu = engine_shape(config("cuda", 8192, 0))
+    assert (gpu.token_budget, gpu.cap, gpu.overlap) == (8192, 8192, True)
+    cpu = engine_shape(config("cpu", 4096, 1024))
+    assert (cpu.token_budget, cpu.cap, cpu.overlap) == (4096, 1024, False)
