@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -407,6 +407,26 @@ def _slowest_split(fits: Sequence[SplitFit | None]) -> SplitFit:
         bounded=any(f.bounded for f in known),
         changed=any(f.changed for f in known),
     )
+
+
+# a split's bands are read from the same store over the same link as whole loads: where the
+# whole-load figure has fallen far below the bands' (the store slowed since the last split), the
+# bands' figure is held to this many times the whole loads' until bands are measured again
+# (on the H200 host bands ran at a third of whole loads; on this CPU at about the same rate)
+SPLIT_OVER_WHOLE_MAX = 1.5
+
+
+def splits_within_loads(loads: LoadFit | None, splits: SplitFit | None) -> SplitFit | None:
+    """The split figure, held to what the whole-load figure says the store gives now: a store
+    that slowed is seen first by whichever path reads it next, and a split planned on the band
+    figure from before would wait for bands that cannot come in time. Held, it is an upper
+    bound, so band probes measure it again (``probes.py``)."""
+    if loads is None or splits is None:
+        return splits
+    limit = SPLIT_OVER_WHOLE_MAX * loads.bytes_per_s
+    if splits.bytes_per_s <= limit:
+        return splits
+    return replace(splits, bytes_per_s=limit, bounded=True)
 
 
 class ComputeRate:

@@ -89,7 +89,14 @@ from typing import TYPE_CHECKING, Any
 from connector.chains import RequestChains
 from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
 from connector.drops import HandoffDrops
-from connector.figures import ComputeRate, LoadRate, SplitRate, StepShape, step_shape
+from connector.figures import (
+    ComputeRate,
+    LoadRate,
+    SplitRate,
+    StepShape,
+    splits_within_loads,
+    step_shape,
+)
 from connector.layout import KVLayout
 from connector.load_policy import (
     Busy,
@@ -592,7 +599,8 @@ class RedisConnectorScheduler:
     def figures(self) -> Figures:
         """What the load policy decides from now (``figures.py``)."""
         loads = self.load_rate.estimate() if self._block_bytes > 0 else None
-        return Figures(loads, self.split_rate.estimate(), self.compute_rate.estimate())
+        splits = splits_within_loads(loads, self.split_rate.estimate())
+        return Figures(loads, splits, self.compute_rate.estimate())
 
     @property
     def splits_allowed(self) -> bool:

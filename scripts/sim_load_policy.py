@@ -61,6 +61,7 @@ from connector.figures import (
     LoadRate,
     SplitRate,
     attention_work,
+    splits_within_loads,
     step_shape,
 )
 from connector.load_policy import (
@@ -414,7 +415,9 @@ class EngineSim:
     # ------------------------------------------------------------------ deciding
     def figures(self) -> Figures:
         return Figures(
-            self.load_rate.estimate(), self.split_rate.estimate(), self.compute_rate.estimate()
+            loads := self.load_rate.estimate(),
+            splits_within_loads(loads, self.split_rate.estimate()),
+            self.compute_rate.estimate(),
         )
 
     def decide(self, r: Request, busy: Busy) -> Decision:

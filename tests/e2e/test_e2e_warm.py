@@ -199,17 +199,20 @@ def _chat(url: str, document: str) -> tuple[str, int]:
 def test_a_share_server_answers_warmed_documents_from_redis(warmed: dict) -> None:
     """Completion requests that start with a warmed document: the same text as a server without
     the connector, and at least 90% of the blocks a request can load come from Redis (the share
-    server has never seen the documents: every cached token it reports is a Redis hit)."""
+    server has never seen the documents: every cached token it reports is a Redis hit). The
+    server's first hit is not counted: a fresh instance knows nothing of the store yet, so its
+    load policy recomputes that one while background probes measure the store."""
     loadable = loaded = 0
-    for name, text in warmed["docs"].items():
+    for i, (name, text) in enumerate(warmed["docs"].items()):
         prompt = text + QUESTION
         _complete(warmed["reference"], prompt)  # the reference's warm run is compared with
         expected, _ = _complete(warmed["reference"], prompt)
         got, cached = _complete(warmed["share"], prompt)
         assert got == expected, name
-        loadable += _rows(warmed["first"])[name]["blocks"] * BLOCK
-        loaded += cached
-    assert loaded >= 0.9 * loadable, (loaded, loadable)
+        if i > 0:
+            loadable += _rows(warmed["first"])[name]["blocks"] * BLOCK
+            loaded += cached
+    assert loaded >= 0.9 * loadable > 0, (loaded, loadable)
 
 
 def test_chat_requests_hit_documents_warmed_with_the_chat_template(warmed: dict) -> None:

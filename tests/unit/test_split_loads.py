@@ -385,6 +385,34 @@ def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engine
     assert ways[-3:] == ["chose_async"] * 3, ways
 
 
+def test_a_store_that_whole_loads_saw_slow_down_is_not_split_on_the_bands_figure_before(
+    engines: Any,
+) -> None:
+    """Found by the end-to-end test: the store was throttled after the last split, whole loads
+    measured it slow, and auto split the next hit on the bands' old figure: every band waited
+    out its pass, the split failed and the request paid the wait and the recompute. The bands
+    come over the same link: their figure is held to the whole loads' and probed again."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=40 + i) for i in range(2)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
+    # splitting is best as measured: bands at 10 GB/s, 1 ms a token
+    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
+    reader.add("p0", prompts["p0"])
+    reader.run_until_idle()
+    assert "chose_split" in reader.take_stats()
+    policy = reader.connector.scheduler
+    for size in (1 << 20, 4 << 20, 1 << 20, 4 << 20):  # then whole loads ran at 100 KB/s
+        policy.load_rate.add(size, size / 1e5)
+    assert policy.figures().splits.bounded  # so the bands are probed again
+    reader.add("p1", prompts["p1"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert "chose_split" not in stats and stats.get("chose_recompute") == 1, stats
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_blocks_computed_over_a_split_are_saved_only_once_it_is_known_to_have_landed(
     engines: Any, fake_redis: fakeredis.FakeRedis, fails: bool
