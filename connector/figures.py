@@ -195,7 +195,11 @@ class _RankSamples:
         self.bound: tuple[float, float] | None = None  # (bytes per second at most, when)
 
     def fresh(self, now: float) -> list[tuple[float, ...]]:
-        return [s for s, at in self.samples if now - at <= MAX_AGE_S]
+        """Samples of the last ``MAX_AGE_S``; when there are none (an engine idle that long
+        runs no steps, so no probes), the newest few: an old figure, probed again as soon as
+        steps run (its age says so), beats recomputing every hit until then."""
+        fresh = [s for s, at in self.samples if now - at <= MAX_AGE_S]
+        return fresh or [s for s, _ in list(self.samples)[-RECENT_LOADS:]]
 
     def newest(self) -> float:
         return self.samples[-1][1] if self.samples else -math.inf

@@ -76,6 +76,11 @@ class ProbePlanner:
         if hashes:
             self._hashes = list(hashes)
 
+    def forget(self) -> None:
+        """A probe found the blocks it read gone (evicted, or a consume-mode handoff deleted
+        after its load): no more probes until a lookup finds blocks again."""
+        self._hashes = []
+
     def note_choice(self, recomputed_for_the_store: bool) -> None:
         """The policy chose how to serve a measured hit: recomputing it because loading looked
         slower keeps the store under watch."""

@@ -362,6 +362,8 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
         if not self.rc.loads or self.rc.load_policy in ("async", "recompute"):
             return "not chosen" if self.rc.loads else None
         refusal = split_refusal(vllm_config, self.layout)
+        if refusal is None and self.rc.compression != "none":
+            refusal = f"compression {self.rc.compression}: values are read whole, not by layers"
         if refusal is None and self.rc.check_access and self.rc.load_policy == "auto":
             try:  # (a pinned split checked it with the role's other commands)
                 store.check_access(["select_ranges"])

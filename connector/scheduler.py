@@ -616,6 +616,7 @@ class RedisConnectorScheduler:
             prefill_tokens_ahead=run.prefill_tokens_ahead + more.prefill_tokens_ahead,
             loads=len(self._loads_out) + more.loads,
             load_bytes_ahead=self._loads_out.bytes_left(time.monotonic()) + more.load_bytes_ahead,
+            split_bytes=more.split_bytes,  # (one split a pass: a second waits for the next)
         )
 
     def _decide(self, st: RequestState, request: Request, start: int) -> None:
@@ -712,9 +713,11 @@ class RedisConnectorScheduler:
             if not self.config.consume:
                 for h in st.load_hashes[start:end]:
                     self._loading[h] = rid
-            predicted = st.decision.predicted_s if st.decision is not None else {}
             nbytes = (end - start) * self._block_bytes
-            self._loads_out.started(rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout)
+            # its bytes leave the queue over the load's own time, not its request's first token
+            fit = self.load_rate.estimate() if nbytes > 0 else None
+            own = fit.seconds(nbytes) if fit is not None else timeout
+            self._loads_out.started(rid, nbytes, now, own)
         if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
@@ -830,15 +833,17 @@ class RedisConnectorScheduler:
             for values in data.get(key, ()):
                 try:
                     take(*(float(v) for v in values))
-                except (TypeError, ValueError):  # not what our workers send
+                except (TypeError, ValueError, OverflowError):  # not what our workers send
                     logger.debug("ignoring a malformed %s in the connector's stats", key)
         try:
             if data.get("rank_block_bytes"):  # each rank's, the slowest sets the pace
                 self._block_bytes = max(int(b) for (b,) in data["rank_block_bytes"])
             if data.get("split_bands"):
                 self._bands = min(int(b) for (b,) in data["split_bands"])
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             logger.debug("ignoring a malformed load shape in the connector's stats")
+        if data.get("probe_missing"):  # (a list: one entry a probe, any rank)
+            self.probes.forget()
         unwaited = data.get("split_unwaited")
         if isinstance(unwaited, list) and unwaited:
             self._unwaited_splits += len(unwaited)

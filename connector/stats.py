@@ -227,6 +227,7 @@ SAMPLES = (
     "split_samples",
     "split_bounds",
     "split_unwaited",
+    "probe_missing",
     "compute_samples",
     "rank_block_bytes",
     "split_bands",

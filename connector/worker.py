@@ -103,6 +103,7 @@ class _Split:
     spec: LoadSpec
     load: LayeredLoad
     landed_before: int = 0
+    landed_after: int | None = None  # this rank's bytes landed when its last band landed
 
 
 @dataclass
@@ -358,7 +359,9 @@ class RedisConnectorWorker:
                             raise TimeoutError("the probe ran past its time")
                 finally:
                     pieces.close()
-        except (KVStoreError, StagingBusyError, TimeoutError) as exc:
+        except StagingBusyError:
+            return  # users' loads hold the staging: the worker's own congestion, not the store's
+        except (KVStoreError, TimeoutError) as exc:
             seconds = time.perf_counter() - t0
             logger.debug("probing the store ended early (%s): %s", kind, exc)
             self.stats.sample(f"{kind}_bounds", self.tp_rank, nbytes, seconds)
@@ -368,7 +371,10 @@ class RedisConnectorWorker:
                 self._probing = False
         seconds = time.perf_counter() - t0
         if missing or not nbytes:
-            return  # part of it was not there: its time says little of the store
+            # part of it was not there (evicted, or a handoff deleted): its time says little of
+            # the store, and the scheduler side stops probing those blocks
+            self.stats.sample("probe_missing", 1)
+            return
         shared = self._landed_since(landed_before, nbytes)  # (what loads beside it got too)
         if spec.kind is ProbeKind.WHOLE:
             self.stats.sample("load_samples", self.tp_rank, shared, seconds, -1.0)
@@ -397,7 +403,15 @@ class RedisConnectorWorker:
                 after=fence,
                 on_landed=self._count_landed,
             )
-            self._splits[spec.req_id] = _Split(spec, load, self._landed)
+            split = _Split(spec, load, self._landed)
+            self._splits[spec.req_id] = split
+
+        def all_landed() -> None:
+            # what the store gave this rank until then (loads landing later did not share
+            # the link with its bands)
+            split.landed_after = self._landed_since(0, 0)
+
+        load.on_all_landed = all_landed
 
         def claim() -> bool:
             return self._claim(spec)
@@ -450,7 +464,9 @@ class RedisConnectorWorker:
             if timeline is not None:
                 # its bands shared the store with the loads beside it: what it gave the rank
                 band_bytes, first, between, bands = timeline
-                shared = self._landed_since(split.landed_before, load.nbytes) / max(1, load.nbytes)
+                after = split.landed_after
+                got = after - split.landed_before if after is not None else 0
+                shared = max(got, load.nbytes) / max(1, load.nbytes)
                 sample = (int(band_bytes * shared), first, between, bands)
                 self.stats.sample("split_samples", self.tp_rank, *sample)
             elif bound is not None and not load.skipped_waits:
@@ -689,7 +705,9 @@ class RedisConnectorWorker:
                 # the store gave at most this: the policy trusts no more until measured again
                 self.stats.sample("load_bounds", self.tp_rank, job.nbytes, seconds)
             elif not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
-                lag = job.first_byte - job.step_started
+                # from the step's start to the load's start (vLLM's call): the time queued
+                # behind other loads is the model's to add, not the lag's
+                lag = job.started - job.step_started
                 shared = self._landed_since(job.landed_before, job.nbytes)
                 self.stats.sample("load_samples", self.tp_rank, shared, seconds, lag)
         if expired:

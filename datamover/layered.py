@@ -54,6 +54,8 @@ class LayeredLoad:
         self.deadline = deadline
         self.after = after
         self.on_landed = on_landed
+        # called once, on the load's thread, when every band has landed
+        self.on_all_landed: Callable[[], None] | None = None
         layers = len(self.movers[0].kv.names)
         # the band each layer's bytes come in
         self._band_of = [0] * layers
@@ -155,6 +157,8 @@ class LayeredLoad:
                         if self._landed == len(self.bands):
                             self.landed_s = self.band_landed_s[-1]
                         self._changed.notify_all()
+                    if self.landed_s is not None and self.on_all_landed is not None:
+                        self.on_all_landed()  # (outside the lock: it may take the caller's)
             finally:
                 for generator in pieces:
                     generator.close()  # staging back at once
@@ -172,9 +176,9 @@ class LayeredLoad:
             for block_id in written:
                 self._written[block_id] += bands
             self.nbytes += nbytes
+            self.misfits += piece.misfits
         if self.on_landed is not None:
             self.on_landed(nbytes)
-            self.misfits += piece.misfits
         return True
 
     def wait(self, layer: int) -> bool:

@@ -595,9 +595,10 @@ class EngineSim:
         nbytes = r.hit // BLOCK * self.block_bytes
         self.links.start(r, nbytes, at, self.store.overhead_s)
         self.loading[r.rid] = r
-        predicted = r.decision.predicted_s.get("async") if r.decision else None
+        fit = self.load_rate.estimate()  # (as the connector: over the load's own time)
         wait = r.decision.wait_s if r.decision and r.decision.wait_s is not None else None
-        self.loads_out.started(str(r.rid), nbytes, step_start, predicted or wait or 1.0)
+        own = fit.seconds(nbytes) if fit is not None else None
+        self.loads_out.started(str(r.rid), nbytes, step_start, own or wait or 1.0)
         r.arrival_load = step_start  # type: ignore[attr-defined]
 
     def _limit(self, r: Request) -> float:

@@ -319,7 +319,10 @@ def test_an_expired_load_bounds_the_bandwidth_until_a_complete_sample() -> None:
     assert fit is not None and fit.bounded and fit.bytes_per_s < 1.0
 
 
-def test_figures_age_out() -> None:
+def test_figures_age_out_but_an_idle_engine_keeps_its_last() -> None:
+    """Samples older than MAX_AGE_S give way to newer ones; with none newer (an engine idle
+    that long runs no steps, so no probes) the newest stay, their age saying how old, so the
+    first hits after the pause are not all recomputed (found by a review)."""
     clock = Clock()
     rate = LoadRate(clock=clock)
     rate.add(4 << 20, 0.01)
@@ -327,7 +330,11 @@ def test_figures_age_out() -> None:
     fit = rate.estimate()
     assert fit is not None and fit.age_s == pytest.approx(10)
     clock.now += MAX_AGE_S
-    assert rate.estimate() is None
+    old = rate.estimate()
+    assert old is not None and old.age_s > STALE_S  # (probes measure it again at once)
+    assert old.bytes_per_s == pytest.approx(fit.bytes_per_s)
+    rate.add(4 << 20, 0.04)  # a new sample: the old one no longer counts
+    assert rate.estimate().bytes_per_s == pytest.approx((4 << 20) / 0.04, rel=0.05)
 
 
 def test_the_split_fit_comes_from_band_timelines() -> None:
@@ -430,3 +437,18 @@ def test_on_the_cpu_a_splits_reads_and_its_pass_take_turns() -> None:
         j * HIT.block_bytes / HIT.bands
     )
     assert t >= reads + H100.seconds(j * 16, HIT.prompt_tokens) - 1e-9
+
+
+def test_probes_stop_when_their_blocks_are_gone_until_a_lookup_finds_more() -> None:
+    """A probe that found its blocks gone (the worker says ``probe_missing``) made the next
+    probe read them again, every 50 ms while a figure was missing (found by a review)."""
+    clock = Clock()
+    planner = ProbePlanner(clock=clock)
+    planner.remember(["a", "b"])
+    assert planner.due(None, None, False, 1 << 20) is not None
+    planner.forget()
+    clock.now += 10
+    assert planner.due(None, None, False, 1 << 20) is None
+    planner.remember(["c"])
+    spec = planner.due(None, None, False, 1 << 20)
+    assert spec is not None and spec.hashes == ["c"]

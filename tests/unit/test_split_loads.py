@@ -413,6 +413,65 @@ def test_a_store_that_whole_loads_saw_slow_down_is_not_split_on_the_bands_figure
     assert "chose_split" not in stats and stats.get("chose_recompute") == 1, stats
 
 
+def test_one_split_a_pass_however_many_hits_are_admitted_together(engines: Any) -> None:
+    """Found by a review: what the step's earlier admissions split was dropped when the next
+    one was decided, so two splits shared one pass, each predicted (and given a wait) as if its
+    bands had the store alone."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=70 + i) for i in range(3)}
+    writer = engines()
+    for rid, t in prompts.items():
+        writer.add(rid, t)
+    writer.run_until_idle()
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
+    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
+    for rid, tokens in prompts.items():  # admitted in one step
+        reader.add(rid, tokens)
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats.get("chose_split") == 1, stats
+
+
+def test_hostile_figures_in_the_workers_stats_teach_nothing_and_stop_nothing(
+    engines: Any,
+) -> None:
+    """Found by a review: an infinite value where the scheduler side takes an int raised
+    OverflowError out of update_connector_output, which kills vLLM's engine core."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connector.stats import RedisConnectorStats
+
+    reader = engines(load_policy="auto")
+    inf, nan = float("inf"), float("nan")
+    data = {
+        "load_samples": [[inf, 1e6, 0.01, 0.0], [0, inf, inf, nan]],
+        "load_bounds": [[inf, 1e6, 0.1]],
+        "split_samples": [[0, 1e6, 0.01, 0.001, inf]],
+        "compute_samples": [[inf, 1.0, 0, 0, 0.01], [10, 1.0, 0, 0, -1.0]],
+        "rank_block_bytes": [[inf]],
+        "split_bands": [[nan]],
+        "probe_missing": "yes",
+    }
+    policy = reader.connector.scheduler
+    before = policy.figures()
+    policy.update_connector_output(KVConnectorOutput(kv_connector_stats=RedisConnectorStats(data)))
+    assert policy.figures() == before  # nothing learnt
+    tokens = prompt(4 * BS + 1, seed=80)
+    saved(engines, tokens)
+    reader.add("r", tokens)
+    reader.run_until_idle()  # and the engine still serves
+    assert reader.take_stats()["chose_recompute"] == 1  # (cold: nothing measured yet)
+
+
+def test_compressed_values_are_not_split(engines: Any) -> None:
+    """Compressed values are read whole, not layer by layer: a band probe of them never gave a
+    sample, so the split figure stayed missing and band probes went out every 50 ms (found by
+    a review). An instance that compresses chooses between loading and recomputing."""
+    reader = engines(load_policy="auto", compression="lz4")
+    assert not reader.connector.scheduler.splits_allowed
+    with pytest.raises(ValueError, match="compression"):
+        engines(load_policy="split", compression="lz4")
+
+
 @pytest.mark.parametrize("fails", [False, True])
 def test_blocks_computed_over_a_split_are_saved_only_once_it_is_known_to_have_landed(
     engines: Any, fake_redis: fakeredis.FakeRedis, fails: bool
