@@ -713,11 +713,12 @@ class RedisConnectorScheduler:
             if not self.config.consume:
                 for h in st.load_hashes[start:end]:
                     self._loading[h] = rid
+            predicted = st.decision.predicted_s if st.decision is not None else {}
             nbytes = (end - start) * self._block_bytes
-            # its bytes leave the queue over the load's own time, not its request's first token
-            fit = self.load_rate.estimate() if nbytes > 0 else None
-            own = fit.seconds(nbytes) if fit is not None else timeout
-            self._loads_out.started(rid, nbytes, now, own)
+            # its bytes leave the queue until it is predicted to land, the loads ahead of it
+            # first (a review suggested its own time alone: loads queued at the store then
+            # looked gone long before they were, and in the simulator waits ran out)
+            self._loads_out.started(rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout)
         if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
             for pos in range(start, end):
                 self._load_blocks[st.block_ids[0][pos]] = (rid, pos)

@@ -595,10 +595,9 @@ class EngineSim:
         nbytes = r.hit // BLOCK * self.block_bytes
         self.links.start(r, nbytes, at, self.store.overhead_s)
         self.loading[r.rid] = r
-        fit = self.load_rate.estimate()  # (as the connector: over the load's own time)
+        predicted = r.decision.predicted_s.get("async") if r.decision else None
         wait = r.decision.wait_s if r.decision and r.decision.wait_s is not None else None
-        own = fit.seconds(nbytes) if fit is not None else None
-        self.loads_out.started(str(r.rid), nbytes, step_start, own or wait or 1.0)
+        self.loads_out.started(str(r.rid), nbytes, step_start, predicted or wait or 1.0)
         r.arrival_load = step_start  # type: ignore[attr-defined]
 
     def _limit(self, r: Request) -> float:
@@ -610,13 +609,12 @@ class EngineSim:
         """Loads that landed (their requests are scheduled next step) or ran past their wait
         (their requests recompute)."""
         for rid, r in list(self.loading.items()):
-            started = r.arrival_load  # type: ignore[attr-defined]
             limit = self._limit(r)
             done = self.links.finished(r)
             if done is not None and done <= limit:
                 for rank, _, first in self.links.landed(r):
                     assert first is not None
-                    lag = first - started
+                    lag = first - r.arrival_load  # type: ignore[attr-defined]  # (queue included)
                     done_rank = next(
                         t.done_at for t in self.links.transfers if t.owner is r and t.rank == rank
                     )
@@ -769,6 +767,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--plot", type=Path)
     ap.add_argument("--replot", type=Path, help="draw --plot from a --json written before")
+    ap.add_argument(
+        "--only", default="", help="cells whose deployment, GB/s, load or hit contain this "
+        "(comma-separated, all must match): e.g. '70B,16 clients'"
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.replot:
         saved = json.loads(args.replot.read_text())["cells"]
@@ -786,6 +788,9 @@ def main(argv: list[str] | None = None) -> int:
     for d, gbps, ratio, work, hit in itertools.product(
         deployments, GBPS, SPLIT_RATIOS, WORKLOADS, hits
     ):
+        name = f"{d.name} {gbps:g} GB/s {work.name} {hit // 1024}k"
+        if not all(part in name for part in args.only.split(",") if part):
+            continue
         cell = run_cell(d, gbps, ratio, work, hit, requests, args.seed)
         cells.append(cell)
         print(table([cell]).splitlines()[-1], flush=True)

@@ -652,9 +652,7 @@ def test_a_failed_copy_out_sheds_the_blocks_and_the_commit_still_comes() -> None
 # ---------------------------------------------------------------------- the load policy's figures
 def test_a_load_queued_behind_others_is_timed_from_its_first_request() -> None:
     """A worker runs two loads at a time: a third waits for a thread. Its sample is its own
-    time at the store, else a busy worker looks like a slow store; and the queue is not its
-    lag either (the policy models the queue from the loads ahead: counted in the lag too, a
-    burst of loads doubled it)."""
+    time at the store, else a busy worker looks like a slow store; the queue is its lag."""
     client = fakeredis.FakeRedis()
     src, src_kv = make_worker(client)
     dst, _ = make_worker(client)
@@ -684,7 +682,7 @@ def test_a_load_queued_behind_others_is_timed_from_its_first_request() -> None:
     third, *held_two = sorted(samples, key=lambda s: s[2])
     assert min(s[2] for s in held_two) >= 0.3  # held at the store
     assert third[2] < 0.3  # its time at the store: without the queue
-    assert max(s[3] for s in samples) < 0.3  # lags: from the step to vLLM's call, no queue
+    assert max(s[3] for s in samples) >= 0.3  # its lag: the queue
 
 
 def test_loads_that_expire_or_fail_bound_the_bandwidth() -> None:
