@@ -202,10 +202,10 @@ def test_a_spawned_process_dies_with_the_process_that_spawned_it(
     zygote: Zygote, tmp_path: Path
 ) -> None:
     proc, log = _spawner(zygote, tmp_path, "orphan")
-    for _ in range(600):  # (its line comes once the spawned process is up)
-        if log.exists() and '"pid"' in log.read_text():
-            break
-        assert proc.alive(), log.read_text()
+    # its line comes once the spawned process is up: waited for while the spawner lives (CI's
+    # two lanes on two cores once took more than the 60 s this loop allowed, then read nothing)
+    while not (log.exists() and '"pid"' in log.read_text()):
+        assert proc.alive(), log.read_text() if log.exists() else "the spawner died"
         select.select([], [], [], 0.1)
     info = _last_json(log)
     assert info["ppid"] == zygote.proc.pid
