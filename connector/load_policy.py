@@ -331,8 +331,9 @@ class _Model:
             take = min(ahead, room, per_step_ahead)
             ahead -= take
             own = min(left, engine.cap, room - take)
-            base = c.pass_seconds(self._others(take))
-            mine = c.pass_seconds(self._others(take).plus(self._own(ctx, own))) - base
+            others = self._others(take)
+            base = c.pass_seconds(others)
+            mine = c.pass_seconds(others.plus(self._own(ctx, own))) - base
             added += mine
             lose += mine * pending
             longest = max(longest, mine)
@@ -389,8 +390,9 @@ class _Model:
         room = max(1, engine.token_budget - busy.batch.decode_rows)
         take = min(busy.prefill_tokens_ahead, room - 1, max(1, busy.prefills) * engine.cap)
         own = min(hit.prompt_tokens - loaded, engine.cap, room - take)
-        base = c.pass_seconds(self._others(take))
-        compute = c.pass_seconds(self._others(take).plus(self._own(loaded, own)))
+        others = self._others(take)
+        base = c.pass_seconds(others)
+        compute = c.pass_seconds(others.plus(self._own(loaded, own)))
         # the pass waits for every split of it, read beside the loads running (a worker runs
         # LOAD_THREADS at once)
         bands = (j * hit.block_bytes + busy.split_bytes) / b

@@ -91,6 +91,16 @@ def saved(engines: Any, tokens: list[int], **kw: Any) -> SimEngine:
     return writer
 
 
+def saved_prompts(engines: Any, count: int, seed: int) -> dict[str, list[int]]:
+    """``count`` prompts of six blocks and a token ("p0", "p1", ...), saved by a writer."""
+    prompts = {f"p{i}": prompt(6 * BS + 1, seed=seed + i) for i in range(count)}
+    writer = engines()
+    for rid, tokens in prompts.items():
+        writer.add(rid, tokens)
+    writer.run_until_idle()
+    return prompts
+
+
 def evicting(store: LookupBuffer, client: fakeredis.FakeRedis, position: int) -> None:
     """The block at ``position`` of the next split is evicted between its lookup and its
     load."""
@@ -238,11 +248,7 @@ def test_a_request_may_pin_its_way_when_the_instance_allows_it(engines: Any) -> 
 def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
     """Figures fed in as the workers would send them: a store far slower than computing gets
     recomputed, a fast one loaded."""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=10 + i) for i in range(2)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 2, seed=10)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     policy = reader.connector.scheduler
     # 1 ms a token; 1 MB/s: a block takes 32 ms, computing it 16 ms
@@ -364,11 +370,7 @@ def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recompu
 def test_auto_stops_splitting_when_the_store_gets_slower_than_it_measured(engines: Any) -> None:
     """Found by a review: only splits that landed gave a sample, so once the store slowed
     every split failed and auto kept choosing them. A failed one now says how slow it was."""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=20 + i) for i in range(8)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 8, seed=20)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     # 1 ms a token, bands at 10 GB/s, whole loads at 5 MB/s (a split of 5 blocks: 17 tokens
     # computed, ~17 ms; all 6 loaded whole: ~40 ms), as measured
@@ -392,11 +394,7 @@ def test_a_store_that_whole_loads_saw_slow_down_is_not_split_on_the_bands_figure
     measured it slow, and auto split the next hit on the bands' old figure: every band waited
     out its pass, the split failed and the request paid the wait and the recompute. The bands
     come over the same link: their figure is held to the whole loads' and probed again."""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=40 + i) for i in range(2)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 2, seed=40)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     # splitting is best as measured: bands at 10 GB/s, 1 ms a token
     measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
@@ -417,11 +415,7 @@ def test_one_split_a_pass_however_many_hits_are_admitted_together(engines: Any) 
     """Found by a review: what the step's earlier admissions split was dropped when the next
     one was decided, so two splits shared one pass, each predicted (and given a wait) as if its
     bands had the store alone."""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=70 + i) for i in range(3)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 3, seed=70)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
     for rid, tokens in prompts.items():  # admitted in one step
@@ -557,11 +551,7 @@ def test_splits_whose_forward_pass_never_waits_stop_being_chosen(engines: Any) -
     """A forward pass that runs its layers without the connector's per-layer wait (a full
     CUDA graph replays no Python) lands no split: each such split fails and is recomputed.
     After two, the engine chooses none."""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=50 + i) for i in range(5)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 5, seed=50)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10, layer_waits=False)
     measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
     ways = []
@@ -628,11 +618,7 @@ def test_the_store_is_measured_by_probes_not_by_users_requests_and_trusted_again
     again the next probe says so (about a second later, no request needed) and hits load.
     (Before: a store judged slow was measured again only by loading a user's request, after
     16 recomputed hits in a row, and an expired load taught nothing.)"""
-    prompts = {f"p{i}": prompt(6 * BS + 1, seed=60 + i) for i in range(3)}
-    writer = engines()
-    for rid, t in prompts.items():
-        writer.add(rid, t)
-    writer.run_until_idle()
+    prompts = saved_prompts(engines, 3, seed=60)
     reader = engines(load_policy="auto")
     policy = reader.connector.scheduler
     for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
