@@ -25,7 +25,8 @@ Every figure is per TP rank where ranks differ (the loads): the slowest rank set
 its figure counts. Samples age: none older than ``MAX_AGE_S`` is used, and the policy asks for
 background probes when the newest is older than it likes (``probes.py``). A load that expired
 or failed, or a probe that did, teaches an upper bound: the store gave at most what landed over
-the time spent; until a newer complete sample, the bandwidth is at most that. Every fit is
+the time spent; the bandwidth is at most that until a newer complete sample shows the store
+more than ``BOUND_RELEASE`` times faster (slower ones confirm it). Every fit is
 bounded: no coefficient below zero, no overhead above the fastest sample, no bandwidth above
 what a sample achieved.
 
@@ -62,6 +63,9 @@ PREFILL_TOKENS = 64
 MAX_AGE_S = 120.0
 
 Clock = Callable[[], float]
+# a sample's values and when it came; an upper bound (bytes per second at most) and when
+Timed = tuple[tuple[float, ...], float]
+Bound = tuple[float, float]
 
 
 @dataclass(frozen=True)
@@ -191,27 +195,53 @@ class _RankSamples:
     """One rank's recent samples of one path: complete ones, and the newest upper bound."""
 
     def __init__(self, window: int) -> None:
-        self.samples: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
-        self.bound: tuple[float, float] | None = None  # (bytes per second at most, when)
+        self.samples: deque[Timed] = deque(maxlen=window)
+        self.bound: Bound | None = None  # (bytes per second at most, when)
 
-    def fresh(self, now: float) -> list[tuple[float, ...]]:
-        """Samples of the last ``MAX_AGE_S``; when there are none (an engine idle that long
-        runs no steps, so no probes), the newest few: an old figure, probed again as soon as
-        steps run (its age says so), beats recomputing every hit until then."""
-        fresh = [s for s, at in self.samples if now - at <= MAX_AGE_S]
-        return fresh or [s for s, _ in list(self.samples)[-RECENT_LOADS:]]
+    def fresh(self, now: float) -> list[Timed]:
+        """Samples of the last ``MAX_AGE_S`` (with when each came); when there are none (an
+        engine idle that long runs no steps, so no probes), the newest few: an old figure,
+        probed again as soon as steps run (its age says so), beats recomputing every hit until
+        then."""
+        fresh = [(s, at) for s, at in self.samples if now - at <= MAX_AGE_S]
+        return fresh or list(self.samples)[-RECENT_LOADS:]
 
     def newest(self) -> float:
         return self.samples[-1][1] if self.samples else -math.inf
 
-    def bound_now(self, now: float) -> float | None:
-        """The upper bound, while no complete sample came after it (and it is not too old)."""
-        if self.bound is None:
+    def bound_now(self, now: float) -> Bound | None:
+        """The upper bound and when it came, unless it is too old."""
+        if self.bound is None or now - self.bound[1] > MAX_AGE_S:
             return None
-        rate, at = self.bound
-        if at < self.newest() or now - at > MAX_AGE_S:
-            return None
-        return rate
+        return self.bound
+
+
+# a complete sample ends an upper bound only where it shows the store this many times faster
+# than the bound; slower ones confirm it (the bound follows them): one small probe read at the
+# slow store's speed must not hand the figure back to the fast loads before it
+BOUND_RELEASE = 2.0
+
+
+def _bound_after(
+    bound: Bound | None,
+    timed: list[Timed],
+    transfers: list[tuple[float, float]],
+    fixed: float,
+) -> float | None:
+    """The upper bound that still holds: None where a sample after it (its bytes over its time
+    less the fitted fixed cost) was more than ``BOUND_RELEASE`` times faster, else the fastest
+    of it and the samples after it. ``transfers``: ``timed``'s (bytes, seconds), in order."""
+    if bound is None:
+        return None
+    rate, at = bound
+    later = [
+        b / max(t - fixed, 0.1 * t)
+        for (_, when), (b, t) in zip(timed, transfers, strict=True)
+        if when > at and t > 0
+    ]
+    if any(r > BOUND_RELEASE * rate for r in later):
+        return None
+    return max([rate, *later])
 
 
 class _PerRank:
@@ -237,8 +267,11 @@ class _PerRank:
     def _rank(self, rank: int) -> _RankSamples:
         return self._ranks.setdefault(int(rank), _RankSamples(self._window))
 
-    def snapshot(self) -> tuple[float, list[tuple[list[tuple[float, ...]], float | None, float]]]:
-        """(now, per rank: fresh samples, upper bound, newest sample's time)."""
+    def snapshot(
+        self,
+    ) -> tuple[float, list[tuple[list[Timed], Bound | None, float]]]:
+        """(now, per rank: fresh samples with their times, upper bound and its time, newest
+        sample's time)."""
         now = self.clock()
         with self._lock:
             return now, [(r.fresh(now), r.bound_now(now), r.newest()) for r in self._ranks.values()]
@@ -282,21 +315,23 @@ class LoadRate:
         return fit
 
 
-def _fit_loads(samples: list[tuple[float, ...]], bound: float | None, age: float) -> LoadFit | None:
+def _fit_loads(timed: list[Timed], bound: Bound | None, age: float) -> LoadFit | None:
+    samples = [s for s, _ in timed]
     if len(samples) < MIN_LOADS:
         # an upper bound alone is a figure: at most that fast (the policy then loads only
         # what would pay even at that speed)
-        return None if bound is None else LoadFit(0.0, bound, 0, bounded=True)
-    overhead, rate, changed = fixed_and_rate([(s[0], s[1]) for s in samples])
+        return None if bound is None else LoadFit(0.0, bound[0], 0, bounded=True)
+    transfers = [(s[0], s[1]) for s in samples]
+    overhead, rate, changed = fixed_and_rate(transfers)
+    limit = _bound_after(bound, timed, transfers, overhead)
     lags = [s[2] for s in samples[-RECENT_LOADS * 2 :] if not math.isnan(s[2])]
-    bounded = bound is not None and bound < rate
     return LoadFit(
         overhead_s=overhead,
-        bytes_per_s=min(rate, bound) if bound is not None else rate,
+        bytes_per_s=min(rate, limit) if limit is not None else rate,
         samples=len(samples),
         lag_s=float(np.median(lags)) if lags else 0.0,
         age_s=max(0.0, age),
-        bounded=bounded,
+        bounded=limit is not None and limit < rate,
         changed=changed,
     )
 
@@ -376,17 +411,16 @@ class SplitRate:
         return fit
 
 
-def _fit_splits(
-    samples: list[tuple[float, ...]], bound: float | None, age: float
-) -> SplitFit | None:
+def _fit_splits(timed: list[Timed], bound: Bound | None, age: float) -> SplitFit | None:
+    samples = [s for s, _ in timed]
     if len(samples) < MIN_SPLITS:
-        return None if bound is None else SplitFit(0.0, 0.0, bound, 0, bounded=True)
+        return None if bound is None else SplitFit(0.0, 0.0, bound[0], 0, bounded=True)
     # a band's time: the gap between bands where a sample has them, else its first band's
-    band_s, rate, changed = fixed_and_rate(
-        [(b, x if not math.isnan(x) else f) for b, f, x in samples]
-    )
-    if bound is not None:
-        rate = min(rate, bound)
+    transfers = [(b, x if not math.isnan(x) else f) for b, f, x in samples]
+    band_s, rate, changed = fixed_and_rate(transfers)
+    limit = _bound_after(bound, timed, transfers, band_s)
+    if limit is not None:
+        rate = min(rate, limit)
     firsts = [max(0.0, f - (band_s + b / rate)) for b, f, _ in samples[-RECENT_LOADS:]]
     return SplitFit(
         first_s=float(np.median(firsts)),
@@ -394,7 +428,7 @@ def _fit_splits(
         bytes_per_s=rate,
         samples=len(samples),
         age_s=max(0.0, age),
-        bounded=bound is not None and bound <= rate,
+        bounded=limit is not None and limit <= rate,
         changed=changed,
     )
 

@@ -319,6 +319,27 @@ def test_an_expired_load_bounds_the_bandwidth_until_a_complete_sample() -> None:
     assert fit is not None and fit.bounded and fit.bytes_per_s < 1.0
 
 
+
+def test_a_slow_probe_after_a_bound_keeps_the_figure_slow() -> None:
+    """The store fell 50x: a load expired (a bound), then a one-block probe read at the slow
+    speed. Bytes-weighted with the big fast loads before it, that probe once cleared the bound
+    and handed the figure back to the fast loads, so the next hits loaded and expired again
+    (three in eight on this VM, auto at 1.58x the better way)."""
+    clock = Clock()
+    rate = LoadRate(clock=clock)
+    for _ in range(6):
+        rate.add(11 << 20, (11 << 20) / 5e8)  # whole hits at 500 MB/s
+    clock.now += 1
+    rate.add_bound(400 << 10, 0.8)  # 0.5 MB/s: the next load expired
+    clock.now += 1
+    rate.add(128 << 10, (128 << 10) / 5e5)  # a one-block probe, at the slow store's speed
+    fit = rate.estimate()
+    assert fit is not None and fit.bounded and fit.bytes_per_s < 1e6
+    clock.now += 1
+    rate.add(128 << 10, 0.001 + (128 << 10) / 5e8)  # the store recovered: the bound ends
+    fit = rate.estimate()
+    assert fit is not None and not fit.bounded and fit.bytes_per_s > 1e7
+
 def test_figures_age_out_but_an_idle_engine_keeps_its_last() -> None:
     """Samples older than MAX_AGE_S give way to newer ones; with none newer (an engine idle
     that long runs no steps, so no probes) the newest stay, their age saying how old, so the
