@@ -17,6 +17,16 @@ figure (at most ``PROBE_MAX_BYTES`` and the hit): the fixed cost shows only wher
 and the bandwidth only where a probe's bytes take longer than its fixed costs. A store slower
 than a block in ``PROBE_SECONDS``, or one whose figure is an upper bound, gets one block, so a
 probe never costs a slow store long.
+
+On vLLM's CPU backend a probe waits for a quiet step (no prompt tokens computed, no load or
+split in flight), for at most ``BUSY_WAIT_S``: there a probe's receiving shares the cores of
+the pass it runs beside, and on this VM every recomputed prompt's first token came 5-7% later
+than the recomputing server's while probes ran beside them. On a GPU a probe's reads land in
+host staging and the pass runs on the device, so a probe runs at once: the simulator
+(``scripts/sim_load_policy.py``) found waiting for quiet steps there cost busy engines more
+(figures learnt later: auto 1.1-1.3x the best fixed way in cells it had held at 0.9-1.0x)
+than a probe's share of the store's link beside the loads in flight, which it does not
+model.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ MIN_LARGE_BLOCKS = 4
 FEW_SAMPLES = 3
 # what a probe may take before it ends and says the store is at most that fast
 PROBE_TIMEOUT_S = 1.0
+# how long a due probe waits for a quiet step before it runs beside a busy one (seconds)
+BUSY_WAIT_S = 0.5
 
 
 class ProbeKind(enum.Enum):
@@ -70,6 +82,7 @@ class ProbePlanner:
         self._sent_at = -float("inf")
         self._sent = 0
         self._store_too_slow = False  # the last hit was recomputed because of the store
+        self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
     def remember(self, hashes: list[str]) -> None:
         """Blocks a lookup just found in Redis: what probes read (the newest hit's)."""
@@ -92,8 +105,10 @@ class ProbePlanner:
         splits: SplitFit | None,
         splits_allowed: bool,
         block_bytes: int,
+        quiet: bool = True,
     ) -> ProbeSpec | None:
-        """The probe to run now, or None."""
+        """The probe to run now, or None. ``quiet``: the step computes no prompt tokens and
+        has no load or split in flight (a probe then costs no request anything)."""
         now = self._clock()
         if not self._hashes or block_bytes <= 0:
             return None
@@ -105,6 +120,12 @@ class ProbePlanner:
         bands = splits_allowed and (_needs(splits) or self._store_too_slow)
         if not whole and not bands:
             return None
+        if not quiet:
+            if self._waiting_since is None:
+                self._waiting_since = now
+            if now - self._waiting_since < BUSY_WAIT_S:
+                return None
+        self._waiting_since = None
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
         kind = kinds[self._sent % len(kinds)]
         rate = (loads if kind is ProbeKind.WHOLE else splits) or loads

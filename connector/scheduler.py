@@ -606,6 +606,15 @@ class RedisConnectorScheduler:
     def splits_allowed(self) -> bool:
         return self.split_refusal is None and self._unwaited_splits < UNWAITED_SPLITS_LIMIT
 
+    @property
+    def auto_splits(self) -> bool:
+        """Whether ``auto`` may choose a split (and its bands need probing). Not where the
+        bands' reads cannot overlap the pass (vLLM's CPU backend): there a split is its reads,
+        then its compute, holding the whole batch meanwhile, and gains at most the one step an
+        async load waits; on the 2-core VM its reads ran slower than a whole load's and auto's
+        splits came 1.1-1.2x behind async (a request may still pin one)."""
+        return self.splits_allowed and self.engine.overlap
+
     def _busy(self) -> Busy:
         """What the engine holds besides the request being admitted: the pass just scheduled
         (as the next one), this step's admissions so far, and the loads in flight."""
@@ -634,20 +643,19 @@ class RedisConnectorScheduler:
         if hit.blocks <= 0:
             return
         self.probes.remember(st.load_hashes[start : hit.end])
-        split_ok = self.splits_allowed
         way = st.pin or (
             None if self.config.load_policy == "auto" else Way(self.config.load_policy)
         )
         figures, busy = self.figures(), self._busy()
         if way is not None:
-            decision = pinned(way, hit, split_ok, figures, self.engine, busy)
+            decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
         else:
             decision = choose(
                 hit,
                 figures,
                 engine=self.engine,
                 busy=busy,
-                split_ok=split_ok,
+                split_ok=self.auto_splits,
                 weights=self.weights,
                 token_s=self.compute_rate.token_seconds(),
                 # a handoff was made for this request to load; the pool's blocks are not
@@ -913,8 +921,16 @@ class RedisConnectorScheduler:
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
         if self.config.loads:
             figures = self.figures()
+            # where the pass runs on the cores a probe's reads use (vLLM's CPU backend), a
+            # probe waits for a step that computes no prompt and loads nothing (``probes.py``)
+            quiet = self.engine.overlap or (
+                meta.step.prefill_tokens == 0
+                and not meta.loads
+                and not len(self._loads_out)
+                and not self._splits_running
+            )
             probe = self.probes.due(
-                figures.loads, figures.splits, self.splits_allowed, self._block_bytes
+                figures.loads, figures.splits, self.auto_splits, self._block_bytes, quiet
             )
             if probe is not None:
                 meta.probes.append(probe)
