@@ -18,7 +18,9 @@ interleaved rounds):
   destination, one in flight per connection, on N connections, no verification -- the ceiling
   of this way of reading; ``bare sendmsg``: the payloads' ``SET`` sent with ``sendmsg``,
   nothing framed or hashed -- the ceiling of writing;
-- ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers.
+- ``LMCache resp://``: ``batched_put`` / ``batched_get`` into its preallocated buffers;
+- ``[python]``: a kvstore read with its replies received by the Python path instead of the
+  compiled core (``kvstore/net/_wire_core.c``, where it was built).
 
 GB/s counts value bytes. Prints a table with ratios against LMCache and redis-py and writes
 ``--json`` and PNG plots (GB/s against value size, one line per path) to ``--plot-dir``.
@@ -55,7 +57,7 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.net.wire import ReplyReader, pack_set, send_buffers
+from kvstore.net.wire import ReplyReader, native_available, pack_set, send_buffers
 from kvstore.values.codec import frame_parts, plan_entries
 from testing.redis_server import RedisServer
 
@@ -281,6 +283,24 @@ def pipelined_get_into(client: redis.Redis, keys: list[str], dests: list[torch.T
         dest[: len(reply)].copy_(torch.frombuffer(reply, dtype=torch.uint8))
 
 
+def python_core(path: Path_) -> Path_:
+    """``path`` with replies read by the Python path (``KVSTORE_WIRE_CORE=python``) instead of
+    the compiled core (``kvstore/net/wire.py``): readers pick their core when made."""
+
+    def run() -> None:
+        before = os.environ.get("KVSTORE_WIRE_CORE")
+        os.environ["KVSTORE_WIRE_CORE"] = "python"
+        try:
+            path()
+        finally:
+            if before is None:
+                del os.environ["KVSTORE_WIRE_CORE"]
+            else:
+                os.environ["KVSTORE_WIRE_CORE"] = before
+
+    return run
+
+
 def bench_size(
     url: str,
     size: int,
@@ -407,6 +427,9 @@ def bench_size(
         "kvstore select_into x2": kv_select_into(2),
         "kvstore select_into x4": kv_select_into(4),
     }
+    if native_available():  # the same reads through the Python path: the core's gain
+        for name in ("kvstore select", "kvstore select_into x1", "kvstore select_into x2"):
+            reads[f"{name} [python]"] = python_core(reads[name])
     reads["kvstore drop_select"] = kv_drop_select  # last: it takes the values
     if lmc:
         host, port = url.removeprefix("redis://").split("/")[0].split(":")

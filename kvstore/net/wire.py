@@ -18,6 +18,13 @@ or RESP3 ``_``) and an error -- and, for the claim script sent ahead of a consum
 drops the connection, since its position in the stream is lost. Fuzzed against hiredis in
 ``tests/integration/test_wire.py``.
 
+**Two implementations of the receiving path, one behaviour.** Where the compiled core
+(``_wire_core.c``) was built and the socket is plain TCP or Unix (not TLS), a bulk reply is
+read in C with the GIL released for the whole reply: the other threads' reads, checksums and the
+engine's own Python run meanwhile. Everywhere else the Python path reads it. Both follow the
+rules below to the byte and raise the same exceptions; ``KVSTORE_WIRE_CORE`` (``auto``, the
+default; ``native``; ``python``) forces either (:class:`WireCore`). The tests run both.
+
 A socket timeout bounds each ``recv``, not a reply: a server (or a path) that sends a byte
 just before each timeout would hold a read for ever. So every reply has a deadline -- the
 socket timeout plus its size at :data:`MIN_BYTES_PER_S` -- and so has every send; past it
@@ -28,7 +35,9 @@ and the caller drops the connection, mid-reply as it is.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
+import os
 import socket
 import ssl
 import time
@@ -45,6 +54,45 @@ try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM,
     _parse_error = BaseParser.parse_error
 except ImportError:  # pragma: no cover - an older redis-py: the generic class
     _parse_error = rex.ResponseError
+
+try:  # the compiled receiving core, where pip could build it (a C compiler was there)
+    from kvstore.net import _wire_core as _core  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - depends on the install
+    _core = None
+
+
+class WireCore(enum.Enum):
+    """Which implementation reads bulk replies (``KVSTORE_WIRE_CORE``)."""
+
+    AUTO = "auto"  # the compiled core where built and the socket is not TLS, else Python
+    NATIVE = "native"  # the compiled core, or an error where it was not built
+    PYTHON = "python"  # the reference path, always
+
+
+class WireCoreMissing(ImportError):
+    """``KVSTORE_WIRE_CORE=native`` where the compiled core was not built."""
+
+
+def wire_core() -> WireCore:
+    """The implementation asked for in the environment (``KVSTORE_WIRE_CORE``)."""
+    raw = os.environ.get("KVSTORE_WIRE_CORE", "auto").strip().lower() or "auto"
+    try:
+        chosen = WireCore(raw)
+    except ValueError:
+        raise ValueError(f"KVSTORE_WIRE_CORE={raw!r}: use auto, native or python") from None
+    if chosen is WireCore.NATIVE and _core is None:
+        raise WireCoreMissing(
+            "KVSTORE_WIRE_CORE=native, but kvstore's compiled core (kvstore/net/_wire_core.c) "
+            "was not built: install a C compiler and the Python headers, then reinstall "
+            "(pip install -e .), or unset KVSTORE_WIRE_CORE"
+        )
+    return chosen
+
+
+def native_available() -> bool:
+    """Whether the compiled core was built (importable)."""
+    return _core is not None
+
 
 _SCRATCH_BYTES = 1 << 16
 _OK = b"+OK\r\n"
@@ -83,19 +131,29 @@ class ReplyReader:
     """Reads replies from one connected socket, in order. Not thread-safe: one per connection
     and thread."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, core: WireCore | None = None) -> None:
         self._sock = sock
         self._buf = bytearray(_SCRATCH_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0  # unread bytes are self._buf[self._start : self._end]
         self._end = 0
         self._clock = _Deadline(sock)
+        core = core if core is not None else wire_core()
+        plain = type(sock) is socket.socket  # (not TLS: its fd carries records, not replies)
+        if core is WireCore.NATIVE and _core is None:
+            raise WireCoreMissing("the compiled core was not built (see wire_core())")
+        self.native = core is not WireCore.PYTHON and _core is not None and plain
+        # the deadline and budget of the reply whose header the core just read
+        self._native_at, self._native_budget = 0.0, 0.0
 
     def read_bulk_into(self, dest: memoryview) -> int | Oversize | None:
         """Read one reply. A bulk string's bytes land in ``dest[:length]`` and its length is
         returned; a nil returns None; one longer than ``dest`` is drained (never allocated) and
         returns :class:`Oversize`. An error reply raises redis-py's ``ResponseError`` (the
         stream stays usable)."""
+        if self.native:
+            got = self._native_bulk(dest, len(dest))
+            return Oversize(got[1]) if got[0] == "oversize" else got[1]
         self._clock.start(0)
         try:
             length = self._bulk_header(len(dest))
@@ -112,6 +170,13 @@ class ReplyReader:
         """Read one reply into a new, writable buffer of exactly its size from ``allocate``
         (the kernel's copy is the only one). One longer than ``limit`` is drained, never
         allocated, and returns :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
+        if self.native:
+            kind, length = self._native_bulk(None, limit)
+            if kind != "header":
+                return Oversize(length) if kind == "oversize" else None
+            dest = allocate(length) if allocate is not None else _new_buffer(length)
+            self._native_body(dest)
+            return dest
         self._clock.start(0)
         try:
             length = self._bulk_header(limit)
@@ -125,6 +190,76 @@ class ReplyReader:
         finally:
             self._clock.stop()
 
+    # ------------------------------------------------------- the compiled core
+    def _native_bulk(self, dest: memoryview | None, limit: int) -> tuple[str, Any]:
+        """One bulk reply read by the compiled core: ("bulk", length), ("nil", None),
+        ("oversize", length) or, without ``dest``, ("header", length) with its bytes next."""
+        assert _core is not None
+        started = time.monotonic()
+        budget = self._clock._base_s
+        kind, value, self._start, self._end, at = _core.read_bulk(
+            self._fileno(), self._buf, self._start, self._end, dest, limit, drain_limit(limit),
+            self._recv_timeout(), started + budget, float(MIN_BYTES_PER_S), _MAX_LINE,
+        )  # fmt: skip
+        if kind == _core.BULK:
+            return "bulk", value
+        if kind == _core.NIL:
+            return "nil", None
+        if kind == _core.OVERSIZE:
+            return "oversize", value
+        if kind == _core.HEADER:
+            self._native_at, self._native_budget = at, at - started
+            return "header", value
+        if kind == _core.ERROR_REPLY:
+            raise _parse_error(value.decode(errors="replace"))
+        if kind == _core.INVALID and value[:1] == b"$":
+            raise rex.InvalidResponse(f"bad bulk length {value!r}")
+        if kind == _core.INVALID:
+            raise rex.InvalidResponse(f"expected a bulk string reply, got {value!r}")
+        if kind == _core.TOO_LARGE:
+            raise rex.InvalidResponse(_too_large(value, limit))
+        raise self._native_failure(kind, value, at - started)
+
+    def _native_body(self, dest: memoryview) -> None:
+        """The bytes (and CRLF) of the bulk string whose header ``_native_bulk`` just read."""
+        assert _core is not None
+        kind, value, self._start, self._end, _ = _core.read_body(
+            self._fileno(), self._buf, self._start, self._end, dest, self._recv_timeout(),
+            self._native_at,
+        )  # fmt: skip
+        if kind != _core.BULK:
+            raise self._native_failure(kind, value, self._native_budget)
+
+    def _fileno(self) -> int:
+        """The socket's descriptor now (never one kept from before: a socket closed by
+        another thread frees its number for the next connection, whose replies a kept number
+        would read)."""
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise rex.ConnectionError("error reading a reply: the connection was closed")
+        return fd
+
+    def _recv_timeout(self) -> float:
+        timeout = self._sock.gettimeout()
+        return -1.0 if timeout is None else float(timeout)
+
+    def _native_failure(self, kind: int, value: Any, budget_s: float) -> Exception:
+        assert _core is not None
+        if kind == _core.TIMEOUT_RECV:
+            return rex.TimeoutError("timed out reading a reply")
+        if kind == _core.TIMEOUT_DEADLINE:
+            return rex.TimeoutError(_stalled("reading a reply", budget_s))
+        if kind == _core.CLOSED:
+            return rex.ConnectionError("the server closed the connection")
+        if kind == _core.OS_ERROR:
+            return rex.ConnectionError(f"error reading a reply: {os.strerror(value)}")
+        if kind == _core.TOO_LONG_LINE:
+            return rex.InvalidResponse("a reply line is too long")
+        if kind == _core.NO_CRLF:
+            return rex.InvalidResponse("a bulk string is not followed by CRLF")
+        return rex.InvalidResponse(f"the compiled core failed reading a reply ({kind})")
+
+    # ------------------------------------------------------- the Python path
     def _bulk_header(self, limit: int) -> int | Oversize | None:
         """Read a reply's first line: a bulk string's length when it fits in ``limit`` (its
         bytes are next in the stream), :class:`Oversize` (drained) when it does not, None for a
@@ -136,21 +271,17 @@ class ReplyReader:
             if line[:1] == b"-":
                 raise _parse_error(line[1:].decode(errors="replace"))
             raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
-        try:
-            length = int(line[1:])
-        except ValueError:
-            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}") from None
+        digits = line[2:] if line[1:2] == b"-" else line[1:]
+        if not 0 < len(digits) <= 18 or not digits.isdigit():  # (as the compiled core: no
+            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}")  # spaces, '+', '_')
+        length = int(line[1:])
         if length < 0:
             return None
         self._clock.extend(length + 2)
         if length > limit:
             drainable = drain_limit(limit)
             if length > drainable:
-                raise rex.InvalidResponse(
-                    f"a bulk reply of {length} bytes where at most {limit} were asked for: too "
-                    f"large to drain (over {drainable}), so the connection is dropped; "
-                    "delete the key if it is not kvstore's (`kvstore inspect KEY` shows it)"
-                )
+                raise rex.InvalidResponse(_too_large(length, limit))
             self._skip(length + 2)
             return Oversize(length)
         return length
@@ -223,8 +354,8 @@ class ReplyReader:
 
     # -------------------------------------------------------------- the socket
     def _recv_into(self, view: memoryview) -> int:
-        self._clock.before_io("reading a reply")
         try:
+            self._clock.before_io("reading a reply")  # (its settimeout fails on a closed socket)
             n = self._sock.recv_into(view)
         except TimeoutError:  # socket.timeout
             raise self._clock.timed_out("reading a reply") from None
@@ -317,11 +448,7 @@ class _Deadline:
     def timed_out(self, doing: str) -> rex.TimeoutError:
         if not self._shortened and time.monotonic() < self._at:  # the socket's own timeout
             return rex.TimeoutError(f"timed out {doing}")
-        return rex.TimeoutError(
-            f"timed out {doing}: not done within {self._budget_s:.1f} s (the socket timeout "
-            f"plus {MIN_BYTES_PER_S >> 20} s per MiB); the server stalls or sends a few bytes "
-            "at a time, and the connection is dropped"
-        )
+        return rex.TimeoutError(_stalled(doing, self._budget_s))
 
     def stop(self) -> None:
         """Put the socket's own timeout back, if it was shortened."""
@@ -329,6 +456,22 @@ class _Deadline:
             self._shortened = False
             with contextlib.suppress(OSError):  # a socket closed meanwhile
                 self._sock.settimeout(self._timeout)
+
+
+def _stalled(doing: str, budget_s: float) -> str:
+    return (
+        f"timed out {doing}: not done within {budget_s:.1f} s (the socket timeout "
+        f"plus {MIN_BYTES_PER_S >> 20} s per MiB); the server stalls or sends a few bytes "
+        "at a time, and the connection is dropped"
+    )
+
+
+def _too_large(length: int, limit: int) -> str:
+    return (
+        f"a bulk reply of {length} bytes where at most {limit} were asked for: too "
+        f"large to drain (over {drain_limit(limit)}), so the connection is dropped; "
+        "delete the key if it is not kvstore's (`kvstore inspect KEY` shows it)"
+    )
 
 
 def _integer(line: bytes) -> int:

@@ -1,11 +1,15 @@
 """The bulk-reply reader against hiredis (redis-py's parser) on random reply streams cut into
-random chunks, and on a real redis-server."""
+random chunks, and on a real redis-server: both implementations of its receiving path, the
+Python one and the compiled core (``core``), under the same tests."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import hiredis
@@ -16,7 +20,27 @@ from redis.exceptions import InvalidResponse, ResponseError
 from kvstore.errors import StoreTimeoutError
 from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.transport import Transport
-from kvstore.net.wire import Oversize, ReplyReader, pack_set, send_buffers
+from kvstore.net.wire import (
+    Oversize,
+    ReplyReader,
+    WireCore,
+    native_available,
+    pack_set,
+    send_buffers,
+)
+
+CORES = [
+    WireCore.PYTHON,
+    pytest.param(
+        WireCore.NATIVE,
+        marks=pytest.mark.skipif(not native_available(), reason="the compiled core not built"),
+    ),
+]
+
+
+@pytest.fixture(params=CORES, ids=lambda c: c.value)
+def core(request: pytest.FixtureRequest) -> WireCore:
+    return request.param  # type: ignore[no-any-return]
 
 
 class ChunkedSocket:
@@ -36,6 +60,57 @@ class ChunkedSocket:
         return n
 
 
+class Feeder:
+    """A real socket whose peer sends a byte stream in random chunks, now and then pausing, so
+    the compiled core's receives end mid-line and mid-value as ChunkedSocket's do."""
+
+    def __init__(self, data: bytes, rng: random.Random, cut: bool = False) -> None:
+        self.sock, self._peer = socket.socketpair()
+        self._cut = cut
+        self.sock.settimeout(10)
+        chunks, pos = [], 0
+        while pos < len(data):
+            n = rng.choice([1, 2, 7, 100, 4096, 1 << 20])
+            chunks.append((data[pos : pos + n], rng.random() < 0.05))
+            pos += n
+        self._thread = threading.Thread(target=self._send, args=(chunks,), daemon=True)
+        self._thread.start()
+
+    def _send(self, chunks: list[tuple[bytes, bool]]) -> None:
+        try:
+            for chunk, pause in chunks:
+                self._peer.sendall(chunk)
+                if pause:
+                    time.sleep(0.001)
+            if self._cut:  # the connection ends here, mid-reply
+                self._peer.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the reader closed its end (a test that stops reading early)
+
+    def close(self) -> None:
+        self.sock.close()
+        self._thread.join(10)
+        self._peer.close()
+
+
+@contextlib.contextmanager
+def reading(
+    stream: bytes, rng: random.Random, core: WireCore, cut: bool = False
+) -> Iterator[ReplyReader]:
+    """A reader of ``stream`` through ``core``: Python's over a fake socket (which ends where
+    the stream does), the compiled core's over a real one (``cut``: the peer ends it there)."""
+    if core is WireCore.PYTHON:
+        yield ReplyReader(ChunkedSocket(stream, rng), core)  # type: ignore[arg-type]
+        return
+    feeder = Feeder(stream, rng, cut)
+    try:
+        reader = ReplyReader(feeder.sock, core)
+        assert reader.native
+        yield reader
+    finally:
+        feeder.close()
+
+
 def random_reply(rng: random.Random) -> bytes:
     kind = rng.random()
     if kind < 0.1:
@@ -52,42 +127,68 @@ def random_reply(rng: random.Random) -> bytes:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_reply_streams_parse_like_hiredis(seed: int) -> None:
+def test_random_reply_streams_parse_like_hiredis(seed: int, core: WireCore) -> None:
     rng = random.Random(seed)
     replies = [random_reply(rng) for _ in range(rng.randint(1, 30))]
     stream = b"".join(replies)
     reference = hiredis.Reader()
     reference.feed(stream)
-    reader = ReplyReader(ChunkedSocket(stream, rng))  # type: ignore[arg-type]
-    for _ in replies:
-        want = reference.gets()
-        capacity = rng.choice([0, 10, 4096, 70_000, 300_000])
-        dest = memoryview(bytearray(capacity))
-        if isinstance(want, hiredis.ReplyError):
-            with pytest.raises(ResponseError, match="WRONGTYPE"):
-                reader.read_bulk_into(dest)
-            continue
-        got = reader.read_bulk_into(dest)
-        if want is None:
-            assert got is None
-        elif len(want) > capacity:
-            assert got == Oversize(len(want))
-        else:
-            assert got == len(want) and bytes(dest[: len(want)]) == want
+    with reading(stream, rng, core) as reader:
+        for _ in replies:
+            want = reference.gets()
+            capacity = rng.choice([0, 10, 4096, 70_000, 300_000])
+            new = rng.random() < 0.3  # into a new buffer of its size (read_bulk_new)
+            dest = memoryview(bytearray(capacity))
+
+            def read(new: bool = new, dest: memoryview = dest, capacity: int = capacity) -> object:
+                return reader.read_bulk_new(capacity) if new else reader.read_bulk_into(dest)
+
+            if isinstance(want, hiredis.ReplyError):
+                with pytest.raises(ResponseError, match="WRONGTYPE"):
+                    read()
+                continue
+            got = read()
+            if want is None:
+                assert got is None
+            elif len(want) > capacity:
+                assert got == Oversize(len(want))
+            elif new:
+                assert isinstance(got, memoryview) and bytes(got) == want
+            else:
+                assert got == len(want) and bytes(dest[: len(want)]) == want
     assert reference.gets() is False  # both consumed the whole stream
 
 
 @pytest.mark.parametrize(
-    "garbage", [b"+OK\r\n", b":12\r\n", b"$abc\r\n", b"$3\r\nabcXY", b"*2\r\n"]
+    "garbage",
+    [
+        b"+OK\r\n",
+        b":12\r\n",
+        b"$abc\r\n",
+        b"$3\r\nabcXY",
+        b"*2\r\n",
+        b"$99999999999999999999999\r\n",
+        b"$ 3\r\nabc\r\n",  # forms Python's int() takes and no server sends: both refuse
+        b"$+3\r\nabc\r\n",
+        b"$1_0\r\n0123456789\r\n",
+        b"$-\r\n",
+        b"$" + b"9" * 5000,  # a line that never ends
+    ],
 )
-def test_replies_other_than_bulk_strings_are_refused(garbage: bytes) -> None:
-    reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
-    with pytest.raises(InvalidResponse):
+def test_replies_other_than_bulk_strings_are_refused(garbage: bytes, core: WireCore) -> None:
+    with reading(garbage, random.Random(0), core) as reader, pytest.raises(InvalidResponse):
         reader.read_bulk_into(memoryview(bytearray(16)))
 
 
+@pytest.mark.parametrize("stream", [b"$100\r\n" + b"x" * 40, b"$10", b"$4\r\nabcd"])
+def test_a_connection_cut_mid_reply_is_a_connection_error(stream: bytes, core: WireCore) -> None:
+    cut = pytest.raises(redis.exceptions.ConnectionError, match="closed")
+    with reading(stream, random.Random(1), core, cut=True) as reader, cut:
+        reader.read_bulk_into(memoryview(bytearray(200)))
+
+
 @pytest.mark.redis
-def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str) -> None:
+def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str, core: WireCore) -> None:
     client = redis.Redis.from_url(redis_url)
     values = [bytes(random.Random(i).getrandbits(8) for _ in range(1000)) * i for i in range(6)]
     for i, v in enumerate(values):
@@ -97,7 +198,8 @@ def test_pipelined_gets_from_a_real_server_land_in_place(redis_url: str) -> None
     try:
         keys = [f"k{i}" for i in range(len(values))] + ["missing", "list"]
         conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
-        reader = ReplyReader(conn._sock)  # type: ignore[arg-type]
+        reader = ReplyReader(conn._sock, core)  # type: ignore[arg-type]
+        assert reader.native == (core is WireCore.NATIVE)
         for v in values:
             dest = bytearray(len(v) + 5)
             assert reader.read_bulk_into(memoryview(dest)) == len(v) and dest[: len(v)] == v
@@ -397,12 +499,12 @@ def _connected(server: DripServer, timeout_s: float) -> socket.socket:
     indirect=["drip_server"],
 )
 def test_a_reply_dripped_a_byte_at_a_time_ends_with_a_timeout(
-    drip_server: DripServer, read: Callable[[ReplyReader], object]
+    drip_server: DripServer, read: Callable[[ReplyReader], object], core: WireCore
 ) -> None:
     """Issue: the socket timeout bounded each recv, not the reply: a server sending a byte
     every 50 ms (under the 0.2 s timeout) held a 100 kB read for 80 minutes."""
     with _connected(drip_server, 0.2) as sock:
-        reader = ReplyReader(sock)
+        reader = ReplyReader(sock, core)
         got = _ends(lambda: read(reader))
         # (whether the reply's deadline or, on a slow machine, one recv's timeout ended it)
         assert isinstance(got, redis.exceptions.TimeoutError), got
@@ -411,10 +513,10 @@ def test_a_reply_dripped_a_byte_at_a_time_ends_with_a_timeout(
 
 @pytest.mark.parametrize("drip_server", [(b"$100000000\r\n", True)], indirect=True)
 def test_a_bulk_reply_too_large_to_drain_fails_at_once_without_draining(
-    drip_server: DripServer,
+    drip_server: DripServer, core: WireCore
 ) -> None:
     with _connected(drip_server, 0.2) as sock:
-        got = _ends(lambda: ReplyReader(sock).read_bulk_into(memoryview(bytearray(16))))
+        got = _ends(lambda: ReplyReader(sock, core).read_bulk_into(memoryview(bytearray(16))))
         assert isinstance(got, InvalidResponse) and "too large to drain" in str(got)
 
 
@@ -473,3 +575,90 @@ def test_a_peer_reading_a_byte_at_a_time_ends_a_send_with_a_timeout() -> None:
         sock.closed.set()  # ends a send the code under test would not end
     assert isinstance(got, redis.exceptions.TimeoutError) and "dropped" in str(got)
     assert 0 < sock.sent < 100_000 and sock.timeout == 0.05
+
+
+def test_the_core_is_chosen_by_the_environment_and_never_reads_tls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvstore.net import wire
+
+    a, b = socket.socketpair()
+    with a, b:
+        monkeypatch.setenv("KVSTORE_WIRE_CORE", "python")
+        assert not ReplyReader(a).native
+        monkeypatch.setenv("KVSTORE_WIRE_CORE", "fast")
+        with pytest.raises(ValueError, match="auto, native or python"):
+            ReplyReader(a)
+        monkeypatch.setenv("KVSTORE_WIRE_CORE", "auto")
+        assert ReplyReader(a).native == native_available()
+        tls = ssl.create_default_context().wrap_socket(
+            socket.socket(), server_hostname="x", do_handshake_on_connect=False
+        )
+        with tls:  # its fd carries TLS records: only the Python path (through ssl) reads it
+            assert not ReplyReader(tls).native
+        monkeypatch.setattr(wire, "_core", None)  # a machine without a C compiler
+        assert not ReplyReader(a).native
+        monkeypatch.setenv("KVSTORE_WIRE_CORE", "native")
+        with pytest.raises(wire.WireCoreMissing, match="compiler"):
+            ReplyReader(a)
+
+
+def test_a_native_read_waits_out_a_socket_timeout_of_weeks() -> None:
+    """A timeout past 24.8 days overflowed the core's int of milliseconds: the read gave up
+    after 1 ms (found by a review)."""
+    if not native_available():
+        pytest.skip("the compiled core not built")
+    a, b = socket.socketpair()
+    with a, b:
+        a.settimeout(3e6)
+        threading.Timer(0.3, lambda: b.sendall(b"$2\r\nok\r\n")).start()
+        dest = memoryview(bytearray(8))
+        assert ReplyReader(a, WireCore.NATIVE).read_bulk_into(dest) == 2 and dest[:2] == b"ok"
+
+
+class Interrupted(Exception):
+    pass
+
+
+@pytest.mark.parametrize("timeout", [3.0, None])
+def test_a_signal_handler_that_raises_ends_a_waiting_read(
+    core: WireCore, timeout: float | None
+) -> None:
+    """Ctrl-C (here an alarm whose handler raises) ends a read that waits, at once, as
+    Python's own socket calls do: the compiled core once held it to the socket timeout or,
+    without one, the reply's deadline (found by a review)."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    a, b = socket.socketpair()
+    before = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with a, b:
+            a.settimeout(timeout)
+            reader = ReplyReader(a, core)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            started = time.monotonic()
+            with pytest.raises(Interrupted):
+                reader.read_bulk_into(memoryview(bytearray(8)))
+            assert time.monotonic() - started < 2.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
+def test_a_reader_whose_socket_was_closed_reads_nobody_elses_replies(core: WireCore) -> None:
+    """The compiled core once kept the descriptor's number: after another thread closed the
+    socket (a pool disconnecting on shutdown), the next connection got that number and the old
+    reader read its replies (found by a review)."""
+    a, b = socket.socketpair()
+    reader = ReplyReader(a, core)
+    a.close()
+    b.close()
+    c, d = socket.socketpair()  # (takes the freed numbers)
+    with c, d:
+        d.sendall(b"$6\r\nOTHERS\r\n")
+        with pytest.raises(redis.exceptions.ConnectionError):
+            reader.read_bulk_into(memoryview(bytearray(8)))
+        assert c.recv(64) == b"$6\r\nOTHERS\r\n"  # left for its own reader

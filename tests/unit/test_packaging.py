@@ -3,6 +3,7 @@ extras; the CLI starts without torch."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -34,6 +35,22 @@ def test_the_wheel_ships_only_the_shipped_packages(wheel: zipfile.ZipFile) -> No
     assert {"connector/proxy/server.py", "connector/redis_connector.py", "kvstore/cli.py"} <= names
     assert {"connector/warm/__main__.py", "connector/warm/cli.py"} <= names
     assert not any("redis_server" in n or "engine_runner" in n for n in names)
+
+
+def test_the_wheel_builds_the_compiled_core_and_ships_its_source(wheel: zipfile.ZipFile) -> None:
+    """Where a C compiler and Python's headers exist (this machine, CI's), pip builds the core
+    (``setup.py``; optional elsewhere) and the installed tree imports it: a build that failed
+    silently would leave every read on the Python path and half of the wire tests skipped."""
+    import sysconfig
+
+    from kvstore.net.wire import native_available
+
+    names = wheel.namelist()
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    if not (shutil.which("cc") or shutil.which("gcc")) or not headers:
+        pytest.skip("no C compiler or Python headers here: the Python path is the reader")
+    assert any(n.startswith("kvstore/net/_wire_core.") and n.endswith(".so") for n in names)
+    assert native_available(), "installed without its compiled core: reinstall (pip install -e .)"
 
 
 def test_the_image_copies_every_package_the_wheel_ships(wheel: zipfile.ZipFile) -> None:
