@@ -35,6 +35,7 @@ import torch
 
 from datamover import BlockMover, LayeredLoad, SaveItem
 from kvstore import LookupBuffer, chain_hashes
+from kvstore.net.wire import WireCore, native_available, wire_core
 from testing.redis_server import ClusterServers, RedisServer
 
 
@@ -199,6 +200,10 @@ def main() -> int:
             "cpus": os.cpu_count(),
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
             "torch": torch.__version__,
+            # which receiving path read the replies (kvstore/net/wire.py: KVSTORE_WIRE_CORE)
+            "wire_core": "native"
+            if native_available() and wire_core() is not WireCore.PYTHON
+            else "python",
         },
         "geometry": {"layers": args.layers, "kv_heads": 8, "head_size": 128, "block_size": 16},
         "server": {

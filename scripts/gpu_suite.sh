@@ -5,7 +5,8 @@
 #                                                    scripts/bench_gpu.py (standalone, 1/2/4
 #                                                    masters, server I/O threads on/off,
 #                                                    read-ahead, writers; gathered into
-#                                                    suite.json) and bench_shards.py,
+#                                                    suite.json), bench_shards.py and the
+#                                                    compiled reply reader against Python,
 #                                                    figures to OUT_DIR/suite.tgz
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -50,6 +51,14 @@ time_left() {  # the part's timeout in seconds, then its name
 }
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 set +e
+# issue 51: the compiled reply reader (kvstore/net/_wire_core.c), built here where the device has
+# a C compiler and Python's headers; without it every read takes the Python path, and says so
+if python3 setup.py -q build_ext --inplace >"$OUT_DIR/build_core.log" 2>&1 \
+  && python3 -c "from kvstore.net.wire import native_available as n; assert n()"; then
+  echo "compiled core: built"
+else
+  echo "compiled core: NOT built (Python path only; see build_core.log)"; tail -3 "$OUT_DIR/build_core.log"
+fi
 timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/unit/test_datamover.py tests/unit/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # issue 39: save / load GB/s into and out of GPU memory per topology -- 1, 2 and 4 Cluster
@@ -102,6 +111,19 @@ if time_left 120 "bench_shards"; then
   timeout 120 python3 -m scripts.bench_shards --blocks 96 --rounds 5 --json "$OUT_DIR/shards.json" \
     2>&1 | tee "$OUT_DIR/shards.log"
   src=${PIPESTATUS[0]}
+fi
+# the compiled core against the Python path (KVSTORE_WIRE_CORE=python): the same topologies,
+# read the other way (each row beside its namesake above)
+python_path() {  # name, then bench_gpu's arguments
+  local name="$1"; shift
+  KVSTORE_WIRE_CORE=python; export KVSTORE_WIRE_CORE
+  run_masters "$name-python" "$@"
+  unset KVSTORE_WIRE_CORE
+}
+if python3 -c "from kvstore.net.wire import native_available as n; assert n()" 2>/dev/null; then
+  python_path baseline
+  python_path cluster4-io4-w4-ra4 --masters 4 --server-io-threads 4 --writers 4 --read-ahead 4
+  python3 -m scripts.gpu_suite_summary "$OUT_DIR" > "$OUT_DIR/summary.md" || mrc=1
 fi
 cat "$OUT_DIR/summary.md" 2>/dev/null
 echo "pytest exit $rc, bench exit $brc, masters exit $mrc, shards exit $src"
