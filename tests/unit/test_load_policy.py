@@ -319,7 +319,6 @@ def test_an_expired_load_bounds_the_bandwidth_until_a_complete_sample() -> None:
     assert fit is not None and fit.bounded and fit.bytes_per_s < 1.0
 
 
-
 def test_a_slow_probe_after_a_bound_keeps_the_figure_slow() -> None:
     """The store fell 50x: a load expired (a bound), then a one-block probe read at the slow
     speed. Bytes-weighted with the big fast loads before it, that probe once cleared the bound
@@ -339,6 +338,7 @@ def test_a_slow_probe_after_a_bound_keeps_the_figure_slow() -> None:
     rate.add(128 << 10, 0.001 + (128 << 10) / 5e8)  # the store recovered: the bound ends
     fit = rate.estimate()
     assert fit is not None and not fit.bounded and fit.bytes_per_s > 1e7
+
 
 def test_figures_age_out_but_an_idle_engine_keeps_its_last() -> None:
     """Samples older than MAX_AGE_S give way to newer ones; with none newer (an engine idle
