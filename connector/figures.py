@@ -25,8 +25,9 @@ Every figure is per TP rank where ranks differ (the loads): the slowest rank set
 its figure counts. Samples age: none older than ``MAX_AGE_S`` is used, and the policy asks for
 background probes when the newest is older than it likes (``probes.py``). A load that expired
 or failed, or a probe that did, teaches an upper bound: the store gave at most what landed over
-the time spent; the bandwidth is at most that until a newer complete sample shows the store
-more than ``BOUND_RELEASE`` times faster (slower ones confirm it). Every fit is
+the time spent; the bandwidth is at most that until newer complete samples come, and then it is
+theirs alone (the store changed there), unless one shows the store more than
+``BOUND_RELEASE`` times faster than the bound (then every sample counts again). Every fit is
 bounded: no coefficient below zero, no overhead above the fastest sample, no bandwidth above
 what a sample achieved.
 
@@ -216,32 +217,29 @@ class _RankSamples:
         return self.bound
 
 
-# a complete sample ends an upper bound only where it shows the store this many times faster
-# than the bound; slower ones confirm it (the bound follows them): one small probe read at the
-# slow store's speed must not hand the figure back to the fast loads before it
+# an upper bound marks where the store changed: the samples after it are the figure, the ones
+# before it no longer count -- unless one after it shows the store this many times faster than
+# the bound (a passing hiccup: everything counts again). Before, the first complete sample
+# ended the bound, and one small probe read at a slow store's speed, bytes-weighted beside the
+# big fast loads before it, handed the figure back to the fast store
 BOUND_RELEASE = 2.0
 
 
-def _bound_after(
-    bound: Bound | None,
-    timed: list[Timed],
-    transfers: list[tuple[float, float]],
-    fixed: float,
-) -> float | None:
-    """The upper bound that still holds: None where a sample after it (its bytes over its time
-    less the fitted fixed cost) was more than ``BOUND_RELEASE`` times faster, else the fastest
-    of it and the samples after it. ``transfers``: ``timed``'s (bytes, seconds), in order."""
+def _since_bound(
+    bound: Bound | None, timed: list[Timed], transfers: list[tuple[float, float]], fixed: float
+) -> tuple[list[tuple[float, float]] | None, float | None]:
+    """(the transfers the figure comes from, None for all of them; the upper bound in force).
+    A sample's speed is its bytes over its time less the fitted fixed cost. ``transfers``:
+    ``timed``'s (bytes, seconds), in order."""
     if bound is None:
-        return None
+        return None, None
     rate, at = bound
-    later = [
-        b / max(t - fixed, 0.1 * t)
-        for (_, when), (b, t) in zip(timed, transfers, strict=True)
-        if when > at and t > 0
-    ]
-    if any(r > BOUND_RELEASE * rate for r in later):
-        return None
-    return max([rate, *later])
+    later = [bt for (_, when), bt in zip(timed, transfers, strict=True) if when > at]
+    if not later:
+        return None, rate  # nothing measured since: at most the bound
+    if any(b / max(t - fixed, 0.1 * t) > BOUND_RELEASE * rate for b, t in later if t > 0):
+        return None, None  # measured well above it since
+    return later, None
 
 
 class _PerRank:
@@ -323,12 +321,14 @@ def _fit_loads(timed: list[Timed], bound: Bound | None, age: float) -> LoadFit |
         return None if bound is None else LoadFit(0.0, bound[0], 0, bounded=True)
     transfers = [(s[0], s[1]) for s in samples]
     overhead, rate, changed = fixed_and_rate(transfers)
-    limit = _bound_after(bound, timed, transfers, overhead)
+    since, limit = _since_bound(bound, timed, transfers, overhead)
+    if since is not None:  # the store changed at the bound: only what came after it
+        overhead, rate, changed = fixed_and_rate(since)
     lags = [s[2] for s in samples[-RECENT_LOADS * 2 :] if not math.isnan(s[2])]
     return LoadFit(
         overhead_s=overhead,
         bytes_per_s=min(rate, limit) if limit is not None else rate,
-        samples=len(samples),
+        samples=len(since) if since is not None else len(samples),
         lag_s=float(np.median(lags)) if lags else 0.0,
         age_s=max(0.0, age),
         bounded=limit is not None and limit < rate,
@@ -418,15 +418,19 @@ def _fit_splits(timed: list[Timed], bound: Bound | None, age: float) -> SplitFit
     # a band's time: the gap between bands where a sample has them, else its first band's
     transfers = [(b, x if not math.isnan(x) else f) for b, f, x in samples]
     band_s, rate, changed = fixed_and_rate(transfers)
-    limit = _bound_after(bound, timed, transfers, band_s)
+    since, limit = _since_bound(bound, timed, transfers, band_s)
+    recent = samples[-RECENT_LOADS:]
+    if since is not None:  # the store changed at the bound: only what came after it
+        band_s, rate, changed = fixed_and_rate(since)
+        recent = samples[-min(len(since), RECENT_LOADS) :]
     if limit is not None:
         rate = min(rate, limit)
-    firsts = [max(0.0, f - (band_s + b / rate)) for b, f, _ in samples[-RECENT_LOADS:]]
+    firsts = [max(0.0, f - (band_s + b / rate)) for b, f, _ in recent]
     return SplitFit(
         first_s=float(np.median(firsts)),
         band_s=band_s,
         bytes_per_s=rate,
-        samples=len(samples),
+        samples=len(since) if since is not None else len(samples),
         age_s=max(0.0, age),
         bounded=limit is not None and limit <= rate,
         changed=changed,

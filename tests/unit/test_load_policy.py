@@ -333,11 +333,30 @@ def test_a_slow_probe_after_a_bound_keeps_the_figure_slow() -> None:
     clock.now += 1
     rate.add(128 << 10, (128 << 10) / 5e5)  # a one-block probe, at the slow store's speed
     fit = rate.estimate()
-    assert fit is not None and fit.bounded and fit.bytes_per_s < 1e6
+    assert fit is not None and fit.bytes_per_s < 1e6
     clock.now += 1
-    rate.add(128 << 10, 0.001 + (128 << 10) / 5e8)  # the store recovered: the bound ends
+    rate.add(128 << 10, 0.001 + (128 << 10) / 5e8)  # the store recovered: all counts again
     fit = rate.estimate()
     assert fit is not None and not fit.bounded and fit.bytes_per_s > 1e7
+
+
+def test_after_a_bound_the_samples_since_are_the_figure_fixed_cost_and_all() -> None:
+    """An expired load on a busy machine, then loads a little faster than its bound: the
+    figure is the loads' since (a line through them tells their fixed cost from the rate),
+    not their bytes over their whole time, which would hold it below the store's speed."""
+    clock = Clock()
+    rate = LoadRate(clock=clock)
+    for _ in range(4):
+        rate.add(8 << 20, (8 << 20) / 5e8)
+    clock.now += 1
+    rate.add_bound(1 << 20, 1.0)  # ~1 MB/s, then the machine was less busy
+    for nbytes in (256 << 10, 2 << 20, 512 << 10, 4 << 20):
+        clock.now += 1
+        rate.add(nbytes, 0.05 + nbytes / 1.5e6)  # 1.5 MB/s and 50 ms a load: within 2x
+    fit = rate.estimate()
+    assert fit is not None and not fit.bounded and fit.samples == 4
+    assert fit.bytes_per_s == pytest.approx(1.5e6, rel=0.05)
+    assert fit.overhead_s == pytest.approx(0.05, rel=0.1)
 
 
 def test_figures_age_out_but_an_idle_engine_keeps_its_last() -> None:
