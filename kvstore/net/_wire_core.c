@@ -255,8 +255,16 @@ static PyObject *failure(int kind, Reader *r, const char *line, Py_ssize_t len) 
     return result(kind, PyLong_FromLong(0), r);
 }
 
-static int get_buffers(PyObject *scratch_obj, PyObject *dest_obj, Py_buffer *scratch,
-                       Py_buffer *dest, int *have_dest) {
+static void release_buffers(Py_buffer *scratch, Py_buffer *dest, int have_dest) {
+    PyBuffer_Release(scratch);
+    if (have_dest)
+        PyBuffer_Release(dest);
+}
+
+/* The scratch buffer and (unless dest_obj is None) the destination, writable and contiguous,
+ * with start/end checked against the scratch; on failure nothing is held and an error is set. */
+static int get_buffers(PyObject *scratch_obj, PyObject *dest_obj, Py_ssize_t start,
+                       Py_ssize_t end, Py_buffer *scratch, Py_buffer *dest, int *have_dest) {
     if (PyObject_GetBuffer(scratch_obj, scratch, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         return -1;
     *have_dest = dest_obj != Py_None;
@@ -265,15 +273,12 @@ static int get_buffers(PyObject *scratch_obj, PyObject *dest_obj, Py_buffer *scr
         PyBuffer_Release(scratch);
         return -1;
     }
-    return 0;
-}
-
-static int bounds_ok(Py_ssize_t start, Py_ssize_t end, Py_ssize_t cap) {
-    if (start < 0 || end < start || end > cap) {
+    if (start < 0 || end < start || end > scratch->len) {
+        release_buffers(scratch, dest, *have_dest);
         PyErr_SetString(PyExc_ValueError, "scratch offsets out of range");
-        return 0;
+        return -1;
     }
-    return 1;
+    return 0;
 }
 
 static PyObject *read_bulk(PyObject *self, PyObject *args) {
@@ -287,14 +292,8 @@ static PyObject *read_bulk(PyObject *self, PyObject *args) {
         return NULL;
     Py_buffer scratch, dest;
     int have_dest;
-    if (get_buffers(scratch_obj, dest_obj, &scratch, &dest, &have_dest) < 0)
+    if (get_buffers(scratch_obj, dest_obj, start, end, &scratch, &dest, &have_dest) < 0)
         return NULL;
-    if (!bounds_ok(start, end, scratch.len)) {
-        PyBuffer_Release(&scratch);
-        if (have_dest)
-            PyBuffer_Release(&dest);
-        return NULL;
-    }
     if (have_dest && limit > dest.len)
         limit = dest.len;
     Reader r = {fd, (char *)scratch.buf, scratch.len, start, end, recv_timeout, deadline, 0};
@@ -356,9 +355,7 @@ static PyObject *read_bulk(PyObject *self, PyObject *args) {
         out = result(kind, PyLong_FromLong(0), &r);
     else
         out = result(kind, PyLong_FromLongLong(length), &r);
-    PyBuffer_Release(&scratch);
-    if (have_dest)
-        PyBuffer_Release(&dest);
+    release_buffers(&scratch, &dest, have_dest);
     return out;
 }
 
@@ -377,13 +374,8 @@ static PyObject *read_body(PyObject *self, PyObject *args) {
     }
     Py_buffer scratch, dest;
     int have_dest;
-    if (get_buffers(scratch_obj, dest_obj, &scratch, &dest, &have_dest) < 0)
+    if (get_buffers(scratch_obj, dest_obj, start, end, &scratch, &dest, &have_dest) < 0)
         return NULL;
-    if (!bounds_ok(start, end, scratch.len)) {
-        PyBuffer_Release(&scratch);
-        PyBuffer_Release(&dest);
-        return NULL;
-    }
     Reader r = {fd, (char *)scratch.buf, scratch.len, start, end, recv_timeout, deadline, 0};
     Py_ssize_t status;
     Py_BEGIN_ALLOW_THREADS;
@@ -394,8 +386,7 @@ static PyObject *read_body(PyObject *self, PyObject *args) {
     PyObject *out = status == K_SIGNALLED ? NULL
                     : status < 0          ? failure((int)status, &r, NULL, 0)
                                           : result(K_BULK, PyLong_FromSsize_t(dest.len), &r);
-    PyBuffer_Release(&scratch);
-    PyBuffer_Release(&dest);
+    release_buffers(&scratch, &dest, have_dest);
     return out;
 }
 

@@ -152,8 +152,7 @@ class ReplyReader:
         returns :class:`Oversize`. An error reply raises redis-py's ``ResponseError`` (the
         stream stays usable)."""
         if self.native:
-            got = self._native_bulk(dest, len(dest))
-            return Oversize(got[1]) if got[0] == "oversize" else got[1]
+            return self._native_bulk(dest, len(dest))
         self._clock.start(0)
         try:
             length = self._bulk_header(len(dest))
@@ -171,9 +170,9 @@ class ReplyReader:
         (the kernel's copy is the only one). One longer than ``limit`` is drained, never
         allocated, and returns :class:`Oversize`; otherwise as :meth:`read_bulk_into`."""
         if self.native:
-            kind, length = self._native_bulk(None, limit)
-            if kind != "header":
-                return Oversize(length) if kind == "oversize" else None
+            length = self._native_bulk(None, limit)
+            if not isinstance(length, int):
+                return length
             dest = allocate(length) if allocate is not None else _new_buffer(length)
             self._native_body(dest)
             return dest
@@ -191,9 +190,9 @@ class ReplyReader:
             self._clock.stop()
 
     # ------------------------------------------------------- the compiled core
-    def _native_bulk(self, dest: memoryview | None, limit: int) -> tuple[str, Any]:
-        """One bulk reply read by the compiled core: ("bulk", length), ("nil", None),
-        ("oversize", length) or, without ``dest``, ("header", length) with its bytes next."""
+    def _native_bulk(self, dest: memoryview | None, limit: int) -> int | Oversize | None:
+        """One bulk reply read by the compiled core, as :meth:`read_bulk_into` returns it;
+        without ``dest``, a fitting bulk string's length, its bytes next in the stream."""
         assert _core is not None
         started = time.monotonic()
         budget = self._clock._base_s
@@ -202,14 +201,14 @@ class ReplyReader:
             self._recv_timeout(), started + budget, float(MIN_BYTES_PER_S), _MAX_LINE,
         )  # fmt: skip
         if kind == _core.BULK:
-            return "bulk", value
+            return int(value)
         if kind == _core.NIL:
-            return "nil", None
+            return None
         if kind == _core.OVERSIZE:
-            return "oversize", value
+            return Oversize(value)
         if kind == _core.HEADER:
             self._native_at, self._native_budget = at, at - started
-            return "header", value
+            return int(value)
         if kind == _core.ERROR_REPLY:
             raise _parse_error(value.decode(errors="replace"))
         if kind == _core.INVALID and value[:1] == b"$":

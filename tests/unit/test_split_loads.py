@@ -267,8 +267,9 @@ def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
 
 def test_auto_does_not_split_where_bands_cannot_overlap_the_pass(engines: Any) -> None:
     """vLLM's CPU backend: a split is its reads, then its compute, holding the batch. Figures
-    where a GPU would split (bands as fast as whole loads, loading far cheaper than computing)
-    serve it otherwise there; on the 2-core VM auto's splits ran 1.1-1.2x behind async."""
+    where a GPU would split (a block loads in about the time it computes in, bands faster than
+    whole loads) serve it otherwise there; on the 2-core VM auto's splits ran 1.1-1.2x behind
+    async."""
     prompts = saved_prompts(engines, 2, seed=12)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
     policy = reader.connector.scheduler
