@@ -168,6 +168,12 @@ class SimEngine:
         # requests whose attention read a wrong context in this step's forward pass: their KV
         # from the next layer on, and their sampled token, are wrong
         self._wrong_context: set[str] = set()
+        # block id -> how it came to hold KV computed over a wrong context (who computed it, in
+        # which step, over which block): a violation's story, as timing-dependent failures in
+        # CI cannot be replayed
+        self._wrong_origin: dict[int, str] = {}
+        self._why_wrong: dict[str, str] = {}
+        self.steps = 0
         # whether this step's pass calls the per-layer waits, and the split blocks written into
         # layers that had run without them (they must come back failed)
         self._waits = True
@@ -215,6 +221,9 @@ class SimEngine:
                 with self.world:
                     self._check_writes(req_id, group, ids.tolist(), layers)
                     real_scatter(ids, src, first_layer)
+                    loaded = f"loaded from Redis by {req_id} in step {self.steps}"
+                    for b in ids.tolist():  # what it holds now came from Redis
+                        self._wrong_origin[b] = loaded
 
             return scatter
 
@@ -311,6 +320,7 @@ class SimEngine:
 
     # ------------------------------------------------------------------ a step
     def step(self) -> StepResult:
+        self.steps += 1
         with self.world:
             out = self.sched.schedule()
             self._refresh_owners()
@@ -435,9 +445,11 @@ class SimEngine:
                             if first.is_integer()
                             else "KV computed over a wrong context"
                         )
+                        origin = self._wrong_origin.get(blocks[p])
                         self.value_violations.append(
                             f"{rid}: block {blocks[p]} (position {p}, layer {layer}) holds "
                             f"{held}, not this request's {ids[p]}"
+                            + (f" ({origin})" if origin and not first.is_integer() else "")
                         )
                         break
 
@@ -451,6 +463,7 @@ class SimEngine:
         after and samples a wrong token."""
         rows = self._scheduled(out)
         wrong = self._wrong_context = set()
+        self._why_wrong = {}
         uniform_decode = bool(rows) and all(n == 1 for _, _, n in rows)
         waits = self._waits = self.layer_waits and not (self.full_graphs and uniform_decode)
         for layer, (name, cache) in enumerate(self.caches.items()):
@@ -483,6 +496,13 @@ class SimEngine:
                 value = wrong_value if rid in wrong else block_value
                 for p in range(first, last):
                     cache[blocks[p]].copy_(value(ids[p], layer))
+                    if rid in wrong:
+                        self._wrong_origin[blocks[p]] = (
+                            f"computed by {rid} in step {self.steps} from layer {layer} on, "
+                            f"over {self._why_wrong.get(rid)}"
+                        )[:600]  # (a chain of such stories, cut short)
+                    elif layer == 0:
+                        self._wrong_origin.pop(blocks[p], None)
             for rid, computed, scheduled in rows:  # attention over the context
                 if rid in wrong:
                     continue
@@ -490,11 +510,25 @@ class SimEngine:
                 context = (computed + scheduled) // BS  # full blocks (a partial one: not modelled)
                 ids = block_identities(req, context)
                 blocks = self._blocks(rid)
-                if any(
-                    not torch.equal(cache[blocks[p]], block_value(ids[p], layer))
-                    for p in range(context)
-                ):
+                bad = next(
+                    (
+                        p
+                        for p in range(context)
+                        if not torch.equal(cache[blocks[p]], block_value(ids[p], layer))
+                    ),
+                    None,
+                )
+                if bad is not None:
                     wrong.add(rid)
+                    b = blocks[bad]
+                    held = float(cache[b].flatten()[0].item()) - 7 * layer
+                    split = next((r for r, ids in self._splits.items() if b in ids), None)
+                    self._why_wrong[rid] = (
+                        f"block {b} (position {bad}) in layer {layer}, holding "
+                        + (f"KV {held:.0f}" if held.is_integer() else "wrong-context KV")
+                        + (f", loaded by {split}'s split" if split else "")
+                        + (f" [{self._wrong_origin[b]}]" if b in self._wrong_origin else "")
+                    )
 
     def _runner_output(
         self,

@@ -241,7 +241,16 @@ class RealStore:
 class Slowness:
     """Delays every store call of the example's engines while on (a slow Redis)."""
 
-    METHODS = ("select_into", "insert_parts", "survey", "read_handoffs", "claim_handoff")
+    # every store call of the connector: whole loads, split bands, saves, lookups, claims
+    METHODS = (
+        "select_into",
+        "select_tensors_into",
+        "select_head_into",
+        "insert_parts",
+        "survey",
+        "read_handoffs",
+        "claim_handoff",
+    )
 
     def __init__(self) -> None:
         self.delay_s = 0.0

@@ -366,6 +366,32 @@ def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_anoth
     assert reader.take_stats()["tainted_blocks_rejected"] >= 1  # c recomputed b's blocks
 
 
+def test_the_stand_in_model_says_who_computed_kv_over_a_failed_split_and_over_what(
+    engines: Any, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator must be able to fail, and say why: with the taint screen switched off,
+    the request that later runs on what a same-step reader computed over a failed split is
+    caught, and the violation names the reader, its step, and the split block it read
+    (timing-dependent failures in CI cannot be replayed, so the message is all there is)."""
+    shared = prompt(6 * BS, seed=41)
+    saved(engines, shared + prompt(3, seed=42))
+    reader = engines(**SPLIT)
+    scheduler = reader.connector.scheduler
+    monkeypatch.setattr(scheduler, "_screen_tainted", lambda *a: ([], set()))
+    evicting(reader.worker.store, fake_redis, 2)
+    follower = shared + prompt(3 * BS + 5, seed=43)
+    reader.add("a", shared + prompt(3, seed=42))
+    reader.add("b", follower)
+    assert first_step_of(reader, "a").invalid
+    reader.abort("b")
+    reader.add("c", follower)
+    reader.run_until_idle()
+    told = [v for v in reader.value_violations if "computed over a wrong context" in v]
+    assert told, reader.value_violations
+    assert "computed by b in step" in told[0] and "loaded by a's split" in told[0], told[0]
+    reader.value_violations.clear()  # (expected here: the fixture checks every engine clean)
+
+
 def test_a_split_planned_while_the_kv_cache_sleeps_writes_nothing_and_is_recomputed(
     engines: Any, fake_redis: fakeredis.FakeRedis
 ) -> None:
