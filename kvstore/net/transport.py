@@ -25,7 +25,15 @@ from redis.cluster import RedisCluster
 from kvstore.net.buffer_pool import BufferPool
 from kvstore.net.connection import close_client, error_code
 from kvstore.net.shards import REDIRECTED, Shards, is_redirect
-from kvstore.net.wire import ReplyReader, pack_set, parsed_reply_into, raw_socket, send_buffers
+from kvstore.net.wire import (
+    Oversize,
+    ReplyReader,
+    ReplyTooLarge,
+    pack_set,
+    parsed_reply_into,
+    raw_socket,
+    send_buffers,
+)
 
 # Replies in flight per connection on reads, unless the caller sets read_depth: at least
 # READ_DEPTH, and for smaller values as many as fit in READ_BYTES_IN_FLIGHT (64 KiB values: 16).
@@ -152,12 +160,34 @@ class Transport:
             connections=connections,
         )
 
-        def resend(i: int) -> Any:
-            _, command, dest = work[i]
-            reply = parsed_reply_into(self.client.execute_command(*command), dest)
-            return each(i, reply) if each is not None else reply
+        return self._read_redirected(got, work, each)
 
-        return self._follow_redirects(got, resend)
+    def _read_redirected(
+        self,
+        got: list[Any],
+        work: list[tuple[int, tuple[Any, ...], Destination]],
+        each: Callable[[int, Any], Any] | None,
+    ) -> list[Any]:
+        """The values a Cluster node answered MOVED / ASK for, read again from the node the
+        slot map names once relearnt, by this transport's bounded reader (redis-py's client
+        would follow the redirection and read the reply whole); one redirected again (a slot
+        being migrated) is a miss this time. Counted. Returns ``got`` with them in place."""
+        redirected = [i for i, reply in enumerate(got) if reply is REDIRECTED]
+        if not redirected:
+            return got
+        for _ in redirected:
+            self._on_redirect()
+        self.shards.relearn()
+        again = self.shards.fan_out(
+            lambda server, part: self._get_on_one(server, part, each),
+            [work[i] for i in redirected],
+            key=lambda w: w[1][1],
+        )
+        for i, reply in zip(redirected, again, strict=True):
+            if reply is REDIRECTED:
+                reply = each(work[i][0], None) if each is not None else None
+            got[i] = reply
+        return got
 
     def script_then_values(
         self,
@@ -189,8 +219,30 @@ class Transport:
         script_reply: list[list[int] | int | None] | None = None,
     ) -> list[Any]:
         """``work``'s replies on one connection to ``server``; with ``script``, that command
-        goes first, in the same send, and its reply is appended to ``script_reply``."""
+        goes first, in the same send, and its reply is appended to ``script_reply``. A value
+        too large to drain is a miss (``Oversize``): its connection is dropped and the replies
+        after it are read on another one, so one planted value costs the batch one
+        reconnection, not its other values."""
         out: list[Any] = []
+        while True:
+            got, work = self._read_on_one(server, work, each, script, script_reply)
+            out += got
+            if not work:
+                return out
+            script = None  # (it ran: its reply came before the value too large)
+
+    def _read_on_one(
+        self,
+        server: redis.Redis,
+        work: list[tuple[int, tuple[Any, ...], Destination]],
+        each: Callable[[int, Any], Any] | None,
+        script: tuple[Any, ...] | None,
+        script_reply: list[list[int] | int | None] | None,
+    ) -> tuple[list[Any], list[tuple[int, tuple[Any, ...], Destination]]]:
+        """As :meth:`_get_on_one`, on one connection; returns the replies read and the work
+        left to read elsewhere (after a value too large to drain, whose reply ends it)."""
+        out: list[Any] = []
+        left: list[tuple[int, tuple[Any, ...], Destination]] = []
         refused: Exception | None = None
         # a value's size: its destination's, else (a new buffer) the last reply's, once known
         value_bytes = len(work[0][2]) if work and isinstance(work[0][2], memoryview) else 0
@@ -238,7 +290,18 @@ class Transport:
                         reply = reader.read_bulk_into(dest)
                     else:
                         reply = reader.read_bulk_new(dest, self.buffers.take)
+                except ReplyTooLarge as exc:
+                    # its bytes were not read: this connection's place in the stream is lost
+                    conn.disconnect()
+                    reply, left = Oversize(exc.length), work[i + 1 :]
                 except redis.exceptions.ResponseError as exc:
+                    if is_redirect(exc) and not self.cluster:
+                        # (redis-py would follow it, reading the reply whole, unbounded)
+                        raise redis.exceptions.InvalidResponse(
+                            f"a standalone server answered {str(exc)[:60]!r} for a value read: "
+                            "not a Cluster's answer, so the connection is dropped; is the URL "
+                            "a Cluster node's? Use redis-cluster:// for a Cluster"
+                        ) from None
                     if is_redirect(exc):
                         out.append(REDIRECTED)
                         continue
@@ -250,9 +313,11 @@ class Transport:
                 elif isinstance(reply, memoryview):
                     value_bytes = len(reply)
                 out.append(each(index, reply) if each is not None else reply)
+                if left:
+                    break
         if refused is not None:
             raise refused
-        return out
+        return out, left
 
     def _depth(self, value_bytes: int) -> int:
         """How many replies to keep in flight for values of ``value_bytes`` (0: not known)."""

@@ -120,6 +120,16 @@ def drain_limit(asked: int) -> int:
 _NO_TIMEOUT_S = 60.0  # a deadline's base on a socket without a timeout
 
 
+class ReplyTooLarge(rex.InvalidResponse):
+    """A bulk reply too large to drain (over ``drain_limit``): its bytes were not read, so the
+    connection's place in the reply stream is lost and it must be dropped. The value itself is
+    only a miss: a caller reads the batch's other replies again on another connection."""
+
+    def __init__(self, length: int, limit: int) -> None:
+        super().__init__(_too_large(length, limit))
+        self.length = length
+
+
 @dataclass(frozen=True)
 class Oversize:
     """A bulk string longer than its destination; its bytes were read and dropped."""
@@ -216,7 +226,7 @@ class ReplyReader:
         if kind == _core.INVALID:
             raise rex.InvalidResponse(f"expected a bulk string reply, got {value!r}")
         if kind == _core.TOO_LARGE:
-            raise rex.InvalidResponse(_too_large(value, limit))
+            raise ReplyTooLarge(int(value), limit)
         raise self._native_failure(kind, value, at - started)
 
     def _native_body(self, dest: memoryview) -> None:
@@ -280,7 +290,7 @@ class ReplyReader:
         if length > limit:
             drainable = drain_limit(limit)
             if length > drainable:
-                raise rex.InvalidResponse(_too_large(length, limit))
+                raise ReplyTooLarge(length, limit)
             self._skip(length + 2)
             return Oversize(length)
         return length
@@ -468,8 +478,9 @@ def _stalled(doing: str, budget_s: float) -> str:
 def _too_large(length: int, limit: int) -> str:
     return (
         f"a bulk reply of {length} bytes where at most {limit} were asked for: too "
-        f"large to drain (over {drain_limit(limit)}), so the connection is dropped; "
-        "delete the key if it is not kvstore's (`kvstore inspect KEY` shows it)"
+        f"large to drain (over {drain_limit(limit)}), so the connection is dropped (the "
+        "value is a miss); delete the key if it is not kvstore's (`kvstore inspect KEY` "
+        "shows it)"
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from kvstore import LookupBuffer, StoreCommandError
+from kvstore import LookupBuffer
 from kvstore.fleet.generations import RAISE_LUA
 from testing.redis_server import RedisServer, server_binary
 from tests.conftest import ROOT
@@ -150,9 +150,10 @@ def test_values_built_to_exhaust_a_reader_cost_it_bounded_memory(server: RedisSe
     """What a writer in the namespace plants to exhaust its readers, read into the 1 MiB rows a
     reader sizes for its blocks: an lz4 bomb (64 MiB stored in ~256 KiB) and a 1.5 MiB value
     are counted misses (the second drained within its deadline); a 48 MiB value -- more than
-    twice the row -- fails the read with a typed error and its connection is dropped, not
-    drained (wire.drain_limit), so a planted value does not make every read of its key pull
-    it whole. The reader's peak memory stays far below any of them, and its next read works."""
+    twice the row -- is a counted miss too, its connection dropped, not drained
+    (wire.drain_limit), so a planted value does not make every read of its key pull it whole,
+    and the batch's other values, before and after it, are delivered (issue 52: it failed the
+    whole batch). The reader's peak memory stays far below any of them."""
     tenants(server)
     url = f"redis://127.0.0.1:{server.port}/0"
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp", compression="lz4") as w:
@@ -161,17 +162,19 @@ def test_values_built_to_exhaust_a_reader_cost_it_bounded_memory(server: RedisSe
         w.client.set(f"kv:a:fp:{'b3' * 16}", bytes(48 << 20))
         w.insert("b2" * 16, {"kv": torch.ones(8)})
     with LookupBuffer.from_url(url, namespace="a", fingerprint="fp") as reader:
-        rows = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2)]
+        rows = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(4)]
         tracemalloc.start()
         try:
-            got = reader.select_into(["b0" * 16, "b1" * 16], rows)
-            with pytest.raises(StoreCommandError, match="too large to drain"):
-                reader.select_into(["b3" * 16], rows[:1])
+            got = reader.select_into(["b0" * 16, "b1" * 16], rows[:2])
+            around = reader.select_into(["b2" * 16, "b3" * 16, "b2" * 16, "b3" * 16], rows)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
         assert got == [None, None]
-        assert reader.stats().corrupt_by_reason == {"oversize": 2}
+        assert around[1] is None and around[3] is None  # misses, counted
+        for good in (around[0], around[2]):  # before and after it, on another connection
+            assert good is not None and torch.equal(good["kv"], torch.ones(8))
+        assert reader.stats().corrupt_by_reason == {"oversize": 4}
         assert peak < 16 << 20, f"peak {peak >> 20} MiB"
         # the connections it used are usable, or were replaced: a good value reads
         good = reader.select_into(["b2" * 16], rows[:1])[0]

@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis.exceptions import InvalidResponse, ResponseError
 
-from kvstore.errors import StoreTimeoutError
+from kvstore.errors import StoreCommandError, StoreTimeoutError
 from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.transport import Transport
 from kvstore.net.wire import (
@@ -540,6 +540,33 @@ def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_co
         assert isinstance(got, StoreTimeoutError), got
         pool = client.connection_pool
         # not returned to the pool mid-reply: every connection it holds is closed
+        assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+    finally:
+        transport.close()
+
+
+@pytest.mark.parametrize(
+    "drip_server", [(b"-MOVED 3999 127.0.0.1:1\r\n$100000000\r\n", False)], indirect=True
+)
+def test_a_standalone_server_answering_moved_is_a_protocol_error_not_followed(
+    drip_server: DripServer,
+) -> None:
+    """Issue 52: a value GET answered with MOVED by a standalone server was sent again
+    through redis-py, which read the reply whole, unbounded. A redirection is a Cluster's
+    answer: from one server it is a protocol error that drops the connection, typed."""
+    address = parse_url(f"redis://127.0.0.1:{drip_server.port}/0")
+    client = make_client(address, socket_timeout_s=0.2, connect_timeout_s=5)
+    transport = Transport(client, threads=1)
+    transport.owns_clients = True
+
+    def read() -> object:
+        with translated_errors(address.safe_url, "GET"):
+            return transport.get_values([("GET", b"k")], [memoryview(bytearray(16))])
+
+    try:
+        got = _ends(read)
+        assert isinstance(got, StoreCommandError) and "standalone server answered" in str(got)
+        pool = client.connection_pool
         assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
     finally:
         transport.close()
