@@ -18,13 +18,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from connector.warm.inputs import Document, PromptStyle, read_documents, render
-from connector.warm.records import DocumentRecord, load_records, presences, save_record
+from connector.warm.records import (
+    DocumentRecord,
+    RecordProblem,
+    presences,
+    read_records,
+    save_record,
+)
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.cli import human_size
+from kvstore.text import shown
 from kvstore.values.keys import at_generation, in_generation
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
 
     from connector.warm.engine import StoreLayout, WarmEngine
 
@@ -36,6 +45,8 @@ RETRIES = 2
 # every call of the warm command names the engine's fingerprints explicitly; this one is unused
 _ANY_FINGERPRINT = "warm"
 OPERATIONS = ["ping", "lookup", "block_info", "renew", "insert", "handoff_read"]
+# malformed records named in the table's report (--json lists them all)
+SHOWN_PROBLEMS = 20
 
 
 class NothingDone(Exception):
@@ -410,7 +421,7 @@ def check(args: argparse.Namespace, out: Console) -> int:
     except KVStoreError as exc:
         raise NothingDone(f"{exc}") from None
     try:
-        records, unreadable = load_records(store, args.model)
+        records, problems = read_records(store, args.model)
         rows = []
         wanted = read_documents(args.documents, args.text_field, args.id_field)
         wanted_by_name = {d.name: d for d in wanted}
@@ -449,12 +460,16 @@ def check(args: argparse.Namespace, out: Console) -> int:
         raise NothingDone(f"{exc}") from None
     finally:
         store.close()
-    if unreadable:
-        print(f"connector.warm: {unreadable} unreadable document records skipped", file=sys.stderr)
     if not rows and not args.json:
-        out.print(f"no warmed documents in namespace {namespace!r}")
-    _print(out, rows, args.json, namespace, None, args.model, "check")
-    return 0 if rows and all(r.status == "complete" for r in rows) else 1
+        out.print(shown(f"no warmed documents in namespace {namespace!r}"))
+    _print(out, rows, args.json, namespace, None, args.model, "check", problems)
+    if problems:  # (on stderr too: a script reading the JSON may not look for them)
+        print(
+            f"connector.warm: {len(problems)} malformed document record(s) skipped",
+            file=sys.stderr,
+        )
+    complete = rows and all(r.status == "complete" for r in rows)
+    return 0 if complete and not problems else 1
 
 
 # ---------------------------------------------------------------------------------------- output
@@ -466,6 +481,7 @@ def _print(
     fingerprints: list[str] | None,
     model: str | None,
     mode: str,
+    problems: Sequence[RecordProblem] = (),
 ) -> None:
     totals = {
         "documents": len(rows),
@@ -485,14 +501,22 @@ def _print(
             "documents": [r.report() for r in rows],
             "totals": totals,
         }
+        if mode == "check":
+            doc["malformed_records"] = [dataclasses.asdict(p) for p in problems]
         print(json.dumps(doc, indent=2))
         return
-    if not rows:
-        return
-    from rich.markup import escape
+    if rows:
+        out.print(_table(rows, totals, namespace, model, mode))
+    if problems:
+        out.print(_problems(problems))
+
+
+def _table(
+    rows: list[Row], totals: dict[str, Any], namespace: str, model: str | None, mode: str
+) -> Table:
     from rich.table import Table
 
-    table = Table(title=f"namespace {namespace}" + (f", model {model}" if model else ""))
+    table = Table(title=shown(f"namespace {namespace}" + (f", model {model}" if model else "")))
     table.add_column("document", overflow="fold")
     cols = (
         ["tokens", "blocks", "stored", "present", "bytes", "seconds"]
@@ -514,7 +538,8 @@ def _print(
             "TTL left": "none" if r.ttl_s is None else f"{r.ttl_s:,.0f} s",
         }
         status = r.status + (f": {r.message}" if r.message else "")
-        table.add_row(escape(r.document), *[values[c] for c in cols], escape(status))
+        # a name is cut at shown's default (--json keeps it whole); a status may quote an error
+        table.add_row(shown(r.document), *[values[c] for c in cols], shown(status, limit=2000))
     if mode == "warm":
         table.add_section()
         table.add_row(
@@ -527,7 +552,28 @@ def _print(
             "",
             "",
         )
-    out.print(table)
+    return table
+
+
+def _problems(problems: Sequence[RecordProblem]) -> Text:
+    """The malformed records, each key and what is wrong with it, as text a terminal shows as
+    it is (a planted key may hold any bytes)."""
+    from rich.text import Text
+
+    lines = [
+        shown(
+            f"{len(problems)} malformed document record(s) skipped: not written by "
+            "connector.warm, or damaged. Delete them (redis-cli UNLINK KEY) and warm those "
+            "documents again.",
+            limit=None,
+            style="red",
+        )
+    ]
+    for p in problems[:SHOWN_PROBLEMS]:
+        lines.append(Text.assemble("  ", shown(p.key), ": ", shown(p.problem)))
+    if len(problems) > SHOWN_PROBLEMS:
+        lines.append(Text(f"  ... and {len(problems) - SHOWN_PROBLEMS} more (--json lists all)"))
+    return Text("\n").join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

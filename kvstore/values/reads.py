@@ -21,6 +21,7 @@ from kvstore.errors import (
 from kvstore.net.guard import Guard
 from kvstore.net.transport import Destination, Transport
 from kvstore.net.wire import Oversize
+from kvstore.text import printable
 from kvstore.values.codec import decode_value
 from kvstore.values.drop_select import Claimer
 from kvstore.values.value_auth import ValueKey
@@ -200,12 +201,14 @@ class Reader:
                 if len(self._logged_bad) > _LOGGED_BAD_KEYS:
                     self._logged_bad.popitem(last=False)
             if first_time:
+                # the error quotes the value's header (its fingerprint, its block hash): in a
+                # namespace without a secret anyone could have written it, newlines included
                 logger.warning(
                     "kvstore: ignoring invalid value at %s (%s); counted as a miss. "
                     "Delete it with `redis-cli UNLINK %s` if it keeps appearing.",
-                    key,
-                    err,
-                    key,
+                    printable(key),
+                    printable(err),
+                    printable(key),
                 )
 
 
