@@ -1,6 +1,7 @@
 """The proxy's Prometheus metrics (``GET /metrics``): per server, what it was sent and how that
 went, whether it is marked down now, and what is in flight there -- read from the pools at each
-scrape, so they never disagree with ``/health``."""
+scrape, so they never disagree with ``/health`` -- and the requests refused by each of the
+guards' limits (``guards.py``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from connector.proxy.guards import Limit
 
 if TYPE_CHECKING:
     from connector.proxy.server import Pool
@@ -26,6 +29,7 @@ class ProxyMetrics:
         self._pools = [p for p in pools if p.urls]
         self.sent: Counter[tuple[str, str, str]] = Counter()  # (role, server, outcome)
         self.marked_down: Counter[tuple[str, str]] = Counter()  # (role, server)
+        self.refused: Counter[Limit] = Counter()  # requests refused, by the limit they passed
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -68,4 +72,13 @@ class _Collector:
                 down.add_metric([pool.role, url], 1.0 if url in pool.down else 0.0)
                 marked.add_metric([pool.role, url], self.m.marked_down[(pool.role, url)])
                 in_flight.add_metric([pool.role, url], pool.in_flight.get(url, 0))
-        yield from (sent, down, marked, in_flight)
+        refused = CounterMetricFamily(
+            "vllm_redis_proxy_refused",
+            "Requests refused by a limit on what clients may make the proxy hold (by the "
+            "limit: max_body_bytes, max_in_flight_body_bytes, max_concurrent_requests, "
+            "body_read_timeout_s, max_json_containers, max_json_depth)",
+            labels=["limit"],
+        )
+        for limit in Limit:  # every limit, 0 included: a series from the first scrape
+            refused.add_metric([limit.label], self.m.refused[limit])
+        yield from (sent, down, marked, in_flight, refused)

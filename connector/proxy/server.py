@@ -24,9 +24,11 @@ hang; malformed requests get 400.
 Callers are not trusted: ``--api-key`` (or ``$VLLM_API_KEY``) guards every path but ``/health``,
 ``--kv-api-key`` (or ``$VLLM_REDIS_PROXY_KV_API_KEY``; else the API key) the ``/kv/*`` side
 channels; ``/kv/presence`` is off unless ``--enable-kv-presence``, and rate- and size-limited;
-bodies over ``--max-body-bytes`` are refused unread; the client's ``kv_transfer_params``,
-``request_id`` and ``X-Request-Id`` never reach a backend; backend credentials (``user:pass@`` in
-a URL) never reach a client or a log line. The proxy listens on 127.0.0.1 unless ``--host``.
+bodies over ``--max-body-bytes`` are refused unread, and what bodies may hold of the proxy
+(bytes at once, requests at once, time to arrive, JSON containers) is bounded (``guards.py``);
+the client's ``kv_transfer_params``, ``request_id`` and ``X-Request-Id`` never reach a backend;
+backend credentials (``user:pass@`` in a URL) never reach a client or a log line. The proxy
+listens on 127.0.0.1 unless ``--host``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from connector.proxy.guards import (
+    DEFAULT_BODY_READ_TIMEOUT_S,
+    DEFAULT_IN_FLIGHT_BODIES,
+    DEFAULT_KV_PRESENCE_IPV6_PREFIX,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_JSON_CONTAINERS,
+    DEFAULT_MAX_JSON_DEPTH,
+    BodyHold,
+    ConcurrencyCap,
+    LimitExceeded,
+    NotUtf8,
+    RequestGuards,
+    RequestLimits,
+    rate_limit_key,
+)
 from connector.proxy.metrics import ProxyMetrics
 from connector.proxy.routing import CacheAwareChooser, EventFeed, PrefixIndex
 
@@ -315,11 +332,20 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)
     kv_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # what clients' requests may hold at once, and for how long (``guards.py``); None: the
+    # budget of body bytes is DEFAULT_IN_FLIGHT_BODIES bodies of max_body_bytes
+    max_in_flight_body_bytes: int | None = None
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    max_json_containers: int = DEFAULT_MAX_JSON_CONTAINERS
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
     # /kv/presence tells whoever asks whether a prompt was seen: off unless asked for
     enable_kv_presence: bool = False
     kv_presence_rate: float = DEFAULT_KV_PRESENCE_RATE  # 0: unlimited
     kv_presence_burst: int = DEFAULT_KV_PRESENCE_BURST
     kv_presence_max_tokens: int = DEFAULT_KV_PRESENCE_MAX_TOKENS
+    # IPv6 clients are rate-limited by their network of this prefix length (IPv4: by address)
+    kv_presence_ipv6_prefix: int = DEFAULT_KV_PRESENCE_IPV6_PREFIX
     # how often a server marked down is asked for /health
     probe_interval_s: float = 1.0
 
@@ -331,6 +357,21 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         raise ValueError("max_body_bytes and kv_presence_max_tokens must be positive")
     if cfg.kv_presence_rate < 0 or cfg.kv_presence_burst < 1:
         raise ValueError("kv_presence_rate must be >= 0 (0: unlimited), kv_presence_burst >= 1")
+    if not 0 <= cfg.kv_presence_ipv6_prefix <= 128:
+        raise ValueError("--kv-presence-ipv6-prefix must be in [0, 128]")
+    in_flight_body_bytes = cfg.max_in_flight_body_bytes
+    if in_flight_body_bytes is None:
+        in_flight_body_bytes = DEFAULT_IN_FLIGHT_BODIES * cfg.max_body_bytes
+    guards = RequestGuards(
+        RequestLimits(
+            max_body_bytes=cfg.max_body_bytes,
+            max_in_flight_body_bytes=in_flight_body_bytes,
+            max_concurrent_requests=cfg.max_concurrent_requests,
+            body_read_timeout_s=cfg.body_read_timeout_s,
+            max_json_containers=cfg.max_json_containers,
+            max_json_depth=cfg.max_json_depth,
+        )
+    )
     # backend credentials go to httpx as basic auth, never into a URL it logs or we show
     credentials_of: dict[str, httpx.Auth] = {}
     for url in [*cfg.prefill, *cfg.decode]:
@@ -398,7 +439,20 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         openapi_url=None,
     )  # fmt: skip
     app.state.pools = {"prefill": prefill, "decode": decode}
+    app.state.guards = guards
     metrics = ProxyMetrics((prefill, decode))
+
+    def refusal(exceeded: LimitExceeded) -> JSONResponse:
+        """The answer to a request over one of the guards' limits, counted in /metrics."""
+        metrics.refused[exceeded.limit] += 1
+        answer = openai_error(exceeded.limit.status, exceeded.message, exceeded.limit.error_type)
+        if exceeded.retry_after_s is not None:
+            answer.headers["Retry-After"] = str(exceeded.retry_after_s)
+        return answer
+
+    # inside _Guard (added after it, so nearer the app): a caller without the key takes no slot
+    app.add_middleware(ConcurrencyCap, slots=guards.slots, refuse=refusal,
+                       paths=("/v1/completions", "/v1/chat/completions"))  # fmt: skip
     app.add_middleware(_Guard, api_key=api_key, kv_api_key=kv_api_key)
 
     @app.exception_handler(StarletteHTTPException)
@@ -408,32 +462,22 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         answer.headers.update(exc.headers or {})  # a 405's Allow
         return answer
 
-    async def read_json(request: Request) -> Any:
-        """The body as JSON, read no further than ``max_body_bytes``: a bigger one is refused
-        by its Content-Length, or (chunked) as soon as what came exceeds the limit.
+    async def read_json(request: Request, hold: BodyHold) -> Any:
+        """The body as JSON, read no further than ``max_body_bytes`` (a bigger one is refused
+        by its Content-Length, or, chunked, as soon as what came exceeds the limit), its bytes
+        held in ``hold``, and parsed only within the guards' limits (``guards.py``).
         Raises :class:`RequestRefused`."""
-        limit = cfg.max_body_bytes
-        too_big = openai_error(
-            413, f"the request body is larger than {limit} bytes (the proxy's --max-body-bytes)",
-            "invalid_request_error",
-        )  # fmt: skip
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestRefused(too_big)
-        chunks: list[bytes] = []
-        size = 0
         try:
-            async with contextlib.aclosing(request.stream()) as stream:
-                async for chunk in stream:
-                    size += len(chunk)
-                    if size > limit:
-                        raise RequestRefused(too_big)
-                    chunks.append(chunk)
+            text = await guards.read_json_text(request, hold)
+        except LimitExceeded as exceeded:
+            raise RequestRefused(refusal(exceeded)) from None
+        except NotUtf8 as exc:
+            raise RequestRefused(openai_error(400, str(exc), "invalid_request_error")) from None
         except ClientDisconnect:
             raise RequestRefused(Response(status_code=499)) from None
         try:
             # NaN and +-Infinity are not JSON: refused here, they could not be forwarded
-            return json.loads(b"".join(chunks), parse_constant=_refuse_constant,
+            return json.loads(text, parse_constant=_refuse_constant,
                               parse_float=_finite_float)  # fmt: skip
         except RecursionError:
             message = "request body is nested too deeply"
@@ -644,8 +688,14 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         )
 
     async def handle(request: Request, path: str) -> Response:
+        # the body counts against --max-in-flight-body-bytes until the answer starts: the
+        # body, parsed and forwarded, is dropped by then
+        with guards.hold_body() as hold:
+            return await proxy_request(request, path, hold)
+
+    async def proxy_request(request: Request, path: str, hold: BodyHold) -> Response:
         try:
-            body = await read_json(request)
+            body = await read_json(request, hold)
         except RequestRefused as refused:
             return refused.response
         problem = _validate(body, path)
@@ -698,11 +748,16 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
 
     @app.post("/kv/presence")
     async def kv_presence(request: Request) -> Response:
+        """``presence_query``, its body's bytes held of the in-flight budget until answered."""
+        with guards.hold_body() as hold:
+            return await presence_query(request, hold)
+
+    async def presence_query(request: Request, hold: BodyHold) -> Response:
         """Which leading blocks of a prompt are in Redis (``connector.presence``): body
         ``{"token_ids": [...]}`` or ``{"prompt": "..."}`` (tokenized by a decode server), and
         the request's ``cache_salt`` / ``lora_name`` / ``lora_path`` where it has them. It
         tells whoever asks whether a prompt was seen: off unless --enable-kv-presence, and
-        limited per client address and in tokens per query."""
+        limited per client (an IPv6 one by its network) and in tokens per query."""
         if not cfg.enable_kv_presence:
             return openai_error(
                 404,
@@ -711,16 +766,19 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
                 "not_found",
             )
         if presence_buckets is not None:
-            wait = presence_buckets.take(request.client.host if request.client else "")
+            host = request.client.host if request.client else ""
+            wait = presence_buckets.take(rate_limit_key(host, cfg.kv_presence_ipv6_prefix))
             if wait:
-                refusal = openai_error(
+                too_many = openai_error(
                     429, f"too many presence queries from this address (at most "
-                    f"{cfg.kv_presence_rate:g}/s, --kv-presence-rate)", "rate_limit_exceeded",
+                    f"{cfg.kv_presence_rate:g}/s, --kv-presence-rate; IPv6 clients count by "
+                    f"their /{cfg.kv_presence_ipv6_prefix}, --kv-presence-ipv6-prefix)",
+                    "rate_limit_exceeded",
                 )  # fmt: skip
-                refusal.headers["Retry-After"] = str(max(1, math.ceil(wait)))
-                return refusal
+                too_many.headers["Retry-After"] = str(max(1, math.ceil(wait)))
+                return too_many
         try:
-            body = await read_json(request)
+            body = await read_json(request, hold)
         except RequestRefused as refused:
             return refused.response
         token_ids = body.get("token_ids") if isinstance(body, dict) else None
@@ -1089,6 +1147,38 @@ def main(argv: list[str] | None = None) -> int:
         help="larger request bodies are refused with 413, unread (default %(default)s: 16 MiB)",
     )
     ap.add_argument(
+        "--max-in-flight-body-bytes",
+        type=int,
+        help="request-body bytes held across all requests at once; a body that would pass it "
+        f"gets 503 with Retry-After (default {DEFAULT_IN_FLIGHT_BODIES}x --max-body-bytes)",
+    )
+    ap.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="completions being proxied at once, streams included; more get 503 with "
+        "Retry-After (default %(default)s)",
+    )
+    ap.add_argument(
+        "--body-read-timeout-s",
+        type=float,
+        default=DEFAULT_BODY_READ_TIMEOUT_S,
+        help="seconds a request body may take to arrive, else 408 (default %(default)s)",
+    )
+    ap.add_argument(
+        "--max-json-containers",
+        type=int,
+        default=DEFAULT_MAX_JSON_CONTAINERS,
+        help="JSON objects and arrays a body may hold, counted before it is parsed; more: 413 "
+        "(default %(default)s)",
+    )
+    ap.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=DEFAULT_MAX_JSON_DEPTH,
+        help="levels of JSON objects and arrays a body may nest; deeper: 400 (default %(default)s)",
+    )
+    ap.add_argument(
         "--enable-kv-presence",
         action="store_true",
         help="serve POST /kv/presence (off by default: it tells callers which prompts were seen)",
@@ -1110,6 +1200,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=DEFAULT_KV_PRESENCE_MAX_TOKENS,
         help="longest prompt a presence query may ask about, in tokens (default %(default)s)",
+    )
+    ap.add_argument(
+        "--kv-presence-ipv6-prefix",
+        type=int,
+        default=DEFAULT_KV_PRESENCE_IPV6_PREFIX,
+        help="IPv6 clients share a presence rate limit per network of this prefix length "
+        "(default /%(default)s: one host's usual allocation); IPv4 clients: per address",
     )
     ap.add_argument(
         "--forwarded-allow-ips",
@@ -1152,6 +1249,12 @@ def main(argv: list[str] | None = None) -> int:
         kv_presence_rate=args.kv_presence_rate,
         kv_presence_burst=args.kv_presence_burst,
         kv_presence_max_tokens=args.kv_presence_max_tokens,
+        kv_presence_ipv6_prefix=args.kv_presence_ipv6_prefix,
+        max_in_flight_body_bytes=args.max_in_flight_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        body_read_timeout_s=args.body_read_timeout_s,
+        max_json_containers=args.max_json_containers,
+        max_json_depth=args.max_json_depth,
     )
     try:
         app = build_app(cfg)
