@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from connector.save_policy import SavePolicy
 from kvstore import InvalidArgumentError, parse_url
-from kvstore.values.value_auth import load_secret
+from kvstore.values.value_auth import check_epoch, load_secret
 
 MODES = ("consume", "share")
 # kv_transfer_params key that the producer fills and a proxy copies into the decode request.
@@ -174,6 +175,10 @@ class RedisConnectorConfig:
     # how a prompt's blocks found in Redis are served: "auto" chooses per request from what
     # the instance measures (load_policy.py); "async", "split" or "recompute" pins one way
     load_policy: str = "auto"
+    # which prompts share mode writes to the pool (save_policy.py): "all", "second_sight" (a
+    # prompt's head at once, the rest once it is seen again), "marked" (only requests whose
+    # kv_transfer_params carry "redis_kv_save": true)
+    save_policy: SavePolicy = SavePolicy.ALL
     # let each request pin its way in kv_transfer_params["redis_kv_load"] (benchmarks, routers
     # you trust): off, a client cannot choose what its request costs the others
     request_load_policy: bool = False
@@ -192,6 +197,11 @@ class RedisConnectorConfig:
     # (vLLM logs it) or the URL; at most one of the two
     secret_file: str | None = None
     secret_env: str | None = None
+    # the weights' version (a checkpoint step, a date; value_auth.py): with a secret, only
+    # values signed in this epoch are loaded, whatever the namespace's generation counter
+    # says -- Redis data a writer with raw access could set back. An RL loop that resets the
+    # pool after each weight update gives the new weights' version to the instances it starts
+    epoch: str = ""
     # the environment variable holding the store URL, instead of url: a password in it then
     # never reaches vLLM's log of its arguments
     url_env: str | None = None
@@ -266,7 +276,16 @@ class RedisConnectorConfig:
             )
         parse_url(url)  # a bad URL fails here, at startup, with a redacted message
         # an unreadable or short secret fails here too, naming its source, never its bytes
-        load_secret(secret_file=extra.get("secret_file"), secret_env=extra.get("secret_env"))
+        secret = load_secret(
+            secret_file=extra.get("secret_file"), secret_env=extra.get("secret_env")
+        )
+        check_epoch(extra.get("epoch", ""))
+        if extra.get("epoch") and secret is None:
+            raise InvalidArgumentError(
+                "kv_connector_extra_config.epoch needs the namespace's secret (secret_file or "
+                "secret_env): the epoch keys the values' MACs, and without a secret values are "
+                "not authenticated"
+            )
         if "load_timeout_s" in extra:  # the name before per-request deadlines
             extra.setdefault("deadline_s", extra.pop("load_timeout_s"))
         known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role", "cannot_load")}
@@ -285,6 +304,11 @@ class RedisConnectorConfig:
             raise InvalidArgumentError(
                 f"load_policy must be one of {LOAD_POLICIES}, got {extra['load_policy']!r}"
             )
+        if "save_policy" in extra:
+            try:
+                extra["save_policy"] = SavePolicy.parse(extra["save_policy"])
+            except ValueError as exc:
+                raise InvalidArgumentError(str(exc)) from None
         if "connections" in extra and extra["connections"] in (None, "auto"):
             del extra["connections"]  # the default: from this host's cores
         for key, f in cls.__dataclass_fields__.items():

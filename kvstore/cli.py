@@ -1,17 +1,25 @@
 """``kvstore`` (or ``python -m kvstore``): see what is cached in Redis/Valkey.
 
     kvstore --url redis://127.0.0.1:6379/0 ls [--namespace NS] [--json]
-    kvstore --url ... inspect KEY [--json]
+    kvstore --url ... inspect KEY [--secret-file PATH] [--json]
     kvstore --url ... stats [--json]
     kvstore --url ... flush --namespace NS [--yes]
     kvstore --url ... reset --namespace NS [--no-sweep]
 
 Keys are walked with SCAN (never KEYS), so it is safe on a busy server. ``ls`` groups keys by
-namespace and layout fingerprint; ``inspect`` decodes a value's header and verifies its checksum;
-``flush`` deletes one namespace (never FLUSHALL) after confirmation; ``reset`` invalidates a
-namespace at once (a new generation; vLLM's ``reset_prefix_cache`` does the same) and unlinks
-the older blocks. Which leading blocks of a prompt a connector would load needs vLLM's rules for
-its KV-cache groups: ``vllm-redis-presence`` (``connector.presence_cli``) answers that.
+namespace and layout fingerprint; ``inspect`` decodes a value's header and verifies its checksum
+and, given the namespace's secret (``--secret-file``), its MAC -- without it a signed value is
+"unverified", never valid; ``flush`` deletes one namespace (never FLUSHALL) after confirmation;
+``reset`` invalidates a namespace at once (a new generation; vLLM's ``reset_prefix_cache`` does
+the same) and unlinks the older blocks. Which leading blocks of a prompt a connector would load
+needs vLLM's rules for its KV-cache groups: ``vllm-redis-presence`` (``connector.presence_cli``)
+answers that.
+
+Exit statuses (:class:`ExitStatus`): 0 done (``inspect``: the value is valid); 1 ``inspect``:
+no such key or a value that fails a check (corrupt, another layout, forged / wrong secret,
+unsigned where a secret was given), ``flush``: declined; 2 the command could not run (the store
+unreachable or refusing, a bad option or secret file); 3 ``inspect``: a signed value and no
+secret to verify its MAC with (unverified).
 """
 
 from __future__ import annotations
@@ -21,26 +29,96 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.cluster import RedisCluster
 
-from kvstore.errors import CorruptValueError, KVStoreError
-from kvstore.net.connection import error_code, make_client, parse_url, translated_errors
-from kvstore.values.keys import DEFAULT_KEY_PREFIX, parse_key
+from kvstore.errors import (
+    CorruptValueError,
+    InvalidArgumentError,
+    KVStoreError,
+    StorePermissionError,
+)
+from kvstore.net.connection import (
+    AclScope,
+    error_code,
+    make_client,
+    parse_url,
+    translated_errors,
+)
+from kvstore.text import printable as _printable
+from kvstore.text import shown as _shown
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, ParsedKey, parse_key
+from kvstore.values.value_auth import UNAUTHENTICATED, ValueKey, load_secret
 
 if TYPE_CHECKING:
     from rich.console import Console
-    from rich.text import Text
+
+    from kvstore.values.codec import ValueHeader
 
 _SCAN_COUNT = 1000
-_SHOWN_CHARS = 300  # of one name or field in the human output (--json keeps them whole)
+
+
+class ExitStatus(IntEnum):
+    """What the command's exit status says (the module's docstring; ``inspect --help``)."""
+
+    OK = 0
+    FAILED = 1  # inspect: no such key, or the value fails a check; flush: declined
+    ERROR = 2  # the command could not run: the store, an option, the secret file
+    UNVERIFIED = 3  # inspect: a signed value, and no secret to check its MAC with
+
+
+class Verdict(Enum):
+    """What ``inspect`` says of a value, as it prints it."""
+
+    VERIFIED = "verified"  # signed, and its MAC verifies with the namespace's secret
+    VALID = "valid"  # unsigned, its checksum and layout right, and no secret given
+    UNVERIFIED = "unverified"  # signed, and no secret to check the MAC with
+    FORGED = "forged / wrong secret"  # signed, and its MAC does not verify with the secret
+    UNSIGNED = "unsigned"  # no MAC where a secret was given: readers with it refuse it
+    INVALID = "INVALID"  # corrupt, truncated, another layout, a checksum that does not match
+    MISSING = "no such key"
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        if self in (Verdict.VERIFIED, Verdict.VALID):
+            return ExitStatus.OK
+        if self is Verdict.UNVERIFIED:
+            return ExitStatus.UNVERIFIED
+        return ExitStatus.FAILED
+
+
+# what inspect's exit statuses mean, for its --help
+_INSPECT_EXITS = {
+    ExitStatus.OK: f"{Verdict.VERIFIED.value}: signed, and its MAC verifies with --secret-file; "
+    f"or {Verdict.VALID.value}: unsigned, its checksum right, no --secret-file given (a "
+    "namespace with a secret loads no unsigned value: check those with --secret-file)",
+    ExitStatus.FAILED: f"{Verdict.MISSING.value}; {Verdict.FORGED.value}; "
+    f"{Verdict.UNSIGNED.value} (with --secret-file); {Verdict.INVALID.value}: corrupt, or "
+    "another layout's or block's value",
+    ExitStatus.ERROR: "the command could not run: the store unreachable or refusing, a bad "
+    "option, an unreadable or too short secret file",
+    ExitStatus.UNVERIFIED: f"{Verdict.UNVERIFIED.value}: signed, and no --secret-file to "
+    "check its MAC with",
+}
+INSPECT_EXIT_STATUSES = "exit statuses:\n" + "\n".join(
+    textwrap.fill(text, 88, initial_indent=f"  {status:d}  ", subsequent_indent="     ")
+    for status, text in _INSPECT_EXITS.items()
+)
+# how inspect's human output colours a verdict; any other is red
+_VERDICT_STYLES = {
+    Verdict.VERIFIED: "green",
+    Verdict.VALID: "green",
+    Verdict.UNVERIFIED: "yellow",
+}
 
 
 def _scan(client: redis.Redis, pattern: str) -> Iterator[tuple[str, bytes]]:
@@ -56,27 +134,6 @@ def _glob_literal(text: str) -> str:
     """``text`` matching only itself in a SCAN pattern: a namespace named ``a*`` or ``[/x]``
     must not select (or flush) other namespaces' keys."""
     return re.sub(r"([\\*?\[\]])", r"\\\1", text)
-
-
-def _printable(value: object, limit: int | None = _SHOWN_CHARS) -> str:
-    """Text from Redis (or a value's header) as a terminal may show it: control and other
-    unprintable characters -- ANSI escapes, bytes that were not UTF-8 -- spelled as Python
-    escapes, and past ``limit`` characters cut, saying how many."""
-    text = str(value)
-    cut = ""
-    if limit is not None and len(text) > limit:
-        text, cut = text[:limit], f"... ({len(text) - limit} more characters)"
-    if not text.isprintable():
-        text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
-    return text + cut
-
-
-def _shown(value: object, limit: int | None = _SHOWN_CHARS, style: str = "") -> Text:
-    """``value`` as rich text, never as markup: a name like ``[/x]`` or ``[bold]`` is shown as
-    it is instead of failing the whole output or styling it."""
-    from rich.text import Text
-
-    return Text(_printable(value, limit), style=style)
 
 
 @dataclass
@@ -193,16 +250,123 @@ def created_epoch(head: bytes) -> float | None:
         return None
 
 
-def inspect_key(client: redis.Redis, key: str | bytes) -> dict[str, Any]:
-    """A value's header and checks. ``key`` as bytes, or as text: a command-line argument's
-    bytes that were not UTF-8 come back as they were (``os.fsencode``)."""
-    from kvstore.values.codec import checksum_ok, read_header  # torch: only for this command
+@dataclass(frozen=True)
+class _Checks:
+    """What inspect found of one value whose header parses."""
+
+    verdict: Verdict
+    checksum_ok: bool | None  # None: a signed value's keyed checksum, not checked without the key
+    mac_ok: bool | None  # None: not checked (no secret given, or the value is unsigned)
+    fingerprint_ok: bool  # the header's layout fingerprint is the key's
+    block_ok: bool  # the header's block hash is the key's: not another block's value replayed
+    reason: str | None = None
+    detail: str | None = None
+
+
+def _checked(
+    value: bytes, header: ValueHeader, value_key: ValueKey | None, parsed: ParsedKey | None
+) -> _Checks:
+    """``value``'s verdict. With ``value_key`` its MAC is checked as a reader checks it: the
+    header's tag (``read_header`` with the key), then the payload's keyed checksum."""
+    from kvstore.values.codec import checksum_ok, read_header
+
+    fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
+    # a block's value names its block: under another block's key, it was copied there
+    block_ok = (
+        parsed is None or parsed.kind not in ("block", "claim") or parsed.name == header.block_hash
+    )
+    placed = fingerprint_ok and block_ok
+    if value_key is not None:
+        try:
+            read_header(value, value_key=value_key)
+        except CorruptValueError as exc:
+            if exc.reason not in UNAUTHENTICATED:
+                raise
+            if not header.mac:  # "unsigned": readers with the secret refuse it
+                sum_ok = checksum_ok(value, header)
+                return _Checks(
+                    Verdict.UNSIGNED, sum_ok, None, fingerprint_ok, block_ok, exc.reason, str(exc)
+                )
+            return _Checks(
+                Verdict.FORGED, None, False, fingerprint_ok, block_ok, exc.reason, str(exc)
+            )
+        if not checksum_ok(value, header, value_key):
+            detail = (
+                "the payload's keyed checksum does not verify: written without this "
+                "namespace's secret, or with another one"
+            )
+            return _Checks(Verdict.FORGED, False, False, fingerprint_ok, block_ok, "forged", detail)
+        verdict = Verdict.VERIFIED if placed else Verdict.INVALID
+        return _Checks(verdict, True, True, fingerprint_ok, block_ok)
+    if header.mac:
+        if not placed:
+            return _Checks(Verdict.INVALID, None, None, fingerprint_ok, block_ok)
+        detail = (
+            "the value is signed (kvstore.mac) and its MAC is not checked: give the "
+            "namespace's secret with --secret-file to verify it"
+        )
+        return _Checks(
+            Verdict.UNVERIFIED, None, None, fingerprint_ok, block_ok, "no-secret", detail
+        )
+    sum_ok = checksum_ok(value, header)
+    verdict = Verdict.VALID if sum_ok and placed else Verdict.INVALID
+    return _Checks(verdict, sum_ok, None, fingerprint_ok, block_ok)
+
+
+# a value is read a piece at a time: each reply within what redis-py parses for us
+# (kvstore/net/bounded_replies.py), however large the value (a review: every value over 4 MiB
+# failed inspect)
+READ_PIECE_BYTES = 1 << 20
+
+
+def read_value(client: redis.Redis, key: bytes) -> bytes | None:
+    """A string value whole, read by ``GETRANGE`` a MiB at a time (``STRLEN`` first); None
+    when there is no such key. A key of another type raises redis-py's ``ResponseError``."""
+    size = int(client.strlen(key))
+    if size == 0:  # missing, or an empty string: GET says which
+        value = client.get(key)
+        return value if isinstance(value, bytes) else None
+    pieces = []
+    for start in range(0, size, READ_PIECE_BYTES):
+        piece = client.getrange(key, start, min(size, start + READ_PIECE_BYTES) - 1)
+        if not isinstance(piece, bytes) or not piece:
+            return None  # deleted (or shortened) meanwhile
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+def inspect_key(
+    client: redis.Redis,
+    key: str | bytes,
+    secret: bytes | None = None,
+    prefix: str = DEFAULT_KEY_PREFIX,
+    epoch: str = "",
+) -> dict[str, Any]:
+    """A value's header, checks and :class:`Verdict` (``verdict``; ``valid`` is true only for
+    one verified with the secret or an unsigned one that checks out). With the namespace's
+    ``secret`` a signed value's MAC is verified as the connector verifies it, with the key
+    derived from the secret and the key's namespace; without, a signed value is "unverified",
+    never valid. ``key`` as bytes, or as text: a command-line argument's bytes that were not
+    UTF-8 come back as they were (``os.fsencode``). Raises :class:`InvalidArgumentError` when
+    a secret is given for a key whose namespace cannot be told."""
+    from kvstore.values.codec import read_header  # torch: only for this command
 
     raw = key if isinstance(key, bytes) else os.fsencode(key)
     name = raw.decode(errors="backslashreplace")
-    value = client.get(raw)
+    parsed = parse_key(name, prefix)
+    value_key = None
+    if secret is not None:
+        if parsed is None:
+            raise InvalidArgumentError(
+                f"cannot verify {name}: it is not a kvstore key under prefix {prefix!r} "
+                f"({prefix}:<namespace>:<fingerprint>:<hash>), so the namespace that keys its "
+                "MAC is not known; give --prefix if the store uses another key prefix"
+            )
+        # as the connector derives it (with its epoch: the weights' version, value_auth.py)
+        value_key = ValueKey(secret, parsed.namespace, epoch)
+    value = read_value(client, raw)
     if not isinstance(value, bytes):
-        return {"key": name, "exists": False}
+        return {"key": name, "exists": False, "valid": False, "verdict": Verdict.MISSING.value}
     out: dict[str, Any] = {
         "key": name,
         "exists": True,
@@ -210,19 +374,20 @@ def inspect_key(client: redis.Redis, key: str | bytes) -> dict[str, Any]:
         "ttl_s": (lambda t: None if t < 0 else t / 1000)(client.pttl(raw)),
     }
     try:
+        # parsed unauthenticated first: its fields are shown whatever the verdict
         header = read_header(value)
-        # a signed value's checksum is keyed: this command has no secret to verify it with
-        sum_ok = None if header.mac else checksum_ok(value, header)
-        parsed = parse_key(name)
-        fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
+        checks = _checked(value, header, value_key, parsed)
         fields = dict(
-            valid=sum_ok is not False and fingerprint_ok,
+            valid=checks.verdict.exit_status is ExitStatus.OK,
+            verdict=checks.verdict.value,
             signed=bool(header.mac),
+            mac_ok=checks.mac_ok,
             checksum=header.checksum,
-            checksum_ok=sum_ok,
+            checksum_ok=checks.checksum_ok,
             fingerprint=header.fingerprint,
-            fingerprint_matches_key=fingerprint_ok,
+            fingerprint_matches_key=checks.fingerprint_ok,
             block_hash=header.block_hash,
+            block_hash_matches_key=checks.block_ok,
             format=header.format_version,
             codec=header.codec,
             raw_bytes=header.raw_bytes,
@@ -239,13 +404,16 @@ def inspect_key(client: redis.Redis, key: str | bytes) -> dict[str, Any]:
                 for e in header.tensors
             ],
         )
+        if checks.reason is not None:
+            fields.update(reason=checks.reason, detail=checks.detail)
     except CorruptValueError as exc:
-        out.update(valid=False, reason=exc.reason, detail=str(exc))
+        out.update(valid=False, verdict=Verdict.INVALID.value, reason=exc.reason, detail=str(exc))
         return out
     except Exception as exc:  # any header content is data to report, never a traceback
         # a header the codec's checks let through but cannot use (a number like 1e999)
         out.update(
             valid=False,
+            verdict=Verdict.INVALID.value,
             reason="corrupt-header",
             detail=f"the header does not decode: {type(exc).__name__}: {exc}",
         )
@@ -356,8 +524,28 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p_ls = sub.add_parser("ls", parents=[common], help="cached prefixes by namespace/fingerprint")
     p_ls.add_argument("--namespace")
-    p_in = sub.add_parser("inspect", parents=[common], help="decode a value's header, verify it")
+    p_in = sub.add_parser(
+        "inspect",
+        parents=[common],
+        help="decode a value's header, verify it",
+        description="Decode a value's header and verify its checksum; with --secret-file, its\n"
+        "MAC too. Without the namespace's secret a signed value is unverified, never valid.",
+        epilog=INSPECT_EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p_in.add_argument("key")
+    p_in.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="the file holding the namespace's secret (the connector's secret_file): a signed "
+        "value's MAC is verified with it, as the connector verifies it. The secret is never shown",
+    )
+    p_in.add_argument(
+        "--epoch",
+        default="",
+        help="the connector's epoch (the weights' version), with --secret-file: a value signed "
+        "in another epoch is forged to this one",
+    )
     sub.add_parser("stats", parents=[common], help="key counts, memory, hit/miss counters")
     p_fl = sub.add_parser("flush", parents=[common], help="delete every key of one namespace")
     p_fl.add_argument("--namespace", required=True)
@@ -379,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
             " which knows vLLM's KV-cache groups; same options",
             file=sys.stderr,
         )
-        return 2
+        return ExitStatus.ERROR
     from rich.console import Console  # after parsing: --help stays fast
     from rich.text import Text
 
@@ -388,13 +576,39 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(emoji=False, highlight=False)
     err = Console(stderr=True, emoji=False, highlight=False)
     try:
+        # read before connecting: a wrong path fails at once, naming the file (never its bytes)
+        args.secret = _secret(args.secret_file) if args.cmd == "inspect" else None
+        if args.cmd == "inspect" and args.epoch and args.secret is None:
+            raise InvalidArgumentError(
+                "--epoch keys a value's MAC with the secret: give --secret-file too"
+            )
         address = parse_url(args.url)
         client = make_client(address)
-        with translated_errors(address.safe_url):
+        with translated_errors(address.safe_url, scope=_acl_scope(args)):
             return _run(args, client, console, err)
     except KVStoreError as exc:
         err.print(Text.assemble(("error:", "red"), " ", _shown(exc, limit=None)))
-        return 2
+        return ExitStatus.ERROR
+
+
+def _secret(secret_file: str | None) -> bytes | None:
+    """The namespace secret ``--secret-file`` names, read as the connector reads its
+    ``secret_file`` (surrounding whitespace, a trailing newline, is not part of it)."""
+    if secret_file is None:
+        return None
+    if not secret_file.strip():
+        raise InvalidArgumentError("--secret-file needs the path of the namespace's secret file")
+    return load_secret(secret_file=secret_file)
+
+
+def _acl_scope(args: argparse.Namespace) -> AclScope:
+    """The namespace a permission error's hint grants keys in: the one the command works on
+    (``--namespace``, or the namespace of the key inspected), else a placeholder."""
+    namespace = getattr(args, "namespace", None)
+    if namespace is None and args.cmd == "inspect":
+        parsed = parse_key(args.key, args.prefix)
+        namespace = parsed.namespace if parsed is not None else None
+    return AclScope(namespace, args.prefix) if namespace else AclScope(prefix=args.prefix)
 
 
 def _json(data: object, indent: int | None = 2) -> None:
@@ -411,7 +625,7 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
         rows = list_prefixes(client, args.prefix, args.namespace)
         if args.json:
             _json(rows)
-            return 0
+            return ExitStatus.OK
         table = Table(
             title=_shown(f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
         )
@@ -428,27 +642,34 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 _shown(r.get("pattern", "")),
             )
         console.print(table if rows else "no kvstore keys found")
-        return 0
+        return ExitStatus.OK
     if args.cmd == "inspect":
-        info = inspect_key(client, args.key)
+        info = inspect_key(client, args.key, args.secret, args.prefix, args.epoch)
+        verdict = Verdict(info["verdict"])
         if args.json:
             _json(info)
         elif not info["exists"]:
-            console.print(Text.assemble(_shown(info["key"]), ": no such key"))
+            console.print(Text.assemble(_shown(info["key"]), f": {verdict.value}"))
         else:
             console.print(
                 Text.assemble(
                     _shown(info["key"], style="bold"),
                     "  ",
-                    ("valid", "green") if info.get("valid") else ("INVALID", "red"),
+                    (verdict.value, _VERDICT_STYLES.get(verdict, "red")),
                     f"  {human_size(info['bytes'])}",
                 )
             )
-            shown = ("reason", "detail", "format", "codec", "fingerprint", "block_hash", "signed",
-                     "checksum", "checksum_ok", "created", "ttl_s", "metadata")  # fmt: skip
+            shown = ("reason", "detail", "format", "codec", "fingerprint", "block_hash",
+                     "signed", "mac_ok", "checksum", "checksum_ok", "created", "ttl_s",
+                     "metadata")  # fmt: skip
             for k in shown:
                 if k in info:
                     console.print(Text.assemble(f"  {k}: ", _shown(info[k], limit=2000)))
+            if verdict is Verdict.VALID:  # unsigned, and nothing said whether it should be
+                console.print(
+                    "  note: unsigned; readers of a namespace with a secret refuse it "
+                    "(check such a namespace's values with --secret-file)"
+                )
             if info.get("tensors"):
                 table = Table("tensor", "dtype", "shape", "bytes")
                 for t in info["tensors"]:
@@ -459,7 +680,7 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                         human_size(t["bytes"]),
                     )
                 console.print(table)
-        return 0 if info.get("valid") else 1
+        return verdict.exit_status
     if args.cmd == "stats":
         stats = server_stats(client, args.prefix)
         if args.json:
@@ -469,24 +690,24 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             for k, v in stats.items():
                 table.add_row(k, _shown(v, limit=2000))
             console.print(table)
-        return 0
+        return ExitStatus.OK
     if args.cmd == "flush":
         namespace = _printable(repr(args.namespace), limit=None)
         if not args.yes:
             if not sys.stdin.isatty():
                 err.print("refusing to flush without --yes when not run interactively")
-                return 2
+                return ExitStatus.ERROR
             count = sum(1 for _ in _scan(client, _namespace_pattern(args.prefix, args.namespace)))
             answer = input(f"delete {count} keys of namespace {namespace}? [y/N] ")
             if answer.strip().lower() not in ("y", "yes"):
                 err.print("nothing deleted")
-                return 1
+                return ExitStatus.FAILED
         deleted = flush_namespace(client, args.prefix, args.namespace)
         if args.json:
             _json({"namespace": args.namespace, "deleted": deleted}, indent=None)
         else:
             console.print(_shown(f"deleted {deleted} keys of namespace {namespace}", limit=None))
-        return 0
+        return ExitStatus.OK
     if args.cmd == "reset":
         result = reset_namespace(args.url, args.prefix, args.namespace, sweep=not args.no_sweep)
         if args.json:
@@ -499,18 +720,29 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                     limit=None,
                 )
             )
-        return 0
+        return ExitStatus.OK
     raise AssertionError(args.cmd)
 
 
 def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -> dict[str, Any]:
     """A new generation for ``namespace`` (every instance stops loading older blocks with its
     next lookup), then, unless told not to, the older blocks unlinked."""
+    from kvstore.fleet.access import acl_rule
     from kvstore.lookup_buffer import LookupBuffer
 
     with LookupBuffer.from_url(url, namespace=namespace, key_prefix=prefix, check=False) as buf:
-        generation = buf.reset()
-        unlinked = buf.sweep(generation) if sweep else 0
+        try:
+            generation = buf.reset()
+            unlinked = buf.sweep(generation) if sweep else 0
+        except StorePermissionError as exc:
+            # a reset writes the namespace's generation counter, which only the admin's rule
+            # may: the refused command's own hint cannot say so
+            rule = acl_rule(["ping", "generation", "reset", "sweep"], namespace, prefix)
+            raise StorePermissionError(
+                f"{exc}\nResetting namespace {namespace!r} takes the admin's rule: "
+                f"ACL SETUSER <user> {rule}",
+                command=exc.command,
+            ) from None
     return {"namespace": namespace, "generation": generation, "unlinked": unlinked}
 
 

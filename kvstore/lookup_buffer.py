@@ -52,7 +52,7 @@ from kvstore.fleet.generations import Generations
 from kvstore.fleet.handoff import Claim, HandoffRecords, HandoffState
 from kvstore.fleet.inventory import BlockInfo, Inventory
 from kvstore.fleet.survey import Survey, survey
-from kvstore.net.connection import StoreAddress, make_client, parse_url
+from kvstore.net.connection import AclScope, StoreAddress, make_client, parse_url
 from kvstore.net.guard import Guard
 from kvstore.net.transport import READ_DEPTH, Transport
 from kvstore.values.codec import (
@@ -116,6 +116,7 @@ class LookupBuffer:
         read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
         secret: bytes | None = None,
+        epoch: str = "",
     ) -> None:
         if isinstance(client, (str, bytes)):  # the easiest mistake: it failed deep inside
             raise InvalidArgumentError(
@@ -138,7 +139,13 @@ class LookupBuffer:
             raise InvalidArgumentError("read_depth and read_connections must be >= 1")
         self.keys = KeySpace(key_prefix, namespace, fingerprint or layout_fingerprint(layout))
         # signs every value written and takes only values signed with it (value_auth.py)
-        self.value_key = ValueKey(secret, namespace) if secret is not None else None
+        # (and, with an epoch, only values of that epoch: no rollback of a reset)
+        if epoch and secret is None:
+            raise InvalidArgumentError(
+                "an epoch needs the namespace's secret: it keys the values' MACs, and without a "
+                "secret values are not authenticated (give secret_file or secret_env)"
+            )
+        self.value_key = ValueKey(secret, namespace, epoch) if secret is not None else None
         self.namespace = namespace
         self.fingerprint = self.keys.fingerprint
         self.key_prefix = key_prefix
@@ -165,6 +172,7 @@ class LookupBuffer:
             # a failed call may be a master its replica replaced: every client learns the map
             # again (redis-py's cluster client does so itself only when it retries)
             on_unavailable=self._transport.relearn,
+            scope=AclScope(namespace, key_prefix),
         )
         self.breaker = self.guard.breaker
         self._read_connections = read_connections
@@ -272,6 +280,7 @@ class LookupBuffer:
         read_depth: int | None = None,
         read_connections: int = READ_CONNECTIONS,
         secret: bytes | None = None,
+        epoch: str = "",
         check: bool = True,
     ) -> LookupBuffer:
         """Connect to ``url``. With ``check`` (default) the server is pinged now, so a wrong URL,
@@ -317,6 +326,7 @@ class LookupBuffer:
             read_depth=read_depth,
             read_connections=read_connections,
             secret=secret,
+            epoch=epoch,
         )
         buf.address = address
         buf._transport.owns_clients = True

@@ -199,4 +199,4 @@ def _probe(
         if not scripted:
             raise
         # inside a script a refused command is a plain script error (no NOPERM code)
-        raise permission_error(guard.safe_url, command, str(exc)) from None
+        raise permission_error(guard.safe_url, command, str(exc), guard.scope) from None

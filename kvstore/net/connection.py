@@ -23,6 +23,7 @@ import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -43,6 +44,13 @@ from kvstore.errors import (
     StoreTopologyError,
     StoreUnavailableError,
 )
+from kvstore.net.bounded_replies import (
+    BoundedConnection,
+    BoundedHiredisParser,
+    BoundedSSLConnection,
+    BoundedUnixConnection,
+)
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, NAME_RE
 
 logger = logging.getLogger("kvstore")
 
@@ -301,9 +309,13 @@ def make_client(
         "socket_connect_timeout": connect_timeout_s,
         "max_connections": max_connections,
         "health_check_interval": 30,
+        # every reply redis-py parses for us bounded in size and time, a handshake reply of
+        # the wrong shape a protocol error (``bounded_replies``): values are read by wire.py
+        "parser_class": BoundedHiredisParser,
+        "connection_class": BoundedConnection,
     }
     if address.transport == "unix":
-        kwargs["connection_class"] = redis.UnixDomainSocketConnection
+        kwargs["connection_class"] = BoundedUnixConnection
         kwargs["path"] = address.path
         pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
         return redis.Redis(connection_pool=pool)
@@ -316,7 +328,7 @@ def make_client(
             verify = opts.get("tls_verify", "true").lower() not in ("0", "false", "no", "none")
         if not verify:
             _warn_unverified_tls(address.safe_url)
-        kwargs["connection_class"] = redis.SSLConnection
+        kwargs["connection_class"] = BoundedSSLConnection
         kwargs.update(
             _tls_kwargs(
                 tls_ca_file or opts.get("tls_ca_file"),
@@ -395,8 +407,12 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
     from redis.cluster import ClusterNode, RedisCluster
 
     del kwargs["host"], kwargs["port"], kwargs["db"], kwargs["retry"]
-    if kwargs.pop("connection_class", None) is redis.SSLConnection:
-        kwargs["ssl"] = True  # RedisCluster builds its node clients from ssl_* arguments
+    # RedisCluster builds its node clients itself, from ssl_* arguments, and takes neither a
+    # connection class nor a parser: a Cluster's control replies are parsed by redis-py's
+    # own, unbounded (bounded_replies; values are read by wire.py on every topology)
+    del kwargs["parser_class"]
+    if kwargs.pop("connection_class") is BoundedSSLConnection:
+        kwargs["ssl"] = True
     if address.db:
         raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
     kwargs.pop("health_check_interval")
@@ -439,7 +455,8 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
     from redis.sentinel import Sentinel, SentinelConnectionPool
 
     del kwargs["host"], kwargs["port"]
-    ssl = kwargs.pop("connection_class", None) is redis.SSLConnection
+    # (the master's connections are redis-py's Sentinel-managed ones, with our parser)
+    ssl = kwargs.pop("connection_class", None) is BoundedSSLConnection
     sentinel_kwargs = {
         "socket_timeout": kwargs["socket_timeout"],
         "socket_connect_timeout": kwargs["socket_connect_timeout"],
@@ -476,11 +493,14 @@ _TOPOLOGY_ERRORS = (
 
 
 @contextlib.contextmanager
-def translated_errors(safe_url: str, command: str | None = None) -> Iterator[None]:
+def translated_errors(
+    safe_url: str, command: str | None = None, scope: AclScope | None = None
+) -> Iterator[None]:
     """Re-raise redis-py errors (and socket errors it let through) as kvstore's typed errors,
     chosen by the error's type, with a message that says what to do.
 
-    ``command`` names what was being run, for permission errors (e.g. ``"SET"``).
+    ``command`` names what was being run, for permission errors (e.g. ``"SET"``); ``scope``
+    the namespace whose keys a permission error's hint grants (unknown: a placeholder).
     """
     try:
         yield
@@ -491,9 +511,9 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
         # the server names the command it refused: more precise than what the caller ran (a
         # claim's request holds a script and GETs; the script itself runs RENAME)
         refused = _REFUSED_COMMAND.search(text)
-        raise permission_error(
-            safe_url, refused.group(1).upper() if refused else command, text
-        ) from None
+        # a subcommand comes as "script|load": named as it is sent, SCRIPT LOAD
+        refused_command = refused.group(1).upper().replace("|", " ") if refused else command
+        raise permission_error(safe_url, refused_command, text, scope) from None
     except rex.AuthenticationError:
         raise StoreAuthenticationError(
             f"{safe_url} rejected the credentials: check the username/password in the URL "
@@ -545,18 +565,152 @@ def translated_errors(safe_url: str, command: str | None = None) -> Iterator[Non
         raise StoreUnavailableError(f"cannot reach {safe_url} ({_strip(exc)})") from None
 
 
-# "... no permissions to run the 'get' command" (Redis, Valkey), "... the RENAME command" (ours)
-_REFUSED_COMMAND = re.compile(r"permissions to run the '?([A-Za-z]+)'? command")
+# "... no permissions to run the 'get' command" (Redis, Valkey), "... the 'script|load' command"
+# (a subcommand), "... the RENAME command" (ours)
+_REFUSED_COMMAND = re.compile(r"permissions to run the '?([A-Za-z]+(?:\|[A-Za-z]+)?)'? command")
+
+
+_SOME_NAMESPACE = "<namespace>"  # a hint's placeholder where the namespace is not known
+
+
+@dataclass(frozen=True)
+class AclScope:
+    """The one namespace (under one key prefix) whose keys a permission hint grants: a tenant's
+    own keys, never every namespace's. The default namespace is a placeholder for where it is
+    not known (a command run before any namespace is chosen)."""
+
+    namespace: str = _SOME_NAMESPACE
+    prefix: str = DEFAULT_KEY_PREFIX
+
+    def __post_init__(self) -> None:
+        # a namespace that is not a valid name (one read from a planted key: spaces, "+@all")
+        # is never pasted into a rule an operator may run: the placeholder stands for it
+        # (a review steered a hint into "+@all nopass")
+        for attr, default in (("namespace", _SOME_NAMESPACE), ("prefix", DEFAULT_KEY_PREFIX)):
+            value = getattr(self, attr)
+            if value != default and not (isinstance(value, str) and NAME_RE.match(value)):
+                object.__setattr__(self, attr, _SOME_NAMESPACE if attr == "namespace" else default)
+
+    @property
+    def known(self) -> bool:
+        return self.namespace != _SOME_NAMESPACE
+
+    @property
+    def blocks(self) -> str:
+        """The ACL key pattern of the namespace's block, claim, handoff and record keys; it does
+        not match its generation counter."""
+        return f"{_acl_literal(self.prefix)}:{_acl_literal(self.namespace)}:*:*"
+
+    @property
+    def generation(self) -> str:
+        """The ACL key pattern of the namespace's generation counter."""
+        return f"{_acl_literal(self.prefix)}:{_acl_literal(self.namespace)}:generation"
+
+
+def _acl_literal(text: str) -> str:
+    """``text`` matching only itself in an ACL key pattern: a namespace named ``a*`` must not
+    grant other namespaces' keys."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+class KeyUse(Enum):
+    """What a command does to the keys it names: the ACL table grants reads as ``%R~``
+    patterns, writes as ``~`` patterns, and keyless commands no pattern at all."""
+
+    NONE = "names no keys"
+    READ = "reads keys"
+    WRITE = "writes keys"
+
+
+# Every command kvstore sends, by what it does to its keys (``fleet.access.ACCESS``). EVALSHA:
+# the claim scripts rename and delete blocks; the reset script's write of the generation
+# counter is the admin's alone, named by ``fleet.access.acl_rule`` where a reset fails.
+_KEY_USE: dict[str, KeyUse] = {
+    "PING": KeyUse.NONE,
+    "TIME": KeyUse.NONE,
+    "INFO": KeyUse.NONE,
+    "SCAN": KeyUse.NONE,
+    "SELECT": KeyUse.NONE,
+    "SCRIPT LOAD": KeyUse.NONE,
+    "CLUSTER SLOTS": KeyUse.NONE,
+    "GET": KeyUse.READ,
+    "EXISTS": KeyUse.READ,
+    "STRLEN": KeyUse.READ,
+    "PTTL": KeyUse.READ,
+    "GETRANGE": KeyUse.READ,
+    "SET": KeyUse.WRITE,
+    "UNLINK": KeyUse.WRITE,
+    "RENAME": KeyUse.WRITE,
+    "PEXPIRE": KeyUse.WRITE,
+    "PERSIST": KeyUse.WRITE,
+    "EVALSHA": KeyUse.WRITE,
+}
+# GET also reads the namespace's generation counter (every role does, read-only)
+_READS_GENERATION = frozenset({"GET"})
+# granted together, as in the ACL table: redis-py loads a script the server lost (SCRIPT LOAD)
+_GRANTED_WITH = {"EVALSHA": ("SCRIPT LOAD",)}
+_TWO_WORD_COMMANDS = frozenset(c for c in _KEY_USE if " " in c)
+
+
+def _commands_in(text: str) -> list[str]:
+    """The commands of ``text``: one (``"GET"``, ``"SCRIPT LOAD"``) or several, as a scripted
+    probe names them (``"EVALSHA SCRIPT LOAD GET SET"``), with their companions. Text with a
+    word kvstore never sends is one command (``"CLIENT SETINFO"``, refused at connect)."""
+    words = text.upper().replace("|", " ").split()
+    commands: list[str] = []
+    at = 0
+    while at < len(words):
+        pair = " ".join(words[at : at + 2])
+        if pair in _TWO_WORD_COMMANDS:
+            commands.append(pair)
+            at += 2
+        else:
+            commands.append(words[at])
+            at += 1
+    if not set(commands) <= set(_KEY_USE):
+        return [" ".join(words)]
+    with_companions = [
+        c for command in commands for c in (command, *_GRANTED_WITH.get(command, ()))
+    ]
+    return list(dict.fromkeys(with_companions))
+
+
+def permission_hint(command: str | None, scope: AclScope | None = None) -> str:
+    """What to grant for a refused ``command`` (one, or several as a scripted probe names
+    them): that command with the key patterns of ``scope``'s namespace alone, as the ACL table
+    of docs/operations.md gives them -- never every namespace's keys, never a write on the
+    generation counter (only a reset writes it, and ``fleet.access.acl_rule`` names that rule)."""
+    scope = scope or AclScope()
+    commands = _commands_in(command) if command else []
+    uses = {_KEY_USE.get(c) for c in commands}
+    perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands) or "+<command>"
+    patterns: list[str] = []
+    if KeyUse.WRITE in uses:
+        patterns.append(f"~{scope.blocks}")
+    elif KeyUse.READ in uses:
+        patterns.append(f"%R~{scope.blocks}")
+    if any(c in _READS_GENERATION for c in commands):
+        patterns.append(f"%R~{scope.generation}")
+    unknown = None in uses or not commands
+    where = f"namespace {scope.namespace!r}" if scope.known else "the namespace it works in"
+    if patterns or unknown:
+        grant = f"Grant it for {where} only: ACL SETUSER <user> {' '.join([perms, *patterns])}"
+    else:
+        grant = f"Grant it (it names no keys): ACL SETUSER <user> {perms}"
+    if unknown:  # what it does to keys is not known here: both forms, the reader's first
+        grant += f" and, where it names keys, %R~{scope.blocks} to read (~{scope.blocks} to write)"
+    return f"{grant}. Each role's whole rule: the ACL table in docs/operations.md"
 
 
 def permission_error(
-    safe_url: str, command: str | None, server_text: str = ""
+    safe_url: str, command: str | None, server_text: str = "", scope: AclScope | None = None
 ) -> StorePermissionError:
+    """The error for a refused command, with the grant that fixes it in ``scope``'s namespace
+    (:func:`permission_hint`)."""
     what = f"run {command}" if command else "run a command or touch a key it needs"
     return StorePermissionError(
-        f"{safe_url}: the ACL user may not {what} ({server_text or 'NOPERM'}). Grant the rule "
-        "for this role from the README's ACL table, e.g. ACL SETUSER <user> "
-        f"{'+' + command.split()[0].lower() if command else '+<command>'} ~kv:*",
+        f"{safe_url}: the ACL user may not {what} ({server_text or 'NOPERM'}). "
+        f"{permission_hint(command, scope)}",
         command=command,
     )
 

@@ -8,7 +8,7 @@ from typing import TypeVar
 
 from kvstore.errors import StoreCircuitOpenError, StoreTimeoutError, StoreUnavailableError
 from kvstore.net.breaker import CircuitBreaker
-from kvstore.net.connection import translated_errors
+from kvstore.net.connection import AclScope, translated_errors
 
 T = TypeVar("T")
 
@@ -22,8 +22,11 @@ class Guard:
         failures: int = 3,
         probe_s: float = 0.5,
         on_unavailable: Callable[[], None] = lambda: None,
+        scope: AclScope | None = None,
     ) -> None:
         self.safe_url = safe_url
+        # whose keys a permission error's hint grants: the namespace this guard's calls serve
+        self.scope = scope
         self._on_unavailable = on_unavailable
         self.breaker = CircuitBreaker(
             probe, name=f"Redis at {safe_url}", failure_threshold=failures, probe_interval_s=probe_s
@@ -51,7 +54,7 @@ class Guard:
         that put things right (giving claimed values back), which must not be skipped because
         the failure they repair opened the breaker."""
         try:
-            with translated_errors(self.safe_url, command):
+            with translated_errors(self.safe_url, command, self.scope):
                 result = fn()
         except (StoreUnavailableError, StoreTimeoutError) as exc:
             self.breaker.record_failure(str(exc))

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from kvstore.errors import InvalidArgumentError
 
 DEFAULT_KEY_PREFIX = "kv"
-NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
-BLOCK_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(@[0-9]+[A-Za-z0-9_.\-]*)?$")
+# (\Z, not $: "$" also matches before a trailing newline, which a name must not hold)
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
+BLOCK_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(@[0-9]+[A-Za-z0-9_.\-]*)?\Z")
 GENERATION_MARK = "@"
 CLAIM_MARKER = ":claim:"
 _HANDOFF = "handoff"

@@ -9,7 +9,12 @@ hashlib; that is a few percent of a load at the 1-2 GB/s a rank reads from Redis
 others would cost half of it.
 
 The keys are derived from the secret and the namespace (BLAKE3's key derivation), so a value
-copied from one namespace to another under the same secret does not verify there either; and
+copied from one namespace to another under the same secret does not verify there either;
+from an epoch too, where one is given (the weights' version): a value signed in another epoch
+never verifies, whatever the namespace's generation counter says -- a counter is Redis data, so
+a writer with raw access could set it back (or delete it) and put back values it recorded,
+and an instance started afterwards would name and load them; its configured epoch it cannot
+change. And
 one key per use -- a header, a payload, a tensor -- so the tag of bytes a writer was made to
 store as a payload (a caller's tensors) is never a valid tag of a header.
 """
@@ -53,7 +58,8 @@ class ValueKey:
 
     __slots__ = ("_blake3", "_keys")
 
-    def __init__(self, secret: bytes, namespace: str) -> None:
+    def __init__(self, secret: bytes, namespace: str, epoch: str = "") -> None:
+        check_epoch(epoch)
         if not isinstance(secret, (bytes, bytearray)):
             raise InvalidArgumentError("a namespace secret must be bytes")
         if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
@@ -63,6 +69,8 @@ class ValueKey:
             )
         self._blake3 = _blake3()
         material = bytes(secret) + b"\x00" + namespace.encode()
+        if epoch:  # (none: the key values were always signed with)
+            material += b"\x00epoch\x00" + epoch.encode()
         self._keys = {
             use: self._blake3(material, derive_key_context=f"{_CONTEXT} {use}").digest()
             for use in (HEADER, PAYLOAD, TENSOR)
@@ -85,6 +93,21 @@ class ValueKey:
     def verify(self, use: str, data: Any, tag: str) -> bool:
         """Whether ``tag`` is the tag of ``data`` as a ``use`` (constant time)."""
         return hmac.compare_digest(self.tag(use, data), tag)
+
+
+MAX_EPOCH_CHARS = 128
+
+
+def check_epoch(epoch: object) -> None:
+    """An epoch (``ValueKey``) is printable ASCII of at most ``MAX_EPOCH_CHARS``: a weights
+    version, a checkpoint step, a date. Raises :class:`InvalidArgumentError` saying so."""
+    if not isinstance(epoch, str):
+        raise InvalidArgumentError(f"an epoch must be a string, got {type(epoch).__name__}")
+    if len(epoch) > MAX_EPOCH_CHARS or not all(" " < c <= "~" for c in epoch):
+        raise InvalidArgumentError(
+            f"an epoch is up to {MAX_EPOCH_CHARS} printable ASCII characters without spaces "
+            "(a weights version or checkpoint step, e.g. 'step-1200')"
+        )
 
 
 def load_secret(*, secret_file: str | None = None, secret_env: str | None = None) -> bytes | None:

@@ -103,7 +103,9 @@ def test_inspect_shows_a_signed_value_as_signed_not_as_a_bad_checksum(client, ca
     key = signed.redis_key(HASHES[0])
     rc, out = run(capsys, "--json", "inspect", key)
     info = json.loads(out)
-    assert rc == 0 and info["valid"] and info["signed"] and info["checksum_ok"] is None
+    # without the secret its MAC is not checked: unverified, never valid (issue 52)
+    assert rc == kvstore.cli.ExitStatus.UNVERIFIED and info["verdict"] == "unverified"
+    assert not info["valid"] and info["signed"] and info["checksum_ok"] is None
     assert "s" * 32 not in out  # the secret never shows (this command has none anyway)
 
 
@@ -302,3 +304,16 @@ def test_flush_and_ls_take_a_namespace_literally_never_as_a_pattern(
     assert len(list(client.scan_iter(match="kv:[ab]:*"))) == 4
     rc, out = run(capsys, "ls", "--namespace", pattern, "--json")
     assert rc == 0 and json.loads(out) == []
+
+
+@pytest.mark.redis
+def test_inspect_reads_a_value_larger_than_any_control_reply(redis_url, capsys) -> None:
+    """Found by a review: inspect read a value whole through redis-py, whose replies are now
+    bounded at 4 MiB for us, so every real value over 4 MiB failed inspect. It reads a value a
+    MiB at a time."""
+    with LookupBuffer.from_url(redis_url, namespace="big", fingerprint="fp") as store:
+        store.insert("ab" * 16, {"kv": torch.arange(3 << 20, dtype=torch.float32)})  # 12 MiB
+        key = store.redis_key("ab" * 16)
+    rc = kvstore.cli.main(["--url", redis_url, "inspect", key, "--json"])
+    info = json.loads(capsys.readouterr().out)
+    assert rc == 0 and info["verdict"] == "valid" and info["bytes"] > 12 << 20

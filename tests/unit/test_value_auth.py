@@ -322,3 +322,46 @@ def test_headers_from_a_writer_without_the_secret_are_never_cached(
     store(server, SECRET).insert(H, value())
     assert reader.select([H])[0] is not None
     assert sum(len(v) for v in codec._layouts.values()) == 1
+
+
+def test_a_reset_cannot_be_rolled_back_across_epochs(server: fakeredis.FakeServer) -> None:
+    """Issue 52: the MAC binds a value to its name, not to the namespace's current generation.
+    Record a signed value, reset (the weights changed), then delete the counter and put the
+    value back: an instance started afterwards reads generation 0 and names the old block.
+    Given the new weights' epoch, it never verifies it: a counted miss, not stale KV."""
+    before = store(server, SECRET, epoch="step-100")
+    before.insert(H, value(1))
+    c = raw_client(server)
+    key = f"kv:ns:fp:{H}"  # (generation 0: the name it always had)
+    recorded = c.get(key)
+    before.reset()  # the weights changed: generation 1 names every block anew
+    c.delete(before.keys.generation())  # rolled back: a fresh instance reads generation 0
+    c.set(key, recorded)
+    same_epoch = store(server, SECRET, epoch="step-100")
+    assert same_epoch.select([H])[0] is not None  # the attack, where epochs do not differ
+    after = store(server, SECRET, epoch="step-200")
+    assert after.select([H]) == [None]
+    row = torch.zeros(4096, dtype=torch.uint8)
+    assert after.select_into([H], [row]) == [None]
+    assert after.stats().corrupt_by_reason == {"forged": 2}
+    # and its own values read back
+    after.insert("cd" * 16, value(2))
+    got = after.select(["cd" * 16])[0]
+    assert got is not None and torch.equal(got["k"], value(2)["k"])
+
+
+@pytest.mark.parametrize("epoch", ["has space", "é", "x" * 129, "tab\t"])
+def test_an_epoch_is_short_printable_ascii(server: fakeredis.FakeServer, epoch: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="epoch"):
+        store(server, SECRET, epoch=epoch)
+
+
+def test_an_epoch_without_a_secret_is_refused_where_it_is_configured(
+    server: fakeredis.FakeServer,
+) -> None:
+    with pytest.raises(InvalidArgumentError, match="needs the namespace's secret"):
+        store(server, None, epoch="step-1")
+    with pytest.raises(InvalidArgumentError, match="needs the namespace's secret"):
+        RedisConnectorConfig.from_extra(
+            {"url": "redis://localhost:6379/0", "epoch": "step-1"}, "kv_both"
+        )

@@ -1,0 +1,160 @@
+"""Bounds on the replies redis-py parses for kvstore: every reply kvstore does not read itself
+(``wire.py`` reads values) -- control replies (the generation, handoff records, lookups,
+scripts' answers) and the connection's handshake (HELLO, AUTH, the health-check PING).
+
+redis-py's parsers take a reply whole however large, and a socket timeout bounds one
+``recv``, not a reply: a hostile or broken server answering the generation GET with 128 MiB,
+or a byte every second, held a reader's memory or its call without limit. Here each reply is
+at most ``MAX_CONTROL_REPLY_BYTES`` and is done within the socket timeout plus its size at
+``wire.MIN_BYTES_PER_S``, as values are; past either, the connection is dropped and the call
+fails typed. A handshake reply of the wrong shape (a HELLO answered with a string) is a
+protocol error, not redis-py's ``AttributeError``.
+
+It keeps hiredis (redis-py's fast parser) and only watches what it is fed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from typing import Any
+
+import redis
+import redis.exceptions as rex
+from redis._parsers.hiredis import _HiredisParser
+from redis.utils import SENTINEL
+
+from kvstore.net.wire import MIN_BYTES_PER_S
+
+# The largest control reply taken: far above any record, lookup answer or slot map kvstore
+# reads (kilobytes), far below what a planted reply could cost a process
+MAX_CONTROL_REPLY_BYTES = 4 << 20
+_NO_TIMEOUT_S = 60.0  # a reply's base budget on a socket without a timeout
+
+
+class BoundedHiredisParser(_HiredisParser):
+    """redis-py's hiredis parser, with a reply's size and time bounded (module docstring).
+
+    The size is every byte received since the reply began, not what hiredis still buffers:
+    hiredis builds an array's elements as they come and trims its buffer, so a 1 GiB array
+    never looked larger than 64 KiB (found by a review). Past a bound the socket is shut down
+    before the error is raised: some of redis-py's connections (Sentinel's) go back to the
+    pool on an error that is not a ``ConnectionError``, and the rest of the reply would have
+    answered the next command (also a review's)."""
+
+    max_reply_bytes = MAX_CONTROL_REPLY_BYTES
+
+    def __init__(self, socket_read_size: int) -> None:
+        super().__init__(socket_read_size)
+        self._reply_started: float | None = None
+        self._received = 0  # bytes received since the reply began
+
+    def read_response(
+        self,
+        disable_decoding: bool = False,
+        push_request: bool = False,
+        timeout: float | object = SENTINEL,
+    ) -> Any:
+        outer = self._reply_started is None  # (a push notification recurses)
+        if outer:
+            self._reply_started = time.monotonic()
+            self._received = 0
+        try:
+            return super().read_response(
+                disable_decoding=disable_decoding, push_request=push_request, timeout=timeout
+            )
+        except MemoryError:  # hiredis sizes an array by its header ("*4000000000"): refused
+            raise self._broken(
+                rex.InvalidResponse(
+                    "a reply declares more elements than memory holds: not what a Redis "
+                    "server of kvstore's sends, so the connection is dropped"
+                )
+            ) from None
+        finally:
+            if outer:
+                self._reply_started = None
+
+    def read_from_socket(
+        self, timeout: float | object = SENTINEL, raise_on_timeout: bool = True
+    ) -> bool:
+        reader = self._reader
+        before = int(reader.len()) if reader is not None else 0
+        got = super().read_from_socket(timeout=timeout, raise_on_timeout=raise_on_timeout)
+        reader = self._reader
+        if reader is None or self._reply_started is None:
+            return bool(got)
+        # (nothing took a reply from the buffer in between: the growth is what came)
+        self._received += max(0, int(reader.len()) - before)
+        if self._received > self.max_reply_bytes:
+            raise self._broken(
+                rex.InvalidResponse(
+                    f"a reply of over {self.max_reply_bytes} bytes where kvstore reads small "
+                    "control replies: not what a Redis server of kvstore's sends, so the "
+                    "connection is dropped; check that the URL names the right server"
+                )
+            )
+        base = self._socket_timeout if self._socket_timeout else _NO_TIMEOUT_S
+        budget = base + self._received / MIN_BYTES_PER_S
+        if time.monotonic() - self._reply_started > budget:
+            raise self._broken(
+                rex.TimeoutError(
+                    f"timed out reading a reply: not done within {budget:.1f} s (the socket "
+                    f"timeout plus {MIN_BYTES_PER_S >> 20} s per MiB); the server stalls or "
+                    "sends a few bytes at a time, and the connection is dropped"
+                )
+            )
+        return bool(got)
+
+    def _broken(self, error: Exception) -> Exception:
+        """``error``, after the connection's socket is shut down: whatever redis-py does with
+        the connection next, nobody reads the rest of this reply as another's."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self.on_disconnect()
+        return error
+
+
+class _CheckedHandshake:
+    """A connection whose handshake replies of the wrong shape are a typed protocol error."""
+
+    def on_connect_check_health(self, check_health: bool = True) -> None:
+        try:
+            super().on_connect_check_health(check_health)  # type: ignore[misc]
+        except (AttributeError, TypeError, KeyError, ValueError, IndexError) as exc:
+            self.disconnect()  # type: ignore[attr-defined]
+            raise rex.InvalidResponse(
+                f"the server's reply to the connection handshake (HELLO / AUTH) is malformed "
+                f"({type(exc).__name__}): is the URL a Redis or Valkey server's?"
+            ) from None
+
+
+def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:
+    kwargs.setdefault("parser_class", BoundedHiredisParser)
+    return kwargs
+
+
+class BoundedConnection(_CheckedHandshake, redis.Connection):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_bounded(kwargs))
+
+
+class BoundedSSLConnection(_CheckedHandshake, redis.SSLConnection):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_bounded(kwargs))
+
+
+class BoundedUnixConnection(_CheckedHandshake, redis.UnixDomainSocketConnection):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**_bounded(kwargs))
+
+
+def bounded_connection_class(plain: type[redis.Connection] | None) -> type[Any]:
+    """The bounded counterpart of redis-py's connection class ``plain`` (None: TCP)."""
+    if plain is redis.SSLConnection:
+        return BoundedSSLConnection
+    if plain is redis.UnixDomainSocketConnection:
+        return BoundedUnixConnection
+    return BoundedConnection

@@ -1,0 +1,299 @@
+"""Replies redis-py parses for kvstore (control replies, the handshake) are bounded in size and
+time (``kvstore.net.bounded_replies``), against a loopback server that answers what a hostile
+or broken one would (issue 52): a 128 MiB generation, a reply dripped a byte at a time, a HELLO
+answered with a string."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+import redis.exceptions as rex
+
+from kvstore.errors import StoreCommandError, StoreTimeoutError
+from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES, BoundedConnection
+from kvstore.net.connection import make_client, parse_url, translated_errors
+from testing.redis_server import RedisServer, SentinelServer
+
+HELLO = (
+    b"%7\r\n$6\r\nserver\r\n$5\r\nredis\r\n$7\r\nversion\r\n$5\r\n7.0.0\r\n"
+    b"$5\r\nproto\r\n:3\r\n$2\r\nid\r\n:1\r\n$4\r\nmode\r\n$10\r\nstandalone\r\n"
+    b"$4\r\nrole\r\n$6\r\nmaster\r\n$7\r\nmodules\r\n*0\r\n"
+)
+
+
+class ScriptedServer:
+    """A loopback server: to each command, ``answer(name)`` -- bytes sent at once, or a
+    callable that sends its reply on the socket itself (a drip). One connection at a time."""
+
+    def __init__(self, answer: Callable[[bytes], bytes | Callable[[socket.socket], None]]) -> None:
+        self.answer = answer
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        self.listener.settimeout(0.05)  # (accept and recv wake to see ``stopped``)
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.settimeout(0.05)
+            with conn, contextlib.suppress(OSError):  # (the client hung up)
+                self._session(conn)
+
+    def _session(self, conn: socket.socket) -> None:
+        buf = b""
+        while not self.stopped.is_set():
+            try:
+                data = conn.recv(65536)
+            except TimeoutError:
+                continue
+            if not data:
+                return
+            buf += data
+            while True:
+                command, buf = _one_command(buf)
+                if command is None:
+                    break
+                reply = self.answer(command.upper())
+                if callable(reply):
+                    conn.settimeout(5.0)
+                    reply(conn)
+                    return
+                conn.sendall(reply)
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(10)
+        self.listener.close()
+        assert not self.thread.is_alive()
+
+
+def _one_command(buf: bytes) -> tuple[bytes | None, bytes]:
+    """The first command's name in ``buf`` (RESP array of bulk strings) and the rest."""
+    if not buf.startswith(b"*") or b"\r\n" not in buf:
+        return None, buf
+    head, rest = buf.split(b"\r\n", 1)
+    args = []
+    for _ in range(int(head[1:])):
+        if b"\r\n" not in rest:
+            return None, buf
+        length_line, rest = rest.split(b"\r\n", 1)
+        n = int(length_line[1:])
+        if len(rest) < n + 2:
+            return None, buf
+        args.append(rest[:n])
+        rest = rest[n + 2 :]
+    return args[0], rest
+
+
+def handshake_then(get: bytes | Callable[[socket.socket], None]) -> Callable[[bytes], object]:
+    def answer(name: bytes) -> object:
+        if name == b"HELLO":
+            return HELLO
+        if name == b"GET":
+            return get
+        return b"+OK\r\n"
+
+    return answer
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., ScriptedServer]]:
+    servers: list[ScriptedServer] = []
+
+    def start(answer: Callable[[bytes], object]) -> ScriptedServer:
+        servers.append(ScriptedServer(answer))  # type: ignore[arg-type]
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _client(port: int, timeout_s: float = 0.5) -> redis.Redis:
+    return make_client(parse_url(f"redis://127.0.0.1:{port}/0"), socket_timeout_s=timeout_s)
+
+
+def read_generation(client: redis.Redis, port: int) -> object:
+    """The namespace's generation, as kvstore reads it: redis-py's errors typed."""
+    with translated_errors(parse_url(f"redis://127.0.0.1:{port}/0").safe_url, "GET"):
+        return client.get("kv:vllm:generation")
+
+
+def _huge_generation(conn: socket.socket) -> None:
+    """128 MiB of a generation, as fast as the client takes it."""
+    conn.sendall(b"$134217728\r\n")
+    chunk = b"7" * (1 << 20)
+    for _ in range(128):
+        conn.sendall(chunk)
+
+
+def _dripped(conn: socket.socket) -> None:
+    """A short reply, a byte every 50 ms (each within the socket timeout)."""
+    for byte in b"$100\r\n" + b"7" * 100 + b"\r\n":
+        conn.sendall(bytes([byte]))
+        time.sleep(0.05)
+
+
+def test_the_handshake_and_control_replies_go_through_the_bounded_parser(serve: object) -> None:
+    server = serve(handshake_then(b"$1\r\n7\r\n"))  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        assert client.get("kv:vllm:generation") == b"7"
+        conn = client.connection_pool.get_connection()
+        try:
+            assert isinstance(conn, BoundedConnection)
+        finally:
+            client.connection_pool.release(conn)
+    finally:
+        client.close()
+
+
+def test_a_huge_control_reply_costs_bounded_memory_and_fails_typed(serve: object) -> None:
+    server = serve(handshake_then(_huge_generation))  # type: ignore[operator]
+    client = _client(server.port, timeout_s=5.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreCommandError, match="control replies"):
+            read_generation(client, server.port)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        client.close()
+    assert peak < 3 * MAX_CONTROL_REPLY_BYTES, f"peak {peak >> 20} MiB"
+
+
+def test_a_dripped_control_reply_ends_within_its_deadline(serve: object) -> None:
+    """The socket timeout (0.2 s) bounds each recv; the reply itself must end within the
+    timeout plus its size at wire.MIN_BYTES_PER_S, not after 100 bytes x 50 ms."""
+    server = serve(handshake_then(_dripped))  # type: ignore[operator]
+    client = _client(server.port, timeout_s=0.2)
+    try:
+        with pytest.raises(StoreTimeoutError):
+            read_generation(client, server.port)
+    finally:
+        client.close()
+
+
+def test_a_malformed_handshake_reply_is_a_typed_protocol_error(serve: object) -> None:
+    def answer(name: bytes) -> bytes:
+        return b"+OK\r\n"  # HELLO answered with a string, not a map
+
+    server = serve(answer)  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        with pytest.raises(StoreCommandError, match="handshake"):
+            read_generation(client, server.port)
+    finally:
+        client.close()
+
+
+def test_pipelined_control_replies_are_bounded_each_not_together(serve: object) -> None:
+    """Many small replies in one pipeline (a lookup) stay within the bound however many."""
+    server = serve(handshake_then(b"$1\r\n1\r\n"))  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        pipe = client.pipeline(transaction=False)
+        for i in range(2000):
+            pipe.get(f"k{i}")
+        assert pipe.execute() == [b"1"] * 2000
+    finally:
+        client.close()
+
+
+def test_the_bound_is_an_exception_redis_py_types(serve: object) -> None:
+    """(Without kvstore's translation: redis-py's own InvalidResponse, the connection closed.)"""
+    server = serve(handshake_then(_huge_generation))  # type: ignore[operator]
+    client = _client(server.port, timeout_s=5.0)
+    try:
+        with pytest.raises(rex.InvalidResponse):
+            client.get("kv:vllm:generation")
+        pool = client.connection_pool
+        assert all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+    finally:
+        client.close()
+
+
+def _array_of(count: int, each: int = 1024) -> Callable[[socket.socket], None]:
+    """An array of ``count`` strings of ``each`` bytes, as fast as the client takes it."""
+
+    def send(conn: socket.socket) -> None:
+        conn.sendall(b"*%d\r\n" % count)
+        item = b"$%d\r\n" % each + b"x" * each + b"\r\n"
+        with contextlib.suppress(OSError):  # (the client hangs up at the bound)
+            for _ in range(count):
+                conn.sendall(item)
+
+    return send
+
+
+def test_a_huge_array_is_bounded_by_the_bytes_that_came_not_by_what_hiredis_buffers(
+    serve: object,
+) -> None:
+    """Found by a review: the bound read hiredis's buffer, which it trims as it builds an
+    array's elements, so a 1 GiB array never looked larger than 64 KiB and was taken whole."""
+    server = serve(handshake_then(_array_of(64 << 10)))  # type: ignore[operator]  # 64 MiB
+    client = _client(server.port, timeout_s=5.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreCommandError, match="control replies"):
+            read_generation(client, server.port)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        client.close()
+    assert peak < 4 * MAX_CONTROL_REPLY_BYTES, f"peak {peak >> 20} MiB"
+
+
+def test_an_array_declaring_billions_of_elements_is_a_typed_protocol_error(
+    serve: object,
+) -> None:
+    server = serve(handshake_then(b"*4000000000\r\n"))  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        with pytest.raises(StoreCommandError, match="more elements than memory"):
+            read_generation(client, server.port)
+    finally:
+        client.close()
+
+
+def test_a_sentinel_client_never_reads_the_rest_of_a_refused_reply_as_the_next_ones() -> None:
+    """Found by a review: redis-py's Sentinel connections go back to the pool after an error
+    that is not a ConnectionError, so a reply refused half-read answered the next command:
+    every later GET got an earlier key's value. The socket is shut down at the bound."""
+    with RedisServer() as master, SentinelServer("kvs", master.port) as sentinel:
+        plain = redis.Redis(port=master.port)
+        plain.set("big", b"B" * (5 << 20))
+        for i in range(20):
+            plain.set(f"key{i}", f"value-of-key{i}")
+        plain.close()
+        client = make_client(parse_url(sentinel.url()), socket_timeout_s=5.0)
+        address = parse_url(sentinel.url())
+        wrong = []
+        try:
+            for i in range(20):
+                with (
+                    contextlib.suppress(StoreCommandError),
+                    translated_errors(address.safe_url, "GET"),
+                ):
+                    client.get("big")
+                with translated_errors(address.safe_url, "GET"):
+                    got = client.get(f"key{i}")
+                if got != f"value-of-key{i}".encode():
+                    wrong.append((i, got[:20] if isinstance(got, bytes) else got))
+        finally:
+            client.close()
+        assert not wrong, wrong
