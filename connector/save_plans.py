@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
 from connector.metadata import LoadSpec, SaveSpec
+from connector.save_policy import SaveAllowance
 from connector.stats import StatsBuffer
 from kvstore import KVStoreError, LookupBuffer
 
@@ -43,6 +44,7 @@ class SavePlanner:
         stats: StatsBuffer,
         background_io: Executor,
         on_background_done: Callable[[Future[Any]], None],
+        allowance: SaveAllowance | None = None,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -53,6 +55,8 @@ class SavePlanner:
         # written (a failure is logged and counted there)
         self._background_io = background_io
         self._on_background_done = on_background_done
+        # how many leading blocks of a request the save policy lets it write (None: all)
+        self._allowance = allowance
         # vLLM's group index -> the layout's, for state groups (saved from vLLM's offers)
         self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
         self._groups = range(len(layout.groups))
@@ -85,6 +89,7 @@ class SavePlanner:
                 len(st.save_hashes),
                 self._positional_blocks(st),
             )
+            full = self._allowed(st, full)
             if full > st.saved_blocks:
                 self._open_saves(st)
                 saves.append(
@@ -106,6 +111,24 @@ class SavePlanner:
         if self._state_groups:
             saves += self._state_saves(scheduler_output, requests)
         return saves
+
+    def _allowed(self, st: RequestState, full: int) -> int:
+        """``full`` blocks cut to what the save policy allows the request (``save_policy.py``),
+        decided at its first planned save, when what Redis holds of its chain is known; the
+        blocks past it are counted as skipped, once each."""
+        if self._allowance is None or not st.same_chain:
+            return full
+        if st.save_allowance is None:
+            head = st.save_hashes[0] if st.save_hashes else None
+            in_redis = st.present_blocks >= 1 or st.saved_blocks >= 1
+            st.save_allowance = self._allowance.blocks(head, in_redis, st.save_marked)
+        if full <= st.save_allowance:
+            return full
+        skipped = full - max(st.save_allowance, st.save_skipped_to)
+        if skipped > 0:
+            self.stats.add(blocks_save_skipped=skipped)
+            st.save_skipped_to = full
+        return st.save_allowance
 
     def _settle_presence(self, st: RequestState, final: bool) -> bool:
         """Whether the request's saves may be planned: what Redis holds of its chain is known

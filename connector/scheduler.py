@@ -119,6 +119,7 @@ from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata
 from connector.probes import ProbePlanner
 from connector.resets import NamespaceResets
 from connector.save_plans import SavePlanner
+from connector.save_policy import SaveAllowance, marked_for_saving
 from connector.stats import StatsBuffer
 from connector.transfer_params import Handoff, ThisInstance, producer_params, read_handoff
 from kvstore import KVStoreError, LookupBuffer
@@ -202,6 +203,12 @@ class RequestState:
     # share mode, all of it a local hit: the lookup that says what Redis holds of its chain,
     # which its saves wait for (None: known, or not asked)
     presence: Lookup | None = None
+    # share mode: whether its caller asked for it to be written (save_policy.py), and how many
+    # leading blocks the save policy lets it write (None: not decided yet), and the blocks
+    # beyond that counted as skipped so far
+    save_marked: bool = False
+    save_allowance: int | None = None
+    save_skipped_to: int = 0
 
     def renamable(self) -> bool:
         """Nothing of it is in flight or planned yet: its chains may be named again."""
@@ -307,6 +314,8 @@ class RedisConnectorScheduler:
             self.stats,
             self._background_io,
             self._log_background_failure,
+            # share mode only: a consume-mode producer writes its handoff whole
+            None if config.consume else SaveAllowance(config.save_policy),
         )
         self._generation_read_at = 0.0
         self._resets = NamespaceResets(store, config, self.stats, events)
@@ -362,6 +371,7 @@ class RedisConnectorScheduler:
             preemptions=request.num_preemptions,
             generation=generation,
             pin=self._pinned_by_request(request),
+            save_marked=marked_for_saving(request.kv_transfer_params),
         )
         self._reqs[request.request_id] = st
         return st

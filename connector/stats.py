@@ -52,6 +52,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_blocks_shed",
         "KV block values not saved because staging was full or Redis was unavailable",
     ),
+    "blocks_save_skipped": (
+        "vllm:redis_kv_blocks_save_skipped",
+        "Prompt blocks the save policy did not write (save_policy: second_sight writes a "
+        "prompt's head until the prompt is seen again; marked only marked requests)",
+    ),
     "bytes_loaded": (
         "vllm:redis_kv_bytes_loaded",
         "Bytes of KV loaded from Redis (every TP rank's)",

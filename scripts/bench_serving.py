@@ -8,6 +8,8 @@ Setups (each on real vLLM servers this script starts, one after another, on one 
 - ``single``: one server, no connector (the issue's baseline);
 - ``pair``: two servers, no connector, behind the proxy (the same hardware as the pool);
 - ``share``: two share-mode servers behind the proxy (``--pool``): a prefix pool in Redis;
+- ``share_sight``: the same with ``save_policy: second_sight`` (a prompt's head written at
+  once, the rest once it is seen again: ``connector/save_policy.py``);
 - ``consume``: prefill and decode servers through the proxy (consume mode);
 - ``offload``: one server with vLLM's own CPU offloading (``--kv-offloading-size``), the
   local-only alternative; vLLM supports it on CUDA and XPU only, so it is skipped elsewhere.
@@ -63,7 +65,7 @@ from testing.redis_server import RedisServer, free_port
 from testing.tiny_model import make_model
 from testing.zygote import Zygote
 
-SETUPS = ("single", "pair", "share", "consume", "offload")
+SETUPS = ("single", "pair", "share", "share_sight", "consume", "offload")
 WORKLOADS = ("system_prompt", "doc_qa", "multi_turn", "no_reuse")
 REUSING = ("system_prompt", "doc_qa", "multi_turn")  # prompts that repeat a prefix
 ALTERNATING = ("doc_qa", "multi_turn")  # ... whose repeats the proxy sends to the other server
@@ -158,6 +160,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--target", help="benchmark this endpoint (servers you started) instead")
     ap.add_argument(
         "--metrics", action="append", default=[], help="--target: a server whose counters count"
+    )
+    ap.add_argument(
+        "--redis-maxmemory",
+        help="cap Redis's memory (e.g. 64mb, with volatile-ttl eviction): the pool under "
+        "pressure, where what a save policy writes decides what stays",
     )
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--plot-dir", help="draw serving_ttft.png and serving_hits.png here")
@@ -297,6 +304,9 @@ def server_roles(
         return [("pair-0", None, {}, []), ("pair-1", None, {}, [])]
     if setup == "share":
         return [(f"share-{i}", "kv_both", {"mode": "share", **wait}, []) for i in range(2)]
+    if setup == "share_sight":
+        sight = {"mode": "share", "save_policy": "second_sight", **wait}
+        return [(f"sight-{i}", "kv_both", sight, []) for i in range(2)]
     if setup == "consume":
         return [("prefill", "kv_producer", {**wait}, []), ("decode", "kv_consumer", {**wait}, [])]
     return [("offload", None, {}, ["--kv-offloading-size", "1"])]
@@ -493,7 +503,9 @@ def checks(rows: list[Row], concurrency: int = 1, loads_pinned: bool = True) -> 
     for r in rows:
         where = f"{r.setup}/{r.workload}"
         alternating_ = (
-            concurrency == 1 and r.workload in ALTERNATING and r.setup in ("pair", "share")
+            concurrency == 1
+            and r.workload in ALTERNATING
+            and r.setup in ("pair", "share", "share_sight")
         )
         if alternating_ and r.local_share > 0:
             problems.append(
@@ -521,12 +533,12 @@ def checks(rows: list[Row], concurrency: int = 1, loads_pinned: bool = True) -> 
 
 
 def table(rows: list[Row]) -> str:
-    head = (f"{'setup':<9}{'workload':<15}{'ok/req':>8}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+    head = (f"{'setup':<12}{'workload':<15}{'ok/req':>8}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
             f"{'out tok/s':>11}{'req/s':>8}{'Redis':>8}{'local':>8}{'ext.':>7}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r.setup:<9}{r.workload:<15}{f'{r.completed}/{r.requests}':>8}"
+            f"{r.setup:<12}{r.workload:<15}{f'{r.completed}/{r.requests}':>8}"
             f"{r.ttft_p50_ms:>8.0f}ms{r.ttft_p90_ms:>7.0f}ms{r.ttft_p99_ms:>7.0f}ms"
             f"{r.output_tok_s:>11.1f}{r.request_per_s:>8.2f}{r.redis_share:>8.1%}"
             f"{r.local_share:>8.1%}{r.external_share:>7.1%}"
@@ -635,7 +647,12 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
     )
     # --quick (CI's run) forks the servers' API processes from one that imported vLLM once
     zygote = Zygote(tmp) if args.quick else None
-    with RedisServer() as store, contextlib.ExitStack() as cleanup:
+    pressure = (
+        ["--maxmemory", args.redis_maxmemory, "--maxmemory-policy", "volatile-ttl"]
+        if args.redis_maxmemory
+        else []
+    )
+    with RedisServer(extra_args=pressure) as store, contextlib.ExitStack() as cleanup:
         if zygote is not None:
             cleanup.callback(zygote.stop)
         for setup in args.setups:
