@@ -368,14 +368,16 @@ def test_an_aborted_consumer_leaves_nothing_behind(engines: Any, when: str) -> N
     else:
         held = gate(consumer.worker.store, "select_into")
     consumer.add("d", tokens, params=params)
-    for _ in range(4):
-        consumer.step()
-        time.sleep(0.005)
-    status = consumer.sched.requests["d"].status
     if when == "loading":
-        assert held.entered.wait(10) and status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        # stepped until its load reads (not a few steps, then a wait: on a busy CI machine the
+        # producer's record was not found yet after four steps, and nothing stepped after them)
+        until(lambda: held.entered.is_set(), consumer)
+        assert consumer.sched.requests["d"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     else:
-        assert status == RequestStatus.WAITING
+        for _ in range(4):
+            consumer.step()
+            time.sleep(0.005)
+        assert consumer.sched.requests["d"].status == RequestStatus.WAITING
     consumer.abort("d")
     consumer.add("next", prompt(5 * BS + 1, seed=13))
     for _ in range(3):
