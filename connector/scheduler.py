@@ -1171,7 +1171,9 @@ class RedisConnectorScheduler:
         if loads is not None:
             data["policy_load_bytes_per_second"] = loads.bytes_per_s
             data["policy_load_overhead_seconds"] = loads.overhead_s
-        if splits is not None:
+        if splits is not None and self.auto_splits:
+            # (only where auto may split, and band probes keep it current: elsewhere a figure
+            # left from a pinned split, or bounded once, stood in /metrics for good)
             data["policy_split_bytes_per_second"] = splits.bytes_per_s
         if compute is not None:
             data["policy_step_seconds"] = compute.step_s

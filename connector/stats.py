@@ -209,7 +209,7 @@ GAUGES: dict[str, tuple[str, str]] = {
     "policy_split_bytes_per_second": (
         "vllm:redis_kv_policy_split_bytes_per_second",
         "Bandwidth one rank gets from Redis reading split loads band by band, fitted over "
-        "recent splits and band probes",
+        "recent splits and band probes (reported only where auto may split)",
     ),
     "policy_step_seconds": (
         "vllm:redis_kv_policy_step_seconds",

@@ -287,6 +287,20 @@ def test_auto_does_not_split_where_bands_cannot_overlap_the_pass(engines: Any) -
     assert stats.get("chose_async", 0) + stats.get("chose_recompute", 0) == 1
 
 
+def test_the_split_figure_is_reported_only_where_auto_may_split(engines: Any) -> None:
+    """Found in the bench: where auto does not split (a CPU backend), no band probe keeps the
+    split figure current, and a figure once bounded stood in /metrics for good (0.49 MB/s
+    through a whole phase whose store ran at 20 MB/s)."""
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
+    policy = reader.connector.scheduler
+    measured(reader, token_s=0.001, load_bytes_per_s=2e6, band_bytes_per_s=3e6)
+    assert policy.take_stats()["policy_split_bytes_per_second"] > 0  # (overlap: a GPU)
+    policy.engine = dataclasses.replace(policy.engine, overlap=False)
+    stats = policy.take_stats()
+    assert "policy_split_bytes_per_second" not in stats
+    assert stats["policy_load_bytes_per_second"] > 0
+
+
 def test_a_split_never_reports_a_finished_load_nor_holds_the_request(engines: Any) -> None:
     tokens = prompt(3 * BS + 4)
     saved(engines, tokens)
