@@ -520,11 +520,10 @@ def test_a_bulk_reply_too_large_to_drain_fails_at_once_without_draining(
         assert isinstance(got, InvalidResponse) and "too large to drain" in str(got)
 
 
-@pytest.mark.parametrize("drip_server", [(b"$100000\r\n", False)], indirect=True)
-@pytest.mark.parametrize("dest", [16, 200_000])  # oversized (drained) or fitting
-def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_connection(
-    drip_server: DripServer, dest: int
-) -> None:
+def _one_get_through_a_transport(drip_server: DripServer, dest: int) -> tuple[object, bool]:
+    """One value GET into ``dest`` bytes through a Transport (0.2 s socket timeout): what it
+    returned or raised, kvstore's errors typed, and whether every connection its pool holds
+    was closed (none went back to the pool with a reply half read)."""
     address = parse_url(f"redis://127.0.0.1:{drip_server.port}/0")
     client = make_client(address, socket_timeout_s=0.2, connect_timeout_s=5)
     transport = Transport(client, threads=1)
@@ -536,13 +535,22 @@ def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_co
 
     try:
         got = _ends(read)
-        assert drip_server.dripping.is_set()
-        assert isinstance(got, StoreTimeoutError), got
         pool = client.connection_pool
-        # not returned to the pool mid-reply: every connection it holds is closed
-        assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+        connections = pool._connections  # type: ignore[attr-defined]
+        return got, bool(connections) and all(c._sock is None for c in connections)
     finally:
         transport.close()
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000\r\n", False)], indirect=True)
+@pytest.mark.parametrize("dest", [16, 200_000])  # oversized (drained) or fitting
+def test_a_dripped_get_through_the_transport_is_a_typed_timeout_and_drops_the_connection(
+    drip_server: DripServer, dest: int
+) -> None:
+    got, all_closed = _one_get_through_a_transport(drip_server, dest)
+    assert drip_server.dripping.is_set()
+    assert isinstance(got, StoreTimeoutError), got
+    assert all_closed  # not returned to the pool mid-reply
 
 
 @pytest.mark.parametrize(
@@ -554,22 +562,9 @@ def test_a_standalone_server_answering_moved_is_a_protocol_error_not_followed(
     """Issue 52: a value GET answered with MOVED by a standalone server was sent again
     through redis-py, which read the reply whole, unbounded. A redirection is a Cluster's
     answer: from one server it is a protocol error that drops the connection, typed."""
-    address = parse_url(f"redis://127.0.0.1:{drip_server.port}/0")
-    client = make_client(address, socket_timeout_s=0.2, connect_timeout_s=5)
-    transport = Transport(client, threads=1)
-    transport.owns_clients = True
-
-    def read() -> object:
-        with translated_errors(address.safe_url, "GET"):
-            return transport.get_values([("GET", b"k")], [memoryview(bytearray(16))])
-
-    try:
-        got = _ends(read)
-        assert isinstance(got, StoreCommandError) and "standalone server answered" in str(got)
-        pool = client.connection_pool
-        assert pool._connections and all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
-    finally:
-        transport.close()
+    got, all_closed = _one_get_through_a_transport(drip_server, 16)
+    assert isinstance(got, StoreCommandError) and "standalone server answered" in str(got)
+    assert all_closed
 
 
 class SlowReadingSocket:
