@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES
 from kvstore.net.connection import error_code
 from kvstore.values.keys import BLOCK_NAME_RE, NAME_RE
 
@@ -85,10 +86,12 @@ class RecordProblem:
     problem: str
 
 
-# A record is about 35 bytes per block of its chain: 16 MiB holds a chain of some 450,000
-# blocks (7M tokens at a block size of 16), more than any context; what is larger is refused
-# before it is read, so a planted value costs the check bounded memory and time.
-MAX_RECORD_BYTES = 16 * 2**20
+# A record is about 35 bytes per block of its chain: ~4 MiB holds a chain of some 120,000
+# blocks (1.9M tokens at a block size of 16), more than any context; what is larger is refused
+# before it is read, so a planted value costs the check bounded memory and time. It is read
+# by redis-py, whose replies kvstore bounds (bounded_replies.py): a record must fit in one,
+# framing included, or a planted 5 MiB one ended the whole check with a dropped connection.
+MAX_RECORD_BYTES = MAX_CONTROL_REPLY_BYTES - (64 << 10)
 # A record nests two deep (an object of lists); a planted one must not reach the parser's
 # recursion limit (RecursionError)
 MAX_RECORD_DEPTH = 8

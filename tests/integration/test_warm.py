@@ -524,3 +524,23 @@ def test_warm_and_check_name_blocks_in_the_namespaces_generation(
     assert row.status == "present" and row.present == 4
     assert _check(redis_url, capsys=capsys)[1]["documents"][0]["status"] == "complete"
     buf.close()
+
+
+@pytest.mark.redis
+def test_a_record_larger_than_a_control_reply_is_a_problem_not_the_end_of_the_check(
+    redis_url: str,
+) -> None:
+    """A planted 5 MiB record on a real server: kvstore bounds the replies redis-py parses at
+    4 MiB, so reading it whole dropped the connection and ended the whole check. A record is
+    refused by its size first, below that bound, and listed."""
+    from connector.warm.records import MAX_RECORD_BYTES, read_records
+
+    with LookupBuffer.from_url(redis_url, namespace="w", fingerprint="fp") as buf:
+        buf.client.set("kv:w:fp:doc:planted", b"{" * (5 << 20))
+        buf.client.set("kv:w:fp:doc:small", b"[]")
+        records, problems = read_records(buf)
+    assert records == []
+    named = {p.key: p.problem for p in problems}
+    assert "more than a record holds" in named["kv:w:fp:doc:planted"]
+    assert "kv:w:fp:doc:small" in named  # the others are still checked
+    assert MAX_RECORD_BYTES < 4 << 20
