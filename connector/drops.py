@@ -6,7 +6,8 @@ whole TTL. So a dropped handoff waits here until no producer rank's record says 
 when the producer could not confirm its record was in place before it answered, until a record
 is there at all -- at most ``max_wait_s`` (a producer that died writing). Then it is claimed:
 another request's claim (a retried request loading it) wins, and the chain is left to it;
-otherwise its blocks and records are deleted. One thread checks every waiting handoff in one
+otherwise its blocks and records are deleted (a failed delete is tried again at the next
+ticks, then left to the TTLs). One thread checks every waiting handoff in one
 round trip per tick, so a burst of drops never queues behind each other's waits.
 """
 
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 from kvstore import Claim, LookupBuffer
 
 _POLL_S = 0.05
+# a delete that failed (a timeout on a busy server, a failover) is tried again at the next
+# ticks, this many times in all, before its chain is left to the TTLs
+_DELETE_TRIES = 4
 
 
 @dataclass
@@ -29,6 +33,7 @@ class _Drop:
     hashes: list[str]
     expect_record: bool  # a missing record may still come: wait for it as for "pending"
     give_up_at: float
+    failed_deletes: int = 0
 
 
 class HandoffDrops:
@@ -97,8 +102,11 @@ class HandoffDrops:
                 continue
             try:
                 self._delete(d)
-            except BaseException as exc:  # left to the TTLs, and said so
+            except BaseException as exc:  # reported; tried again, then left to the TTLs
                 self.on_error(exc)
+                d.failed_deletes += 1
+                if d.failed_deletes < _DELETE_TRIES:
+                    keep.append(d)
         return keep
 
     def _delete(self, d: _Drop) -> None:

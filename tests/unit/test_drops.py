@@ -97,3 +97,41 @@ def test_redis_errors_are_reported_and_the_drop_tried_again() -> None:
     until(lambda: drops.waiting == 0)
     assert store.contains(HASHES) == [False] * 3
     drops.shutdown()
+
+
+def test_a_delete_that_fails_once_is_tried_again_not_left_to_the_ttl() -> None:
+    """The producer is done, the check passes, and only the delete times out (a busy server):
+    the next tick deletes the chain, instead of leaving it in Redis for its whole TTL."""
+    store, drops, errors = setup()
+    write(store, 3)
+    store.publish_handoff("h6", 3)
+    real_delete, failed = store.delete, []
+
+    def delete_failing_once(*a: Any, **k: Any) -> Any:
+        if not failed:
+            failed.append(True)
+            raise TimeoutError("Timeout reading from socket")
+        return real_delete(*a, **k)
+
+    store.delete = delete_failing_once  # type: ignore[method-assign]
+    drops.drop("h6", "me", HASHES, expect_record=False)
+    until(lambda: drops.waiting == 0)
+    assert failed and [type(e) for e in errors] == [TimeoutError]  # reported, not hidden
+    assert store.contains(HASHES) == [False] * 3
+    assert store.read_handoff("h6", HASHES[:1]).committed is None
+    drops.shutdown()
+
+
+def test_a_delete_that_keeps_failing_is_given_up_after_a_few_tries() -> None:
+    store, drops, errors = setup()
+    write(store, 2)
+    store.publish_handoff("h7", 2)
+
+    def delete_failing(*a: Any, **k: Any) -> Any:
+        raise TimeoutError("Timeout reading from socket")
+
+    store.delete = delete_failing  # type: ignore[method-assign]
+    drops.drop("h7", "me", HASHES, expect_record=False)
+    until(lambda: drops.waiting == 0)
+    assert 1 < len(errors) < 10  # each try reported; a bounded number of them
+    drops.shutdown()
