@@ -10,6 +10,7 @@ from typing import Any
 
 from connector.save_policy import SavePolicy
 from kvstore import InvalidArgumentError, parse_url
+from kvstore.net.server_code import ScriptMode
 from kvstore.values.value_auth import check_epoch, load_secret
 
 MODES = ("consume", "share")
@@ -202,6 +203,10 @@ class RedisConnectorConfig:
     # says -- Redis data a writer with raw access could set back. An RL loop that resets the
     # pool after each weight update gives the new weights' version to the instances it starts
     epoch: str = ""
+    # how kvstore's Lua runs (kvstore/net/server_code.py): "auto" (functions where the server
+    # has them, the admin having loaded them; scripts where it has none), "functions" (fail at
+    # startup without them), "scripts" (EVALSHA: Redis 6; the role may then run any Lua)
+    lua: ScriptMode = ScriptMode.AUTO
     # the environment variable holding the store URL, instead of url: a password in it then
     # never reaches vLLM's log of its arguments
     url_env: str | None = None
@@ -309,6 +314,8 @@ class RedisConnectorConfig:
                 extra["save_policy"] = SavePolicy.parse(extra["save_policy"])
             except ValueError as exc:
                 raise InvalidArgumentError(str(exc)) from None
+        if "lua" in extra:
+            extra["lua"] = ScriptMode.parse(extra["lua"])
         if "connections" in extra and extra["connections"] in (None, "auto"):
             del extra["connections"]  # the default: from this host's cores
         for key, f in cls.__dataclass_fields__.items():

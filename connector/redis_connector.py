@@ -291,6 +291,7 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
             tls_key_file=self.rc.tls_key_file,
             secret=load_secret(secret_file=self.rc.secret_file, secret_env=self.rc.secret_env),
             epoch=self.rc.epoch,
+            lua=self.rc.lua,
             breaker_failures=self.rc.breaker_failures,
             breaker_probe_s=self.rc.breaker_probe_s,
             check=False,

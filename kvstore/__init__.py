@@ -14,6 +14,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreAuthenticationError,
     StoreCircuitOpenError,
+    StoreCodeError,
     StoreCommandError,
     StoreOutOfMemoryError,
     StorePermissionError,
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from kvstore.fleet.handoff import Claim, HandoffState
     from kvstore.lookup_buffer import LookupBuffer, layout_fingerprint
     from kvstore.net.connection import StoreAddress, parse_url, redact_url
+    from kvstore.net.server_code import ScriptMode
     from kvstore.values.codec import (
         FORMAT_VERSION,
         ValueHeader,
@@ -47,6 +49,7 @@ _LAZY = {
     "StoreAddress": "net.connection",
     "parse_url": "net.connection",
     "redact_url": "net.connection",
+    "ScriptMode": "net.server_code",
     "chain_hashes": "values.hashing",
     "root_hash": "values.hashing",
     "Claim": "fleet.handoff",
@@ -76,9 +79,11 @@ __all__ = [
     "InvalidValueError",
     "KVStoreError",
     "LookupBuffer",
+    "ScriptMode",
     "StoreAddress",
     "StoreAuthenticationError",
     "StoreCircuitOpenError",
+    "StoreCodeError",
     "StoreCommandError",
     "StoreOutOfMemoryError",
     "StorePermissionError",

@@ -71,7 +71,8 @@ class ExitStatus(IntEnum):
     """What the command's exit status says (the module's docstring; ``inspect --help``)."""
 
     OK = 0
-    FAILED = 1  # inspect: no such key, or the value fails a check; flush: declined
+    FAILED = 1  # inspect: no such key, or the value fails a check; flush: declined;
+    # functions: the server's library is missing or not this release's
     ERROR = 2  # the command could not run: the store, an option, the secret file
     UNVERIFIED = 3  # inspect: a signed value, and no secret to check its MAC with
 
@@ -557,6 +558,18 @@ def main(argv: list[str] | None = None) -> int:
     p_rs.add_argument(
         "--no-sweep", action="store_true", help="leave older blocks to their TTL, unlink nothing"
     )
+    p_fn = sub.add_parser(
+        "functions",
+        parents=[common],
+        help="load or show the kvstore functions (FUNCTION LOAD; roles then need only +fcall)",
+        description="Every role runs kvstore's Lua as functions of one library, loaded once by\n"
+        "the admin (on every master of a Cluster). 'show' compares the server's with this\n"
+        "release's; 'load' loads this release's (--replace: over a different one of the same\n"
+        "version, once every instance runs this release).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_fn.add_argument("action", choices=["load", "show"])
+    p_fn.add_argument("--replace", action="store_true", help="replace a library of this version")
     # moved to vllm-redis-presence: whatever follows is taken, and the user told where it went
     p_moved = sub.add_parser("present", add_help=False, prefix_chars="\0", help=argparse.SUPPRESS)
     p_moved.add_argument("rest", nargs="*")
@@ -721,7 +734,58 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 )
             )
         return ExitStatus.OK
+    if args.cmd == "functions":
+        return _functions(args, client, console)
     raise AssertionError(args.cmd)
+
+
+def library_state(client: redis.Redis) -> dict[str, Any]:
+    """The server's kvstore library against this release's: its name, both digests, whether
+    they match (a server without functions reads ``loaded: None``)."""
+    from kvstore.fleet.functions import LIBRARY
+    from kvstore.net.server_code import LIBRARY_NAME
+
+    state: dict[str, Any] = {"library": LIBRARY_NAME, "release_digest": LIBRARY.digest}
+    try:
+        digest = client.fcall(LIBRARY.version_function, 0)
+    except redis.exceptions.ResponseError as exc:
+        if "function not found" not in str(exc).lower():
+            raise
+        digest = None
+    state["server_digest"] = (
+        digest.decode(errors="replace") if isinstance(digest, bytes) else digest
+    )
+    state["matches"] = state["server_digest"] == LIBRARY.digest
+    return state
+
+
+def _functions(args: argparse.Namespace, client: redis.Redis, console: Console) -> int:
+    from kvstore.fleet.functions import LIBRARY
+    from kvstore.net.server_code import load_library
+
+    if args.action == "load":
+        load_library(client, LIBRARY, replace=args.replace)
+    state = library_state(client)
+    if args.json:
+        _json(state, indent=None)
+    elif state["server_digest"] is None:
+        console.print(f"{state['library']} is not loaded (python -m kvstore functions load)")
+    else:
+        verdict = (
+            "this release's"
+            if state["matches"]
+            else (
+                "NOT this release's: python -m kvstore functions load --replace, once every "
+                "instance runs this release"
+            )
+        )
+        console.print(
+            _shown(
+                f"{state['library']} loaded (digest {state['server_digest']}): {verdict}",
+                limit=None,
+            )
+        )
+    return ExitStatus.OK if state["matches"] else ExitStatus.FAILED
 
 
 def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -> dict[str, Any]:

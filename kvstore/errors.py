@@ -52,6 +52,12 @@ class StoreOutOfMemoryError(StoreCommandError):
     """The server refused a write because it reached ``maxmemory`` (OOM)."""
 
 
+class StoreCodeError(StoreCommandError):
+    """The server's kvstore functions cannot be used: not this release's, or functions were
+    required (``lua="functions"``) where the server or the user's rule has none. Load this
+    release's (``python -m kvstore functions load <url>``) or choose ``lua="scripts"``."""
+
+
 class StoreTopologyError(StoreCommandError):
     """The server is part of a cluster or a replica set and did not serve the key here
     (MOVED, ASK, CLUSTERDOWN, TRYAGAIN, CROSSSLOT, MASTERDOWN, or READONLY on a replica)."""

@@ -48,12 +48,14 @@ import xxhash
 from kvstore.counters import Counters, StoreStats
 from kvstore.errors import InvalidArgumentError
 from kvstore.fleet.access import ACCESS, acl_rule, check_access, check_topology
+from kvstore.fleet.functions import LIBRARY
 from kvstore.fleet.generations import Generations
 from kvstore.fleet.handoff import Claim, HandoffRecords, HandoffState
 from kvstore.fleet.inventory import BlockInfo, Inventory
 from kvstore.fleet.survey import Survey, survey
 from kvstore.net.connection import AclScope, StoreAddress, make_client, parse_url
 from kvstore.net.guard import Guard
+from kvstore.net.server_code import ScriptMode, ServerCode
 from kvstore.net.transport import READ_DEPTH, Transport
 from kvstore.values.codec import (
     CODECS,
@@ -117,6 +119,7 @@ class LookupBuffer:
         read_connections: int = READ_CONNECTIONS,
         secret: bytes | None = None,
         epoch: str = "",
+        lua: ScriptMode | str = ScriptMode.AUTO,
     ) -> None:
         if isinstance(client, (str, bytes)):  # the easiest mistake: it failed deep inside
             raise InvalidArgumentError(
@@ -175,6 +178,8 @@ class LookupBuffer:
             scope=AclScope(namespace, key_prefix),
         )
         self.breaker = self.guard.breaker
+        # the Lua every view runs: the admin's functions, or scripts where a server has none
+        self.server_code = ServerCode(LIBRARY, ScriptMode.parse(lua), safe_url)
         self._read_connections = read_connections
         self._io_threads = io_threads
         self._executor: ThreadPoolExecutor | None = None
@@ -184,7 +189,9 @@ class LookupBuffer:
         # connect and one control round trip's timeouts, if longer)
         self.close_wait_s = CLOSE_WAIT_S
         # the namespace's: every fingerprint's view shares it
-        self._generations = Generations(self._transport, self.guard, self.keys)
+        self._generations = Generations(
+            self._transport, self.guard, self.keys, self.server_code
+        )
         # what drop_select's claims share over every view: the thread giving claimed blocks
         # back after a failed call, and the server's clock (claims.py)
         self._releaser = ClaimReleaser(
@@ -207,6 +214,7 @@ class LookupBuffer:
             on_retry=lambda: self._counters.add(redirects=1),
             releaser=self._releaser,
             clock=self._clock,
+            code=self.server_code,
         )
         self._reader = Reader(
             self._transport,
@@ -237,7 +245,9 @@ class LookupBuffer:
             max_value_bytes=self.max_value_bytes,
             value_key=self.value_key,
         )
-        self._handoffs = HandoffRecords(self._transport, self.guard, self.keys, self.ttl)
+        self._handoffs = HandoffRecords(
+            self._transport, self.guard, self.keys, self.ttl, self.server_code
+        )
 
     def for_fingerprint(self, fingerprint: str) -> LookupBuffer:
         """A view of this buffer whose keys and values are under ``fingerprint`` (e.g. another
@@ -281,6 +291,7 @@ class LookupBuffer:
         read_connections: int = READ_CONNECTIONS,
         secret: bytes | None = None,
         epoch: str = "",
+        lua: ScriptMode | str = ScriptMode.AUTO,
         check: bool = True,
     ) -> LookupBuffer:
         """Connect to ``url``. With ``check`` (default) the server is pinged now, so a wrong URL,
@@ -327,6 +338,7 @@ class LookupBuffer:
             read_connections=read_connections,
             secret=secret,
             epoch=epoch,
+            lua=lua,
         )
         buf.address = address
         buf._transport.owns_clients = True
@@ -430,7 +442,7 @@ class LookupBuffer:
         ``operations``: keys of :data:`ACCESS`. Raises :class:`StorePermissionError` (or the
         usual typed errors when the server cannot be reached).
         """
-        parts = (self._claims, self._handoffs, self._generations)
+        parts = (self._claims, self._handoffs, self._generations, self.server_code)
         check_access(operations, self._transport, self.guard, self.keys, *parts)
 
     # ------------------------------------------------------------------ keys

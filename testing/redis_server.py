@@ -19,6 +19,17 @@ from pathlib import Path
 import redis
 
 from kvstore.errors import StoreUnavailableError
+from kvstore.fleet.functions import LIBRARY
+from kvstore.net.server_code import load_library
+
+
+def add_acl_user(admin: redis.Redis, name: str, rule: str | list[str]) -> None:
+    """``ACL SETUSER <name>`` with ``rule`` and the password "pw", the kvstore functions loaded
+    first by ``admin``, as an operator does once (docs/operations.md): roles are granted
+    ``+fcall`` and never load code themselves."""
+    load_library(admin, LIBRARY)
+    words = rule.split() if isinstance(rule, str) else list(rule)
+    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *words)
 
 
 def free_port() -> int:

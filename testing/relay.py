@@ -8,8 +8,8 @@ the relay runs.
         url = relay.url  # redis://127.0.0.1:<relay port>/0
     with DelayRelay("127.0.0.1", redis_port, 0.0, rate_bytes_per_s=8e6) as relay:  # 8 MB/s
 
-``lose_replies(b"EVALSHA", 1)`` makes a reply go missing after the server ran the command: the
-connection that next sends an EVALSHA is muted (the server gets its requests, the client gets
+``lose_replies(b"FCALL", 1)`` makes a reply go missing after the server ran the command: the
+connection that next sends an FCALL is muted (the server gets its requests, the client gets
 no reply again and times out).
 """
 

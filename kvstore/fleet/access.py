@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 
 from kvstore.errors import (
     InvalidArgumentError,
+    StoreCodeError,
     StoreCommandError,
     StorePermissionError,
     StoreTopologyError,
@@ -19,6 +20,7 @@ from kvstore.fleet.generations import Generations
 from kvstore.fleet.handoff import HandoffRecords
 from kvstore.net.connection import StoreAddress, permission_error
 from kvstore.net.guard import Guard
+from kvstore.net.server_code import ScriptMode, ServerCode
 from kvstore.net.transport import Transport
 from kvstore.values.drop_select import Claimer
 from kvstore.values.keys import DEFAULT_KEY_PREFIX, KeySpace
@@ -39,11 +41,12 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "lookup": ("EXISTS",),
     "delete": ("UNLINK",),
     "handoff_read": ("GET",),
-    "handoff_claim": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),
+    # FCALL: the kvstore functions the admin loaded (net/server_code.py; the commands after it
+    # are the ones the function runs, checked against the same rule)
+    "handoff_claim": ("FCALL", "GET", "SET"),
     # (TIME: a claim the server runs after its caller gave up takes nothing, ``claims.py``)
     "drop_select": (
-        "EVALSHA",
-        "SCRIPT LOAD",
+        "FCALL",
         "STRLEN",
         "RENAME",
         "EXISTS",
@@ -55,7 +58,7 @@ ACCESS: dict[str, tuple[str, ...]] = {
     "renew": ("PEXPIRE", "PERSIST"),
     # the namespace's generation, read with lookups (only "reset" writes it)
     "generation": ("GET",),
-    "reset": ("EVALSHA", "SCRIPT LOAD", "GET", "SET"),  # kvstore reset, vLLM's reset_cache
+    "reset": ("FCALL", "GET", "SET"),  # kvstore reset, vLLM's reset_cache
     "sweep": ("SCAN", "UNLINK"),  # unlinking an older generation's blocks
 }
 
@@ -63,11 +66,26 @@ ACCESS: dict[str, tuple[str, ...]] = {
 _WRITES = frozenset(("insert", "handoff_claim", "drop_select", "delete", "renew", "reset", "sweep"))
 
 
+def commands_of(operation: str, lua: ScriptMode = ScriptMode.FUNCTIONS) -> tuple[str, ...]:
+    """What ``operation`` needs granted; where the Lua runs as scripts (a server without
+    functions), ``EVALSHA`` and ``SCRIPT LOAD`` in place of ``FCALL``."""
+    commands = ACCESS[operation]
+    if lua is not ScriptMode.SCRIPTS or "FCALL" not in commands:
+        return commands
+    at = commands.index("FCALL")
+    return (*commands[:at], "EVALSHA", "SCRIPT LOAD", *commands[at + 1 :])
+
+
 def acl_rule(
-    operations: Iterable[str], namespace: str = "*", key_prefix: str = DEFAULT_KEY_PREFIX
+    operations: Iterable[str],
+    namespace: str = "*",
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+    lua: ScriptMode = ScriptMode.FUNCTIONS,
 ) -> str:
     """The least-privilege ``ACL SETUSER`` rule for these operations (keys of :data:`ACCESS`)
     in one namespace (a tenant: its own keys, counter and secret; "*" for every namespace).
+    With ``lua=ScriptMode.SCRIPTS`` (servers without functions) the scripted operations are
+    granted ``+evalsha +script|load``, which lets the role run any Lua: it trusts the role.
 
     A namespace's keys are ``<prefix>:<ns>:<fingerprint>:...`` (``~<prefix>:<ns>:*:*``) and
     its generation counter ``<prefix>:<ns>:generation``, which that pattern does not match:
@@ -77,7 +95,7 @@ def acl_rule(
     unknown = set(ops) - set(ACCESS)
     if unknown:
         raise InvalidArgumentError(f"unknown operations {sorted(unknown)}; known: {ACCESS}")
-    commands = dict.fromkeys(c for op in ops for c in ACCESS[op])
+    commands = dict.fromkeys(c for op in ops for c in commands_of(op, lua))
     perms = " ".join("+" + c.lower().replace(" ", "|") for c in commands)
     base = f"{key_prefix}:{namespace}"
     writes = any(op in _WRITES for op in ops)
@@ -122,6 +140,7 @@ def check_access(
     claims: Claimer,
     handoffs: HandoffRecords,
     generations: Generations,
+    code: ServerCode,
 ) -> None:
     """Run each operation's commands once against a short-lived probe key; raises
     :class:`StorePermissionError` naming the first command refused."""
@@ -169,11 +188,15 @@ def check_access(
     order += ["handoff_claim"]
     order += ["block_info", "renew", "generation", "reset", "drop_select", "sweep", "delete"]
     assert set(order) == set(ACCESS), "every operation has a probe"
+
+    def lua() -> ScriptMode:  # what to grant, as the first scripted probe found the server
+        return code.grant
+
     try:
         for op in (o for o in order if o in ops):
-            _probe(op, guard, steps, commands)
+            _probe(op, guard, steps, commands, lua)
     except StorePermissionError as exc:
-        rule = acl_rule(operations, keys.namespace, keys.prefix)
+        rule = acl_rule(operations, keys.namespace, keys.prefix, lua())
         raise StorePermissionError(
             f"{exc}\nThe whole rule for what this instance does in namespace "
             f"{keys.namespace!r}: ACL SETUSER <user> {rule}",
@@ -186,17 +209,21 @@ def _probe(
     guard: Guard,
     steps: dict[str, Callable[[], object]],
     commands: dict[str, list[tuple[str, Callable[[], object]]]],
+    lua: Callable[[], ScriptMode],
 ) -> None:
     if op in commands:
         for command, step in commands[op]:
             guard.call(command, step)
         return
-    scripted = op in ("drop_select", "handoff_claim", "reset")
-    command = " ".join(ACCESS[op]) if scripted else ACCESS[op][0]
+    scripted = "FCALL" in ACCESS[op]
+    command = " ".join(commands_of(op, lua())) if scripted else ACCESS[op][0]
     try:
         guard.call(command, steps[op])
+    except StoreCodeError:
+        raise  # the functions themselves: loading them is the fix, not a grant
     except StoreCommandError as exc:
         if not scripted:
             raise
         # inside a script a refused command is a plain script error (no NOPERM code)
+        command = " ".join(commands_of(op, lua()))  # as the probe settled it
         raise permission_error(guard.safe_url, command, str(exc), guard.scope) from None

@@ -32,6 +32,7 @@ from typing import Any
 
 from kvstore.errors import KVStoreError, StorePermissionError
 from kvstore.net.guard import Guard
+from kvstore.net.server_code import ServerCode, ServerScript
 from kvstore.net.transport import Transport
 from kvstore.values.keys import KeySpace, parse_key
 
@@ -92,6 +93,10 @@ return current
 """
 )
 
+# (allow-oom: a reset writes a few bytes, and is how a full pool is emptied)
+BUMP = ServerScript("bump_generation", BUMP_LUA, ("allow-oom",))
+RAISE = ServerScript("raise_generation", RAISE_LUA, ("allow-oom",))
+
 
 def parse_generation(reply: Any) -> int:
     """A counter's GET reply as a generation: a plain decimal of at most 2**53; a missing or
@@ -110,16 +115,18 @@ def parse_generation(reply: Any) -> int:
 class Generations:
     """The generation of one namespace, as this client knows it (thread-safe)."""
 
-    def __init__(self, transport: Transport, guard: Guard, keys: KeySpace) -> None:
+    def __init__(
+        self, transport: Transport, guard: Guard, keys: KeySpace, code: ServerCode
+    ) -> None:
         self._transport = transport
         self._guard = guard
         self._keys = keys
         self.key = keys.generation()
         self._known = 0
         self._lock = threading.Lock()
-        self._bump_script = transport.control.register_script(BUMP_LUA)
-        self._raise_script = transport.control.register_script(RAISE_LUA)
-        self._scripts_refused: StorePermissionError | None = None  # this user has no EVALSHA
+        self._bump_script = code.bind(BUMP, transport.control)
+        self._raise_script = code.bind(RAISE, transport.control)
+        self._scripts_refused: StorePermissionError | None = None  # may not run the raise
         self._left_below: Any = object()  # a lower counter this client could not raise
 
     @property
@@ -149,7 +156,8 @@ class Generations:
         if self._scripts_refused is None:
             try:
                 value = self._guard.call(
-                    "EVALSHA", lambda: self._raise_script(keys=[self.key], args=[known])
+                    self._raise_script.command,
+                    lambda: self._raise_script(keys=[self.key], args=[known]),
                 )
             except StorePermissionError as exc:
                 self._scripts_refused = exc
@@ -186,7 +194,9 @@ class Generations:
     def bump(self) -> int:
         """Start a new generation (atomic, one round trip); returns it."""
         floor = self._known
-        new = self._guard.call("EVALSHA", lambda: self._bump_script(keys=[self.key], args=[floor]))
+        new = self._guard.call(
+            self._bump_script.command, lambda: self._bump_script(keys=[self.key], args=[floor])
+        )
         return self.observe(new)
 
     def check_script(self) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.net.guard import Guard
+from kvstore.net.server_code import ServerCode, ServerScript
 from kvstore.net.transport import Transport
 from kvstore.values.keys import KeySpace
 from kvstore.values.ttl import ChainTtl
@@ -42,6 +43,8 @@ for i, key in ipairs(KEYS) do
 end
 return olds
 """
+# (allow-oom: it replaces a few bytes of each record; a full server must still hand off)
+CLAIM_RECORDS = ServerScript("claim_records", CLAIM_RECORDS_LUA, ("allow-oom",))
 
 
 @dataclass(frozen=True)
@@ -119,14 +122,16 @@ class HandoffRecords:
     """The commit records of one lookup buffer's handoffs, on the control client: a producer
     opens and publishes them, a consumer reads and claims them (see ``LookupBuffer``)."""
 
-    def __init__(self, transport: Transport, guard: Guard, keys: KeySpace, ttl: ChainTtl) -> None:
+    def __init__(
+        self, transport: Transport, guard: Guard, keys: KeySpace, ttl: ChainTtl, code: ServerCode
+    ) -> None:
         self._transport = transport
         self._guard = guard
         self._keys = keys
         # a record matters for the seconds between a prefill and its decode: it expires with
         # the blocks, and within HANDOFF_TTL_MS
         self._ttl_ms = ttl.capped(HANDOFF_TTL_MS)
-        self._claim_script = transport.control.register_script(CLAIM_RECORDS_LUA)
+        self._claim_script = code.bind(CLAIM_RECORDS, transport.control)
 
     def open(self, handoff_id: str, fingerprints: Sequence[str] | None = None) -> None:
         keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
@@ -199,7 +204,9 @@ class HandoffRecords:
         mark = HANDOFF_TAKEN + b":" + owner.encode()
         keys = [self._keys.handoff(handoff_id, fp) for fp in self._keys.fingerprints(fingerprints)]
         args: list[bytes | int] = [mark, TAKEN_TTL_MS, HANDOFF_TAKEN + b":"]
-        replies = self._guard.call("EVALSHA", lambda: self._claim_script(keys=keys, args=args))
+        replies = self._guard.call(
+            self._claim_script.command, lambda: self._claim_script(keys=keys, args=args)
+        )
         return claim_outcome(list(replies) + [None] * (len(keys) - len(replies)), mark)
 
     def check_script(self, key: str, ttl_ms: int) -> None:

@@ -622,9 +622,10 @@ class KeyUse(Enum):
     WRITE = "writes keys"
 
 
-# Every command kvstore sends, by what it does to its keys (``fleet.access.ACCESS``). EVALSHA:
-# the claim scripts rename and delete blocks; the reset script's write of the generation
-# counter is the admin's alone, named by ``fleet.access.acl_rule`` where a reset fails.
+# Every command kvstore sends, by what it does to its keys (``fleet.access.ACCESS``). FCALL
+# (EVALSHA where a server has no functions): the claims rename and delete blocks; the reset's
+# write of the generation counter is the admin's alone, named by ``fleet.access.acl_rule``
+# where a reset fails.
 _KEY_USE: dict[str, KeyUse] = {
     "PING": KeyUse.NONE,
     "TIME": KeyUse.NONE,
@@ -632,6 +633,7 @@ _KEY_USE: dict[str, KeyUse] = {
     "SCAN": KeyUse.NONE,
     "SELECT": KeyUse.NONE,
     "SCRIPT LOAD": KeyUse.NONE,
+    "FUNCTION LOAD": KeyUse.NONE,
     "CLUSTER SLOTS": KeyUse.NONE,
     "GET": KeyUse.READ,
     "EXISTS": KeyUse.READ,
@@ -644,6 +646,7 @@ _KEY_USE: dict[str, KeyUse] = {
     "PEXPIRE": KeyUse.WRITE,
     "PERSIST": KeyUse.WRITE,
     "EVALSHA": KeyUse.WRITE,
+    "FCALL": KeyUse.WRITE,
 }
 # GET also reads the namespace's generation counter (every role does, read-only)
 _READS_GENERATION = frozenset({"GET"})

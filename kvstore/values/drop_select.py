@@ -54,6 +54,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.net.guard import Guard
+from kvstore.net.server_code import ServerCode, ServerScript
 from kvstore.net.transport import Transport
 from kvstore.values.keys import claim_key
 
@@ -104,6 +105,9 @@ for i = 1, n do
 end
 return out
 """
+# (allow-oom: a claim only renames, and a full server must still let consumers take -- and so
+# free -- what was handed to them)
+CLAIM = ServerScript("claim", CLAIM_LUA, ("allow-oom",))
 
 # Gives claimed values back (same KEYS layout): a private key goes back to its block's key,
 # unless a new value was stored there meanwhile (then the newer one stays). Reply: how many.
@@ -121,6 +125,7 @@ for i = 1, n do
 end
 return released
 """
+RELEASE = ServerScript("release", RELEASE_LUA, ("allow-oom",))
 
 # How long a claim keeps retrying a slot that is migrating, when the caller gave no longer
 # deadline: a migration of a slot of KV blocks takes about a second per GB moved.
@@ -381,6 +386,7 @@ class Claimer:
         on_retry: Callable[[], None],
         releaser: ClaimReleaser,
         clock: ServerClock,
+        code: ServerCode,
     ) -> None:
         self._transport = transport
         self._client = client = transport.client
@@ -389,8 +395,9 @@ class Claimer:
         self._exists = exists
         self._max_value_bytes = max_value_bytes
         self._on_retry = on_retry
-        self._claim_script = client.register_script(CLAIM_LUA)
-        self._release_script = client.register_script(RELEASE_LUA)
+        self._code = code
+        self._claim_script = code.bind(CLAIM, client)
+        self._release_script = code.bind(RELEASE, client)
         # how long a caller waits for a claim's reply (the client's socket timeout): a call
         # claims within it (plus its own wait for keys), and a claim the server runs later
         # takes nothing (CLAIM_LUA's ARGV[3], in the server's clock)
@@ -453,18 +460,23 @@ class Claimer:
         scripted = [*keys, *private]
 
         def round_trip(mode: str) -> tuple[list[int] | int | None, list[Any]]:
-            script = ("EVALSHA", self._claim_script.sha, len(scripted), *scripted)
-            script += (self._max_value_bytes, mode, self._late_ms())
+            self._code.mode(self._client)
+            args = (self._max_value_bytes, mode, self._late_ms())
             try:
-                return read(script, private)
-            except rex.NoScriptError:  # the server lost its scripts (restart, SCRIPT FLUSH)
-                self._client.script_load(CLAIM_LUA)  # nothing ran: the same again
-                return read(script, private)
+                return read(self._claim_script.command_args(scripted, args), private)
+            except rex.ResponseError as exc:
+                # the server lost its code (a restart, SCRIPT FLUSH): nothing ran, so the same
+                # again once it is back
+                if not self._claim_script.recover(exc):
+                    raise
+                return read(self._claim_script.command_args(scripted, args), private)
 
         try:
             mode = "all" if time.monotonic() < deadline else "any"
             sent = time.monotonic()
-            reply, got = self._guard.call("EVALSHA", functools.partial(round_trip, mode))
+            reply, got = self._guard.call(
+                self._claim_script.command, functools.partial(round_trip, mode)
+            )
         except (StoreTimeoutError, StoreUnavailableError) as first:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
@@ -539,7 +551,8 @@ class Claimer:
             args = [self._max_value_bytes, "all" if waiting else "any", self._late_ms()]
             sent = time.monotonic()
             reply = self._guard.call(
-                "EVALSHA", functools.partial(self._claim_script, keys=scripted, args=args)
+                self._claim_script.command,
+                functools.partial(self._claim_script, keys=scripted, args=args),
             )
             if reply == -1:
                 self._late_reply_in_time(sent)
@@ -578,6 +591,11 @@ class Claimer:
             return list(pipe.execute(raise_on_error=False))
 
         def claim_group(n: int, reply: Any, sent: float) -> Any:
+            if isinstance(reply, Exception) and self._claim_script.recover(reply):
+                # that master lost the code (nothing ran there): the group again, directly
+                reply = self._claim_script(
+                    keys=scripted(groups[n]), args=args(), client=self._client
+                )
             if reply == -1:  # "too late" in time: this master's clock runs ahead
                 if not late_seen:  # (counted once per call, however many slots)
                     late_seen.append(True)
@@ -615,7 +633,7 @@ class Claimer:
                 self.clock.accepted()
             return replies
 
-        replies = self._guard.call("EVALSHA", claim_groups)
+        replies = self._guard.call(self._claim_script.command, claim_groups)
         statuses, lengths = [0] * len(keys), [0] * len(keys)
         for idx, reply in zip(by_slot.values(), replies, strict=True):
             for j, i in enumerate(idx):
@@ -674,7 +692,8 @@ class Claimer:
             try:  # sent even while the breaker is open: the failure may be what opened it
                 released += int(
                     self._guard.call_anyway(
-                        "EVALSHA", functools.partial(self._release_script, keys=scripted)
+                        self._release_script.command,
+                        functools.partial(self._release_script, keys=scripted),
                     )
                 )
             except StoreTimeoutError as exc:

@@ -13,7 +13,7 @@ import torch
 from connector.config import RedisConnectorConfig
 from kvstore import LookupBuffer, StorePermissionError
 from kvstore.fleet.access import acl_rule
-from testing.redis_server import RedisServer
+from testing.redis_server import RedisServer, add_acl_user
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.redis
@@ -46,7 +46,7 @@ def test_the_readme_rule_is_what_the_code_needs_and_enough(
     rule = documented_rule(label)
     assert rule == acl_rule(needed(role, mode), "vllm")
     admin = redis.Redis.from_url(private_redis.url)
-    admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, "u", rule)
     url = f"redis://u:pw@127.0.0.1:{private_redis.port}/0"
     cfg = RedisConnectorConfig(url=url, role=role, mode=mode)
     for side in ("scheduler", "worker"):
@@ -61,7 +61,7 @@ def test_a_missing_command_stops_the_connector_at_startup(
 
     rule = documented_rule("`kv_consumer`, consume mode").replace(" +get ", " ")
     admin = redis.Redis.from_url(private_redis.url)
-    admin.execute_command("ACL", "SETUSER", "nog", "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, "nog", rule)
     url = f"redis://nog:pw@127.0.0.1:{private_redis.port}/0"
     with pytest.raises(StorePermissionError, match="GET") as info:
         make_scheduler(tiny_model, "kv_consumer", url=url)
@@ -78,10 +78,7 @@ def test_every_command_of_a_rule_is_probed_at_startup(
     admin = redis.Redis.from_url(private_redis.url)
     cfg = RedisConnectorConfig(url="redis://x", role=role, mode=mode)
     for dropped in [r for r in rule if r.startswith("+")]:
-        admin.script_flush()  # else EVALSHA finds the scripts cached and SCRIPT LOAD never runs
-        admin.execute_command(
-            "ACL", "SETUSER", "less", "reset", "on", ">pw", *[r for r in rule if r != dropped]
-        )
+        add_acl_user(admin, "less", [r for r in rule if r != dropped])
         url = f"redis://less:pw@127.0.0.1:{private_redis.port}/0"
         with (
             pytest.raises(StorePermissionError),
@@ -100,7 +97,7 @@ def test_a_consuming_read_refused_by_acl_names_the_command_and_gives_back(
     rule = acl_rule(["drop_select"], "vllm").replace(f" {lost} ", " ")
     assert lost not in rule.split()
     admin = redis.Redis.from_url(private_redis.url)
-    admin.execute_command("ACL", "SETUSER", "u", "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, "u", rule)
     owner = LookupBuffer.from_url(private_redis.url, namespace="vllm", fingerprint="fp")
     owner.insert("a" * 32, {"kv": torch.ones(4)})
     url = f"redis://u:pw@127.0.0.1:{private_redis.port}/0"
@@ -120,7 +117,7 @@ def test_the_readmes_admin_rule_is_what_resets_need_and_enough(private_redis: Re
     )
     assert rule == acl_rule(["ping", "generation", "reset", "sweep"], "vllm")
     admin = redis.Redis.from_url(private_redis.url)
-    admin.execute_command("ACL", "SETUSER", "adm", "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, "adm", rule)
     url = f"redis://adm:pw@127.0.0.1:{private_redis.port}/0"
     with LookupBuffer.from_url(url, namespace="vllm", fingerprint="fp") as buf:
         buf.check_access(["ping", "generation", "reset", "sweep"])
@@ -133,7 +130,7 @@ def test_a_rule_that_cannot_read_the_counter_is_named_with_the_whole_rule(
     # the probe key matches the block pattern; the counter does not: it is probed itself
     rule = documented_rule("`kv_consumer`, share mode").replace(" %R~kv:vllm:generation", "")
     admin = redis.Redis.from_url(private_redis.url)
-    admin.execute_command("ACL", "SETUSER", "nogen", "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, "nogen", rule)
     url = f"redis://nogen:pw@127.0.0.1:{private_redis.port}/0"
     cfg = RedisConnectorConfig(url=url, role="kv_consumer", mode="share")
     with (

@@ -55,7 +55,7 @@ def relayed(private_redis: RedisServer) -> Iterator[tuple[DelayRelay, LookupBuff
         )
         direct = redis.Redis(port=private_redis.port)
         try:
-            buf.drop_select([HASHES[-1]])  # loads the scripts: later claims are one EVALSHA each
+            buf.drop_select([HASHES[-1]])  # settles the functions: later claims are one FCALL each
             yield relay, buf, direct
         finally:
             buf.close()
@@ -82,7 +82,7 @@ def test_a_claim_whose_reply_is_lost_fails_at_once_and_gives_the_blocks_back_wit
     relay, buf, direct = relayed
     fill(buf, 5)
     before = sorted(block_keys(direct))
-    relay.lose_replies(b"EVALSHA")
+    relay.lose_replies(b"FCALL")
     with pytest.raises(StoreTimeoutError):
         buf.drop_select(HASHES[:5])
     assert buf.wait_given_back(30)

@@ -15,8 +15,10 @@ import redis
 import torch
 
 from kvstore import LookupBuffer
-from kvstore.fleet.generations import RAISE_LUA
-from testing.redis_server import RedisServer, server_binary
+from kvstore.fleet.functions import LIBRARY
+from kvstore.fleet.generations import BUMP, RAISE, RAISE_LUA
+from kvstore.net.server_code import LIBRARY_NAME
+from testing.redis_server import RedisServer, add_acl_user, server_binary
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.redis
@@ -58,7 +60,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[RedisServer]:
 
 def user(server: RedisServer, name: str, rule: list[str]) -> redis.Redis:
     admin = redis.Redis.from_url(server.url)
-    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *rule)
+    add_acl_user(admin, name, rule)
     return redis.Redis(host="127.0.0.1", port=server.port, username=name, password="pw")
 
 
@@ -100,6 +102,17 @@ def test_no_role_reaches_another_tenant_or_the_counters(server: RedisServer, lab
         "reset a (delete)": lambda: c.unlink("kv:a:generation"),
         "reset a (script)": lambda: c.eval(RAISE_LUA, 1, "kv:a:generation", 99),
         "reset b (SET)": lambda: c.set("kv:b:generation", 99),
+        "reset a (function)": lambda: c.fcall(RAISE.function, 1, "kv:a:generation", 99),
+        "reset b (function)": lambda: c.fcall(BUMP.function, 1, "kv:b:generation", 0),
+        # code of its own: a busy loop stalls every tenant, allow-oom writes pass maxmemory
+        "run its own Lua": lambda: c.eval("return 1", 0),
+        "load a script": lambda: c.script_load("#!lua flags=allow-oom\nreturn 1"),
+        "load a function": lambda: c.function_load(
+            "#!lua name=evil\nredis.register_function('evil', function() return 1 end)"
+        ),
+        "replace kvstore's functions": lambda: c.function_load(LIBRARY.text(), replace=True),
+        "delete kvstore's functions": lambda: c.function_delete(LIBRARY_NAME),
+        "flush functions": lambda: c.function_flush(),
         "write outside kv:": lambda: c.set("other", b"x"),
         "flushall": lambda: c.flushall(),
         "config": lambda: c.config_set("maxmemory", "1"),
@@ -120,6 +133,8 @@ def test_the_admin_resets_its_own_namespace_only(server: RedisServer) -> None:
     assert refused(lambda: c.set("kv:b:generation", 0))
     assert refused(lambda: c.unlink(f"kv:b:fp:{H}"))
     assert refused(lambda: c.eval(RAISE_LUA, 1, "kv:b:generation", 99))
+    assert refused(lambda: c.fcall(BUMP.function, 1, "kv:b:generation", 0))
+    assert refused(lambda: c.script_load("return 1"))
     assert admin.get("kv:b:generation") == b"5" and admin.exists(f"kv:b:fp:{H}")
 
 

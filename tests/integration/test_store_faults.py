@@ -24,7 +24,7 @@ from kvstore import (
     chain_hashes,
 )
 from kvstore.fleet.access import ACCESS, acl_rule
-from testing.redis_server import RedisServer
+from testing.redis_server import RedisServer, add_acl_user
 
 pytestmark = pytest.mark.redis
 
@@ -43,7 +43,7 @@ def without(rule: str, command: str) -> str:
 
 def acl_user(server: RedisServer, name: str, rule: str) -> str:
     admin = redis.Redis.from_url(server.url)
-    admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *rule.split())
+    add_acl_user(admin, name, rule)
     admin.close()
     return f"redis://{name}:pw@127.0.0.1:{server.port}/0"
 
