@@ -13,7 +13,12 @@ that parses to ~25x its size (``[{},{},...]``) each went around it. Here:
   host usually holds a whole /64.
 
 Each refusal is a :class:`LimitExceeded`: which :class:`Limit` was hit, and a message naming the
-option that raises it. The proxy (``server.py``) answers it and counts it in ``/metrics``.
+option that raises it; :func:`limit_refusal` is its answer, which the proxy (``app.py``) counts
+in ``/metrics``.
+
+Also here: who may call which path (:class:`ApiKeyGuard`, the outermost layer, which also keeps
+every exception and traceback from clients), and the per-client token buckets that rate-limit
+``/kv/presence`` (:class:`TokenBuckets`).
 """
 
 from __future__ import annotations
@@ -21,16 +26,25 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import hmac
 import ipaddress
 import itertools
+import logging
 import re
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from types import TracebackType
 
+from fastapi.responses import JSONResponse
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from connector.proxy.errors import openai_error
+
+logger = logging.getLogger("vllm_redis_proxy")
 
 # a body may be as big as --max-body-bytes; this many of them may be read at once by default
 DEFAULT_IN_FLIGHT_BODIES = 4
@@ -89,6 +103,15 @@ class LimitExceeded(Exception):
     def retry_after_s(self) -> int | None:
         """Seconds for the ``Retry-After`` header: set when the proxy was only busy."""
         return RETRY_AFTER_BUSY_S if self.limit.busy else None
+
+
+def limit_refusal(exceeded: LimitExceeded) -> JSONResponse:
+    """The answer to a request over one of the limits: its status and error type, and
+    ``Retry-After`` when the proxy was only busy."""
+    answer = openai_error(exceeded.limit.status, exceeded.message, exceeded.limit.error_type)
+    if exceeded.retry_after_s is not None:
+        answer.headers["Retry-After"] = str(exceeded.retry_after_s)
+    return answer
 
 
 @dataclass(frozen=True)
@@ -345,3 +368,101 @@ def rate_limit_key(host: str, ipv6_prefix: int = DEFAULT_KV_PRESENCE_IPV6_PREFIX
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, ipv6_prefix), strict=False))
     return str(address)
+
+
+class TokenBuckets:
+    """Per-client token buckets: ``rate`` requests a second, up to ``burst`` at once. At most
+    ``max_clients`` are remembered (the least recently seen is forgotten first), so a caller
+    with many addresses costs bounded memory."""
+
+    def __init__(
+        self,
+        rate: float,
+        burst: int,
+        max_clients: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.max_clients = max_clients
+        self._clock = clock
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, when
+
+    def take(self, client: str) -> float:
+        """0 when ``client`` may go ahead (one token taken), else seconds until it may."""
+        now = self._clock()
+        tokens, then = self._buckets.pop(client, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        wait = 0.0
+        if tokens >= 1:
+            tokens -= 1
+        else:
+            wait = (1 - tokens) / self.rate
+        self._buckets[client] = (tokens, now)
+        while len(self._buckets) > self.max_clients:
+            self._buckets.popitem(last=False)
+        return wait
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """Whether an ``Authorization`` header is ``Bearer <key>``, compared in constant time."""
+    if not authorization:
+        return False
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # bytes: compare_digest refuses non-ASCII str, and a header may hold anything
+    return hmac.compare_digest(given.strip().encode(), key.encode())
+
+
+class ApiKeyGuard:
+    """The outermost layer: who may call which path, and no exception or traceback ever
+    reaches a client (an OpenAI-style 500 instead; the traceback goes to the log)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, kv_api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.kv_api_key = kv_api_key
+
+    def key_for(self, path: str) -> str | None:
+        """The key a path needs; None: anyone may call it. Everything but /health needs one
+        (when set): a path the proxy does not serve is no reason to answer strangers."""
+        if path == "/health":
+            return None  # it answers what it shows by the caller's key
+        if path == "/kv" or path.startswith("/kv/") or path == "/metrics":
+            return self.kv_api_key  # (the metrics name every server)
+        return self.api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = self.key_for(scope["path"])
+        if key is not None:
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not bearer_matches(authorization, key):
+                refusal = openai_error(
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    "authentication_error",
+                )
+                refusal.headers["WWW-Authenticate"] = "Bearer"
+                await refusal(scope, receive, send)
+                return
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception:
+            if started:
+                raise  # the answer is under way: all that is left is cutting the connection
+            logger.exception("%s %s failed", scope["method"], scope["path"])
+            await openai_error(500, "internal error in the proxy", "internal_error")(
+                scope, receive, send
+            )

@@ -1,21 +1,19 @@
 """The proxy's Prometheus metrics (``GET /metrics``): per server, what it was sent and how that
-went, whether it is marked down now, and what is in flight there -- read from the pools at each
-scrape, so they never disagree with ``/health`` -- and the requests refused by each of the
-guards' limits (``guards.py``)."""
+went, whether it is marked down now, and what is in flight there -- read from the pools
+(``routing.Pool``) at each scrape, so they never disagree with ``/health`` -- and the requests
+refused by each of the guards' limits (``guards.py``)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from connector.proxy.guards import Limit
-
-if TYPE_CHECKING:
-    from connector.proxy.server import Pool
+from connector.proxy.routing import Pool
 
 # what a request sent to a server came to: answered (a status and headers came back, passed on
 # as they are; a stream breaking later is not counted again), unreachable (refused or not

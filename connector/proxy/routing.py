@@ -1,7 +1,8 @@
 """Cache-aware routing for the proxy: which instance likely holds a prompt's prefix in its GPU
 cache, learned from the KV events each instance publishes (vLLM's ``--kv-events-config``
 ZMQ publisher), with least-loaded as the fallback. Redis covers the rest: an instance that
-misses in its GPU cache loads what the store has.
+misses in its GPU cache loads what the store has. Each role's servers are a :class:`Pool`, which
+orders them for a request by its policy (round-robin, least-loaded or cache-aware).
 
 An instance's index maps (parent block hash, block tokens, LoRA and extra keys) to the block's
 hash, so a plain-text prompt is matched by walking its blocks from the first: no need to
@@ -17,14 +18,18 @@ not decode is counted and skipped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import zmq
+
+from kvstore.net.connection import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -233,3 +238,76 @@ class CacheAwareChooser:
             return by_load
         self.routed_by_cache += 1
         return [best] + [u for u in by_load if u != best]
+
+
+@dataclass
+class Pool:
+    """One role's servers and how the next one is chosen."""
+
+    role: str
+    urls: list[str]
+    policy: str = "round_robin"
+    in_flight: dict[str, int] = field(default_factory=dict)
+    chooser: CacheAwareChooser | None = None  # policy cache_aware
+    # servers that refused a connection or did not accept one in time: sent nothing while
+    # another is up, probed in the background until they answer (``backends.py``)
+    down: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self._rr = itertools.cycle(range(len(self.urls)))
+
+    def order(self, token_ids: list[int] | None = None) -> list[str]:
+        """Every server once, best first; servers marked down last (tried only when every
+        other one failed too)."""
+        if self.chooser is not None:
+            chosen = self.chooser.order(self.urls, token_ids)
+        elif self.policy == "least_loaded":
+            chosen = sorted(self.urls, key=lambda u: self.in_flight[u])
+        else:
+            start = next(self._rr)
+            chosen = self.urls[start:] + self.urls[:start]
+        if not self.down:
+            return chosen
+        return [u for u in chosen if u not in self.down] + [u for u in chosen if u in self.down]
+
+
+def index_servers(pools: Iterable[Pool], events: dict[str, str]) -> dict[str, PrefixIndex]:
+    """Policy cache_aware: a prefix index for each server that publishes ``events`` (server
+    URL -> endpoint), and each pool's chooser reading them. ``ValueError`` if ``events`` names
+    a server no pool sends to."""
+    indexes: dict[str, PrefixIndex] = {}
+    for pool in pools:
+        for url in pool.urls:
+            if url in events and url not in indexes:
+                indexes[url] = PrefixIndex()
+        pool.chooser = CacheAwareChooser(indexes, pool.in_flight.__getitem__)
+    unknown = sorted(redact_url(u) for u in set(events) - set(indexes))
+    if unknown:
+        raise ValueError(
+            f"--events names servers the proxy does not send to (--prefill, --decode, "
+            f"--pool): {unknown}"
+        )
+    return indexes
+
+
+def routing_report(
+    policy: str, feeds: dict[str, EventFeed], pools: Iterable[Pool]
+) -> dict[str, Any]:
+    """What cache-aware routing knows (``GET /kv/routing``): blocks indexed and each feed's
+    health per server, and the requests each role routed by cache."""
+    servers = {
+        url: {
+            "events": redact_url(feed.endpoint),
+            "alive": feed.alive,
+            "blocks": len(feed.index),
+            "batches": feed.batches,
+            "gaps": feed.gaps,
+            "restarts": feed.restarts,
+            "undecodable": feed.undecodable,
+        }
+        for url, feed in feeds.items()
+    }
+    routed = {p.role: p.chooser.routed_by_cache for p in pools if p.chooser}
+    return {"policy": policy, "servers": servers, "routed_by_cache": routed}

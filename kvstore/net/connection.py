@@ -107,8 +107,25 @@ def _bad(url_for_msg: str, why: str) -> InvalidURLError:
 
 
 def redact_url(url: str) -> str:
-    """The URL with its password (if any) replaced by ``***``; safe for logs."""
-    return _redacted(url)[0]
+    """``url`` safe for logs and answers, by the project's one rule (the proxy's backend and
+    event URLs too): every text :func:`_redacted` takes for a password is masked, then the
+    whole userinfo becomes ``***@`` -- a lone user name may be a token -- and the query and
+    fragment are dropped (``?token=``). As in :func:`_redacted`, the userinfo ends at the
+    URL's LAST ``@``. A URL that does not split at all is not shown. (``StoreAddress.safe_url``
+    keeps the user name, which ACL errors name, and the query.)"""
+    if not isinstance(url, str):
+        return "<not a URL>"
+    try:
+        urlsplit(url)
+    except ValueError:  # a bracketed host left open, say: no telling what is what
+        return "<unparseable URL>"
+    masked = _redacted(url)[0]
+    scheme, sep, rest = masked.partition("://")
+    if not sep:
+        scheme, rest = "", masked
+    _, at, after = rest.rpartition("@")
+    ends = [i for i in (after.find("?"), after.find("#")) if i != -1]
+    return f"{scheme}{sep}{'***@' if at else ''}{after[: min(ends, default=len(after))]}"
 
 
 def _redacted(url: str) -> tuple[str, list[str]]:

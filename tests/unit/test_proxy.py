@@ -516,7 +516,7 @@ def test_presence_is_rate_limited_per_client() -> None:
 
 
 def test_token_buckets_refill_and_keep_clients_apart() -> None:
-    from connector.proxy.server import TokenBuckets
+    from connector.proxy.guards import TokenBuckets
 
     now = [0.0]
     buckets = TokenBuckets(rate=2.0, burst=2, max_clients=2, clock=lambda: now[0])
@@ -640,12 +640,12 @@ def test_a_tokenize_answer_with_impossible_token_ids_is_a_502() -> None:
 def test_no_error_is_a_bare_500_or_shows_a_traceback(
     echo_backend: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from connector.proxy import server as proxy
+    from connector.proxy import completions
 
     def broken(body: dict) -> dict:
         raise RuntimeError("internal detail 42")
 
-    monkeypatch.setattr(proxy, "prefill_request", broken)
+    monkeypatch.setattr(completions, "prefill_request", broken)
     r = call(ProxyConfig([echo_backend], [echo_backend]), "POST", "/v1/completions",
              json={"prompt": "x"})  # fmt: skip
     err = assert_openai_error(r, 500)
@@ -698,11 +698,13 @@ def test_backend_credentials_reach_no_client_and_no_log(caplog: pytest.LogCaptur
 
 
 def test_urls_are_shown_without_credentials() -> None:
-    from connector.proxy.server import redact_url, scrub_credentials, split_credentials
+    from connector.proxy.backends import scrub_credentials, split_credentials
+    from kvstore import redact_url  # the project's one rule, the store's URLs' too
 
     assert redact_url("http://u:p@h:8100/x?token=t") == "http://***@h:8100/x"
     assert redact_url("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5557"
     assert redact_url("http://only-a-token@h") == "http://***@h"
+    assert redact_url("http://u:pa/ss@h:1/x#f") == "http://***@h:1/x"  # its last '@' ends it
     assert scrub_credentials("failed on http://u:p@h:1/v1 and tcp://x@y") == (
         "failed on http://***@h:1/v1 and tcp://***@y"
     )

@@ -18,6 +18,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from connector.proxy import bodies
 from connector.proxy import server as proxy
 from connector.proxy.guards import (
     Limit,
@@ -92,7 +93,7 @@ def test_a_body_of_many_empty_containers_is_refused_before_it_is_parsed(
         parsed.append(len(raw))
         return json.loads(raw, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(proxy, "json", types.SimpleNamespace(loads=loads, dumps=json.dumps))
+    monkeypatch.setattr(bodies, "json", types.SimpleNamespace(loads=loads, dumps=json.dumps))
     empties = b'{"prompt": "x", "n": [' + b"{}," * 5_000_000 + b"{}]}"
     deep = b'{"prompt": "x", "n": ' + b"[" * 200 + b"]" * 200 + b"}"
     bracketed = {"prompt": "[" * 300_000 + '\\"{' + "{" * 300_000, "max_tokens": 2}

@@ -1,0 +1,371 @@
+"""The vLLM servers behind the proxy: their URLs (credentials taken out and sent as basic auth,
+so no URL the proxy shows or logs holds a secret), one HTTP client to reach them all, sending a
+request to the first server of a pool that answers, marking servers that refuse connections
+down and probing them until they answer, and the questions the proxy asks them on its own
+(``/health``, ``/v1/models``, ``/tokenize``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import httpx
+from fastapi.responses import JSONResponse, Response
+
+from connector.proxy.bodies import refuse_constant, valid_token_ids
+from connector.proxy.config import ProxyConfig
+from connector.proxy.errors import BackendError, openai_error, passthrough_error
+from connector.proxy.metrics import ProxyMetrics
+from connector.proxy.routing import Pool, PrefixIndex
+from kvstore.net.connection import redact_url
+
+logger = logging.getLogger("vllm_redis_proxy")
+
+_USERINFO_IN_TEXT = re.compile(r"(?<=://)[^/\s@]+@")
+# Errors where the server sent no response at all on a connection: on a pooled keep-alive
+# connection, usually one the server closed a moment ago. Worth one retry on a fresh one.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+_NO_AUTH = httpx.Auth()  # sends the request as it is
+
+
+def scrub_credentials(text: str) -> str:
+    """``text`` (an exception's message, say) with the userinfo of any URL in it hidden."""
+    return _USERINFO_IN_TEXT.sub("***@", text)
+
+
+def safe_repr(exc: BaseException) -> str:
+    """An exception for a client or the log: its repr, any URL credentials hidden."""
+    return scrub_credentials(repr(exc))
+
+
+def check_backend_url(url: str) -> str:
+    """A backend URL the proxy can use, or ``ValueError`` saying why without quoting it: an
+    ``@`` after a raw ``/ ? #`` leaves where its host starts to each parser's reading (a
+    password with a raw ``/`` was sent to the host "user" and shown in errors)."""
+    start = url.find("//") + 2 if "//" in url else 0
+    ends = [i for i in (url.find(c, start) for c in "/?#") if i != -1]
+    if ends and url.rfind("@") > min(ends):
+        raise ValueError(
+            "a backend URL has an '@' after a raw '/', '?' or '#': percent-encode them in its "
+            "password (%2F %3F %23 %40)"
+        )
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise ValueError(f"a backend URL does not parse: {redact_url(url)}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"a backend URL must be http(s)://host[:port]: {redact_url(url)}")
+    return url
+
+
+def split_credentials(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """A backend URL without its ``user:pass@`` and those credentials, sent as basic auth: the
+    URL the proxy routes, shows and logs (httpx logs each request's URL) holds no secret."""
+    check_backend_url(url)
+    parts = urlsplit(url.rstrip("/"))
+    userinfo, at, host = parts.netloc.rpartition("@")
+    if not at:
+        return url.rstrip("/"), None
+    user, _, password = userinfo.partition(":")
+    return parts._replace(netloc=host).geturl(), httpx.BasicAuth(unquote(user), unquote(password))
+
+
+def bare_urls(urls: list[str], credentials_of: dict[str, httpx.Auth]) -> list[str]:
+    """``urls`` without their credentials, which are added to ``credentials_of`` under the
+    bare URL; ``ValueError`` (``check_backend_url``) at the first URL the proxy cannot use."""
+    bare = []
+    for url in urls:
+        without, credentials = split_credentials(url)
+        if credentials is not None:
+            credentials_of[without] = credentials
+        bare.append(without)
+    return bare
+
+
+class Backends:
+    """The prefill and decode (or pool) servers, reached through one HTTP client that lives
+    from :meth:`open` to :meth:`aclose` (the app's lifespan)."""
+
+    def __init__(
+        self,
+        cfg: ProxyConfig,
+        prefill: Pool,
+        decode: Pool,
+        credentials_of: dict[str, httpx.Auth],
+        metrics: ProxyMetrics,
+        indexes: dict[str, PrefixIndex],
+    ) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self._credentials_of = credentials_of
+        self._metrics = metrics
+        self._indexes = indexes  # cache_aware: dropped with a server marked down
+        self._timeout_s = cfg.timeout_s
+        self._connect_timeout_s = cfg.connect_timeout_s
+        self._probe_interval_s = cfg.probe_interval_s
+        self._timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+        self._client: httpx.AsyncClient | None = None
+        self._prober: asyncio.Future[None] | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the proxy's HTTP client is not open (the app has not started)")
+        return self._client
+
+    def open(self) -> None:
+        """The HTTP client, and the prober of servers marked down (on the running loop)."""
+        self._client = httpx.AsyncClient(
+            timeout=self._timeout, limits=httpx.Limits(max_connections=512)
+        )
+        self._prober = asyncio.ensure_future(self.probe_down_servers())
+
+    async def aclose(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._prober
+        if self._client is not None:
+            await self._client.aclose()
+
+    def auth(self, url: str) -> httpx.Auth:
+        return self._credentials_of.get(url) or _NO_AUTH
+
+    def mark_down(self, pool: Pool, url: str, why: str) -> None:
+        """Send ``url`` nothing while another server is up, until a probe finds it back. Its
+        GPU cache is gone or unknown by then: its routing index is dropped too."""
+        if url in pool.down:
+            return
+        pool.down.add(url)
+        self._metrics.marked_down[(pool.role, url)] += 1
+        if url in self._indexes:
+            self._indexes[url].clear()
+        logger.warning("%s: marked down, probed every %.1f s", why, self._probe_interval_s)
+
+    def mark_up(self, pool: Pool, url: str) -> None:
+        pool.down.discard(url)
+        logger.warning("%s server %s answers again: marked up", pool.role, url)
+
+    async def probe_down_servers(self) -> None:
+        """Ask each server marked down for /health, every ``probe_interval_s``; one that
+        answers 200 is taken back. Runs for the proxy's lifetime; a failed probe is logged
+        and the loop goes on."""
+        while True:
+            await asyncio.sleep(self._probe_interval_s)
+            for pool in (self.prefill, self.decode):
+                for url in sorted(pool.down):
+                    try:
+                        answer = await self.client.get(
+                            url + "/health", timeout=self._connect_timeout_s, auth=self.auth(url)
+                        )
+                    except httpx.HTTPError:
+                        continue
+                    except Exception:  # never let the prober die: servers would stay down
+                        logger.exception("probing %s server %s failed", pool.role, url)
+                        continue
+                    if answer.status_code == 200:
+                        self.mark_up(pool, url)
+
+    async def send(
+        self,
+        pool: Pool,
+        path: str,
+        body: dict,
+        req_id: str,
+        stream: bool,
+        token_ids: list[int] | None = None,
+    ) -> tuple[httpx.Response, Callable[[], Awaitable[None]]]:
+        """POST to the first server of the pool that answers. A refused connection falls
+        through to the next server; a pooled keep-alive connection the server had closed
+        (no response at all) is retried once on a fresh one; a timeout or an HTTP error is
+        final. Returns the response and its ``finish``: the server counts as busy (for
+        least_loaded) until ``finish`` is awaited, which also closes the response -- after
+        the last byte of a stream. Whatever happens, cancellation included, the count is
+        given back exactly once."""
+        client = self.client
+        metrics = self._metrics
+        try:  # once, whatever the retries (as httpx's json=, which this replaces)
+            payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"),
+                                 allow_nan=False).encode()  # fmt: skip
+        except (TypeError, ValueError, RecursionError) as exc:  # what JSON cannot carry
+            raise BackendError(
+                openai_error(
+                    400, f"the request cannot be forwarded: {exc}", "invalid_request_error"
+                )
+            ) from None
+        headers = {"Content-Type": "application/json", "X-Request-Id": req_id}
+        last_error = "no server configured"
+        for url in pool.order(token_ids):
+            for attempt in (1, 2):
+                pool.in_flight[url] += 1
+                handed_off = False
+                try:
+                    req = client.build_request("POST", url + path, content=payload,
+                                               headers=headers)  # fmt: skip
+                    resp = await client.send(req, stream=stream, auth=self.auth(url))
+                    if resp.status_code != 200:
+                        content = await resp.aread()
+                        await resp.aclose()
+                        metrics.count(pool.role, url, "answered")  # (its error passed on)
+                        raise BackendError(
+                            passthrough_error(resp.status_code, content, pool.role, url)
+                        )
+                    metrics.count(pool.role, url, "answered")
+                    handed_off = True
+                    if url in pool.down:  # tried as a last resort, and it answered
+                        self.mark_up(pool, url)
+                    return resp, _finisher(pool, url, resp)
+                except _STALE_CONNECTION as exc:
+                    metrics.count(pool.role, url, "failed")
+                    last_error = (
+                        f"{pool.role} server {url} dropped the connection ({safe_repr(exc)})"
+                    )
+                    logger.warning("%s (attempt %d)", last_error, attempt)
+                    if attempt == 1:
+                        continue  # most likely a keep-alive connection it had just closed
+                    break
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    metrics.count(pool.role, url, "unreachable")
+                    last_error = f"{pool.role} server {url} is unreachable ({safe_repr(exc)})"
+                    self.mark_down(pool, url, last_error)
+                    break
+                except httpx.TimeoutException:
+                    metrics.count(pool.role, url, "failed")
+                    raise BackendError(
+                        openai_error(
+                            504,
+                            f"{pool.role} server {url} timed out after {self._timeout_s}s",
+                            "timeout",
+                        )
+                    ) from None
+                except httpx.HTTPError as exc:
+                    metrics.count(pool.role, url, "failed")
+                    raise BackendError(
+                        openai_error(
+                            502,
+                            f"{pool.role} server {url} failed: {safe_repr(exc)}",
+                            "backend_error",
+                        )
+                    ) from None
+                finally:
+                    if not handed_off:
+                        pool.in_flight[url] -= 1
+        raise BackendError(
+            openai_error(
+                502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
+            )
+        )
+
+    async def relay(
+        self, resp: httpx.Response, finish: Callable[[], Awaitable[None]], url: str
+    ) -> AsyncIterator[bytes]:
+        """The decode server's stream, then -- if it fails midway -- an OpenAI-style error
+        event, so the client learns the answer is incomplete. The server is released when the
+        stream ends, fails, or the client leaves (Starlette cancels this generator)."""
+        role = self.decode.role
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as exc:
+            logger.warning("%s server %s failed mid-stream: %s", role, url, safe_repr(exc))
+            err = {
+                "error": {
+                    "message": f"{role} server {url} failed mid-stream: {safe_repr(exc)}",
+                    "type": "backend_error",
+                    "param": None,
+                    "code": 502,
+                }
+            }
+            yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+        finally:
+            await finish()
+
+    async def tokenize(self, payload: dict[str, Any]) -> list[int] | Response:
+        """A decode server's ``/tokenize`` of ``payload``: the token ids, or the error answer."""
+        role = self.decode.role
+        for url in self.decode.order():
+            try:
+                r = await self.client.post(url + "/tokenize", json=payload, timeout=30,
+                                           auth=self.auth(url))  # fmt: skip
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                try:
+                    tokens = json.loads(r.content, parse_constant=refuse_constant).get("tokens")
+                except (ValueError, AttributeError, RecursionError):  # not JSON, not an object
+                    tokens = None
+                if valid_token_ids(tokens):
+                    return tokens
+                return openai_error(502, f"{role} server {url} answered /tokenize oddly",
+                                    "backend_error")  # fmt: skip
+            return passthrough_error(r.status_code, r.content, role, url)
+        return openai_error(502, f"no {role} server available to tokenize", "backend_unavailable")
+
+    async def models(self) -> Response:
+        """The first decode server's ``/v1/models``, passed on."""
+        role = self.decode.role
+        for url in self.decode.order():
+            try:
+                r = await self.client.get(url + "/v1/models", timeout=10, auth=self.auth(url))
+            except httpx.HTTPError:
+                continue
+            if r.status_code != 200:
+                return passthrough_error(r.status_code, r.content, role, url)
+            return Response(r.content, status_code=200, media_type="application/json")
+        return openai_error(502, f"no {role} server available", "backend_unavailable")
+
+    async def health(self, show_servers: bool) -> JSONResponse:
+        """Each server asked for /health now: up and down counts per role, 503 when a role has
+        none up; with ``show_servers``, each server's URL and state too."""
+
+        async def answers(url: str) -> bool:
+            try:
+                r = await self.client.get(url + "/health", timeout=3, auth=self.auth(url))
+                return r.status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        prefill, decode = self.prefill, self.decode
+        pools = (
+            {"prefill": prefill.urls, "decode": decode.urls}
+            if prefill.urls
+            else {"pool": decode.urls}
+        )
+        results = {
+            role: dict(zip(urls, await asyncio.gather(*(answers(u) for u in urls)), strict=True))
+            for role, urls in pools.items()
+        }
+        ok = all(any(r.values()) for r in results.values())
+        doc: dict[str, Any] = {"status": "ok" if ok else "degraded"}
+        pool_of = {"prefill": prefill, "decode": decode, "pool": decode}
+        for role, r in results.items():
+            up = sum(r.values())
+            # marked_down: servers the proxy sends nothing to now (refused or timed out)
+            doc[role] = {"up": up, "down": len(r) - up, "marked_down": len(pool_of[role].down)}
+        if show_servers:
+            doc["servers"] = results
+            doc["marked_down"] = sorted({*prefill.down, *decode.down})
+        return JSONResponse(doc, status_code=200 if ok else 503)
+
+
+def _finisher(pool: Pool, url: str, resp: httpx.Response) -> Callable[[], Awaitable[None]]:
+    """Close the response and give the server's in-flight slot back, once."""
+    done = False
+
+    async def finish() -> None:
+        nonlocal done
+        if done:
+            return
+        done = True
+        try:
+            await resp.aclose()
+        finally:
+            pool.in_flight[url] -= 1
+
+    return finish

@@ -1,0 +1,235 @@
+"""The completion routes' work (``/v1/completions``, ``/v1/chat/completions``): a client's body,
+read within the guards' limits and checked, goes to a prefill server as a one-token copy; the
+``kv_transfer_params`` of its answer go with the original request to a decode server, whose
+answer is streamed back unchanged. With a pool (no prefill servers) the request goes, whole, to
+one server. A client that leaves before its answer starts cancels the backends' work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import uuid
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from connector.proxy.backends import Backends, safe_repr
+from connector.proxy.bodies import Refusal, read_json, refuse_constant, valid_token_ids
+from connector.proxy.errors import BackendError, RequestRefused, openai_error
+from connector.proxy.guards import BodyHold, RequestGuards
+from connector.proxy.routing import PrefixIndex
+
+logger = logging.getLogger("vllm_redis_proxy")
+
+# fields of a client's body that are the proxy's to set: kv_transfer_params names a handoff (a
+# client could load another request's KV with it, or pin a load policy); request_id would
+# name the request at the backend as X-Request-Id does
+_PROXY_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params", "request_id")
+# vLLM copies vllm_xargs into the request's extra args, where the same names would reach the
+# connector
+_XARGS = "vllm_xargs"
+# a client's X-Request-Id is echoed back only if it looks like an id
+_ECHOABLE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class CompletionProxy:
+    """Proxies completion requests through ``backends``; ``indexes`` are the cache-aware
+    policy's (empty: requests are routed by load alone, their prompts never tokenized)."""
+
+    def __init__(
+        self,
+        backends: Backends,
+        guards: RequestGuards,
+        refusal: Refusal,
+        indexes: dict[str, PrefixIndex],
+        timeout_s: float,
+    ) -> None:
+        self._backends = backends
+        self._guards = guards
+        self._refusal = refusal
+        self._indexes = indexes
+        self._timeout_s = timeout_s
+
+    async def handle(self, request: Request, path: str) -> Response:
+        # the body counts against --max-in-flight-body-bytes until the answer starts: the
+        # body, parsed and forwarded, is dropped by then
+        with self._guards.hold_body() as hold:
+            return await self._proxy_request(request, path, hold)
+
+    async def _proxy_request(self, request: Request, path: str, hold: BodyHold) -> Response:
+        try:
+            body = await read_json(request, hold, self._guards, self._refusal)
+        except RequestRefused as refused:
+            return refused.response
+        problem = validate_body(body, path)
+        if problem:
+            return openai_error(400, problem[0], "invalid_request_error", problem[1])
+        # the proxy names the request at the backends (the client's id could be another's) and
+        # sets the transfer params itself, from the prefill answer
+        body = without_proxy_owned(body)
+        req_id = f"proxy-{uuid.uuid4().hex}"
+        client_id = request.headers.get("x-request-id")
+        shown_id = client_id if client_id and _ECHOABLE_REQUEST_ID.fullmatch(client_id) else req_id
+        work = asyncio.ensure_future(self._pipeline(body, path, req_id, bool(body.get("stream"))))
+        gone = asyncio.ensure_future(_client_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():
+            # the client left before the answer: stop the backends' work (closing the
+            # connection makes vLLM abort the request) instead of computing for nobody
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            logger.info("request %s: the client left; cancelled", req_id)
+            return Response(status_code=499)
+        answer = work.result()
+        answer.headers["x-request-id"] = shown_id
+        return answer
+
+    async def _pipeline(self, body: dict, path: str, req_id: str, stream: bool) -> Response:
+        """Prefill, then decode (a pool: the answer alone): up to the answer's first byte."""
+        backends = self._backends
+        prefill, decode = backends.prefill, backends.decode
+        token_ids = await self._routing_tokens(body, path) if self._indexes else None
+        try:
+            dec = dict(body)
+            if prefill.urls:
+                resp, finish = await backends.send(prefill, path, prefill_request(body),
+                                                   req_id + "-prefill", stream=False,
+                                                   token_ids=token_ids)  # fmt: skip
+                await finish()
+                params = transfer_params(resp)
+                if params:
+                    dec["kv_transfer_params"] = params
+            resp, finish = await backends.send(decode, path, dec, req_id, stream=stream,
+                                               token_ids=token_ids)  # fmt: skip
+        except BackendError as err:
+            return err.response
+        if stream:
+            return StreamingResponse(
+                backends.relay(resp, finish, str(resp.request.url)),
+                media_type=resp.headers.get("content-type", "text/event-stream"),
+            )
+        try:
+            content = await resp.aread()
+        except httpx.TimeoutException:
+            return openai_error(
+                504,
+                f"{decode.role} server timed out mid-answer after {self._timeout_s}s",
+                "timeout",
+            )
+        except httpx.HTTPError as exc:
+            return openai_error(
+                502, f"{decode.role} server failed mid-answer: {safe_repr(exc)}", "backend_error"
+            )
+        finally:
+            await finish()
+        return Response(
+            content=content,
+            status_code=resp.status_code,
+            media_type=resp.headers.get("content-type", "application/json"),
+        )
+
+    async def _routing_tokens(self, body: dict, path: str) -> list[int] | None:
+        """The prompt's token ids, to match against the servers' caches; None (route by load)
+        when they cannot be had."""
+        if not any(len(index) for index in self._indexes.values()):
+            return None  # nothing learned yet: no /tokenize round trip
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return prompt
+        if isinstance(prompt, str):
+            tokens = await self._backends.tokenize({"prompt": prompt})
+        elif path.endswith("/chat/completions") and isinstance(body.get("messages"), list):
+            tokens = await self._backends.tokenize({"messages": body["messages"]})
+        else:
+            return None
+        return tokens if isinstance(tokens, list) else None
+
+
+def validate_body(body: Any, path: str) -> tuple[str, str | None] | None:
+    """What is wrong with a completion request's body, and the field at fault; None: nothing
+    the proxy checks."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object", None
+    if path.endswith("/chat/completions"):
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            return "'messages' must be a non-empty list", "messages"
+    elif "prompt" not in body:
+        return "'prompt' is required", "prompt"
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            return f"'{key}' must be a positive integer", key
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
+        # token ids, or a list of lists of them: ids no tokenizer has are refused here
+        sequences = prompt if all(isinstance(p, list) for p in prompt) else [prompt]
+        if not all(valid_token_ids(s) for s in sequences):
+            return "'prompt' token ids must be integers in [0, 2**63)", "prompt"
+    return None
+
+
+def without_proxy_owned(body: dict[str, Any]) -> dict[str, Any]:
+    """A client's body without the fields that are the proxy's to set, at the top level or in
+    ``vllm_xargs``."""
+    body = {k: v for k, v in body.items() if k not in _PROXY_OWNED_FIELDS}
+    xargs = body.get(_XARGS)
+    if isinstance(xargs, dict):
+        body[_XARGS] = {k: v for k, v in xargs.items() if k not in _PROXY_OWNED_FIELDS}
+    return body
+
+
+def prefill_request(body: dict) -> dict:
+    """The copy of a request sent to a prefill server: one token, one sequence, no stream.
+    Options that would make it invalid with one token (``min_tokens`` > 1) or repeat work
+    (``n``, ``best_of``) are dropped; the decode server gets them unchanged."""
+    pre = {
+        k: v
+        for k, v in body.items()
+        if k not in ("stream", "stream_options", "min_tokens", "n", "best_of")
+    }
+    pre.update(max_tokens=1, stream=False)
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    return pre
+
+
+def transfer_params(resp: httpx.Response) -> dict | None:
+    """The prefill answer's ``kv_transfer_params``; BackendError (502) if the answer is not
+    what a prefill server sends."""
+    url = str(resp.request.url)
+    try:
+        doc = json.loads(resp.content, parse_constant=refuse_constant)
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        raise BackendError(openai_error(
+            502, f"prefill server {url} answered with something other than a JSON object",
+            "backend_error",
+        ))  # fmt: skip
+    params = doc.get("kv_transfer_params")
+    if params is not None and not isinstance(params, dict):
+        raise BackendError(openai_error(
+            502, f"prefill server {url} answered with kv_transfer_params that are not an "
+            "object", "backend_error",
+        ))  # fmt: skip
+    return params or None
+
+
+async def _client_disconnected(request: Request) -> None:
+    """Returns when the client closes its connection (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
