@@ -21,6 +21,7 @@ from connector.warm.inputs import Document, PromptStyle, read_documents, render
 from connector.warm.records import (
     DocumentRecord,
     RecordProblem,
+    RecordTooLargeError,
     presences,
     read_records,
     save_record,
@@ -267,6 +268,14 @@ def _plan(
 
 
 def _record(store: LookupBuffer, layout: StoreLayout, row: Row) -> None:
+    assert row.doc is not None
+    try:
+        _save_record(store, layout, row)
+    except RecordTooLargeError as exc:
+        row.message = f"{row.message}; {exc}" if row.message else str(exc)
+
+
+def _save_record(store: LookupBuffer, layout: StoreLayout, row: Row) -> None:
     assert row.doc is not None
     save_record(
         store,

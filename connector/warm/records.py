@@ -65,11 +65,22 @@ class DocumentPresence:
         return self.present / self.blocks if self.blocks else 0.0
 
 
+class RecordTooLargeError(ValueError):
+    """A document whose record would be larger than ``--check`` reads (:data:`MAX_RECORD_BYTES`)."""
+
+
 def save_record(buf: LookupBuffer, record: DocumentRecord) -> None:
     """Store (or replace) a document's record under its first fingerprint, with the buffer's
-    TTL plus a minute."""
+    TTL plus a minute. A record ``--check`` would refuse as oversize is not written
+    (:class:`RecordTooLargeError`): its blocks are stored, but it cannot be listed."""
     key = buf.keys.document(record.document_id, record.fingerprints[0])
     value = json.dumps(asdict(record), separators=(",", ":"))
+    if len(value) > MAX_RECORD_BYTES:
+        raise RecordTooLargeError(
+            f"not recorded: its record would take {len(value)} bytes, over the "
+            f"{MAX_RECORD_BYTES} --check reads (a chain of {len(record.chain)} blocks); its "
+            "blocks are stored but --check cannot list it"
+        )
     ttl = buf.ttl_ms + RECORD_EXTRA_TTL_MS if buf.ttl_ms else None
     buf.guard.call("SET", lambda: buf.client.set(key, value, px=ttl))
 

@@ -144,6 +144,21 @@ def test_a_record_larger_than_any_record_is_refused_unread(
     assert len(parsed) == 1 and b"manual.txt" in parsed[0]  # the large one never came over
 
 
+def test_the_writer_never_stores_a_record_the_check_would_refuse(
+    store: LookupBuffer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bound is the writer's too: a document whose record is over it is stored but not
+    recorded (said so), never written as a record --check then lists as planted."""
+    monkeypatch.setattr(connector.warm.records, "MAX_RECORD_BYTES", 1000)
+    long_chain = chain_hashes(list(range(BLOCK * 60)), BLOCK)
+    long_doc = DocumentRecord(**{**RECORD, "name": "long.txt", "chain": long_chain})
+    with pytest.raises(connector.warm.records.RecordTooLargeError, match="not recorded"):
+        save_record(store, long_doc)
+    assert not store.client.exists(store.keys.document(long_doc.document_id, "f"))
+    rc, out, _ = _check(capsys, "--json")
+    assert rc == 0 and json.loads(out)["malformed_records"] == []
+
+
 def test_names_reach_the_terminal_escaped_and_brackets_in_names_are_not_nesting(
     store: LookupBuffer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
