@@ -56,7 +56,7 @@ from kvstore.net.connection import (
 )
 from kvstore.text import printable as _printable
 from kvstore.text import shown as _shown
-from kvstore.values.keys import DEFAULT_KEY_PREFIX, ParsedKey, parse_key
+from kvstore.values.keys import DEFAULT_KEY_PREFIX, ParsedKey, generation_key, parse_key
 from kvstore.values.value_auth import UNAUTHENTICATED, ValueKey, load_secret
 
 if TYPE_CHECKING:
@@ -481,9 +481,16 @@ def _namespace_pattern(prefix: str, namespace: str) -> str:
 
 
 def flush_namespace(client: redis.Redis, prefix: str, namespace: str) -> int:
+    """Unlink every key of ``namespace`` but its generation counter: blocks, claims, handoff
+    and document records. The counter stays, so instances never go back a generation (a
+    flushed counter read 0, and a value replayed from before the last reset loaded again),
+    and flushing needs only ``+scan +unlink ~<prefix>:<ns>:*:*``, the blocks' own pattern."""
+    counter = os.fsencode(generation_key(prefix, namespace))
     deleted = 0
     batch: list[bytes] = []
     for _, raw in _scan(client, _namespace_pattern(prefix, namespace)):
+        if raw == counter:
+            continue
         batch.append(raw)
         if len(batch) >= 500:
             deleted += int(client.unlink(*batch))
@@ -548,7 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         "in another epoch is forged to this one",
     )
     sub.add_parser("stats", parents=[common], help="key counts, memory, hit/miss counters")
-    p_fl = sub.add_parser("flush", parents=[common], help="delete every key of one namespace")
+    p_fl = sub.add_parser(
+        "flush",
+        parents=[common],
+        help="delete every key of one namespace but its generation counter (resets stay)",
+    )
     p_fl.add_argument("--namespace", required=True)
     p_fl.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p_rs = sub.add_parser(

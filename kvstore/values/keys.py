@@ -83,6 +83,12 @@ def generation_of(block_name: str) -> int:
     return int(digits.group()) if digits else 0
 
 
+def generation_key(prefix: str, namespace: str) -> str:
+    """A namespace's generation counter (``KeySpace.generation``): one for every fingerprint,
+    a reset being the namespace's."""
+    return f"{prefix}:{namespace}:{_GENERATION}"
+
+
 @dataclass(frozen=True)
 class KeySpace:
     """The keys of one (prefix, namespace, fingerprint)."""
@@ -128,7 +134,7 @@ class KeySpace:
     def generation(self) -> str:
         """The namespace's generation counter (one for every fingerprint: a reset is the
         namespace's)."""
-        return f"{self.prefix}:{self.namespace}:{_GENERATION}"
+        return generation_key(self.prefix, self.namespace)
 
     def namespace_pattern(self) -> str:
         """The SCAN pattern of every key of this namespace, every fingerprint's."""

@@ -116,9 +116,12 @@ def test_stats_counts_only_kvstore_keys(client, capsys) -> None:
 
 
 def test_flush_deletes_one_namespace_only(client, capsys) -> None:
+    client.set("kv:a:generation", 4)
     rc, out = run(capsys, "flush", "--namespace", "a", "--yes", "--json")
     assert rc == 0 and json.loads(out)["deleted"] == 3
     assert client.exists("unrelated") and len(list(client.scan_iter(match="kv:b:*"))) == 1
+    # the counter stays: a flushed one read 0, and blocks named before the resets loaded again
+    assert client.get("kv:a:generation") == b"4"
 
 
 def test_flush_without_yes_refuses_when_not_interactive(client, capsys, monkeypatch) -> None:
