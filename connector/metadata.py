@@ -72,5 +72,5 @@ class RedisConnectorMetadata(KVConnectorMetadata):
     # background reads that measure the store for the load policy (probes.py)
     probes: list[ProbeSpec] = field(default_factory=list)
     # blocks to report failed with this step's output: left wrong in vLLM's prefix cache by a
-    # failed split, about to be read by this step's requests (the scheduler's _taint)
+    # failed split, about to be read by this step's requests (taints.py)
     reject_blocks: list[int] = field(default_factory=list)

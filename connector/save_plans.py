@@ -1,11 +1,12 @@
 """Save planning: each scheduler step, which blocks of which requests the worker saves (the
 ``SaveSpec`` list of ``RedisConnectorMetadata.saves``).
 
-It is apart from the request state machine (``scheduler.py``) because it answers no vLLM
-callback about one request: it is one pass over every request a step schedules, from their block
-tables and the tokens the step computes -- the prompt blocks the step completes, and the states
-vLLM offers at block boundaries (state groups) -- and it decides what is safe to put in the pool:
-nothing Redis holds already, nothing computed over a split load that may have failed.
+It is apart from the request state machine (``scheduler.py``; the state, ``request_state.py``)
+because it answers no vLLM callback about one request: it is one pass over every request a step
+schedules, from their block tables and the tokens the step computes -- the prompt blocks the
+step completes, and the states vLLM offers at block boundaries (state groups) -- and it decides
+what is safe to put in the pool: nothing Redis holds already, nothing computed over a split
+load that may have failed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
 from connector.metadata import LoadSpec, SaveSpec
+from connector.request_state import RequestState
 from connector.save_policy import SaveAllowance
 from connector.stats import StatsBuffer
 from kvstore import KVStoreError, LookupBuffer
@@ -25,16 +27,15 @@ from kvstore import KVStoreError, LookupBuffer
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from connector.scheduler import RequestState
-
 # the scheduler side's log: its lines keep the name they are filtered by
 logger = logging.getLogger("connector.scheduler")
 
 
 class SavePlanner:
-    """Plans each step's saves (``plan``) of the requests the scheduler keeps; what it reads and
-    writes of each is in its ``RequestState`` (``saved_blocks``, ``save_start``, ...), shared
-    with the state machine, which answers from it and commits what was saved."""
+    """Plans each step's saves (``plan``) of the requests the scheduler keeps; what it reads of
+    each, and records through its methods, is in its ``RequestState`` (``saved_blocks``,
+    ``save_start``, ...), shared with the state machine, which answers from it and commits what
+    was saved."""
 
     def __init__(
         self,
@@ -107,7 +108,7 @@ class SavePlanner:
                         handoff=st.save_handoff,
                     )
                 )
-                st.saved_blocks = full
+                st.saved_up_to(full)
         if self._state_groups:
             saves += self._state_saves(scheduler_output, requests)
         return saves
@@ -118,17 +119,19 @@ class SavePlanner:
         blocks past it are counted as skipped, once each."""
         if self._allowance is None or not st.same_chain:
             return full
-        if st.save_allowance is None:
+        allowance = st.save_allowance
+        if allowance is None:
             head = st.save_hashes[0] if st.save_hashes else None
             in_redis = st.present_blocks >= 1 or st.saved_blocks >= 1
-            st.save_allowance = self._allowance.blocks(head, in_redis, st.save_marked)
-        if full <= st.save_allowance:
+            allowance = self._allowance.blocks(head, in_redis, st.save_marked)
+            st.saves_allowed(allowance)
+        if full <= allowance:
             return full
-        skipped = full - max(st.save_allowance, st.save_skipped_to)
+        skipped = full - max(allowance, st.save_skipped_to)
         if skipped > 0:
             self.stats.add(blocks_save_skipped=skipped)
-            st.save_skipped_to = full
-        return st.save_allowance
+            st.saves_skipped_to(full)
+        return allowance
 
     def _settle_presence(self, st: RequestState, final: bool) -> bool:
         """Whether the request's saves may be planned: what Redis holds of its chain is known
@@ -141,7 +144,7 @@ class SavePlanner:
             return True
         if not lookup.future.done() and not final and time.monotonic() < st.deadline:
             return False
-        st.presence = None
+        st.presence_settled()
         if not lookup.future.done() or lookup.future.cancelled():
             return True
         try:
@@ -154,8 +157,7 @@ class SavePlanner:
         if result.generation == st.generation and st.save_start is None:
             # (a save already planned -- a state group's offer -- started from the front:
             # its commit confirms from there, so everything is saved)
-            st.present_blocks = max(st.present_blocks, result.present)
-            st.saved_blocks = max(st.saved_blocks, result.present)
+            st.found_in_redis(result.present)
         return True
 
     def _reading_splits(
@@ -191,11 +193,11 @@ class SavePlanner:
         """A request's first save: write its "pending" record, so a consumer that finds the
         blocks before the commit record knows to wait."""
         if st.save_start is None:
-            st.save_start = st.saved_blocks
-            st.opening = self._background_io.submit(
+            opening = self._background_io.submit(
                 self.store.open_handoff, st.save_handoff, self.fingerprints
             )
-            st.opening.add_done_callback(self._on_background_done)
+            st.saves_opened(opening)
+            opening.add_done_callback(self._on_background_done)
 
     def _state_saves(
         self, scheduler_output: SchedulerOutput, requests: Mapping[str, RequestState]
@@ -223,10 +225,10 @@ class SavePlanner:
                     or (g, p) in st.states_saved
                 ):
                     continue
-                st.states_saved.add((g, p))
+                st.state_saved(g, p)
                 self._open_saves(st)
                 if not self._attention:  # a model of states alone: its chain is its states'
-                    st.saved_blocks = max(st.saved_blocks, p + 1)
+                    st.saved_up_to(p + 1)
                 specs.append(
                     SaveSpec(
                         req_id=req_id,

@@ -1,6 +1,9 @@
 """Scheduler side: which prompt blocks are in Redis, which to load, which to save -- one
-request's life as a state machine. (Which blocks each step saves is planned in
-``save_plans.py``, from the state kept here.)
+request's life as a state machine, driven here by vLLM's callbacks. Its parts are beside it:
+what is kept of each request (``request_state.py``), its lookups polled (``lookup_polls.py``),
+how each hit is served (``load_choices.py``), the loads in flight and what they delivered
+(``load_tracking.py``), consume-mode handoffs claimed and deleted (``consumed_handoffs.py``),
+blocks a failed split left wrong (``taints.py``), and each step's saves (``save_plans.py``).
 
 Every request gets one deadline for everything Redis-related (lookup, waiting for the producer,
 load), scaled with its prompt length; when it passes -- or the store's circuit breaker is open
@@ -76,51 +79,33 @@ still writing, or name a request vLLM has let go.
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from connector.chains import RequestChains
 from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
+from connector.consumed_handoffs import ConsumedHandoffs
 from connector.drops import HandoffDrops
-from connector.figures import (
-    ComputeRate,
-    LoadRate,
-    SplitRate,
-    StepShape,
-    splits_within_loads,
-    step_shape,
-)
+from connector.figures import step_shape
 from connector.layout import KVLayout
-from connector.load_policy import (
-    Busy,
-    BusyWeights,
-    Decision,
-    Engine,
-    Figures,
-    Hit,
-    LoadsInFlight,
-    Reason,
-    Way,
-    admitted,
-    choose,
-    next_pass,
-    pinned,
-)
+from connector.load_choices import LoadChoices
+from connector.load_policy import Engine, Way
+from connector.load_tracking import LoadTracker
 from connector.logs import FailureCounts
-from connector.lookups import Lookup, LookupBatcher, LookupResult
+from connector.lookup_polls import LookupPolls
+from connector.lookups import LookupBatcher
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata
-from connector.probes import ProbePlanner
+from connector.request_state import Phase, RequestState
 from connector.resets import NamespaceResets
 from connector.save_plans import SavePlanner
 from connector.save_policy import SaveAllowance, marked_for_saving
 from connector.stats import StatsBuffer
+from connector.taints import TaintedBlocks, step_blocks
 from connector.transfer_params import Handoff, ThisInstance, producer_params, read_handoff
 from kvstore import KVStoreError, LookupBuffer
 
@@ -134,99 +119,9 @@ if TYPE_CHECKING:
     from connector.events import KVEventsEmitter
 
 logger = logging.getLogger("connector.scheduler")
-# How often a request waiting for a producer's commit record re-checks Redis.
-_POLL_INTERVAL_S = 0.01
 # an instance that does no lookups (a producer) reads the namespace's generation at most this
 # often, in the background: it names its saves in a reset's generation within about a second
 _GENERATION_REFRESH_S = 1.0
-# splits whose forward pass ran layers without waiting for their bands (a full CUDA graph):
-# after this many, no split is chosen any more (each such split fails and is recomputed)
-UNWAITED_SPLITS_LIMIT = 2
-
-
-def opened(fut: Future[None] | None) -> bool:
-    """Whether a background "pending" record write has landed."""
-    return fut is not None and fut.done() and not fut.cancelled() and fut.exception() is None
-
-
-class Phase(enum.Enum):
-    LOOKING_UP = "looking up"
-    ANSWERED = "answered"
-    LOADING = "loading"
-    RUNNING = "running"
-
-
-@dataclass(frozen=True)
-class StepBlocks:
-    """One request's blocks in one step (first KV-cache group): what it runs on, computed
-    before the step; what it completes from their first token on; the full blocks it computes
-    (vLLM caches them as it allocates them)."""
-
-    context: list[int]
-    whole: list[int]
-    cached: list[int]
-
-
-@dataclass
-class RequestState:
-    """What the scheduler keeps of one request: its state machine's, and its saves' (read and
-    written by ``save_plans.SavePlanner`` each step)."""
-
-    num_tokens: int  # prompt tokens
-    load_hashes: list[str]  # the chain loads look up (the handoff's, or the shared one)
-    save_hashes: list[str]  # the chain saves write (ours)
-    save_handoff: str  # the id our commit record is published under
-    deadline: float
-    handoff: Handoff | None = None  # an incoming handoff to wait for
-    phase: Phase = Phase.LOOKING_UP
-    first_seen: float = field(default_factory=time.monotonic)
-    lookup: Lookup | None = None
-    lookup_start: int = 0  # the first block the lookup in flight asks about
-    next_poll: float = 0.0  # no new lookup before this time
-    present_blocks: int = 0  # the answer: leading blocks present (absolute)
-    load_end: int = 0  # the answer: where the blocks it loads end (absolute; the policy's)
-    layered: bool = False  # the answer is a split (a synchronous, layer-by-layer load)
-    decision: Decision | None = None  # how the load policy served the hit, and why
-    pin: Way | None = None  # the way the request's own params pinned (request_load_policy)
-    answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
-    answered_at: float = 0.0
-    load_range: tuple[int, int] = (0, 0)
-    block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
-    computed_tokens: int = 0  # what its last scheduled step leaves computed (vLLM's view)
-    saved_blocks: int = 0  # leading blocks of save_hashes saved or known to be in Redis
-    save_start: int | None = None  # saved_blocks when the first save was planned
-    opening: Future[None] | None = None  # the "pending" record being written
-    preemptions: int = 0
-    # (group, chain position) of the states saved from vLLM's offers (state groups)
-    states_saved: set[tuple[int, int]] = field(default_factory=set)
-    generation: int = 0  # the namespace's generation its chains are named in
-    # share mode, all of it a local hit: the lookup that says what Redis holds of its chain,
-    # which its saves wait for (None: known, or not asked)
-    presence: Lookup | None = None
-    # share mode: whether its caller asked for it to be written (save_policy.py), and how many
-    # leading blocks the save policy lets it write (None: not decided yet), and the blocks
-    # beyond that counted as skipped so far
-    save_marked: bool = False
-    save_allowance: int | None = None
-    save_skipped_to: int = 0
-
-    def renamable(self) -> bool:
-        """Nothing of it is in flight or planned yet: its chains may be named again."""
-        return (
-            self.phase is Phase.LOOKING_UP
-            and self.save_start is None
-            and self.load_range == (0, 0)
-            and (self.handoff is None or self.handoff.state == "waiting")
-        )
-
-    @property
-    def same_chain(self) -> bool:
-        return self.load_hashes is self.save_hashes
-
-    @property
-    def running(self) -> bool:
-        """In ``Phase.RUNNING``: what its steps compute may be saved (``save_plans.py``)."""
-        return self.phase is Phase.RUNNING
 
 
 class RedisConnectorScheduler:
@@ -241,56 +136,35 @@ class RedisConnectorScheduler:
         engine: Engine | None = None,
     ) -> None:
         self.config = config
-        # why this engine cannot take a split (None: it can), and what the policy decides from
-        self.split_refusal = split_refusal
-        self.engine = engine or Engine()
-        self.load_rate = LoadRate()
-        self.split_rate = SplitRate()
-        self.compute_rate = ComputeRate()
-        self.weights = BusyWeights(decode=config.busy_decode_weight)
-        self.probes = ProbePlanner()
-        self._unwaited_splits = 0  # splits whose forward pass skipped their waits
-        # what the engine runs besides a request being admitted (``_busy``): the pass just
-        # scheduled, seen as the next one, and what this step's admissions added to it
-        self._running = Busy()
-        self._admitted = Busy()
-        self._loads_out = LoadsInFlight()  # requests loading asynchronously
-        # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
-        # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
-        # report what they read
-        self._block_bytes, self._bands = load_shape
+        self.events = events  # KV events for routers, when vLLM publishes them
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.stats = StatsBuffer()
+        # how each hit is served, and what the load policy decides it from
+        self.load_choices = LoadChoices(
+            config, self.block_size, self.stats, split_refusal, load_shape, engine
+        )
         # requests whose split load the metadata being built carries; and those of the step
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
         self._splits_running: list[str] = []
-        # the blocks each request of the running splits' step ran on and computed: a failed
-        # split taints what its same-step readers computed too (``_taint_readers``)
-        self._split_step_blocks: dict[str, StepBlocks] = {}
-        # block ids (first KV-cache group) vLLM's prefix cache holds with wrong KV after a
-        # failed split, until computed again (``_taint``)
-        self._tainted: set[int] = set()
-        self.events = events  # KV events for routers, when vLLM publishes them
-        self.layout = layout
-        self.block_size = layout.block_size
+        # blocks vLLM's prefix cache holds with wrong KV after a failed split
+        self._taints = TaintedBlocks(self.block_size, self.stats)
         # what a producer's kv_transfer_params must match here (transfer_params.py)
         self._this_instance = ThisInstance(config.namespace, layout.block_size, layout)
         self.store = store
         self.fingerprints = layout.all_fingerprints()
         self.failures = FailureCounts()
-        self.stats = StatsBuffer()
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_commits: list[CommitSpec] = []
-        # block hash -> request loading it now (share mode). A request whose blocks another
-        # request of this instance is loading waits for that load: the blocks then become local
-        # prefix-cache hits.
-        self._loading: dict[str, str] = {}
-        # block id -> (request, chain position) of blocks being loaded, to repair failed loads
-        self._load_blocks: dict[int, tuple[str, int]] = {}
-        # this step's lookups wait together until this moment (None: no wait yet this step)
-        self._step_wait_until: float | None = None
+        # the loads planned until vLLM reports them finished, and what each delivered
+        self._loads = LoadTracker(self.block_size, self.stats)
         self._lookups = LookupBatcher(
             store, self.fingerprints, config.lookup_threads, self.stats, layout
+        )
+        self._polls = LookupPolls(
+            config, store, self._lookups, self._loads, self.stats, self.failures
         )
         # deletes and handoff records never hold up lookups
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
@@ -298,12 +172,7 @@ class RedisConnectorScheduler:
         self._drops = HandoffDrops(
             store, self.fingerprints, config.deadline_max_s, self._report_background_failure
         )
-        # consume mode: request -> the handoff it is loading, dropped (claimed for it again and
-        # deleted) once every rank has finished loading: several ranks may read one value
-        self._consumed: dict[str, tuple[Handoff, list[str]]] = {}
-        # request -> [first, end, first failed] chain positions of its load, counted once vLLM
-        # reports it finished on every rank (a worker's own count would add up over TP ranks)
-        self._load_outcomes: dict[str, list[int]] = {}
+        self._handoffs = ConsumedHandoffs(config.consume, layout, self._drops)
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
         # which blocks of which requests each step saves
@@ -340,12 +209,10 @@ class RedisConnectorScheduler:
             st = None
         if st is not None:
             if request.num_preemptions != st.preemptions:
-                # preempted: it starts over with a fresh budget (a handoff it loaded or dropped
-                # is never waited for again)
-                st.preemptions = request.num_preemptions
-                st.deadline = time.monotonic() + self.config.request_deadline_s(st.num_tokens)
-                st.phase, st.lookup, st.next_poll = Phase.LOOKING_UP, None, 0.0
-                st.load_range, st.layered, st.decision = (0, 0), False, None
+                st.preempted(
+                    request.num_preemptions,
+                    time.monotonic() + self.config.request_deadline_s(st.num_tokens),
+                )
             return st
         generation = self.store.generation
         chains = RequestChains(request, self.block_size, generation)
@@ -434,7 +301,7 @@ class RedisConnectorScheduler:
         st = self._state(request)
         end = self._max_blocks(st, request)
         if self.config.loads and end > 0 and self._lookupable(st) and self.store.available:
-            self._start_lookup(st, 0, end)
+            self._polls.start(st, 0, end)
 
     def _refresh_generation(self) -> None:
         """Read the namespace's generation in the background, at most every second (lookups
@@ -450,121 +317,12 @@ class RedisConnectorScheduler:
         if st.generation != self.store.generation:
             return False  # named before a reset, and no longer renamable: never load it
         if st.handoff is not None:
-            return st.handoff.state == "waiting"
+            return st.handoff_waiting
         return not self.config.consume  # consume mode loads only what was handed off to it
 
     def _writes_back(self, st: RequestState) -> bool:
         """Share mode: its chain is the pool's, and what Redis lacks of it is written back."""
         return st.same_chain and self._lookupable(st)
-
-    def _start_lookup(self, st: RequestState, start: int, end: int) -> None:
-        st.lookup_start = start
-        handoff_id = st.handoff.handoff_id if st.handoff is not None else None
-        st.lookup = self._lookups.submit(st.load_hashes[start:end], start, handoff_id)
-        self.stats.add(lookups=1)
-
-    def _wait_in_step(self, fut: Future[LookupResult]) -> None:
-        """Wait for a lookup, within the one ``lookup_wait_s`` this step shares among all its
-        requests: a fast answer is used in this step, a slow one by a later call, so many
-        new requests never add up to a long step."""
-        now = time.monotonic()
-        if self._step_wait_until is None:
-            self._step_wait_until = now + self.config.lookup_wait_s
-        left = self._step_wait_until - now
-        if left > 0:
-            wait([fut], timeout=left)
-
-    def _poll_lookup(self, st: RequestState, start: int, end: int) -> LookupResult | None:
-        """The answer of a lookup covering ``start``, started now if needed; None while out.
-        A failed lookup answers ``present=-1``. A request that loads and saves one chain
-        (share mode, an instance that saves) always asks from the chain's first block: what
-        Redis lacks of vLLM's local hit is what it must write back, and a load or announcement
-        may only follow a head that is there."""
-        ask_from = 0 if self.config.saves and st.same_chain else start
-        if st.lookup is not None and st.lookup_start > ask_from:
-            st.lookup = None  # it asks about fewer blocks than vLLM now needs: ask again
-        if st.lookup is None:
-            self._start_lookup(st, ask_from, end)
-        lookup = st.lookup
-        assert lookup is not None
-        fut = lookup.future
-        if not fut.done():
-            self._wait_in_step(fut)
-        if not fut.done():  # tell a slow answer from an error by done(), never by exception type
-            trip = lookup.trip
-            hung = lookup.out_for(time.monotonic()) > self.config.control_timeout_s + 0.25
-            if hung and trip is not None and not trip.reported_hung:
-                # Redis has had it beyond its socket timeout (time queued behind other lookups
-                # does not count): one failure per round trip, so a hung server opens the
-                # breaker and a slow one does not
-                trip.reported_hung = True
-                self.store.breaker.record_failure("a lookup did not come back in time")
-            return None
-        st.lookup = None
-        try:
-            result = fut.result()
-        except KVStoreError as exc:
-            self.stats.add(redis_errors=1)
-            total = self.failures.add(f"lookup:{type(exc).__name__}")
-            if total:
-                logger.warning("Redis lookup failed (%d so far); recomputing: %s", total, exc)
-            return LookupResult(present=-1)
-        except Exception as exc:  # whatever it was, the request must not wait for it
-            self.stats.add(redis_errors=1)
-            logger.exception("Redis lookup raised %r; recomputing", exc)
-            return LookupResult(present=-1)
-        if result.generation != st.generation:
-            return None  # a reset: the request is named again and asks again (``_state``)
-        if result.present < start and st.lookup_start < start and ask_from == start:
-            # it stopped before vLLM's local hit: the blocks after it are still unknown
-            self._start_lookup(st, start, end)
-            return None
-        return result
-
-    def _give_up(self, st: RequestState, rid: str, why: str) -> int:
-        """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded)."""
-        self.stats.add(requests_given_up=1)
-        total = self.failures.add(f"give-up:{why}")
-        if total:
-            logger.warning(
-                "request %s: not loading from Redis (%s); recomputing (%d so far)", rid, why, total
-            )
-        return 0
-
-    def _present_blocks(self, st: RequestState, rid: str, start: int, end: int) -> int | None:
-        """LOOKING_UP: the leading blocks vLLM may load (absolute), or None while unknown."""
-        now = time.monotonic()
-        if now >= st.deadline:
-            return self._give_up(st, rid, "deadline passed")
-        if not self.store.available:
-            return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
-        if not self.config.consume and any(
-            self._loading.get(h, rid) != rid for h in st.load_hashes[start:end]
-        ):
-            return None  # another request is loading these blocks; wait for it
-        if st.lookup is None and now < st.next_poll:
-            return None  # polled Redis a moment ago; do not hammer it while waiting
-        result = self._poll_lookup(st, start, end)
-        if result is None:
-            return None
-        if result.present < 0:
-            return self._give_up(st, rid, "lookup failed")
-        if st.handoff is None:
-            return result.present
-        if result.taken:
-            st.handoff.state = "taken"
-            return self._give_up(st, rid, "handoff already taken by another request")
-        waited = now - st.first_seen
-        if result.committed is None and (
-            result.pending or not st.handoff.opened or waited < self.config.handoff_grace_s
-        ):
-            # the producer is still writing (or its first write, or its record, is just landing)
-            st.next_poll = now + _POLL_INTERVAL_S
-            return None
-        self.stats.observe("handoff_wait_seconds", waited)
-        if result.committed is not None:
-            return min(result.present, result.committed)  # the rest was shed, failed or is gone
-        return result.present  # no record at all (evicted, never written): load what is there
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -573,14 +331,14 @@ class RedisConnectorScheduler:
         start = num_computed_tokens // self.block_size
         if st.phase is Phase.ANSWERED:
             if start >= st.answer_start:  # asked again (vLLM could not allocate): same answer
-                return self._answer(st, start)
-            st.phase = Phase.LOOKING_UP  # its local hits shrank: blocks before are unknown
+                return st.answer(start, self.block_size)
+            st.local_hits_shrank()
         if st.phase is not Phase.LOOKING_UP:
             return 0, False  # one load per admission: a failed load is recomputed, not retried
         end = self._max_blocks(st, request)
         present = 0
         if self.config.loads and end > start and self._lookupable(st):
-            found = self._present_blocks(st, request.request_id, start, end)
+            found = self._polls.present_blocks(st, request.request_id, start, end)
             if found is None:
                 return None, False
             present = found
@@ -589,131 +347,34 @@ class RedisConnectorScheduler:
             # saves wait for the answer instead (``save_plans.py``), so a prefix Redis lost
             # is written back and one it holds is not written twice
             if st.lookup is None and self.store.available:
-                self._start_lookup(st, 0, end)
-            st.presence, st.lookup = st.lookup, None
+                self._polls.start(st, 0, end)
+            st.lookup_kept_for_saves()
             if st.presence is not None and not st.presence.future.done():
-                self._wait_in_step(st.presence.future)  # (usually back: asked on arrival)
-        st.phase, st.answer_start, st.answered_at = Phase.ANSWERED, start, time.monotonic()
-        st.present_blocks = min(present, end)
-        self._decide(st, request, start)
-        return self._answer(st, start)
-
-    def _answer(self, st: RequestState, start: int) -> tuple[int, bool]:
-        n = st.load_end
-        if n <= start:
-            st.load_range = (start, start)
-            return 0, False
-        st.load_range = (start, n)
-        return (n - start) * self.block_size, not st.layered
-
-    def figures(self) -> Figures:
-        """What the load policy decides from now (``figures.py``)."""
-        loads = self.load_rate.estimate() if self._block_bytes > 0 else None
-        splits = splits_within_loads(loads, self.split_rate.estimate())
-        return Figures(loads, splits, self.compute_rate.estimate())
-
-    @property
-    def splits_allowed(self) -> bool:
-        return self.split_refusal is None and self._unwaited_splits < UNWAITED_SPLITS_LIMIT
-
-    @property
-    def auto_splits(self) -> bool:
-        """Whether ``auto`` may choose a split (and its bands need probing). Not where the
-        bands' reads cannot overlap the pass (vLLM's CPU backend): there a split is its reads,
-        then its compute, holding the whole batch meanwhile, and gains at most the one step an
-        async load waits; on the 2-core VM its reads ran slower than a whole load's and auto's
-        splits came 1.1-1.2x behind async (a request may still pin one)."""
-        return self.splits_allowed and self.engine.overlap
-
-    def _busy(self) -> Busy:
-        """What the engine holds besides the request being admitted: the pass just scheduled
-        (as the next one), this step's admissions so far, and the loads in flight."""
-        run, more = self._running, self._admitted
-        return Busy(
-            batch=run.batch,
-            prefills=run.prefills + more.prefills,
-            prefill_tokens_ahead=run.prefill_tokens_ahead + more.prefill_tokens_ahead,
-            loads=len(self._loads_out) + more.loads,
-            load_bytes_ahead=self._loads_out.bytes_left(time.monotonic()) + more.load_bytes_ahead,
-            split_bytes=more.split_bytes,  # (one split a pass: a second waits for the next)
-        )
-
-    def _decide(self, st: RequestState, request: Request, start: int) -> None:
-        """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
-        way), counted and kept with the request."""
-        hit = Hit(
-            start,
-            max(start, st.present_blocks),
-            request.num_prompt_tokens,
-            self.block_size,
-            self._block_bytes,
-            self._bands,
-        )
-        st.decision, st.layered, st.load_end = None, False, start
-        if hit.blocks <= 0:
-            return
-        self.probes.remember(st.load_hashes[start : hit.end])
-        way = st.pin or (
-            None if self.config.load_policy == "auto" else Way(self.config.load_policy)
-        )
-        figures, busy = self.figures(), self._busy()
-        if way is not None:
-            decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
-        else:
-            decision = choose(
-                hit,
-                figures,
-                engine=self.engine,
-                busy=busy,
-                split_ok=self.auto_splits,
-                weights=self.weights,
-                token_s=self.compute_rate.token_seconds(),
-                # a handoff was made for this request to load; the pool's blocks are not
-                # loaded before the store is measured (the probes do that meanwhile)
-                unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
-            )
-            measured = decision.reason is Reason.MEASURED
-            self.probes.note_choice(measured and decision.way is Way.RECOMPUTE)
-            if decision.gain_s is not None:
-                self.stats.observe("predicted_gain_seconds", decision.gain_s)
-        st.decision, st.layered = decision, decision.way is Way.SPLIT
-        st.load_end = start + decision.blocks
-        self._admitted = admitted(self._admitted, hit, decision)
-        self.stats.add(**{f"chose_{decision.way.value}": 1})
-        if decision.way is Way.RECOMPUTE:
-            self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
-        logger.debug(
-            "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
-            request.request_id,
-            hit.blocks,
-            start,
-            decision.way.value,
-            decision.blocks,
-            decision.reason.value,
-            decision.predicted_s or "-",
-        )
+                self._polls.wait_in_step(st.presence.future)  # (usually back: asked on arrival)
+        st.answered(start, min(present, end))
+        self.load_choices.decide(st, request, start)
+        return st.answer(start, self.block_size)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         st = self._state(request)
-        st.block_ids = self._per_group(blocks.get_block_ids())
+        st.allocated(self._per_group(blocks.get_block_ids()))
         if st.phase in (Phase.LOADING, Phase.RUNNING):
             return  # admitted again after its load: nothing changes
         if st.phase is Phase.LOOKING_UP:  # admitted without an answer from us: nothing to load
-            st.lookup, st.present_blocks, st.load_range = None, 0, (0, 0)
+            st.admitted_unanswered()
         if st.same_chain:
-            st.saved_blocks = max(st.saved_blocks, st.present_blocks)  # in Redis already
+            st.saved_up_to(st.present_blocks)  # in Redis already
         start, answered_end = st.load_range
         # vLLM may allocate fewer tokens than answered (its token budget): load whole blocks
         end = min(answered_end, start + math.ceil(num_external_tokens / self.block_size))
         if end <= start:
-            st.phase = Phase.RUNNING
-            self._drop_handoff(st)  # handed off to us but not loaded (e.g. a local hit)
+            st.start_running()
+            self._handoffs.drop_unloaded(st)  # handed off to us but not loaded (a local hit)
             return
         now = time.monotonic()
-        st.deadline += now - st.answered_at  # waiting for room in the KV cache is not Redis
-        st.load_range = (start, end)
+        st.load_planned(start, end, now)
         rid = request.request_id
         timeout = max(0.0, st.deadline - now)
         # the policy's wait: a load past it has cost more than recomputing would have (and,
@@ -724,28 +385,24 @@ class RedisConnectorScheduler:
         if st.layered:
             # it runs in this step: its blocks are vLLM's cached blocks at once, no other
             # request waits for them
-            st.phase = Phase.RUNNING
             self._splits_planned.append(rid)
         else:
-            st.phase = Phase.LOADING
-            if not self.config.consume:
-                for h in st.load_hashes[start:end]:
-                    self._loading[h] = rid
             predicted = st.decision.predicted_s if st.decision is not None else {}
-            nbytes = (end - start) * self._block_bytes
+            nbytes = (end - start) * self.load_choices.block_bytes
             # its bytes leave the queue until it is predicted to land, the loads ahead of it
             # first (a review suggested its own time alone: loads queued at the store then
             # looked gone long before they were, and in the simulator waits ran out)
-            self._loads_out.started(rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout)
-        if not self.layout.fails_per_request:  # (otherwise vLLM hears of the whole request)
-            for pos in range(start, end):
-                self._load_blocks[st.block_ids[0][pos]] = (rid, pos)
-        self._load_outcomes[rid] = [start, end, end]
-        claim = None
-        if self._owns_handoff(st):
-            assert st.handoff is not None
-            st.handoff.state, claim = "loading", st.handoff.handoff_id
-            self._consumed[rid] = (st.handoff, self.layout.group_block_hashes(st.load_hashes))
+            self.load_choices.loads_out.started(
+                rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout
+            )
+        self._loads.planned(
+            rid,
+            st,
+            others_wait=not st.layered and not self.config.consume,
+            # (otherwise vLLM hears of the whole request)
+            traces_blocks=not self.layout.fails_per_request,
+        )
+        claim = self._handoffs.claim_for_load(rid, st)
         self._pending_loads.append(
             LoadSpec(
                 req_id=rid,
@@ -758,7 +415,7 @@ class RedisConnectorScheduler:
             )
         )
         if st.same_chain:
-            st.saved_blocks = max(st.saved_blocks, end)  # already in Redis
+            st.saved_up_to(end)  # already in Redis
 
     def _per_group(self, block_ids: Sequence[Sequence[int]] | None) -> list[list[int]]:
         """vLLM's block ids (one list per KV-cache group) of the groups the layout stores."""
@@ -766,114 +423,41 @@ class RedisConnectorScheduler:
             return [[] for _ in self.layout.groups]
         return [list(block_ids[g.index]) for g in self.layout.groups]
 
-    def _owns_handoff(self, st: RequestState) -> bool:
-        """A consume-mode handoff chain is this request's alone: it deletes it when done."""
-        return self.config.consume and st.handoff is not None and st.handoff.scoped
-
-    def _drop_handoff(self, st: RequestState) -> None:
-        """Consume mode leaves nothing behind: claim a handoff this request will not load (e.g.
-        vLLM's local prefix cache had its blocks) and delete its blocks and record."""
-        handoff = st.handoff
-        if handoff is None or not self._owns_handoff(st) or handoff.state not in ("waiting",):
-            return
-        handoff.state = "dropped"
-        self._drops.drop(
-            handoff.handoff_id,
-            handoff.owner,
-            self.layout.group_block_hashes(st.load_hashes),
-            expect_record=not handoff.opened,
-        )
-
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         if self.events is not None:
             self.events.reported(getattr(output, "kv_cache_events", None))
-        self._take_samples(getattr(output, "kv_connector_stats", None))
+        self.load_choices.take_samples(getattr(output, "kv_connector_stats", None))
         failed_split_blocks: set[int] = set()
         for block_id in output.invalid_block_ids or ():
-            owner = self._load_blocks.get(block_id)
+            owner = self._loads.block_failed(block_id)  # (vLLM recomputes from it on)
             if owner is None:
                 continue
-            outcome = self._load_outcomes.get(owner[0])
-            if outcome is not None:  # vLLM recomputes from the first failed block on
-                outcome[2] = min(outcome[2], owner[1])
-            if owner[0] in self._splits_running:  # (a failed async load was never cached)
-                self._taint(*owner)
-                failed_split_blocks.add(block_id)
             st = self._reqs.get(owner[0])
+            if owner[0] in self._splits_running:  # (a failed async load was never cached)
+                if st is not None:
+                    self._taints.taint(st, owner[1])
+                failed_split_blocks.add(block_id)
             if st is not None and st.same_chain:
                 # share mode: save the recomputed block again, so the bad value is replaced
-                st.saved_blocks = min(st.saved_blocks, owner[1])
-                st.present_blocks = min(st.present_blocks, owner[1])
+                st.recomputed_from(owner[1])
         if failed_split_blocks:
-            self._taint_readers(failed_split_blocks)
+            self._taints.taint_readers(failed_split_blocks)
         for req_id in getattr(output, "failed_recving", None) or ():
             # a load failed as a whole (several groups, or a windowed one): vLLM recomputes the
             # whole prompt
-            outcome = self._load_outcomes.get(req_id)
-            if outcome is not None:
-                outcome[2] = outcome[0]
+            self._loads.load_failed(req_id)
             st = self._reqs.get(req_id)
             if st is not None and st.same_chain:  # share mode: save what was not loaded again
-                st.saved_blocks = min(st.saved_blocks, st.load_range[0])
-                st.present_blocks = min(st.present_blocks, st.load_range[0])
+                st.recomputed_from(st.load_range[0])
         for req_id in output.finished_recving or ():
-            self._loads_out.ended(req_id)
-            self._count_load(req_id)
+            self.load_choices.loads_out.ended(req_id)
+            self._loads.count(req_id)
             st = self._reqs.get(req_id)
             if st is not None and st.phase is Phase.LOADING:
-                st.phase = Phase.RUNNING
-                self._release(req_id, st)
-            consumed = self._consumed.pop(req_id, None)
-            if consumed is not None:  # every rank is done with it (aborted or not): delete it
-                handoff, keys = consumed
-                self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+                st.start_running()
+                self._loads.release(req_id, st)
+            self._handoffs.loaded(req_id)  # (aborted or not: every rank is done with it)
         self._finish_splits()
-
-    def _take_samples(self, stats: Any) -> None:
-        """The workers' measurements, for the load policy's figures (``figures.py``): each
-        kind as the workers send it (``worker.py``); anything else teaches nothing."""
-        data = getattr(stats, "data", None)
-        if not isinstance(data, dict):
-            return
-        kinds: dict[str, Any] = {
-            "load_samples": lambda r, b, s, lag: self.load_rate.add(
-                b, s, int(r), lag if lag >= 0 else None
-            ),
-            "load_bounds": lambda r, b, s: self.load_rate.add_bound(b, s, int(r)),
-            "split_samples": lambda r, b, first, between, bands: self.split_rate.add(
-                b, first, between, int(bands), int(r)
-            ),
-            "split_bounds": lambda r, b, s: self.split_rate.add_bound(b, s, int(r)),
-            "compute_samples": lambda p, a, d, x, s: self.compute_rate.add(
-                StepShape(int(p), float(a), int(d), int(x)), s
-            ),
-        }
-        for key, take in kinds.items():
-            for values in data.get(key, ()):
-                try:
-                    take(*(float(v) for v in values))
-                except (TypeError, ValueError, OverflowError):  # not what our workers send
-                    logger.debug("ignoring a malformed %s in the connector's stats", key)
-        try:
-            if data.get("rank_block_bytes"):  # each rank's, the slowest sets the pace
-                self._block_bytes = max(int(b) for (b,) in data["rank_block_bytes"])
-            if data.get("split_bands"):
-                self._bands = min(int(b) for (b,) in data["split_bands"])
-        except (TypeError, ValueError, OverflowError):
-            logger.debug("ignoring a malformed load shape in the connector's stats")
-        if data.get("probe_missing"):  # (a list: one entry a probe, any rank)
-            self.probes.forget()
-        unwaited = data.get("split_unwaited")
-        if isinstance(unwaited, list) and unwaited:
-            self._unwaited_splits += len(unwaited)
-            if self._unwaited_splits >= UNWAITED_SPLITS_LIMIT and self.split_refusal is None:
-                logger.warning(
-                    "RedisConnector: %d split loads ran in forward passes that did not wait "
-                    "for their layers (a full CUDA graph replays none of the waits); no more "
-                    "splits are chosen on this engine",
-                    self._unwaited_splits,
-                )
-                self.split_refusal = "forward passes did not wait for split loads"
 
     def _finish_splits(self) -> None:
         """The splits of the step whose output came in: counted (its failed blocks came with
@@ -881,45 +465,17 @@ class RedisConnectorScheduler:
         Called at the end of ``update_connector_output``, and when the next step's metadata is
         built (a step whose output carried nothing for the connector)."""
         for req_id in self._splits_running:
-            self._count_load(req_id)
+            self._loads.count(req_id)
             st = self._reqs.get(req_id)
             if st is not None:  # (else request_finished released it)
-                self._release(req_id, st)
-            consumed = self._consumed.pop(req_id, None)
-            if consumed is not None:
-                handoff, keys = consumed
-                self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+                self._loads.release(req_id, st)
+            self._handoffs.loaded(req_id)
         self._splits_running = []
-        self._split_step_blocks = {}
-
-    def _count_load(self, req_id: str) -> None:
-        """A load vLLM reports finished on every rank: what it delivered, once per request."""
-        outcome = self._load_outcomes.pop(req_id, None)
-        if outcome is None:
-            return
-        start, end, failed = outcome
-        self.stats.add(
-            loads=1,
-            blocks_loaded=failed - start,
-            tokens_loaded=(failed - start) * self.block_size,
-            blocks_load_failed=end - failed,
-            tokens_load_failed=(end - failed) * self.block_size,
-        )
-
-    def _release(self, req_id: str, st: RequestState) -> None:
-        """Forget the blocks this request was loading (share mode: others stop waiting)."""
-        start, end = st.load_range
-        for h in st.load_hashes[start:end]:
-            if self._loading.get(h) == req_id:
-                del self._loading[h]
-        for block_id in st.block_ids[0][start:end] if st.block_ids else ():
-            if self._load_blocks.get(block_id, ("",))[0] == req_id:
-                del self._load_blocks[block_id]
-        st.load_range = (0, 0)
+        self._taints.forget_step()
 
     # ------------------------------------------------------------------ steps and commits
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
-        self._step_wait_until = None  # the step is over: the next one may wait again
+        self._polls.new_step()  # the step is over: the next one may wait again
         self._finish_splits()
         self._splits_running, self._splits_planned = self._splits_planned, []
         rows = self._scheduled_rows(scheduler_output)
@@ -928,29 +484,22 @@ class RedisConnectorScheduler:
             commits=self._pending_commits,
             step=step_shape([(before, n, prompt) for before, n, prompt, _ in rows]),
         )
-        self._running, self._admitted = next_pass(rows, self.engine), Busy()
+        self.load_choices.next_pass(rows)
         if self.config.loads:
-            figures = self.figures()
-            # where the pass runs on the cores a probe's reads use (vLLM's CPU backend), a
-            # probe waits for a step that computes no prompt and loads nothing (``probes.py``)
-            quiet = self.engine.overlap or (
-                meta.step.prefill_tokens == 0
-                and not meta.loads
-                and not len(self._loads_out)
-                and not self._splits_running
-            )
-            probe = self.probes.due(
-                figures.loads, figures.splits, self.auto_splits, self._block_bytes, quiet
-            )
+            quiet_step = meta.step.prefill_tokens == 0 and not meta.loads
+            probe = self.load_choices.due_probe(quiet_step, bool(self._splits_running))
             if probe is not None:
                 meta.probes.append(probe)
         self._pending_loads, self._pending_commits = [], []
         progress, fresh = self._track_block_tables(scheduler_output)
-        if self._splits_running:  # what a failed split would taint (``_taint_readers``)
-            self._split_step_blocks = self._step_blocks(scheduler_output, progress)
+        if self._splits_running:  # what a failed split would taint (``taints.py``)
+            self._taints.remember_step(
+                step_blocks(scheduler_output, progress, self._reqs, self.block_size)
+            )
         held: set[str] = set()  # requests whose blocks of this step are saved a step later
-        if self._tainted:
-            meta.reject_blocks, held = self._screen_tainted(scheduler_output, progress, fresh, meta)
+        if self._taints.blocks:
+            rows_now = step_blocks(scheduler_output, progress, self._reqs, self.block_size)
+            meta.reject_blocks, held = self._taints.screen(rows_now, fresh, meta.loads)
         if not self.config.saves:
             return meta
         meta.saves = self._save_planner.plan(
@@ -984,9 +533,9 @@ class RedisConnectorScheduler:
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = self._per_group(new.block_ids)
+                st.allocated(self._per_group(new.block_ids))
                 progress.append((new.req_id, new.num_computed_tokens))
-                st.computed_tokens = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+                st.scheduled(new.num_computed_tokens + scheduled.get(new.req_id, 0))
                 first = new.num_computed_tokens // self.block_size  # (before: cached hits)
                 fresh[new.req_id] = st.block_ids[0][first:] if st.block_ids else []
         cached = scheduler_output.scheduled_cached_reqs
@@ -997,99 +546,16 @@ class RedisConnectorScheduler:
             new_ids = cached.new_block_ids[i]
             computed = cached.num_computed_tokens[i]
             if req_id in cached.resumed_req_ids or not st.block_ids:
-                st.block_ids = self._per_group(new_ids)
+                st.allocated(self._per_group(new_ids))
                 first = computed // self.block_size
                 fresh[req_id] = st.block_ids[0][first:] if st.block_ids else []
             elif new_ids:
                 more_ids = self._per_group(new_ids)
-                for ids, more in zip(st.block_ids, more_ids, strict=True):
-                    ids.extend(more)
+                st.blocks_appended(more_ids)
                 fresh[req_id] = more_ids[0] if more_ids else []
             progress.append((req_id, computed))
-            st.computed_tokens = computed + scheduled.get(req_id, 0)
+            st.scheduled(computed + scheduled.get(req_id, 0))
         return progress, fresh
-
-    def _taint(self, req_id: str, position: int) -> None:
-        """A split of ``req_id`` failed from chain position ``position``: vLLM keeps its blocks
-        from there on in its prefix cache (it allocated them cached, and under
-        kv_load_failure_policy=recompute does not evict them) holding KV that is wrong -- not
-        loaded, or computed over what was not. Its request computes them again; until a
-        request has, no other may run on them (``_screen_tainted``)."""
-        st = self._reqs.get(req_id)
-        if st is not None and st.block_ids:  # (only full blocks are cached)
-            self._tainted.update(st.block_ids[0][position : st.computed_tokens // self.block_size])
-
-    def _step_blocks(
-        self, scheduler_output: SchedulerOutput, progress: list[tuple[str, int]]
-    ) -> dict[str, StepBlocks]:
-        """What each scheduled request's step runs on and computes, in block ids (first
-        KV-cache group), from (request, tokens computed before the step)."""
-        bs = self.block_size
-        rows: dict[str, StepBlocks] = {}
-        for req_id, computed in progress:
-            ids = self._reqs[req_id].block_ids
-            table = ids[0] if ids else []
-            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            rows[req_id] = StepBlocks(
-                context=table[: computed // bs],
-                whole=table[-(-computed // bs) : done // bs],
-                cached=table[computed // bs : done // bs],
-            )
-        return rows
-
-    def _taint_readers(self, failed: set[int]) -> None:
-        """A split of the step whose output came in failed on ``failed``. vLLM caches a
-        split's blocks when it allocates them, so a request admitted after it in the same
-        step may have run on them as a local hit: vLLM rewinds such a request, but the full
-        blocks it computed over them stay in its prefix cache with wrong KV until it computes
-        them again -- which it never does if it is aborted or preempted first. Taint them
-        (``_screen_tainted`` then keeps everyone off them), and what any request of the step
-        computed over those, settled until nothing changes."""
-        bad = set(failed)
-        rows = self._split_step_blocks
-        while True:
-            more = {b for row in rows.values() if bad.intersection(row.context) for b in row.cached}
-            if more <= bad:
-                break
-            bad |= more
-        self._tainted |= bad
-
-    def _screen_tainted(
-        self,
-        scheduler_output: SchedulerOutput,
-        progress: list[tuple[str, int]],
-        fresh: dict[str, list[int]],
-        meta: RedisConnectorMetadata,
-    ) -> tuple[list[int], set[str]]:
-        """The tainted blocks (``_taint``) this step's requests would run on: reported as
-        failed blocks with this step's output, so vLLM drops those requests' tokens and
-        computes the blocks again -- the same path as a failed load. A block is clean again
-        once vLLM handed it out afresh (its old prefix-cache entry is gone) or a request whose
-        own context is clean computed all of it. A request whose context holds a tainted block
-        taints what it computes too (vLLM caches it when it allocates it, so another request
-        of the same step may read it): settled until nothing changes. Returns the blocks to
-        report and the requests that run on them (nothing they compute now is saved)."""
-        rows = self._step_blocks(scheduler_output, progress)
-        context = {r: row.context for r, row in rows.items()}
-        whole = {r: row.whole for r, row in rows.items()}
-        cached = {r: row.cached for r, row in rows.items()}
-        for handed_out in fresh.values():  # out of the prefix cache: what it held is gone
-            self._tainted.difference_update(handed_out)
-        for spec in meta.loads:  # written whole by a load (a failed one taints anew)
-            self._tainted.difference_update(spec.block_ids[0] if spec.block_ids else [])
-        bad: set[str] = set()
-        while True:
-            cleaned = {b for r, ids in whole.items() if r not in bad for b in ids}
-            tainted = (self._tainted | {b for r in bad for b in cached[r]}) - cleaned
-            now_bad = {r for r, ids in context.items() if any(b in tainted for b in ids)}
-            if now_bad <= bad:
-                break
-            bad |= now_bad
-        rejected = {b for r in bad for b in context[r] if b in tainted}
-        self._tainted = tainted
-        if rejected:
-            self.stats.add(tainted_blocks_rejected=len(rejected))
-        return sorted(rejected), bad
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         """Finished or aborted, in any state. A producer returns the handoff a consumer waits
@@ -1102,10 +568,10 @@ class RedisConnectorScheduler:
             return False, None
         loading = st.phase is Phase.LOADING
         if not loading:
-            self._loads_out.ended(request.request_id)
-        self._release(request.request_id, st)
+            self.load_choices.loads_out.ended(request.request_id)
+        self._loads.release(request.request_id, st)
         if not loading:
-            self._drop_handoff(st)  # not loaded, and never will be: claim and delete it
+            self._handoffs.drop_unloaded(st)  # not loaded, and never will be: claim and delete it
         if not self.config.saves or (st.saved_blocks == 0 and st.save_start is None):
             return False, None
         n = st.saved_blocks
@@ -1133,7 +599,7 @@ class RedisConnectorScheduler:
             num_blocks=n,
             last_hash=st.save_hashes[n - 1],
             generation=st.generation,
-            opened=opened(st.opening),
+            opened=st.record_opened(),
         )
         return holds, params
 
@@ -1166,19 +632,7 @@ class RedisConnectorScheduler:
 
     def take_stats(self) -> dict[str, Any]:
         data = self.stats.take()
-        figures = self.figures()
-        loads, splits, compute = figures.loads, figures.splits, figures.compute
-        if loads is not None:
-            data["policy_load_bytes_per_second"] = loads.bytes_per_s
-            data["policy_load_overhead_seconds"] = loads.overhead_s
-        if splits is not None and self.auto_splits:
-            # (only where auto may split, and band probes keep it current: elsewhere a figure
-            # left from a pinned split, or bounded once, stood in /metrics for good)
-            data["policy_split_bytes_per_second"] = splits.bytes_per_s
-        if compute is not None:
-            data["policy_step_seconds"] = compute.step_s
-            data["policy_token_seconds"] = compute.token_s
-            data["policy_attention_seconds"] = compute.attention_s
+        self.load_choices.report(data)
         is_open = not self.store.available
         if is_open != self._breaker_reported:
             data["breaker_open"] = int(is_open)

@@ -28,8 +28,6 @@ class Handoff:
     # the producer saw its "pending" record in Redis before it answered; if not, a missing
     # record may still come (its producer lags), and is waited for as "pending" is
     opened: bool = True
-    # waiting -> loading (the worker claims it) | dropped (we claim and delete it) | taken
-    state: str = "waiting"
     owner: str = field(default_factory=lambda: uuid.uuid4().hex)  # who claims it
 
 

@@ -594,10 +594,10 @@ class SimEngine:
         sched, worker = self.connector.scheduler, self.worker
         held: dict[str, dict[Any, Any]] = {
             "scheduler requests": sched._reqs,
-            "scheduler loads": sched._loading,
-            "scheduler load blocks": sched._load_blocks,
-            "scheduler load outcomes": sched._load_outcomes,
-            "scheduler consumed handoffs": sched._consumed,
+            "scheduler loads": sched._loads.loading,
+            "scheduler load blocks": sched._loads.blocks,
+            "scheduler load outcomes": sched._loads.outcomes,
+            "scheduler consumed handoffs": sched._handoffs.loading,
             "scheduler splits": dict.fromkeys(sched._splits_planned + sched._splits_running),
             "worker loads and saves": {r: True for r in worker.tracked_requests()},
             "worker splits": worker._splits,

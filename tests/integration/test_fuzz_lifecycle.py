@@ -660,7 +660,7 @@ class ConsumeMachine(LifecycleMachine):
             alloc(request, blocks, n)
             state = sched._reqs.get(request.request_id)
             phase = state.phase.name if state else "-"
-            handoff = state.handoff.state if state and state.handoff else "-"
+            handoff = state.handoff_state.value if state and state.handoff else "-"
             self.note(request.request_id, f"allocated {n} external ({phase}, handoff {handoff})")
 
         def traced_delete(drop: Any) -> None:

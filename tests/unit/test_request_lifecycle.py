@@ -21,8 +21,9 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
-import connector.scheduler
+import connector.lookup_polls
 from connector.chains import handoff_salt
+from connector.request_state import Phase
 from kvstore import LookupBuffer, chain_hashes
 from testing.scheduler_harness import BS, make_request, make_scheduler
 from testing.sim_engine import SimEngine
@@ -262,20 +263,28 @@ def test_one_step_waits_for_lookups_once_however_many_requests_arrive(
         ends.append((now, now + (timeout or 0.0)))
         return real_wait(fs, timeout=timeout, **kw)
 
-    monkeypatch.setattr(connector.scheduler, "wait", counting_wait)
+    monkeypatch.setattr(connector.lookup_polls, "wait", counting_wait)
     wait_s = 0.02
     sched = make_scheduler(tiny_model, "kv_both", url=URL, lookup_wait_s=wait_s)
     store = sched.connector.scheduler.store  # type: ignore[union-attr]
     real_lookup = store.survey
+    # Redis answers only after the step: however slowly this machine adds the 64 requests,
+    # every lookup is still out when the step polls it (a sleep once let a busy machine's
+    # lookups all finish first, and the step then rightly waited for none)
+    answer = threading.Event()
 
     def slow(*a: Any, **k: Any) -> Any:
-        time.sleep(4 * wait_s)
+        answer.wait(timeout=30)
         return real_lookup(*a, **k)
 
     store.survey = slow
     for i in range(64):
         sched.add_request(make_request(f"r{i}", prompt(3 * BS + 1, seed=i)))
-    sched.schedule()
+    try:
+        sched.schedule()
+    finally:
+        answer.set()
+    assert ends, "the step never waited for a lookup that was still out"
     assert all(end - called <= wait_s + 1e-9 for called, end in ends)
     # (within one more wait_s: a busy machine may pause the scheduler between reading its clock
     # and calling wait; a budget per request ends each wait a whole wait_s after the last)
@@ -508,9 +517,7 @@ def test_a_hit_another_connector_loads_plans_no_load_here_and_saves_the_prompt(
 
     conn.update_state_after_alloc(req, Blocks(), 0)  # the other child's load
     assert conn._pending_loads == []  # nothing written into blocks the other child fills
-    assert (
-        conn._reqs["r"].phase is connector.scheduler.Phase.RUNNING
-    )  # computed from there on, never waiting
+    assert conn._reqs["r"].phase is Phase.RUNNING  # computed from there on, never waiting
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 

@@ -73,8 +73,8 @@ def measured(
     """Figures fed in as the workers would send them: prefills of ``token_s`` a token, whole
     loads and split bands at the given bandwidths (no fixed costs); a split's reads overlap
     its pass, as on a GPU (the harness's engine is a CPU one, where they would not)."""
-    policy = engine.connector.scheduler
-    policy._block_bytes, policy._bands = 32 << 10, 2
+    policy = engine.connector.scheduler.load_choices
+    policy.block_bytes, policy.bands = 32 << 10, 2
     policy.engine = dataclasses.replace(policy.engine, overlap=True)
     for tokens in (64, 128, 256, 512):
         for _ in range(4):
@@ -250,7 +250,7 @@ def test_auto_splits_or_recomputes_from_what_it_measured(engines: Any) -> None:
     recomputed, a fast one loaded."""
     prompts = saved_prompts(engines, 2, seed=10)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
-    policy = reader.connector.scheduler
+    policy = reader.connector.scheduler.load_choices
     # 1 ms a token; 1 MB/s: a block takes 32 ms, computing it 16 ms
     measured(reader, token_s=0.001, load_bytes_per_s=1e6, band_bytes_per_s=1e6)
     reader.add("p0", prompts["p0"])
@@ -272,7 +272,7 @@ def test_auto_does_not_split_where_bands_cannot_overlap_the_pass(engines: Any) -
     async."""
     prompts = saved_prompts(engines, 2, seed=12)
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
-    policy = reader.connector.scheduler
+    policy = reader.connector.scheduler.load_choices
     # a block loads in about the time it computes in (16 ms), bands a third faster (the
     # figure auto split on there: its band probes read 1.5x whole loads' rate)
     measured(reader, token_s=0.001, load_bytes_per_s=2e6, band_bytes_per_s=3e6)
@@ -292,11 +292,12 @@ def test_the_split_figure_is_reported_only_where_auto_may_split(engines: Any) ->
     split figure current, and a figure once bounded stood in /metrics for good (0.49 MB/s
     through a whole phase whose store ran at 20 MB/s)."""
     reader = engines(load_policy="auto", split_band_bytes=16 << 10)
-    policy = reader.connector.scheduler
+    scheduler = reader.connector.scheduler
+    policy = scheduler.load_choices
     measured(reader, token_s=0.001, load_bytes_per_s=2e6, band_bytes_per_s=3e6)
-    assert policy.take_stats()["policy_split_bytes_per_second"] > 0  # (overlap: a GPU)
+    assert scheduler.take_stats()["policy_split_bytes_per_second"] > 0  # (overlap: a GPU)
     policy.engine = dataclasses.replace(policy.engine, overlap=False)
-    stats = policy.take_stats()
+    stats = scheduler.take_stats()
     assert "policy_split_bytes_per_second" not in stats
     assert stats["policy_load_bytes_per_second"] > 0
 
@@ -350,7 +351,7 @@ def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_reco
     # b ran on the cached blocks (no lookup beyond them), and was made to compute the bad one
     # and those after it again, once
     assert reader.take_stats()["tainted_blocks_rejected"] >= 1
-    assert not reader.connector.scheduler._tainted  # computed again: clean
+    assert not reader.connector.scheduler._taints.blocks  # computed again: clean
 
 
 def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_another_request(
@@ -391,7 +392,7 @@ def test_the_stand_in_model_says_who_computed_kv_over_a_failed_split_and_over_wh
     saved(engines, shared + prompt(3, seed=42))
     reader = engines(**SPLIT)
     scheduler = reader.connector.scheduler
-    monkeypatch.setattr(scheduler, "_screen_tainted", lambda *a: ([], set()))
+    monkeypatch.setattr(scheduler._taints, "screen", lambda *a: ([], set()))
     evicting(reader.worker.store, fake_redis, 2)
     follower = shared + prompt(3 * BS + 5, seed=43)
     reader.add("a", shared + prompt(3, seed=42))
@@ -463,7 +464,7 @@ def test_a_store_that_whole_loads_saw_slow_down_is_not_split_on_the_bands_figure
     reader.add("p0", prompts["p0"])
     reader.run_until_idle()
     assert "chose_split" in reader.take_stats()
-    policy = reader.connector.scheduler
+    policy = reader.connector.scheduler.load_choices
     for size in (1 << 20, 4 << 20, 1 << 20, 4 << 20):  # then whole loads ran at 100 KB/s
         policy.load_rate.add(size, size / 1e5)
     assert policy.figures().splits.bounded  # so the bands are probed again
@@ -507,10 +508,11 @@ def test_hostile_figures_in_the_workers_stats_teach_nothing_and_stop_nothing(
         "split_bands": [[nan]],
         "probe_missing": "yes",
     }
-    policy = reader.connector.scheduler
-    before = policy.figures()
-    policy.update_connector_output(KVConnectorOutput(kv_connector_stats=RedisConnectorStats(data)))
-    assert policy.figures() == before  # nothing learnt
+    scheduler = reader.connector.scheduler
+    before = scheduler.load_choices.figures()
+    output = KVConnectorOutput(kv_connector_stats=RedisConnectorStats(data))
+    scheduler.update_connector_output(output)
+    assert scheduler.load_choices.figures() == before  # nothing learnt
     tokens = prompt(4 * BS + 1, seed=80)
     saved(engines, tokens)
     reader.add("r", tokens)
@@ -523,7 +525,7 @@ def test_compressed_values_are_not_split(engines: Any) -> None:
     sample, so the split figure stayed missing and band probes went out every 50 ms (found by
     a review). An instance that compresses chooses between loading and recomputing."""
     reader = engines(load_policy="auto", compression="lz4")
-    assert not reader.connector.scheduler.splits_allowed
+    assert not reader.connector.scheduler.load_choices.splits_allowed
     with pytest.raises(ValueError, match="compression"):
         engines(load_policy="split", compression="lz4")
 
@@ -624,7 +626,7 @@ def test_splits_whose_forward_pass_never_waits_stop_being_chosen(engines: Any) -
         ways.append(next(k for k in stats if k.startswith("chose_")))
     assert ways[:2] == ["chose_split"] * 2
     assert "chose_split" not in ways[2:], ways
-    assert not reader.connector.scheduler.splits_allowed
+    assert not reader.connector.scheduler.load_choices.splits_allowed
 
 
 def test_a_split_never_leaves_the_one_token_pass_vllm_replays_as_a_full_cuda_graph(
@@ -682,7 +684,7 @@ def test_the_store_is_measured_by_probes_not_by_users_requests_and_trusted_again
     16 recomputed hits in a row, and an expired load taught nothing.)"""
     prompts = saved_prompts(engines, 3, seed=60)
     reader = engines(load_policy="auto")
-    policy = reader.connector.scheduler
+    policy = reader.connector.scheduler.load_choices
     for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
         for _ in range(8):
             policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), 0.001 * tokens)
@@ -749,7 +751,8 @@ def test_a_cold_consumer_waits_for_a_handoff_no_longer_than_recomputing_plausibl
     assert stats["chose_async"] == 1 and stats["loads_expired"] == 1
     assert planned and planned[0] < 1.0  # ~0.15 s for 83 tokens at a slow CPU's 1 ms each
     assert consumer.finish_reasons["c0"] == "length"
-    assert consumer.connector.scheduler.figures().loads is not None  # the expiry's bound
+    figures = consumer.connector.scheduler.load_choices.figures()
+    assert figures.loads is not None  # the expiry's bound
     consumer.add("c1", tokens[1], params=params[1])
     consumer.run_until_idle()
     assert consumer.take_stats()["chose_recompute"] == 1

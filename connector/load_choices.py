@@ -1,0 +1,248 @@
+"""How this instance serves each hit it answers: the load policy's choice (``load_policy.py``)
+from what the instance measured -- whole loads, split bands and forward passes, as the workers
+report them (``figures.py``), the store between them probed in the background (``probes.py``) --
+and from what the engine is busy with: the pass just scheduled, this step's admissions, the
+loads in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from connector.config import RedisConnectorConfig
+from connector.figures import (
+    ComputeRate,
+    LoadRate,
+    SplitRate,
+    StepShape,
+    splits_within_loads,
+)
+from connector.load_policy import (
+    Busy,
+    BusyWeights,
+    Engine,
+    Figures,
+    Hit,
+    LoadsInFlight,
+    Reason,
+    Way,
+    admitted,
+    choose,
+    next_pass,
+    pinned,
+)
+from connector.probes import ProbePlanner, ProbeSpec
+from connector.request_state import RequestState
+from connector.stats import StatsBuffer
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# the scheduler side's log: its lines keep the name they are filtered by
+logger = logging.getLogger("connector.scheduler")
+# splits whose forward pass ran layers without waiting for their bands (a full CUDA graph):
+# after this many, no split is chosen any more (each such split fails and is recomputed)
+UNWAITED_SPLITS_LIMIT = 2
+
+
+class LoadChoices:
+    def __init__(
+        self,
+        config: RedisConnectorConfig,
+        block_size: int,
+        stats: StatsBuffer,
+        split_refusal: str | None,
+        load_shape: tuple[int, int],
+        engine: Engine | None,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.stats = stats
+        # why this engine cannot take a split (None: it can), and what the policy decides from
+        self.split_refusal = split_refusal
+        self.engine = engine or Engine()
+        self.load_rate = LoadRate()
+        self.split_rate = SplitRate()
+        self.compute_rate = ComputeRate()
+        self.weights = BusyWeights(decode=config.busy_decode_weight)
+        self.probes = ProbePlanner()
+        self._unwaited_splits = 0  # splits whose forward pass skipped their waits
+        # what the engine runs besides a request being admitted (``_busy``): the pass just
+        # scheduled, seen as the next one, and what this step's admissions added to it
+        self._running = Busy()
+        self._admitted = Busy()
+        self.loads_out = LoadsInFlight()  # requests loading asynchronously
+        # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
+        # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
+        # report what they read
+        self.block_bytes, self.bands = load_shape
+
+    def figures(self) -> Figures:
+        """What the load policy decides from now (``figures.py``)."""
+        loads = self.load_rate.estimate() if self.block_bytes > 0 else None
+        splits = splits_within_loads(loads, self.split_rate.estimate())
+        return Figures(loads, splits, self.compute_rate.estimate())
+
+    @property
+    def splits_allowed(self) -> bool:
+        return self.split_refusal is None and self._unwaited_splits < UNWAITED_SPLITS_LIMIT
+
+    @property
+    def auto_splits(self) -> bool:
+        """Whether ``auto`` may choose a split (and its bands need probing). Not where the
+        bands' reads cannot overlap the pass (vLLM's CPU backend): there a split is its reads,
+        then its compute, holding the whole batch meanwhile, and gains at most the one step an
+        async load waits; on the 2-core VM its reads ran slower than a whole load's and auto's
+        splits came 1.1-1.2x behind async (a request may still pin one)."""
+        return self.splits_allowed and self.engine.overlap
+
+    def _busy(self) -> Busy:
+        """What the engine holds besides the request being admitted: the pass just scheduled
+        (as the next one), this step's admissions so far, and the loads in flight."""
+        run, more = self._running, self._admitted
+        return Busy(
+            batch=run.batch,
+            prefills=run.prefills + more.prefills,
+            prefill_tokens_ahead=run.prefill_tokens_ahead + more.prefill_tokens_ahead,
+            loads=len(self.loads_out) + more.loads,
+            load_bytes_ahead=self.loads_out.bytes_left(time.monotonic()) + more.load_bytes_ahead,
+            split_bytes=more.split_bytes,  # (one split a pass: a second waits for the next)
+        )
+
+    def decide(self, st: RequestState, request: Request, start: int) -> None:
+        """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
+        way), counted and kept with the request."""
+        hit = Hit(
+            start,
+            max(start, st.present_blocks),
+            request.num_prompt_tokens,
+            self.block_size,
+            self.block_bytes,
+            self.bands,
+        )
+        st.decided(None, start)
+        if hit.blocks <= 0:
+            return
+        self.probes.remember(st.load_hashes[start : hit.end])
+        way = st.pin or (
+            None if self.config.load_policy == "auto" else Way(self.config.load_policy)
+        )
+        figures, busy = self.figures(), self._busy()
+        if way is not None:
+            decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
+        else:
+            decision = choose(
+                hit,
+                figures,
+                engine=self.engine,
+                busy=busy,
+                split_ok=self.auto_splits,
+                weights=self.weights,
+                token_s=self.compute_rate.token_seconds(),
+                # a handoff was made for this request to load; the pool's blocks are not
+                # loaded before the store is measured (the probes do that meanwhile)
+                unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
+            )
+            measured = decision.reason is Reason.MEASURED
+            self.probes.note_choice(measured and decision.way is Way.RECOMPUTE)
+            if decision.gain_s is not None:
+                self.stats.observe("predicted_gain_seconds", decision.gain_s)
+        st.decided(decision, start + decision.blocks)
+        self._admitted = admitted(self._admitted, hit, decision)
+        self.stats.add(**{f"chose_{decision.way.value}": 1})
+        if decision.way is Way.RECOMPUTE:
+            self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
+        logger.debug(
+            "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
+            request.request_id,
+            hit.blocks,
+            start,
+            decision.way.value,
+            decision.blocks,
+            decision.reason.value,
+            decision.predicted_s or "-",
+        )
+
+    def next_pass(self, rows: Sequence[tuple[int, int, bool, int]]) -> None:
+        """A step was scheduled (``rows``: see ``load_policy.next_pass``): it is the pass the
+        next admissions run beside, and none of them is admitted yet."""
+        self._running, self._admitted = next_pass(rows, self.engine), Busy()
+
+    def due_probe(self, quiet_step: bool, splits_running: bool) -> ProbeSpec | None:
+        """The probe this step's metadata carries, if one is due (``probes.py``).
+        ``quiet_step``: the step computes no prompt and loads nothing; ``splits_running``: a
+        split's load runs in it."""
+        figures = self.figures()
+        # where the pass runs on the cores a probe's reads use (vLLM's CPU backend), a
+        # probe waits for a step that computes no prompt and loads nothing (``probes.py``)
+        quiet = self.engine.overlap or (
+            quiet_step and not len(self.loads_out) and not splits_running
+        )
+        return self.probes.due(
+            figures.loads, figures.splits, self.auto_splits, self.block_bytes, quiet
+        )
+
+    def take_samples(self, stats: Any) -> None:
+        """The workers' measurements, for the load policy's figures (``figures.py``): each
+        kind as the workers send it (``worker.py``); anything else teaches nothing."""
+        data = getattr(stats, "data", None)
+        if not isinstance(data, dict):
+            return
+        kinds: dict[str, Any] = {
+            "load_samples": lambda r, b, s, lag: self.load_rate.add(
+                b, s, int(r), lag if lag >= 0 else None
+            ),
+            "load_bounds": lambda r, b, s: self.load_rate.add_bound(b, s, int(r)),
+            "split_samples": lambda r, b, first, between, bands: self.split_rate.add(
+                b, first, between, int(bands), int(r)
+            ),
+            "split_bounds": lambda r, b, s: self.split_rate.add_bound(b, s, int(r)),
+            "compute_samples": lambda p, a, d, x, s: self.compute_rate.add(
+                StepShape(int(p), float(a), int(d), int(x)), s
+            ),
+        }
+        for key, take in kinds.items():
+            for values in data.get(key, ()):
+                try:
+                    take(*(float(v) for v in values))
+                except (TypeError, ValueError, OverflowError):  # not what our workers send
+                    logger.debug("ignoring a malformed %s in the connector's stats", key)
+        try:
+            if data.get("rank_block_bytes"):  # each rank's, the slowest sets the pace
+                self.block_bytes = max(int(b) for (b,) in data["rank_block_bytes"])
+            if data.get("split_bands"):
+                self.bands = min(int(b) for (b,) in data["split_bands"])
+        except (TypeError, ValueError, OverflowError):
+            logger.debug("ignoring a malformed load shape in the connector's stats")
+        if data.get("probe_missing"):  # (a list: one entry a probe, any rank)
+            self.probes.forget()
+        unwaited = data.get("split_unwaited")
+        if isinstance(unwaited, list) and unwaited:
+            self._unwaited_splits += len(unwaited)
+            if self._unwaited_splits >= UNWAITED_SPLITS_LIMIT and self.split_refusal is None:
+                logger.warning(
+                    "RedisConnector: %d split loads ran in forward passes that did not wait "
+                    "for their layers (a full CUDA graph replays none of the waits); no more "
+                    "splits are chosen on this engine",
+                    self._unwaited_splits,
+                )
+                self.split_refusal = "forward passes did not wait for split loads"
+
+    def report(self, data: dict[str, Any]) -> None:
+        """The figures the policy decides from, into the metrics ``data``."""
+        figures = self.figures()
+        loads, splits, compute = figures.loads, figures.splits, figures.compute
+        if loads is not None:
+            data["policy_load_bytes_per_second"] = loads.bytes_per_s
+            data["policy_load_overhead_seconds"] = loads.overhead_s
+        if splits is not None and self.auto_splits:
+            # (only where auto may split, and band probes keep it current: elsewhere a figure
+            # left from a pinned split, or bounded once, stood in /metrics for good)
+            data["policy_split_bytes_per_second"] = splits.bytes_per_s
+        if compute is not None:
+            data["policy_step_seconds"] = compute.step_s
+            data["policy_token_seconds"] = compute.token_s
+            data["policy_attention_seconds"] = compute.attention_s

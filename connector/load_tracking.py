@@ -1,0 +1,90 @@
+"""The loads this instance has planned, from their plan until vLLM reports them finished: which
+chain blocks each is writing (share mode: a request needing them waits for that load, and then
+finds them in vLLM's own prefix cache), which block ids (so a failed block vLLM reports is traced
+to its request and chain position), and what each delivered -- counted once per request, when
+vLLM says every rank has finished (a worker's own count would add up over TP ranks).
+"""
+
+from __future__ import annotations
+
+from connector.request_state import RequestState
+from connector.stats import StatsBuffer
+
+
+class LoadTracker:
+    def __init__(self, block_size: int, stats: StatsBuffer) -> None:
+        self.block_size = block_size
+        self.stats = stats
+        # block hash -> request loading it now (share mode)
+        self.loading: dict[str, str] = {}
+        # block id -> (request, chain position) of blocks being loaded, to repair failed loads
+        self.blocks: dict[int, tuple[str, int]] = {}
+        # request -> [first, end, first failed] chain positions of its load
+        self.outcomes: dict[str, list[int]] = {}
+
+    def loading_elsewhere(self, hashes: list[str], req_id: str) -> bool:
+        """Whether another request of this instance is loading any of these blocks now."""
+        return any(self.loading.get(h, req_id) != req_id for h in hashes)
+
+    def planned(
+        self,
+        req_id: str,
+        st: RequestState,
+        *,
+        others_wait: bool,
+        traces_blocks: bool,
+    ) -> None:
+        """The load of ``st.load_range`` is planned. ``others_wait``: other requests wait for
+        its blocks (share mode, an asynchronous load); ``traces_blocks``: vLLM reports its
+        failed blocks one by one (else it hears of the whole request)."""
+        start, end = st.load_range
+        if others_wait:
+            for h in st.load_hashes[start:end]:
+                self.loading[h] = req_id
+        if traces_blocks:
+            for pos in range(start, end):
+                self.blocks[st.block_ids[0][pos]] = (req_id, pos)
+        self.outcomes[req_id] = [start, end, end]
+
+    def block_failed(self, block_id: int) -> tuple[str, int] | None:
+        """vLLM reports this block invalid: the (request, chain position) it was loaded for, if
+        any; its load counts as failed from there on (vLLM recomputes from it)."""
+        owner = self.blocks.get(block_id)
+        if owner is None:
+            return None
+        outcome = self.outcomes.get(owner[0])
+        if outcome is not None:
+            outcome[2] = min(outcome[2], owner[1])
+        return owner
+
+    def load_failed(self, req_id: str) -> None:
+        """The request's load failed as a whole (several groups, or a windowed one): vLLM
+        recomputes the whole prompt."""
+        outcome = self.outcomes.get(req_id)
+        if outcome is not None:
+            outcome[2] = outcome[0]
+
+    def count(self, req_id: str) -> None:
+        """A load vLLM reports finished on every rank: what it delivered, once per request."""
+        outcome = self.outcomes.pop(req_id, None)
+        if outcome is None:
+            return
+        start, end, failed = outcome
+        self.stats.add(
+            loads=1,
+            blocks_loaded=failed - start,
+            tokens_loaded=(failed - start) * self.block_size,
+            blocks_load_failed=end - failed,
+            tokens_load_failed=(end - failed) * self.block_size,
+        )
+
+    def release(self, req_id: str, st: RequestState) -> None:
+        """Forget the blocks this request was loading (share mode: others stop waiting)."""
+        start, end = st.load_range
+        for h in st.load_hashes[start:end]:
+            if self.loading.get(h) == req_id:
+                del self.loading[h]
+        for block_id in st.block_ids[0][start:end] if st.block_ids else ():
+            if self.blocks.get(block_id, ("",))[0] == req_id:
+                del self.blocks[block_id]
+        st.load_released()
