@@ -134,7 +134,7 @@ def _quota_of(cgroup: Path, *, v2: bool) -> float | None:
 
 @dataclass(frozen=True)
 class RedisConnectorConfig:
-    """Parsed ``kv_connector_extra_config``; see the README's table for meanings and defaults."""
+    """Parsed ``kv_connector_extra_config``; see docs/configuration.md for meanings and defaults."""
 
     url: str = field(repr=False)  # may hold a password: never printed
     role: str  # kv_producer | kv_consumer | kv_both

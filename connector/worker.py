@@ -20,7 +20,7 @@
 - A model with several KV-cache groups gets movers per group (its layers, its share of the
   staging budget); each group's block is its own value, and a group's null blocks (a sliding
   window's past) are never read or written. A failed load of such a model is reported for the
-  whole request (``take_failed_loads``): vLLM cannot map block ids back across groups.
+  whole request (``take_transfer_results``): vLLM cannot map block ids back across groups.
 - Tensor parallelism: a block is stored as ``store_tp_size`` head slices (``layout``). Each
   group gets one mover per slice this rank reads, over the cache heads the slice covers; the
   slices within this rank's heads are also the ones it writes (none on a rank whose heads an

@@ -28,8 +28,9 @@ class StoreStats:
     # values whose later tensors could not be read after their head was (gone, replaced or
     # corrupt in between; ``tensor_reads.py``): each was a hit, then this
     range_failures: int = 0
-    # claims given back after their call failed (in the background, ``claims.py``), and claims
-    # that could not be given back in time: their values expire under claim keys with the TTL
+    # claims given back after their call failed (in the background, ``values/drop_select.py``),
+    # and claims that could not be given back in time: their values expire under claim keys with
+    # the TTL
     claims_given_back: int = 0
     claims_stranded: int = 0
 

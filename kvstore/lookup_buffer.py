@@ -1,17 +1,41 @@
-"""LookupBuffer: vLLM's lookup-buffer layer (insert / drop_select) implemented on Redis/Valkey.
+"""LookupBuffer: the store's API on Redis/Valkey, shaped after vLLM's lookup-buffer layer
+(insert / drop_select).
 
 Redis semantics, one line each:
 - ``insert``: ``SET key value [PX ttl]``; batches are pipelined, ``insert_async`` returns a Future.
   Blocks later in a chain get a slightly shorter TTL (``ttl``), so under ``volatile-ttl``
   eviction a prompt's tail goes before its head.
 - ``drop_select``: a Lua script claims a batch atomically (each stored value reaches exactly one
-  caller; see ``claims``), a pipelined ``GET`` fetches it, and the claimed keys are deleted only
-  after the values arrived and were verified: a lost reply or a dropped connection loses nothing.
+  caller; see ``values/drop_select.py``), a pipelined ``GET`` fetches it, and the claimed keys
+  are deleted only after the values arrived and were verified: a lost reply or a dropped
+  connection loses nothing.
 - ``select``: pipelined ``GET`` without deleting, for shared prefix reuse.
 - ``longest_prefix``: pipelined ``EXISTS``, counting leading present blocks in one round trip.
 - handoffs: a producer's commit record says how many leading blocks of a chain it really wrote
   (``publish_handoff``); a consumer reads it (``read_handoff``) and takes it once
   (``claim_handoff``).
+
+What the connector calls (``connector/``, ``datamover/``): neither ``insert`` nor
+``drop_select``.
+
+- saves: ``frame_parts`` / ``insert_parts`` (the write path under ``insert``, values sent from
+  the data mover's staging memory), and the handoff record (``open_handoff``,
+  ``publish_handoff``);
+- lookups: ``survey`` (chains' presences, handoff records and the namespace's generation in one
+  round trip);
+- loads: ``select_into``, and ``select_head_into`` / ``select_tensors_into`` for split loads;
+  reads that delete nothing;
+- consume mode's exactly-once take is the handoff claim, not the values': the worker claims the
+  handoff as it reads (``claim_handoff``); the scheduler side deletes the chain and its record
+  once every rank has read it, and claims and deletes one that will not be loaded
+  (``read_handoffs``, ``claim_handoff``, ``delete``, ``delete_handoff``);
+- resets: ``reset``, ``sweep``, ``read_generation``; ``connector.warm`` also uses
+  ``longest_prefixes``, ``renew``, ``block_info`` and ``read_handoff``.
+
+``drop_select`` is the design's lookup buffer, an atomic get-and-delete. With ``insert`` /
+``insert_many`` / ``insert_async``, ``select`` and ``longest_prefix`` it stays the store's
+public API for callers that use ``kvstore`` alone (``scripts/demo_store.py``, the benchmarks).
+``select_into(consume=True)`` is the same take into the caller's buffers.
 
 This class is a facade: it checks arguments and hands each call to the part that does one job.
 Where to look:
@@ -20,9 +44,10 @@ Where to look:
 - where values are sent and replies received, redirects re-sent: ``transport`` (bytes on the
   socket: ``wire``);
 - the error policy every round trip goes through (breaker, typed errors, counting): ``guard``;
-- where a claim is made and given back: ``claims``;
+- where a claim is made and given back: ``values/drop_select.py``;
 - reading and verifying values: ``reads``; framing and writing them: ``writes``, ``codec``;
-- presence, sizes, TTLs, deletes: ``inventory``; TTL policy: ``ttl``;
+- presence, sizes, TTLs, deletes: ``inventory``; lookups and the generation in one round
+  trip: ``survey``; resets: ``generations``; TTL policy: ``ttl``;
 - handoff records: ``handoff``; URL / ACL checks at startup: ``access``.
 
 On a Redis/Valkey Cluster (``redis-cluster://``) a batch fans out to the masters holding its
@@ -189,11 +214,9 @@ class LookupBuffer:
         # connect and one control round trip's timeouts, if longer)
         self.close_wait_s = CLOSE_WAIT_S
         # the namespace's: every fingerprint's view shares it
-        self._generations = Generations(
-            self._transport, self.guard, self.keys, self.server_code
-        )
+        self._generations = Generations(self._transport, self.guard, self.keys, self.server_code)
         # what drop_select's claims share over every view: the thread giving claimed blocks
-        # back after a failed call, and the server's clock (claims.py)
+        # back after a failed call, and the server's clock (values/drop_select.py)
         self._releaser = ClaimReleaser(
             lambda given, stranded: self._counters.add(
                 claims_given_back=given, claims_stranded=stranded
@@ -575,12 +598,12 @@ class LookupBuffer:
     ) -> list[dict[str, torch.Tensor] | None]:
         """Atomically take blocks; each stored value is delivered to exactly one caller.
 
-        The present keys are claimed for this call (``claims``: renamed to private keys,
-        atomically), read -- retried once if the connection drops, the claimed keys are still
-        there -- and deleted after they arrived and were verified; if they cannot be read, they
-        are given back. With ``timeout_s > 0`` it waits (polling with backoff up to 20 ms) until
-        *every* key is present and claims them all at once; when the time runs out it takes
-        what is there. Values are received as by :meth:`select`.
+        The present keys are claimed for this call (``values/drop_select.py``: renamed to
+        private keys, atomically), read -- retried once if the connection drops, the claimed
+        keys are still there -- and deleted after they arrived and were verified; if they cannot
+        be read, they are given back. With ``timeout_s > 0`` it waits (polling with backoff up
+        to 20 ms) until *every* key is present and claims them all at once; when the time runs
+        out it takes what is there. Values are received as by :meth:`select`.
 
         Bounds: the claim is over within ``timeout_s`` plus one socket timeout (a lost reply is
         sent again only within that); a claim the server runs after that -- queued behind

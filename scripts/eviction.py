@@ -23,7 +23,7 @@ import torch
 from kvstore import LookupBuffer, chain_hashes
 from testing.redis_server import RedisServer
 
-# (policy, maxmemory-samples): Redis' defaults, then what the README recommends
+# (policy, maxmemory-samples): Redis' defaults, then what docs/operations.md recommends
 SETUPS = [
     ("volatile-ttl", 5),
     ("allkeys-lru", 5),

@@ -24,7 +24,8 @@ it runs:
 - no token vLLM hands out was sampled over a wrong context (``value_violations``): vLLM must
   drop the step's token of every request that ran on a block whose load failed.
 
-Used by tests/unit/test_request_lifecycle.py and the stateful fuzzer (tests/test_fuzz_scheduler.py).
+Used by tests/unit/test_request_lifecycle.py and the stateful fuzzer
+(tests/integration/test_fuzz_lifecycle.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ logger = logging.getLogger("kvstore")
 # that may not delete leaves it to expire.
 _PROBE_TTL_MS = 1_000
 
-# What each operation needs the ACL user to be allowed, for check_access / the README.
+# What each operation needs the ACL user to be allowed, for check_access / acl_rule (and the
+# ACL table in docs/operations.md).
 ACCESS: dict[str, tuple[str, ...]] = {
     "ping": ("PING",),
     "insert": ("SET",),
@@ -44,7 +45,8 @@ ACCESS: dict[str, tuple[str, ...]] = {
     # FCALL: the kvstore functions the admin loaded (net/server_code.py; the commands after it
     # are the ones the function runs, checked against the same rule)
     "handoff_claim": ("FCALL", "GET", "SET"),
-    # (TIME: a claim the server runs after its caller gave up takes nothing, ``claims.py``)
+    # (TIME: a claim the server runs after its caller gave up takes nothing,
+    # ``values/drop_select.py``)
     "drop_select": (
         "FCALL",
         "STRLEN",

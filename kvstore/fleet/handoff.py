@@ -71,12 +71,6 @@ def presence(exists: Sequence[Any], per_block: int) -> list[bool]:
     return [all(exists[i : i + per_block]) for i in range(0, len(exists), per_block)]
 
 
-def leading_present(exists: Sequence[Any], per_block: int) -> int:
-    """Leading blocks whose ``per_block`` EXISTS replies (one per fingerprint) are all 1."""
-    blocks = presence(exists, per_block)
-    return next((i for i, present in enumerate(blocks) if not present), len(blocks))
-
-
 class Records:
     """Every producer rank's handoff record, read together: a count (committed), "pending",
     "taken:<owner>" or nothing. A claim this owner already made counts as its count."""

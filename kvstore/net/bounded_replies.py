@@ -149,12 +149,3 @@ class BoundedSSLConnection(_CheckedHandshake, redis.SSLConnection):
 class BoundedUnixConnection(_CheckedHandshake, redis.UnixDomainSocketConnection):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**_bounded(kwargs))
-
-
-def bounded_connection_class(plain: type[redis.Connection] | None) -> type[Any]:
-    """The bounded counterpart of redis-py's connection class ``plain`` (None: TCP)."""
-    if plain is redis.SSLConnection:
-        return BoundedSSLConnection
-    if plain is redis.UnixDomainSocketConnection:
-        return BoundedUnixConnection
-    return BoundedConnection

@@ -45,7 +45,7 @@ LIBRARY_NAME = f"kvstore_v{LIBRARY_VERSION}"
 
 
 class ScriptMode(enum.Enum):
-    """How a store runs its Lua (``LookupBuffer(lua=...)``, the connector's ``redis_kv_lua``)."""
+    """How a store runs its Lua (``LookupBuffer(lua=...)``, the connector's ``lua``)."""
 
     AUTO = "auto"  # functions where the server has them; scripts where it does not
     FUNCTIONS = "functions"  # functions only: a server or role without them fails at startup

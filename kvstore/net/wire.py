@@ -14,9 +14,9 @@ value is never joined into one ``bytes`` first.
 
 Only the reply types those commands produce are understood: a bulk string, a nil (RESP2 ``$-1``
 or RESP3 ``_``) and an error -- and, for the claim script sent ahead of a consuming read
-(``claims``), an array of integers. Anything else raises ``InvalidResponse``; the caller then
-drops the connection, since its position in the stream is lost. Fuzzed against hiredis in
-``tests/integration/test_wire.py``.
+(``values/drop_select.py``), an array of integers. Anything else raises ``InvalidResponse``;
+the caller then drops the connection, since its position in the stream is lost. Fuzzed against
+hiredis in ``tests/integration/test_wire.py``.
 
 **Two implementations of the receiving path, one behaviour.** Where the compiled core
 (``_wire_core.c``) was built and the socket is plain TCP or Unix (not TLS), a bulk reply is

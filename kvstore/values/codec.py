@@ -72,7 +72,6 @@ _META_PREFIX = "kvstore."
 _CHECKSUM_WIDTH = 16  # hex digits of xxh3_64, fixed so the header length is known before hashing
 _MAC_MARKER = b'"kvstore.mac":"'
 _MAC_ZEROS = "0" * MAC_HEX
-_HEX = frozenset("0123456789abcdef")
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",

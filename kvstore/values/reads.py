@@ -218,7 +218,7 @@ def _room(dest: Destination) -> int | None:
 
 
 def _as_raw(got: Any, dest: Destination) -> Any:
-    """A received reply as ``_verify`` takes it: the value's bytes, None (missing), a length
+    """A received reply as ``Reader._check`` takes it: the value's bytes, None (missing), a length
     (oversize) or -1 (wrong type)."""
     if isinstance(got, Oversize):
         return got.length
