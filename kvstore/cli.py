@@ -449,12 +449,34 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
     info_mem, info_stats, info_server = info("memory"), info("stats"), info("server")
     keys = blocks = 0
     namespaces: dict[str, int] = defaultdict(int)
-    for key, _ in _scan(client, f"{_glob_literal(prefix)}:*"):
+    # keys that never expire: the connector sets a TTL on every key unless told ttl_s=0, and
+    # an ACL cannot make a writer set one. Under a volatile-* policy such keys are never
+    # evicted, and every tenant's blocks go first: said per namespace, so it is seen.
+    without_ttl: dict[str, int] = defaultdict(int)
+    page: list[tuple[str, bytes]] = []
+
+    def count_without_ttl() -> None:
+        pipe = client.pipeline(transaction=False)
+        for _, raw in page:
+            pipe.pttl(raw)
+        for (key, _), pttl in zip(page, pipe.execute(raise_on_error=False), strict=True):
+            parsed = parse_key(key, prefix)
+            if parsed and pttl == -1:
+                without_ttl[parsed.namespace] += 1
+        page.clear()
+
+    for key, raw in _scan(client, f"{_glob_literal(prefix)}:*"):
         keys += 1
         parsed = parse_key(key, prefix)
         if parsed:
             namespaces[parsed.namespace] += 1
             blocks += parsed.kind == "block"
+            if parsed.kind != "generation":
+                page.append((key, raw))
+        if len(page) >= _SCAN_COUNT:
+            count_without_ttl()
+    if page:
+        count_without_ttl()
     return {
         "server": (
             f"{info_server.get('server_name', 'redis')} {info_server['redis_version']}"
@@ -465,6 +487,8 @@ def server_stats(client: redis.Redis, prefix: str) -> dict[str, Any]:
         "kv_keys": keys,
         "blocks": blocks,  # the rest: handoff records, in-flight claims, permission probes
         "keys_by_namespace": dict(namespaces),
+        # (the generation counters are meant to last: not counted)
+        "keys_without_ttl_by_namespace": dict(without_ttl),
         "used_memory": info_mem.get("used_memory"),
         "used_memory_human": info_mem.get("used_memory_human"),
         "maxmemory": info_mem.get("maxmemory"),
@@ -714,6 +738,22 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
             for k, v in stats.items():
                 table.add_row(k, _shown(v, limit=2000))
             console.print(table)
+            policy = str(stats.get("maxmemory_policy") or "")
+            for namespace, n in sorted(stats["keys_without_ttl_by_namespace"].items()):
+                why = (
+                    f"under {policy} they are never evicted, and every namespace's blocks with a "
+                    "TTL go first"
+                    if policy.startswith("volatile")
+                    else "they stay until deleted"
+                )
+                console.print(
+                    _shown(
+                        f"namespace {namespace!r} holds {n} keys without a TTL: {why}. The "
+                        "connector sets one unless ttl_s is 0; a writer that does not is "
+                        "bypassing it (docs/operations.md, Tenants)",
+                        limit=None,
+                    )
+                )
         return ExitStatus.OK
     if args.cmd == "flush":
         namespace = _printable(repr(args.namespace), limit=None)

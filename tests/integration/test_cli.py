@@ -113,6 +113,26 @@ def test_stats_counts_only_kvstore_keys(client, capsys) -> None:
     rc, out = run(capsys, "stats", "--json")
     stats = json.loads(out)
     assert rc == 0 and stats["kv_keys"] == 4 and stats["keys_by_namespace"] == {"a": 3, "b": 1}
+    # b's store was made without a TTL: its key never expires, and an operator is told whose
+    assert stats["keys_without_ttl_by_namespace"] == {"b": 1}
+
+
+def test_stats_names_a_namespace_whose_writer_skips_the_ttl(
+    private_redis, capsys, monkeypatch
+) -> None:
+    """Issue 52: an ACL cannot make a writer set a TTL; under volatile-ttl its keys are never
+    evicted and every other tenant's go first. What cannot be refused is shown."""
+    real = redis.Redis(port=private_redis.port)
+    monkeypatch.setattr(kvstore.cli, "make_client", lambda *a, **k: real)
+    real.config_set("maxmemory-policy", "volatile-ttl")
+    with LookupBuffer(real, namespace="b", fingerprint="fp", ttl_s=100) as b:
+        b.insert(HASHES[0], {"kv": torch.ones(4)})
+    real.set(f"kv:a:fp:{'ee' * 16}", b"planted forever")
+    real.set("kv:a:generation", 3)  # meant to last: not counted
+    rc, out = run(capsys, "stats")
+    assert rc == 0
+    text = " ".join(out.split())
+    assert "namespace 'a' holds 1 keys without a TTL" in text and "volatile-ttl" in text
 
 
 def test_flush_deletes_one_namespace_only(client, capsys) -> None:

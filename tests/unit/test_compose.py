@@ -130,3 +130,29 @@ def test_env_file_documents_every_variable_the_compose_files_use() -> None:
     for name in FILES:
         used |= set(re.findall(r"\$\{([A-Z_]+)", (ROOT / name).read_text()))
     assert used <= env, f"not in .env: {sorted(used - env)}"
+
+
+def test_a_tenant_gets_a_stack_of_its_own_by_project_name() -> None:
+    """docs/operations.md ("Tenants"): hard memory isolation is a store per tenant, run as one
+    compose project per tenant; the second one's port, GPUs and cache size come from the
+    environment, and nothing it runs is shared with the first's."""
+    env = {**os.environ, "PROXY_PORT": "8001", "PREFILL_GPU": "2", "DECODE_GPU": "3"}
+    env["REDIS_MAXMEMORY"] = "4gb"
+    out = subprocess.run(
+        ["docker-compose", "-p", "tenant-b", "-f", "docker-compose.yml", "config"],
+        cwd=ROOT, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    services = cfg["services"]
+    (port,) = services["proxy"]["ports"]  # docker-compose 1.x writes a string, 2.x a mapping
+    assert ":8001:" in port if isinstance(port, str) else str(port["published"]) == "8001"
+    assert "--maxmemory 4gb" in services["redis"]["command"]
+    gpus = [
+        services[s]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for s in ("vllm-prefill", "vllm-decode")
+    ]
+    assert gpus == [["2"], ["3"]]
+    assert kv_config(services["vllm-decode"])["kv_connector_extra_config"]["url"] == (
+        "redis://redis:6379/0"  # the redis of its own project's network
+    )
