@@ -1,5 +1,5 @@
-"""What a request's KV depends on besides its token ids, and the chains of block hashes that
-name its blocks in Redis.
+"""What a request's KV depends on besides its token ids, and the chains of block hashes its
+blocks are named by in Redis (``KVLayout.chain_names`` names them).
 
 Two requests share a block only if everything the block's KV depends on is equal, as in vLLM's
 own prefix cache: the tokens up to the block's end; the LoRA adapter (by name *and* path, as
@@ -18,7 +18,6 @@ import xxhash
 
 from connector.presence import prompt_salt
 from kvstore import chain_hashes
-from kvstore.values.keys import at_generation
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -68,12 +67,13 @@ def embedding_digests(request: Request, block_size: int) -> list[bytes] | None:
 
 
 class RequestChains:
-    """A request's prompt as Redis names it: its salt, its token ids and per-block extras, and
-    the chains built from them (the shared one, or one private to a handoff)."""
+    """A request's prompt as Redis knows it: its salt, its token ids and per-block extras, and
+    the chains of block hashes built from them (the shared one, or one private to a
+    handoff)."""
 
     def __init__(self, request: Request, block_size: int, generation: int = 0) -> None:
         self.block_size = block_size
-        # the namespace's generation the chains are named in (``kvstore.fleet.generations``)
+        # the namespace's generation its blocks are named in (``kvstore.fleet.generations``)
         self.generation = generation
         self.salt = request_salt(request)
         tokens = request.prompt_token_ids
@@ -84,19 +84,14 @@ class RequestChains:
 
     def shared(self) -> list[str]:
         """The content chain: what share mode saves and loads."""
-        hashes = chain_hashes(self.tokens, self.block_size, self.salt, block_extras=self.extras)
-        return self._named(hashes)
-
-    def _named(self, hashes: list[str]) -> list[str]:
-        return [at_generation(h, self.generation) for h in hashes] if self.generation else hashes
+        return chain_hashes(self.tokens, self.block_size, self.salt, block_extras=self.extras)
 
     def handoff(self, handoff_id: str, num_blocks: int | None = None) -> list[str]:
         """The chain private to one handoff (consume mode), of its first ``num_blocks``."""
         n = len(self.tokens) if num_blocks is None else num_blocks * self.block_size
-        hashes = chain_hashes(
+        return chain_hashes(
             self.tokens[:n],
             self.block_size,
             handoff_salt(self.salt, handoff_id),
             block_extras=self.extras,
         )
-        return self._named(hashes)

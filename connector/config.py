@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from connector.cpu_cores import usable_cores
+from connector.load_policy import LoadPolicy
 from connector.save_policy import SavePolicy
 from kvstore import InvalidArgumentError, parse_url
 from kvstore.net.server_code import ScriptMode
@@ -19,10 +20,12 @@ TRANSFER_PARAMS_KEY = "redis_kv"
 # kv_transfer_params key with which a request pins how its hit is served ("async", "split",
 # "recompute", "auto"), honoured only where request_load_policy is on
 LOAD_POLICY_KEY = "redis_kv_load"
-# how a hit is served (load_policy.py): chosen per request, or one way pinned
-LOAD_POLICIES = ("auto", "async", "split", "recompute")
-# asynchronous loads a worker runs at once (more queue for a thread; the load policy models it)
-LOAD_THREADS = 2
+# the settings of a request's deadline (``Deadlines``), by the field each sets
+_DEADLINE_SETTINGS = {
+    "deadline_s": "base_s",
+    "deadline_per_1k_tokens_s": "per_1k_tokens_s",
+    "deadline_max_s": "max_s",
+}
 
 
 # settings that count things: 0 of them cannot work
@@ -63,73 +66,23 @@ def default_connections() -> int:
     return min(4, max(1, usable_cores() // 2))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity), fewer when its cgroup's CPU quota
-    allows less: a container limited to 2 CPUs on a 64-core host sees all 64 in its affinity."""
-    affinity = getattr(os, "sched_getaffinity", None)  # Linux; macOS and Windows lack it
-    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-    quota = cpu_quota_cores()
-    return cores if quota is None else max(1, min(cores, int(quota)))
+@dataclass(frozen=True)
+class Deadlines:
+    """Everything Redis-related for one request -- the lookup, waiting for the producer's
+    commit, the load -- ends by its deadline: ``base_s`` plus ``per_1k_tokens_s`` per 1,000
+    prompt tokens, at most ``max_s`` (the settings ``deadline_s``,
+    ``deadline_per_1k_tokens_s``, ``deadline_max_s``). Then the request recomputes what is
+    missing. ``max_s`` also bounds what outlives a request's wait: a dropped handoff's wait for
+    its producer, a reset's loads under way."""
 
+    base_s: float = 2.0
+    per_1k_tokens_s: float = 1.0
+    max_s: float = 30.0
 
-# Where cgroups are read (Linux): the hierarchy's mount, and this process's place in it.
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-PROC_CGROUP = Path("/proc/self/cgroup")
-
-
-def cpu_quota_cores() -> float | None:
-    """The CPU time this process's cgroup, or the tightest of its ancestors, may use, in cores
-    (cgroup v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); None when there is
-    no quota or it cannot be read."""
-    try:  # a cgroup's name is bytes: one the locale cannot decode must not fail the config
-        lines = PROC_CGROUP.read_text(errors="surrogateescape").splitlines()
-    except OSError:
-        return None
-    quotas: list[float] = []
-    for line in lines:
-        fields = line.split(":", 2)  # hierarchy-ID:controllers:path
-        if len(fields) != 3:
-            continue
-        _, controllers, path = fields
-        if controllers == "":
-            base = CGROUP_ROOT  # v2: one hierarchy
-        elif "cpu" in controllers.split(","):
-            base = _v1_mount(controllers)
-        else:
-            continue
-        # inside a container the cgroup's path may not exist under its own mount: the
-        # ancestors, down to the mount's root (the container's cgroup), are read too
-        here = Path(path.lstrip("/"))
-        for cgroup in (here, *here.parents):
-            quota = _quota_of(base / cgroup, v2=controllers == "")
-            if quota is not None:
-                quotas.append(quota)
-    return min(quotas) if quotas else None
-
-
-def _v1_mount(controllers: str) -> Path:
-    """Where cgroup v1 mounts the hierarchy of ``controllers``: its own name, or -- when the
-    kernel lists them in another order than the mount's name (``cpuacct,cpu`` on RHEL 7 for
-    the ``cpu,cpuacct`` mount) -- the ``cpu`` link systemd and container runtimes make."""
-    for name in (controllers, ",".join(sorted(controllers.split(","))), "cpu"):
-        if (CGROUP_ROOT / name).is_dir():
-            return CGROUP_ROOT / name
-    return CGROUP_ROOT / controllers
-
-
-def _quota_of(cgroup: Path, *, v2: bool) -> float | None:
-    try:
-        if v2:
-            limit, period = (cgroup / "cpu.max").read_text().split()[:2]
-            if limit == "max":
-                return None
-        else:
-            limit = (cgroup / "cpu.cfs_quota_us").read_text().strip()
-            period = (cgroup / "cpu.cfs_period_us").read_text().strip()
-        quota, every = int(limit), int(period)
-    except (OSError, ValueError):
-        return None
-    return quota / every if quota > 0 and every > 0 else None
+    def for_prompt(self, num_prompt_tokens: int) -> float:
+        """The Redis time budget of a request with this many prompt tokens."""
+        budget = self.base_s + self.per_1k_tokens_s * num_prompt_tokens / 1000
+        return min(self.max_s, budget)
 
 
 @dataclass(frozen=True)
@@ -142,12 +95,9 @@ class RedisConnectorConfig:
     mode: str = "share"
     ttl_s: float | None = 3600.0
     compression: str = "none"
-    # Everything Redis-related for one request -- the lookup, waiting for the producer's
-    # commit, the load -- ends by this deadline: deadline_s + deadline_per_1k_tokens_s per
-    # 1,000 prompt tokens, at most deadline_max_s. Then the request recomputes what is missing.
-    deadline_s: float = 2.0
-    deadline_per_1k_tokens_s: float = 1.0
-    deadline_max_s: float = 30.0
+    # each request's deadline for everything Redis-related (deadline_s,
+    # deadline_per_1k_tokens_s, deadline_max_s)
+    deadlines: Deadlines = field(default_factory=Deadlines)
     # a consumer that finds no handoff record at all (evicted, or the producer never wrote
     # one) waits this long for it, then loads what is there; "pending" is waited for
     handoff_grace_s: float = 0.1
@@ -175,7 +125,7 @@ class RedisConnectorConfig:
     check_access: bool = True
     # how a prompt's blocks found in Redis are served: "auto" chooses per request from what
     # the instance measures (load_policy.py); "async", "split" or "recompute" pins one way
-    load_policy: str = "auto"
+    load_policy: LoadPolicy = LoadPolicy.AUTO
     # which prompts share mode writes to the pool (save_policy.py): "all", "second_sight" (a
     # prompt's head at once, the rest once it is seen again), "marked" (only requests whose
     # kv_transfer_params carry "redis_kv_save": true)
@@ -226,11 +176,6 @@ class RedisConnectorConfig:
     def consume(self) -> bool:
         return self.mode == "consume"
 
-    def request_deadline_s(self, num_prompt_tokens: int) -> float:
-        """The Redis time budget of a request with this many prompt tokens."""
-        budget = self.deadline_s + self.deadline_per_1k_tokens_s * num_prompt_tokens / 1000
-        return min(self.deadline_max_s, budget)
-
     def operations(self, side: str) -> list[str]:
         """What this role needs Redis to allow on ``side`` ("scheduler" or "worker"): keys of
         ``kvstore.fleet.access.ACCESS``, checked at startup."""
@@ -241,7 +186,8 @@ class RedisConnectorConfig:
             ops += ["insert"]  # the "pending" handoff record
         if side == "scheduler" and self.loads:
             ops += ["lookup", "handoff_read"]
-            if self.load_policy == "split":  # (auto checks it once, and splits only if allowed)
+            # (auto checks it once, and splits only if allowed)
+            if self.load_policy is LoadPolicy.SPLIT:
                 ops += ["select_ranges"]
             if self.consume:
                 ops += ["handoff_claim", "delete"]
@@ -250,7 +196,7 @@ class RedisConnectorConfig:
                 ops += ["insert"]  # blocks and handoff commit records
             if self.loads:  # a consumer claims the handoff it reads (the scheduler deletes)
                 ops += ["select"] + (["handoff_claim"] if self.consume else [])
-                if self.load_policy == "split":
+                if self.load_policy is LoadPolicy.SPLIT:
                     ops += ["select_ranges"]
         return ops
 
@@ -293,7 +239,9 @@ class RedisConnectorConfig:
             )
         if "load_timeout_s" in extra:  # the name before per-request deadlines
             extra.setdefault("deadline_s", extra.pop("load_timeout_s"))
-        known = {f for f in cls.__dataclass_fields__ if f not in ("url", "role", "cannot_load")}
+        fields = cls.__dataclass_fields__
+        known = {f for f in fields if f not in ("url", "role", "cannot_load", "deadlines")}
+        known |= set(_DEADLINE_SETTINGS)
         unknown = set(extra) - known
         if unknown:
             raise InvalidArgumentError(
@@ -305,29 +253,32 @@ class RedisConnectorConfig:
         extra.setdefault("mode", "share" if role == "kv_both" else "consume")
         if extra["mode"] not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {extra['mode']!r}")
-        if extra.get("load_policy", "auto") not in LOAD_POLICIES:
-            raise InvalidArgumentError(
-                f"load_policy must be one of {LOAD_POLICIES}, got {extra['load_policy']!r}"
-            )
-        if "save_policy" in extra:
-            try:
+        try:
+            if "load_policy" in extra:
+                extra["load_policy"] = LoadPolicy.parse(extra["load_policy"])
+            if "save_policy" in extra:
                 extra["save_policy"] = SavePolicy.parse(extra["save_policy"])
-            except ValueError as exc:
-                raise InvalidArgumentError(str(exc)) from None
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         if "lua" in extra:
             extra["lua"] = ScriptMode.parse(extra["lua"])
         if "connections" in extra and extra["connections"] in (None, "auto"):
             del extra["connections"]  # the default: from this host's cores
-        for key, f in cls.__dataclass_fields__.items():
+        types = {key: str(f.type) for key, f in fields.items()}
+        types.update(dict.fromkeys(_DEADLINE_SETTINGS, "float"))
+        for key, kind in types.items():
             if key not in extra or extra[key] is None:
                 continue
-            if f.type in ("float", "float | None", "int", "int | None"):
-                extra[key] = _number(key, extra[key], whole=f.type.startswith("int"))
+            if kind in ("float", "float | None", "int", "int | None"):
+                extra[key] = _number(key, extra[key], whole=kind.startswith("int"))
                 least = 1 if key in _AT_LEAST_ONE else 0
                 if extra[key] < least:
                     raise InvalidArgumentError(f"{key} must be >= {least}, got {extra[key]}")
-            elif f.type == "bool" and not isinstance(extra[key], bool):
+            elif kind == "bool" and not isinstance(extra[key], bool):
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
-        return cls(url=url, role=role, **extra)
+        given = {name: extra.pop(key) for key, name in _DEADLINE_SETTINGS.items() if key in extra}
+        # (a deadline given as null keeps its default: a Deadlines field is never None)
+        deadlines = Deadlines(**{name: v for name, v in given.items() if v is not None})
+        return cls(url=url, role=role, deadlines=deadlines, **extra)

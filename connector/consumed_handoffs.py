@@ -9,18 +9,18 @@ the pool's: none of this applies.
 from __future__ import annotations
 
 from connector.drops import HandoffDrops
-from connector.layout import KVLayout
 from connector.request_state import RequestState
 from connector.transfer_params import Handoff
+from kvstore.values.keys import BlockName
 
 
 class ConsumedHandoffs:
-    def __init__(self, consume: bool, layout: KVLayout, drops: HandoffDrops) -> None:
+    def __init__(self, consume: bool, drops: HandoffDrops) -> None:
         self._consume = consume
-        self._layout = layout
         self._drops = drops
-        # request -> the handoff it is loading (and its keys), deleted once every rank is done
-        self.loading: dict[str, tuple[Handoff, list[str]]] = {}
+        # request -> the handoff it is loading (and its block names), deleted once every rank
+        # is done
+        self.loading: dict[str, tuple[Handoff, list[BlockName]]] = {}
 
     def owns(self, st: RequestState) -> bool:
         """A consume-mode handoff chain is this request's alone: it deletes it when done."""
@@ -32,7 +32,7 @@ class ConsumedHandoffs:
             return None
         claim = st.handoff_claimed()
         assert st.handoff is not None
-        self.loading[req_id] = (st.handoff, self._layout.group_block_hashes(st.load_hashes))
+        self.loading[req_id] = (st.handoff, st.load_names.by_position())
         return claim
 
     def drop_unloaded(self, st: RequestState) -> None:
@@ -45,7 +45,7 @@ class ConsumedHandoffs:
         self._drops.drop(
             handoff.handoff_id,
             handoff.owner,
-            self._layout.group_block_hashes(st.load_hashes),
+            st.load_names.by_position(),
             expect_record=not handoff.opened,
         )
 
@@ -53,5 +53,5 @@ class ConsumedHandoffs:
         """Every rank is done loading the request's handoff (aborted or not): delete it."""
         consumed = self.loading.pop(req_id, None)
         if consumed is not None:
-            handoff, keys = consumed
-            self._drops.drop(handoff.handoff_id, handoff.owner, keys, expect_record=False)
+            handoff, names = consumed
+            self._drops.drop(handoff.handoff_id, handoff.owner, names, expect_record=False)

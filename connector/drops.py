@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore import Claim, LookupBuffer
+from kvstore.values.keys import BlockName
 
 _POLL_S = 0.05
 # a delete that failed (a timeout on a busy server, a failover) is tried again at the next
@@ -30,7 +31,7 @@ _DELETE_TRIES = 4
 class _Drop:
     handoff_id: str
     owner: str
-    hashes: list[str]
+    names: list[BlockName]  # the handoff chain's blocks, every group's
     expect_record: bool  # a missing record may still come: wait for it as for "pending"
     give_up_at: float
     failed_deletes: int = 0
@@ -56,10 +57,12 @@ class HandoffDrops:
         self._thread = threading.Thread(target=self._run, name="redis-kv-drop", daemon=True)
         self._thread.start()
 
-    def drop(self, handoff_id: str, owner: str, hashes: list[str], expect_record: bool) -> None:
+    def drop(
+        self, handoff_id: str, owner: str, names: list[BlockName], expect_record: bool
+    ) -> None:
         with self._lock:
             self._waiting.append(
-                _Drop(handoff_id, owner, hashes, expect_record, time.monotonic() + self.max_wait_s)
+                _Drop(handoff_id, owner, names, expect_record, time.monotonic() + self.max_wait_s)
             )
         self._wake.set()
 
@@ -91,7 +94,7 @@ class HandoffDrops:
     def _check(self, batch: list[_Drop]) -> list[_Drop]:
         """Delete the drops whose producer is done (or whose wait is over); the rest wait."""
         states = self.store.read_handoffs(
-            [(d.handoff_id, d.hashes[:1]) for d in batch], self.fingerprints
+            [(d.handoff_id, d.names[:1]) for d in batch], self.fingerprints
         )
         now, keep = time.monotonic(), []
         for d, state in zip(batch, states, strict=True):
@@ -112,7 +115,7 @@ class HandoffDrops:
     def _delete(self, d: _Drop) -> None:
         if self.store.claim_handoff(d.handoff_id, self.fingerprints, owner=d.owner) is Claim.TAKEN:
             return  # another request loads it, and deletes it when done
-        self.store.delete(d.hashes, self.fingerprints)
+        self.store.delete(d.names, self.fingerprints)
         self.store.delete_handoff(d.handoff_id, self.fingerprints)
 
     def shutdown(self) -> None:

@@ -3,7 +3,8 @@ changes a stored block's bytes.
 
 A model may have several KV-cache groups (vLLM's hybrid memory allocator): full attention and
 sliding-window layers keep separate block tables. Each group's block at a chain position is its
-own value, under the position's hash with the group appended (``<hash>.g1``), so a load reads
+own value, under the position's name with the group appended (``<hash>.g1``, built by
+``kvstore.values.keys.block_name``; ``ChainNames`` holds a chain's), so a load reads
 only the blocks vLLM allocated for it: a sliding-window group gets real blocks only for the
 window before the hit's end (the rest are vLLM's null block, which is never read or written).
 A model with one group keeps the keys and fingerprint it always had.
@@ -34,13 +35,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from connector.presence import first_needed, usable_prefix, windowed
+from connector.group_kinds import FULL, Family, GroupKind, names_carry_groups
+from connector.presence import usable_prefix
 from connector.versions import SUPPORTED_VLLM_WORDS
 from kvstore import layout_fingerprint
+from kvstore.values.keys import BlockName, block_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,8 +69,7 @@ class KVGroup:
     """One KV-cache group: layers sharing one block table, stored as one value per block."""
 
     index: int  # its place in vLLM's ``kv_cache_groups``: block ids come in this order
-    # "full", "sliding_window=<tokens>", "chunked_local=<tokens>", "state=<mamba type>"
-    kind: str
+    kind: GroupKind
     layer_names: tuple[str, ...]
     # the per-layer block vLLM presents, [num_kv_heads, block_size, head_size] of ``dtype``;
     # a state group's is [1, 1, state bytes] of int8
@@ -85,12 +87,12 @@ class KVGroup:
         name no block of a group at a position (``NO_BLOCK``)."""
         if block_id == NO_BLOCK:
             return False
-        return self.kind == "full" or block_id != NULL_BLOCK_ID
+        return self.kind.is_full or block_id != NULL_BLOCK_ID
 
     @property
     def is_state(self) -> bool:
         """A Mamba / gated delta-net group: one recurrent state per block, not tokens' KV."""
-        return self.kind.startswith("state=")
+        return self.kind.is_state
 
     @property
     def block_tokens(self) -> int | None:
@@ -100,15 +102,15 @@ class KVGroup:
 
     def first_needed(self, blocks: int, block_size: int) -> int:
         """The first chain position a hit of ``blocks`` leading blocks needs from this group
-        (``connector.presence.first_needed``; without speculative decoding's extra retained
-        tokens, which only make a load fail and recompute)."""
-        return first_needed(self.kind, blocks, block_size)
+        (``GroupKind.first_needed``; without speculative decoding's extra retained tokens,
+        which only make a load fail and recompute)."""
+        return self.kind.first_needed(blocks, block_size)
 
     @property
     def windowed(self) -> bool:
         """Its block table holds the null block where tokens no longer count (a state group:
         every block but the hit's last)."""
-        return windowed(self.kind)
+        return self.kind.windowed
 
 
 @dataclass(frozen=True)
@@ -128,11 +130,42 @@ class HeadSlice:
         return self.value_range == (0, self.value_heads)
 
 
+@dataclass(frozen=True)
+class ChainNames:
+    """A chain as the store names its blocks (``KVLayout.chain_names``): the chain hashes, the
+    namespace's generation they are named in, and each stored KV-cache group's block name at
+    every position -- made once per request, read by its lookups, loads and saves."""
+
+    chain: list[str]
+    generation: int
+    names: list[list[BlockName]]  # per group (the layout's order), per position
+
+    def __len__(self) -> int:
+        return len(self.chain)
+
+    def span(self, start: int, end: int) -> list[list[BlockName]]:
+        """Each group's names of positions ``[start, end)``: what a load or save spec carries,
+        aligned with its block ids."""
+        return [group[start:end] for group in self.names]
+
+    def first_group(self, start: int, end: int) -> list[BlockName]:
+        """The first group's names of positions ``[start, end)``: one name per position, where
+        one stands for it (the loads under way, a probe's reads, the save policy's heads)."""
+        return self.names[0][start:end]
+
+    def by_position(self, start: int = 0, end: int | None = None) -> list[BlockName]:
+        """The names of positions ``[start, end)``, position by position, every group's at
+        each: what a lookup asks (its answer's leading names, divided by the groups, are
+        leading positions)."""
+        end = len(self.chain) if end is None else end
+        return [group[p] for p in range(start, end) for group in self.names]
+
+
 class UnsupportedModelError(ValueError):
     """The model has a KV-cache group this connector cannot store (yet)."""
 
 
-def _group_kind(spec: object) -> str | None:
+def _group_kind(spec: object) -> GroupKind | None:
     """What a group keeps, or None for a group the connector cannot store. An attention
     group's block at chain position p must hold the KV of tokens [p * block_size, (p + 1) *
     block_size); a state group's, the state after (p + 1) * block_size tokens."""
@@ -145,16 +178,16 @@ def _group_kind(spec: object) -> str | None:
     )
 
     if isinstance(spec, MambaSpec):
-        return f"state={_mamba_type(spec)}"
+        return GroupKind(Family.STATE, detail=_mamba_type(spec))
     if not isinstance(spec, AttentionSpec) or not getattr(spec, "prefix_cacheable", True):
         return None  # a ring buffer or another kind of state: blocks are not token positions
     if isinstance(spec, SlidingWindowSpec):
-        return f"sliding_window={int(spec.sliding_window)}"
+        return GroupKind(Family.SLIDING_WINDOW, tokens=int(spec.sliding_window))
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return f"chunked_local={int(spec.attention_chunk_size)}"
+        return GroupKind(Family.CHUNKED_LOCAL, tokens=int(spec.attention_chunk_size))
     if isinstance(spec, FullAttentionSpec):
-        return "full"  # (with the hybrid allocator off, window layers keep every block too)
-    return type(spec).__name__
+        return FULL  # (with the hybrid allocator off, window layers keep every block too)
+    return GroupKind(Family.OTHER, detail=type(spec).__name__)
 
 
 def _mamba_type(spec: Any) -> str:
@@ -194,7 +227,7 @@ def _state_group(index: int, names: tuple[str, ...], spec: Any) -> KVGroup:
     dtypes = [str(d).replace("torch.", "") for d in spec.dtypes]
     return KVGroup(
         index=index,
-        kind=f"state={_mamba_type(spec)}",
+        kind=GroupKind(Family.STATE, detail=_mamba_type(spec)),
         layer_names=names,
         num_kv_heads=1,
         head_size=int(spec.state_content_size_bytes),
@@ -245,9 +278,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if not self.groups:
-            only = KVGroup(
-                0, "full", self.layer_names, self.num_kv_heads, self.head_size, self.dtype
-            )
+            only = KVGroup(0, FULL, self.layer_names, self.num_kv_heads, self.head_size, self.dtype)
             object.__setattr__(self, "groups", (only,))
         if not self.total_kv_heads:
             object.__setattr__(self, "total_kv_heads", self.num_kv_heads * self.tp_size)
@@ -327,15 +358,10 @@ class KVLayout:
 
     @property
     def hybrid(self) -> bool:
-        """Several KV-cache groups, or a state group: keys and the fingerprint name the groups
-        (a model with one attention group keeps the keys and fingerprint it always had)."""
-        return len(self.groups) > 1 or self.groups[0].is_state
-
-    def group_block_hash(self, chain_hash: str, group: KVGroup) -> str:
-        """The store's block hash of ``group``'s block at the chain position ``chain_hash``
-        names (the request's chain hashes name positions; the store keys each group's block
-        at a position apart)."""
-        return f"{chain_hash}.g{group.index}" if self.hybrid else chain_hash
+        """Several KV-cache groups, or a state group: block names and the fingerprint name the
+        groups (a model with one attention group keeps the names and fingerprint it always
+        had)."""
+        return names_carry_groups([g.kind for g in self.groups])
 
     @property
     def fails_per_request(self) -> bool:
@@ -353,11 +379,12 @@ class KVLayout:
         kinds = [g.kind for g in self.groups]
         return usable_prefix(kinds, self.block_size, present, start, end)
 
-    def group_block_hashes(self, chain_hashes: list[str]) -> list[str]:
-        """Every group's block hash at each position, position by position: a chain's leading
-        blocks present, divided by ``len(groups)``, are its leading positions present in every
-        group."""
-        return [self.group_block_hash(h, g) for h in chain_hashes for g in self.groups]
+    def chain_names(self, chain: Sequence[str], generation: int) -> ChainNames:
+        """The store's names of every group's block at each position of ``chain`` (chain
+        hashes), in ``generation``."""
+        groups = [g.index if self.hybrid else None for g in self.groups]
+        names = [[block_name(h, generation, group) for h in chain] for group in groups]
+        return ChainNames(list(chain), generation, names)
 
     @classmethod
     def from_vllm(
@@ -383,7 +410,7 @@ class KVLayout:
                     "neither tokens' KV nor block-boundary states. Serve this model without "
                     "--kv-transfer-config."
                 )
-            if kind.startswith("state="):
+            if kind.is_state:
                 groups.append(_state_group(index, names, spec))
                 continue
             groups.append(
@@ -469,7 +496,7 @@ class KVLayout:
             fields["groups"] = [
                 [
                     g.index,
-                    g.kind,
+                    str(g.kind),
                     list(g.layer_names),
                     self.slice_heads(g.num_kv_heads),
                     g.head_size,

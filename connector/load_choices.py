@@ -126,10 +126,8 @@ class LoadChoices:
         st.decided(None, start)
         if hit.blocks <= 0:
             return
-        self.probes.remember(st.load_hashes[start : hit.end])
-        way = st.pin or (
-            None if self.config.load_policy == "auto" else Way(self.config.load_policy)
-        )
+        self.probes.remember(st.load_names.first_group(start, hit.end))
+        way = st.pin or self.config.load_policy.pinned
         figures, busy = self.figures(), self._busy()
         if way is not None:
             decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)

@@ -53,7 +53,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from connector.config import LOAD_THREADS
 from connector.figures import (
     ComputeFit,
     LoadFit,
@@ -75,6 +74,8 @@ PRIOR_STEP_S = 0.05
 PRIOR_TOKEN_S = 1e-3
 # past this many steps of others' prompts ahead, the rest is taken as one lump (bounded work)
 _MAX_STEPS = 256
+# asynchronous loads a worker runs at once (more queue for a thread; the model counts them)
+LOAD_THREADS = 2
 
 
 class Way(enum.Enum):
@@ -83,7 +84,33 @@ class Way(enum.Enum):
     RECOMPUTE = "recompute"
 
 
-POLICIES = ("auto", *(w.value for w in Way))
+class LoadPolicy(enum.Enum):
+    """How an instance serves its hits (its ``load_policy`` setting): ``auto`` chooses per
+    request by the model above; any other pins one way."""
+
+    AUTO = "auto"
+    ASYNC = Way.ASYNC.value
+    SPLIT = Way.SPLIT.value
+    RECOMPUTE = Way.RECOMPUTE.value
+
+    @classmethod
+    def parse(cls, value: object) -> LoadPolicy:
+        """The policy a config value names; ``ValueError`` naming the choices."""
+        if isinstance(value, LoadPolicy):
+            return value
+        for policy in cls:
+            if value == policy.value:
+                return policy
+        raise ValueError(f"load_policy must be one of {POLICIES}, got {value!r}")
+
+    @property
+    def pinned(self) -> Way | None:
+        """The way it pins, or None (``auto``: the policy chooses per request)."""
+        return None if self is LoadPolicy.AUTO else Way(self.value)
+
+
+# the ``load_policy`` setting's values
+POLICIES = tuple(p.value for p in LoadPolicy)
 
 
 class Reason(enum.Enum):

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 from connector.request_state import RequestState
 from connector.stats import StatsBuffer
+from kvstore.values.keys import BlockName
 
 
 class LoadTracker:
     def __init__(self, block_size: int, stats: StatsBuffer) -> None:
         self.block_size = block_size
         self.stats = stats
-        # block hash -> request loading it now (share mode)
-        self.loading: dict[str, str] = {}
+        # a position's block name (its first group's) -> the request loading it now (share mode)
+        self.loading: dict[BlockName, str] = {}
         # block id -> (request, chain position) of blocks being loaded, to repair failed loads
         self.blocks: dict[int, tuple[str, int]] = {}
         # request -> [first, end, first failed] chain positions of its load
         self.outcomes: dict[str, list[int]] = {}
 
-    def loading_elsewhere(self, hashes: list[str], req_id: str) -> bool:
-        """Whether another request of this instance is loading any of these blocks now."""
-        return any(self.loading.get(h, req_id) != req_id for h in hashes)
+    def loading_elsewhere(self, names: list[BlockName], req_id: str) -> bool:
+        """Whether another request of this instance is loading any of these positions (named by
+        their first group's blocks) now."""
+        return any(self.loading.get(n, req_id) != req_id for n in names)
 
     def planned(
         self,
@@ -39,8 +41,8 @@ class LoadTracker:
         failed blocks one by one (else it hears of the whole request)."""
         start, end = st.load_range
         if others_wait:
-            for h in st.load_hashes[start:end]:
-                self.loading[h] = req_id
+            for name in st.load_names.first_group(start, end):
+                self.loading[name] = req_id
         if traces_blocks:
             for pos in range(start, end):
                 self.blocks[st.block_ids[0][pos]] = (req_id, pos)
@@ -81,9 +83,9 @@ class LoadTracker:
     def release(self, req_id: str, st: RequestState) -> None:
         """Forget the blocks this request was loading (share mode: others stop waiting)."""
         start, end = st.load_range
-        for h in st.load_hashes[start:end]:
-            if self.loading.get(h) == req_id:
-                del self.loading[h]
+        for name in st.load_names.first_group(start, end):
+            if self.loading.get(name) == req_id:
+                del self.loading[name]
         for block_id in st.block_ids[0][start:end] if st.block_ids else ():
             if self.blocks.get(block_id, ("",))[0] == req_id:
                 del self.blocks[block_id]

@@ -51,7 +51,8 @@ class LookupPolls:
     def start(self, st: RequestState, start: int, end: int) -> None:
         """Ask Redis about blocks ``[start, end)`` of the request's chain."""
         handoff_id = st.handoff.handoff_id if st.handoff is not None else None
-        st.lookup_sent(self._lookups.submit(st.load_hashes[start:end], start, handoff_id), start)
+        names = st.load_names.by_position(start, end)
+        st.lookup_sent(self._lookups.submit(names, start, handoff_id), start)
         self.stats.add(lookups=1)
 
     def wait_in_step(self, fut: Future[LookupResult]) -> None:
@@ -73,7 +74,7 @@ class LookupPolls:
         if not self.store.available:
             return self._give_up(rid, "Redis unavailable (circuit breaker open)")
         if not self.config.consume and self._loads.loading_elsewhere(
-            st.load_hashes[start:end], rid
+            st.load_names.first_group(start, end), rid
         ):
             return None  # another request is loading these blocks; wait for it
         if st.lookup is None and now < st.next_poll:

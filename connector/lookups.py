@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from connector.layout import KVLayout
 from connector.stats import StatsBuffer
 from kvstore import LookupBuffer
+from kvstore.values.keys import BlockName
 
 MAX_BATCH = 256  # lookups in one round trip
 
@@ -45,8 +46,10 @@ class Trip:
 class Lookup:
     """One lookup: its answer (``future``), and the round trip it went in (None while queued)."""
 
-    hashes: list[str]
-    start: int  # the chain position of hashes[0]
+    # the block names asked about, position by position, every group's at each
+    # (``ChainNames.by_position``)
+    names: list[BlockName]
+    start: int  # the chain position of the first of them
     handoff_id: str | None
     future: Future[LookupResult] = field(default_factory=Future)
     trip: Trip | None = None
@@ -68,7 +71,7 @@ class LookupBatcher:
         self.store = store
         self.fingerprints = fingerprints
         self.stats = stats
-        # a position's keys: one per KV-cache group; which of them a hit needs is the layout's
+        # a position's names: one per KV-cache group; which of them a hit needs is the layout's
         self._layout = layout
         self._queue: queue.SimpleQueue[Lookup | None] = queue.SimpleQueue()
         self._threads = [
@@ -79,10 +82,11 @@ class LookupBatcher:
         for t in self._threads:
             t.start()
 
-    def submit(self, hashes: list[str], start: int, handoff_id: str | None = None) -> Lookup:
-        """Ask how many leading blocks of ``hashes`` (chain positions ``start`` on) are present;
-        with ``handoff_id``, also read that handoff's commit records."""
-        job = Lookup(hashes, start, handoff_id)
+    def submit(self, names: list[BlockName], start: int, handoff_id: str | None = None) -> Lookup:
+        """Ask how many leading positions of ``names`` (chain positions ``start`` on, every
+        group's name at each, ``ChainNames.by_position``) are present; with ``handoff_id``,
+        also read that handoff's commit records."""
+        job = Lookup(names, start, handoff_id)
         if self._closed:
             job.future.cancel()
         else:
@@ -117,17 +121,17 @@ class LookupBatcher:
             pool = [j for j in batch if j.handoff_id is None]
             handoffs = [j for j in batch if j.handoff_id is not None]
             found = self.store.survey(
-                [self._layout.group_block_hashes(j.hashes) for j in pool],
-                [(j.handoff_id or "", self._layout.group_block_hashes(j.hashes)) for j in handoffs],
+                [j.names for j in pool],
+                [(j.handoff_id or "", j.names) for j in handoffs],
                 self.fingerprints,
             )
             gen = found.generation
-            for j, keys in zip(pool, found.presences, strict=True):
-                j.future.set_result(LookupResult(self._usable(j, keys), generation=gen))
+            for j, present in zip(pool, found.presences, strict=True):
+                j.future.set_result(LookupResult(self._usable(j, present), generation=gen))
             for j, s in zip(handoffs, found.handoffs, strict=True):
-                present = self._usable(j, list(s.blocks))
+                usable = self._usable(j, list(s.blocks))
                 j.future.set_result(
-                    LookupResult(present, s.committed, s.taken, s.pending, generation=gen)
+                    LookupResult(usable, s.committed, s.taken, s.pending, generation=gen)
                 )
         except BaseException as exc:  # every waiting request must hear back
             for j in batch:
@@ -138,11 +142,12 @@ class LookupBatcher:
             for _ in batch:
                 self.stats.observe("lookup_seconds", took)
 
-    def _usable(self, job: Lookup, keys: list[bool]) -> int:
-        """The longest hit (absolute, in blocks) the keys found make loadable."""
+    def _usable(self, job: Lookup, present: list[bool]) -> int:
+        """The longest hit (absolute, in blocks) the names found present make loadable."""
         groups = len(self._layout.groups)
+        end = job.start + len(job.names) // groups
         return self._layout.usable_prefix(
-            lambda g, p: keys[(p - job.start) * groups + g], job.start, job.start + len(job.hashes)
+            lambda g, p: present[(p - job.start) * groups + g], job.start, end
         )
 
     def shutdown(self) -> None:

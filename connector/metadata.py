@@ -8,12 +8,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from connector.figures import StepShape
 from connector.probes import ProbeSpec
+from kvstore.values.keys import BlockName
 
 
 @dataclass
 class LoadSpec:
-    """Load position ``hashes[i]`` into ``block_ids[g][i]`` of each KV-cache group ``g`` (the
-    layout's groups, in order; a null block id is skipped) within ``timeout_s`` (the rest of
+    """Load the block named ``names[g][i]`` into ``block_ids[g][i]`` of each KV-cache group ``g``
+    (the layout's groups, in order; a null block id is skipped) within ``timeout_s`` (the rest of
     the request's deadline, counted from when the worker receives it). Consume mode: first
     claim handoff ``claim`` for ``owner`` -- another owner's claim means not ours: nothing is
     loaded. (The scheduler side deletes the chain once every rank has finished.)
@@ -25,7 +26,7 @@ class LoadSpec:
 
     req_id: str
     block_ids: list[list[int]]
-    hashes: list[str]
+    names: list[list[BlockName]]
     timeout_s: float
     claim: str | None = None
     owner: str = ""
@@ -34,14 +35,15 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the KV of ``block_ids[g][i]`` of each KV-cache group ``g`` under position
-    ``hashes[i]`` once this step's forward is done (a null block id, or ``NO_BLOCK`` -- a
+    """Save the KV of ``block_ids[g][i]`` of each KV-cache group ``g`` under the block name
+    ``names[g][i]`` once this step's forward is done (a null block id, or ``NO_BLOCK`` -- a
     state group's place in an attention save, the attention groups' in a state's -- is
-    skipped); ``hashes[0]`` is block ``first_position`` of the request's chain ``handoff``."""
+    skipped); position ``i`` is block ``first_position + i`` of the request's chain
+    ``handoff``."""
 
     req_id: str
     block_ids: list[list[int]]
-    hashes: list[str]
+    names: list[list[BlockName]]
     first_position: int
     handoff: str
 

@@ -22,36 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from connector.group_kinds import FULL, GroupKind, names_carry_groups
 from kvstore.errors import InvalidArgumentError
 from kvstore.values.hashing import chain_hashes
-from kvstore.values.keys import at_generation
+from kvstore.values.keys import BlockName, block_name
 
 if TYPE_CHECKING:
     from kvstore.lookup_buffer import LookupBuffer
 
 
-def first_needed(kind: str, blocks: int, block_size: int) -> int:
-    """The first chain position a hit of ``blocks`` leading blocks needs from a group of
-    ``kind`` ("full", "sliding_window=<tokens>", "chunked_local=<tokens>", "state=<type>"):
-    vLLM gives the positions before it the null block (its ``get_num_skipped_tokens``)."""
-    name, _, size = kind.partition("=")
-    tokens = blocks * block_size
-    if name == "state":  # the state after the hit's last block, nothing before
-        return max(0, blocks - 1)
-    if name == "sliding_window":
-        return max(0, tokens - int(size) + 1) // block_size
-    if name == "chunked_local":
-        return tokens // int(size) * int(size) // block_size
-    return 0
-
-
-def windowed(kind: str) -> bool:
-    """Whether a group of ``kind`` needs only some blocks before a hit's end."""
-    return kind.startswith(("sliding_window=", "chunked_local=", "state="))
-
-
 def usable_prefix(
-    kinds: Sequence[str],
+    kinds: Sequence[GroupKind],
     block_size: int,
     present: Callable[[int, int], bool],
     start: int,
@@ -61,17 +42,17 @@ def usable_prefix(
     present: ``present(g, p)`` says whether group ``g`` (an index into ``kinds``) has chain
     position ``p``."""
     for g, kind in enumerate(kinds):
-        if not windowed(kind):  # every position up to the hit's end
+        if not kind.windowed:  # every position up to the hit's end
             p = start
             while p < end and present(g, p):
                 p += 1
             end = p
-    windows = [(g, kind) for g, kind in enumerate(kinds) if windowed(kind)]
+    windows = [(g, kind) for g, kind in enumerate(kinds) if kind.windowed]
     for n in range(end, start, -1):
         if all(
             present(g, p)
             for g, kind in windows
-            for p in range(max(start, first_needed(kind, n, block_size)), n)
+            for p in range(max(start, kind.first_needed(n, block_size)), n)
         ):
             return n
     return start
@@ -84,18 +65,14 @@ class StoredLayout:
     namespace: str
     block_size: int
     fingerprints: tuple[str, ...]  # a block is stored when every one has it (TP slices)
-    group_kinds: tuple[str, ...] = ("full",)
-    group_indices: tuple[int, ...] = (0,)  # vLLM's group index, in the key of a hybrid model
+    group_kinds: tuple[GroupKind, ...] = (FULL,)
+    group_indices: tuple[int, ...] = (0,)  # vLLM's group index, in the name of a hybrid model
 
-    @property
-    def hybrid(self) -> bool:
-        return len(self.group_kinds) > 1 or self.group_kinds[0].startswith("state=")
-
-    def names(self, block_hash: str) -> list[str]:
-        """Each group's block name at the position ``block_hash`` names."""
-        if not self.hybrid:
-            return [block_hash]
-        return [f"{block_hash}.g{i}" for i in self.group_indices]
+    def names(self, chain_hash: str, generation: int) -> list[BlockName]:
+        """Each group's block name at the position ``chain_hash`` names, in ``generation``."""
+        if not names_carry_groups(self.group_kinds):
+            return [block_name(chain_hash, generation)]
+        return [block_name(chain_hash, generation, i) for i in self.group_indices]
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> StoredLayout:
@@ -105,7 +82,7 @@ class StoredLayout:
                 namespace=str(doc["namespace"]),
                 block_size=int(doc["block_size"]),
                 fingerprints=tuple(str(f) for f in doc["fingerprints"]),
-                group_kinds=tuple(str(g["kind"]) for g in groups),
+                group_kinds=tuple(GroupKind.parse(str(g["kind"])) for g in groups),
                 group_indices=tuple(int(g["index"]) for g in groups),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -177,11 +154,11 @@ def prompt_presence(
     """Which of the prompt's full blocks are stored, and how long a hit they make, in one
     round trip. ``salt``: the connector's request salt (LoRA, cache_salt, multimodal inputs;
     "" for a plain prompt)."""
-    hashes = chain_hashes(list(token_ids), layout.block_size, salt)
+    chain = chain_hashes(list(token_ids), layout.block_size, salt)
     groups = len(layout.group_kinds)
     for _ in range(3):  # a reset in between: name the blocks in the generation read, again
         generation = store.generation
-        names = [n for h in hashes for n in layout.names(at_generation(h, generation))]
+        names = [n for h in chain for n in layout.names(h, generation)]
         found = store.survey([names], fingerprints=list(layout.fingerprints))
         if found.generation == generation:
             break
@@ -191,7 +168,7 @@ def prompt_presence(
         return present[p * groups + g]
 
     # the connector never loads a prompt's last token: vLLM must compute one to sample from
-    end = min(len(hashes), max(0, len(token_ids) - 1) // layout.block_size)
+    end = min(len(chain), max(0, len(token_ids) - 1) // layout.block_size)
     loadable = usable_prefix(layout.group_kinds, layout.block_size, has, 0, end)
-    blocks = [all(has(g, p) for g in range(groups)) for p in range(len(hashes))]
+    blocks = [all(has(g, p) for g in range(groups)) for p in range(len(chain))]
     return Presence(blocks, loadable, layout.block_size, generation)

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from connector.figures import LoadFit, SplitFit
+from kvstore.values.keys import BlockName
 
 # at most one probe this often (seconds), while a figure is missing, and otherwise
 MISSING_INTERVAL_S = 0.05
@@ -65,11 +66,12 @@ class ProbeKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ProbeSpec:
-    """Read ``hashes`` (block positions of one chain; values not there are skipped) into
-    staging, ``kind``-wise, within ``timeout_s``; report the time as a figure's sample."""
+    """Read the blocks ``names`` (positions of one chain, their first KV-cache group's; values
+    not there are skipped) into staging, ``kind``-wise, within ``timeout_s``; report the time
+    as a figure's sample."""
 
     kind: ProbeKind
-    hashes: list[str]
+    names: list[BlockName]
     timeout_s: float = PROBE_TIMEOUT_S
 
 
@@ -78,21 +80,21 @@ class ProbePlanner:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._hashes: list[str] = []  # a recent hit's blocks, as present in Redis
+        self._names: list[BlockName] = []  # a recent hit's blocks, as present in Redis
         self._sent_at = -float("inf")
         self._sent = 0
         self._store_too_slow = False  # the last hit was recomputed because of the store
         self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
-    def remember(self, hashes: list[str]) -> None:
+    def remember(self, names: list[BlockName]) -> None:
         """Blocks a lookup just found in Redis: what probes read (the newest hit's)."""
-        if hashes:
-            self._hashes = list(hashes)
+        if names:
+            self._names = list(names)
 
     def forget(self) -> None:
         """A probe found the blocks it read gone (evicted, or a consume-mode handoff deleted
         after its load): no more probes until a lookup finds blocks again."""
-        self._hashes = []
+        self._names = []
 
     def note_choice(self, recomputed_for_the_store: bool) -> None:
         """The policy chose how to serve a measured hit: recomputing it because loading looked
@@ -110,7 +112,7 @@ class ProbePlanner:
         """The probe to run now, or None. ``quiet``: the step computes no prompt tokens and
         has no load or split in flight (a probe then costs no request anything)."""
         now = self._clock()
-        if not self._hashes or block_bytes <= 0:
+        if not self._names or block_bytes <= 0:
             return None
         missing = _few(loads) or (splits_allowed and _few(splits))
         interval = MISSING_INTERVAL_S if missing else PROBE_INTERVAL_S
@@ -133,11 +135,11 @@ class ProbePlanner:
         if rate is not None and not rate.bounded:
             nbytes = min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
             blocks = max(MIN_LARGE_BLOCKS, int(nbytes // block_bytes))
-            large = max(1, min(len(self._hashes), blocks))
+            large = max(1, min(len(self._names), blocks))
         # small, then large (sized by what the small one said), and so on
         blocks = large if (self._sent // len(kinds)) % 2 == 1 else 1
         self._sent_at, self._sent = now, self._sent + 1
-        return ProbeSpec(kind, self._hashes[:blocks])
+        return ProbeSpec(kind, self._names[:blocks])
 
 
 def _needs(fit: LoadFit | SplitFit | None) -> bool:

@@ -37,7 +37,7 @@ from connector.events import (
     hash_block_size,
 )
 from connector.layout import KVLayout
-from connector.load_policy import Engine
+from connector.load_policy import Engine, LoadPolicy
 from connector.logs import adopt_vllm_logging
 from connector.metadata import RedisConnectorMetadata
 from connector.scheduler import RedisConnectorScheduler
@@ -113,7 +113,8 @@ def write_layout_file(path: str | None, config: RedisConnectorConfig, layout: KV
         # the KV-cache groups: a hybrid model stores each group's block at a position under
         # "<hash>.g<index>"
         "groups": [
-            {"index": g.index, "kind": g.kind, "layers": len(g.layer_names)} for g in layout.groups
+            {"index": g.index, "kind": str(g.kind), "layers": len(g.layer_names)}
+            for g in layout.groups
         ],
     }
     with open(path, "w") as f:
@@ -361,23 +362,23 @@ class RedisConnector(KVConnectorBase_V1, *_HMA_BASES):  # type: ignore[misc]
     def _split_refusal(self, vllm_config: VllmConfig, store: LookupBuffer) -> str | None:
         """Whether this engine may take split loads (scheduler side), said once; a pinned
         ``load_policy: split`` that cannot be served fails now."""
-        if not self.rc.loads or self.rc.load_policy in ("async", "recompute"):
+        if not self.rc.loads or self.rc.load_policy in (LoadPolicy.ASYNC, LoadPolicy.RECOMPUTE):
             return "not chosen" if self.rc.loads else None
         refusal = split_refusal(vllm_config, self.layout)
         if refusal is None and self.rc.compression != "none":
             refusal = f"compression {self.rc.compression}: values are read whole, not by layers"
-        if refusal is None and self.rc.check_access and self.rc.load_policy == "auto":
+        if refusal is None and self.rc.check_access and self.rc.load_policy is LoadPolicy.AUTO:
             try:  # (a pinned split checked it with the role's other commands)
                 store.check_access(["select_ranges"])
             except StorePermissionError as exc:
                 refusal = f"{exc} (a split reads a value's layers with GETRANGE)"
             except KVStoreError:
                 pass  # Redis is not answering yet: splits fail and recompute if it refuses
-        if refusal is not None and self.rc.load_policy == "split":
+        if refusal is not None and self.rc.load_policy is LoadPolicy.SPLIT:
             raise ValueError(f"RedisConnector: load_policy split cannot be served here: {refusal}")
         logger.info(
             "RedisConnector: load policy %s%s",
-            self.rc.load_policy,
+            self.rc.load_policy.value,
             f"; no split loads: {refusal}" if refusal else " (split loads allowed)",
         )
         return refusal

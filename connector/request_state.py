@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from connector.layout import ChainNames
 from connector.load_policy import Decision, Way
 from connector.lookups import Lookup
 from connector.transfer_params import Handoff
@@ -43,8 +44,10 @@ class RequestState:
     ``save_plans.SavePlanner`` each step)."""
 
     num_tokens: int  # prompt tokens
-    load_hashes: list[str]  # the chain loads look up (the handoff's, or the shared one)
-    save_hashes: list[str]  # the chain saves write (ours)
+    # the chains' block names, every group's, named once: what loads look up (the handoff's
+    # chain, or the shared one) and what saves write (ours; the same object when they share it)
+    load_names: ChainNames
+    save_names: ChainNames
     save_handoff: str  # the id our commit record is published under
     deadline: float
     handoff: Handoff | None = None  # an incoming handoff to wait for
@@ -64,7 +67,7 @@ class RequestState:
     load_range: tuple[int, int] = (0, 0)
     block_ids: list[list[int]] = field(default_factory=list)  # per KV-cache group
     computed_tokens: int = 0  # what its last scheduled step leaves computed (vLLM's view)
-    saved_blocks: int = 0  # leading blocks of save_hashes saved or known to be in Redis
+    saved_blocks: int = 0  # leading blocks of save_names saved or known to be in Redis
     save_start: int | None = None  # saved_blocks when the first save was planned
     opening: Future[None] | None = None  # the "pending" record being written
     preemptions: int = 0
@@ -93,7 +96,7 @@ class RequestState:
 
     @property
     def same_chain(self) -> bool:
-        return self.load_hashes is self.save_hashes
+        return self.load_names is self.save_names
 
     @property
     def running(self) -> bool:

@@ -60,7 +60,7 @@ class NamespaceResets:
             "unlinked in the background in %.0f s (deadline_max_s: loads under way finish)",
             self._config.namespace,
             generation,
-            self._config.deadline_max_s,
+            self._config.deadlines.max_s,
         )
         self._start_sweep(generation)
         return True
@@ -69,7 +69,7 @@ class NamespaceResets:
         def sweep() -> None:
             # loads looked up before the reset (here or on another instance) may still be
             # reading older blocks: each ends within its deadline, at most deadline_max_s
-            if self._closing.wait(self._config.deadline_max_s):
+            if self._closing.wait(self._config.deadlines.max_s):
                 return
             try:
                 n = self._store.sweep(generation, stop=self._closing.is_set)

@@ -87,7 +87,7 @@ class SavePlanner:
                 continue
             full = min(
                 done // self.block_size,
-                len(st.save_hashes),
+                len(st.save_names),
                 self._positional_blocks(st),
             )
             full = self._allowed(st, full)
@@ -103,7 +103,7 @@ class SavePlanner:
                             else ids[st.saved_blocks : full]
                             for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
                         ],
-                        hashes=st.save_hashes[st.saved_blocks : full],
+                        names=st.save_names.span(st.saved_blocks, full),
                         first_position=st.saved_blocks,
                         handoff=st.save_handoff,
                     )
@@ -121,7 +121,7 @@ class SavePlanner:
             return full
         allowance = st.save_allowance
         if allowance is None:
-            head = st.save_hashes[0] if st.save_hashes else None
+            head = st.save_names.first_group(0, 1)[0] if len(st.save_names) else None
             in_redis = st.present_blocks >= 1 or st.saved_blocks >= 1
             allowance = self._allowance.blocks(head, in_redis, st.save_marked)
             st.saves_allowed(allowance)
@@ -220,7 +220,7 @@ class SavePlanner:
                     g is None
                     or block_id == NULL_BLOCK_ID
                     or boundary % self.block_size
-                    or not 0 <= p < len(st.save_hashes)
+                    or not 0 <= p < len(st.save_names)
                     or (st.same_chain and p < st.present_blocks)
                     or (g, p) in st.states_saved
                 ):
@@ -233,7 +233,7 @@ class SavePlanner:
                     SaveSpec(
                         req_id=req_id,
                         block_ids=[[block_id if i == g else NO_BLOCK] for i in self._groups],
-                        hashes=[st.save_hashes[p]],
+                        names=st.save_names.span(p, p + 1),
                         first_position=p,
                         handoff=st.save_handoff,
                     )

@@ -66,7 +66,7 @@ nothing. (A split never meets an abort or a preemption mid-load: both happen bet
 the split ends with its step.)
 
 A model with several KV-cache groups (full attention, sliding window) keeps one chain of
-positions: each group's block at a position is its own key (``KVLayout.group_block_hash``), a hit
+positions: each group's block at a position is its own key (``KVLayout.chain_names``), a hit
 needs every full-attention block and only a windowed group's window (``usable_prefix``), and
 loads and saves carry every group's block ids (a sliding window's past is vLLM's null block,
 which the worker skips).
@@ -92,9 +92,9 @@ from connector.config import LOAD_POLICY_KEY, RedisConnectorConfig
 from connector.consumed_handoffs import ConsumedHandoffs
 from connector.drops import HandoffDrops
 from connector.figures import step_shape
-from connector.layout import KVLayout
+from connector.layout import ChainNames, KVLayout
 from connector.load_choices import LoadChoices
-from connector.load_policy import Engine, Way
+from connector.load_policy import Engine, LoadPolicy, Way
 from connector.load_tracking import LoadTracker
 from connector.logs import FailureCounts
 from connector.lookup_polls import LookupPolls
@@ -170,9 +170,9 @@ class RedisConnectorScheduler:
         self._background_io = ThreadPoolExecutor(1, thread_name_prefix="redis-kv-background")
         # handoffs dropped unloaded wait here for their producer to finish writing
         self._drops = HandoffDrops(
-            store, self.fingerprints, config.deadline_max_s, self._report_background_failure
+            store, self.fingerprints, config.deadlines.max_s, self._report_background_failure
         )
-        self._handoffs = ConsumedHandoffs(config.consume, layout, self._drops)
+        self._handoffs = ConsumedHandoffs(config.consume, self._drops)
         self._breaker_reported: bool | None = None
         self._breaker_opens_reported = 0
         # which blocks of which requests each step saves
@@ -211,7 +211,7 @@ class RedisConnectorScheduler:
             if request.num_preemptions != st.preemptions:
                 st.preempted(
                     request.num_preemptions,
-                    time.monotonic() + self.config.request_deadline_s(st.num_tokens),
+                    time.monotonic() + self.config.deadlines.for_prompt(st.num_tokens),
                 )
             return st
         generation = self.store.generation
@@ -219,21 +219,20 @@ class RedisConnectorScheduler:
         save_handoff = uuid.uuid4().hex
         # the content chain: what share mode saves and loads, and what incoming params are
         # checked against (a consume-mode producer needs none of it)
-        shared: list[str] = []
-        if self.config.loads or not self.config.consume:
-            shared = chains.shared()
-        save_hashes = shared
+        content = chains.shared() if self.config.loads or not self.config.consume else []
+        shared = self.layout.chain_names(content, generation)
+        save_names = shared
         if self.config.saves and self.config.consume:  # a chain private to this request
-            save_hashes = chains.handoff(save_handoff)
-        handoff, load_hashes = None, shared
+            save_names = self.layout.chain_names(chains.handoff(save_handoff), generation)
+        handoff, load_names = None, shared
         if self.config.loads:
-            handoff, load_hashes = self._incoming_handoff(request, shared, chains)
+            handoff, load_names = self._incoming_handoff(request, shared, chains)
         st = RequestState(
             num_tokens=len(chains.tokens),
-            load_hashes=load_hashes,
-            save_hashes=save_hashes,
+            load_names=load_names,
+            save_names=save_names,
             save_handoff=save_handoff,
-            deadline=time.monotonic() + self.config.request_deadline_s(len(chains.tokens)),
+            deadline=time.monotonic() + self.config.deadlines.for_prompt(len(chains.tokens)),
             handoff=handoff,
             preemptions=request.num_preemptions,
             generation=generation,
@@ -244,16 +243,16 @@ class RedisConnectorScheduler:
         return st
 
     def _incoming_handoff(
-        self, request: Request, shared: list[str], chains: RequestChains
-    ) -> tuple[Handoff | None, list[str]]:
-        """The producer's handoff from the request's ``kv_transfer_params`` and the chain it
-        wrote, if the params are ours and match this instance and prompt; anything else is
-        ignored with a sparse warning (the chain is then the shared one)."""
-        handoff, chain, problem = read_handoff(
+        self, request: Request, shared: ChainNames, chains: RequestChains
+    ) -> tuple[Handoff | None, ChainNames]:
+        """The producer's handoff from the request's ``kv_transfer_params`` and the names of
+        the chain it wrote, if the params are ours and match this instance and prompt; anything
+        else is ignored with a sparse warning (the chain is then the shared one)."""
+        handoff, names, problem = read_handoff(
             request.kv_transfer_params, self._this_instance, chains, shared
         )
         if problem is None:
-            return handoff, chain
+            return handoff, names
         self.stats.add(transfer_params_ignored=1)
         total = self.failures.add(f"params:{problem.split()[0]}")
         if total:
@@ -273,9 +272,11 @@ class RedisConnectorScheduler:
         if not self.config.request_load_policy or not isinstance(request.kv_transfer_params, dict):
             return None
         asked = request.kv_transfer_params.get(LOAD_POLICY_KEY)
-        if asked is None or asked == "auto":
+        if asked is None:
             return None
-        if asked not in tuple(w.value for w in Way):
+        try:
+            return LoadPolicy.parse(asked).pinned
+        except ValueError:
             self.stats.add(transfer_params_ignored=1)
             total = self.failures.add("params:load_policy")
             if total:
@@ -287,11 +288,10 @@ class RedisConnectorScheduler:
                     total,
                 )
             return None
-        return Way(asked)
 
     def _max_blocks(self, st: RequestState, request: Request) -> int:
         # Never load the last prompt token: vLLM must compute at least one to sample from.
-        return min(len(st.load_hashes), (request.num_prompt_tokens - 1) // self.block_size)
+        return min(len(st.load_names), (request.num_prompt_tokens - 1) // self.block_size)
 
     # ------------------------------------------------------------------ lookups
     def on_new_request(self, request: Request) -> None:
@@ -407,7 +407,7 @@ class RedisConnectorScheduler:
             LoadSpec(
                 req_id=rid,
                 block_ids=[ids[start:end] for ids in st.block_ids],
-                hashes=st.load_hashes[start:end],
+                names=st.load_names.span(start, end),
                 timeout_s=timeout,
                 claim=claim,
                 owner=st.handoff.owner if st.handoff is not None else "",
@@ -596,9 +596,8 @@ class RedisConnectorScheduler:
             self._this_instance,
             handoff=st.save_handoff,
             consume=self.config.consume,
+            saved=st.save_names,
             num_blocks=n,
-            last_hash=st.save_hashes[n - 1],
-            generation=st.generation,
             opened=st.record_opened(),
         )
         return holds, params

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from connector.config import RedisConnectorConfig, usable_cores
+from connector.config import RedisConnectorConfig
+from connector.cpu_cores import usable_cores
 from connector.kv_views import group_kv_views
 from connector.layout import HeadSlice, KVLayout
 from datamover import BlockMover

@@ -9,13 +9,14 @@ computes its prompt. Nothing here imports vLLM.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from connector.chains import RequestChains
 from connector.config import TRANSFER_PARAMS_KEY
-from connector.layout import KVLayout
-from kvstore.values.keys import NAME_RE
+from connector.layout import ChainNames, KVLayout
+from kvstore.values.keys import NAME_RE, block_name
 
 
 @dataclass
@@ -40,12 +41,18 @@ class ThisInstance:
     layout: KVLayout
 
 
+def last_hash(chain: Sequence[str], num_blocks: int, generation: int) -> str:
+    """What params name the last of a chain's ``num_blocks`` saved blocks by: its position's
+    name in ``generation``, without a group (a model of one attention group's block name)."""
+    return block_name(chain[num_blocks - 1], generation)
+
+
 def read_handoff(
-    params: Any, here: ThisInstance, chains: RequestChains, shared: list[str]
-) -> tuple[Handoff | None, list[str], str | None]:
-    """The producer's handoff in a request's ``kv_transfer_params`` and the chain it wrote,
-    if the params are ours and match; else (None, the shared chain, the problem -- None when
-    the request carries no params of ours)."""
+    params: Any, here: ThisInstance, chains: RequestChains, shared: ChainNames
+) -> tuple[Handoff | None, ChainNames, str | None]:
+    """The producer's handoff in a request's ``kv_transfer_params`` and the names of the chain
+    it wrote, if the params are ours and match; else (None, the shared chain's, the problem --
+    None when the request carries no params of ours)."""
     ours = params.get(TRANSFER_PARAMS_KEY) if isinstance(params, dict) else None
     if ours is None:
         return None, shared, None
@@ -90,10 +97,11 @@ def read_handoff(
         elif not isinstance(n, int) or not 0 < n <= len(shared):
             problem = f"num_blocks {n!r} does not fit a prompt of {len(shared)} blocks"
         else:
-            chain = chains.handoff(handoff_id, n) if scoped else shared
-            if ours.get("last_hash") == chain[n - 1]:
+            chain = chains.handoff(handoff_id, n) if scoped else shared.chain
+            if ours.get("last_hash") == last_hash(chain, n, chains.generation):
                 handoff = Handoff(handoff_id, n, scoped, ours.get("opened") is not False)
-                return handoff, chain, None
+                names = layout.chain_names(chain, chains.generation) if scoped else shared
+                return handoff, names, None
             problem = "last_hash does not match this prompt (another model or prompt?)"
     return None, shared, problem
 
@@ -103,19 +111,19 @@ def producer_params(
     *,
     handoff: str,
     consume: bool,
+    saved: ChainNames,
     num_blocks: int,
-    last_hash: str,
-    generation: int,
     opened: bool,
 ) -> dict[str, Any]:
-    """The ``kv_transfer_params`` a producer returns for ``num_blocks`` saved blocks."""
+    """The ``kv_transfer_params`` a producer returns for the first ``num_blocks`` blocks of
+    the chain ``saved`` saved."""
     layout = here.layout
     return {
         TRANSFER_PARAMS_KEY: {
             "handoff": handoff,
             "scope": "handoff" if consume else "shared",
             "num_blocks": num_blocks,
-            "last_hash": last_hash,
+            "last_hash": last_hash(saved.chain, num_blocks, saved.generation),
             "namespace": here.namespace,
             "block_size": here.block_size,
             # how blocks are cut into KV-head slices: the consumer must read them so; and
@@ -125,7 +133,7 @@ def producer_params(
             "tp_shared": layout.tp_shared,
             # the namespace's generation its chain is named in (a reset between the two
             # makes the consumer compute the prompt)
-            "generation": generation,
+            "generation": saved.generation,
             # whether the "pending" record was in Redis before this answer: if not, the
             # consumer waits for a record that is not there yet instead of taking it for
             # evicted (a one-step prefill answers before its background write lands)

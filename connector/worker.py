@@ -64,9 +64,10 @@ from typing import Any
 import torch
 
 from connector.commits import SaveLedger, StoredReport
-from connector.config import LOAD_THREADS, RedisConnectorConfig
+from connector.config import RedisConnectorConfig
 from connector.figures import StepShape
 from connector.layout import KVLayout
+from connector.load_policy import LOAD_THREADS
 from connector.logs import FailureCounts
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.probes import ProbeKind, ProbeSpec
@@ -85,6 +86,7 @@ from kvstore import (
     StoreTimeoutError,
     StoreUnavailableError,
 )
+from kvstore.values.keys import BlockName
 from kvstore.values.value_auth import UNAUTHENTICATED
 
 logger = logging.getLogger("connector.worker")
@@ -319,9 +321,8 @@ class RedisConnectorWorker:
         into the KV cache; the time is a sample of that kind's figure, an upper bound if it
         expired or failed. Values not there (evicted, or a handoff already deleted) are no
         sample."""
-        group = self.layout.groups[0]
-        hashes = [self.layout.group_block_hash(h, group) for h in spec.hashes]
-        ids = list(range(len(hashes)))  # (nothing is written: no block ids are needed)
+        names = spec.names  # (the first group's: the one group a split loads)
+        ids = list(range(len(names)))  # (nothing is written: no block ids are needed)
         movers = [sm.mover for sm in self._slices[0]]
         nbytes, missing, t0 = 0, 0, time.perf_counter()
         landed_before = self._landed_since(0, 0)
@@ -332,7 +333,7 @@ class RedisConnectorWorker:
             for mover in movers:
                 left = max(0.0, deadline - time.monotonic())
                 if spec.kind is ProbeKind.WHOLE:
-                    chunks = mover.receive(ids, hashes, timeout_s=left)
+                    chunks = mover.receive(ids, names, timeout_s=left)
                     try:
                         for chunk in chunks:
                             got = [v for v in chunk.values if v is not None]
@@ -345,7 +346,7 @@ class RedisConnectorWorker:
                         chunks.close()
                     continue
                 bands = self._split_bands or [(0, len(mover.kv.names))]
-                pieces = mover.receive_bands(ids, hashes, bands, timeout_s=left)
+                pieces = mover.receive_bands(ids, names, bands, timeout_s=left)
                 try:
                     for piece in pieces:
                         good = sum(piece.ok)
@@ -397,7 +398,7 @@ class RedisConnectorWorker:
             load = LayeredLoad(
                 [sm.mover for sm in self._slices[0]],
                 spec.block_ids[0],
-                spec.hashes,
+                spec.names[0],
                 self._split_bands,
                 now + spec.timeout_s,
                 after=fence,
@@ -609,27 +610,30 @@ class RedisConnectorWorker:
         finally:
             self._report_load(job, expired=expired, store_failed=store_failed)
 
-    def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[str]]]:
-        """(group, slice, block ids, the store's block hashes) of each group's slices not copied
+    def _uncopied(self, job: _LoadJob) -> list[tuple[int, int, list[int], list[BlockName]]]:
+        """(group, slice, block ids, the store's block names) of each group's slices not copied
         yet; null blocks (a sliding window's past) are neither read nor written."""
         out = []
-        for g, (group, ids) in enumerate(zip(self.layout.groups, job.spec.block_ids, strict=True)):
+        spec = job.spec
+        for g, (group, ids, names) in enumerate(
+            zip(self.layout.groups, spec.block_ids, spec.names, strict=True)
+        ):
             for k in range(len(self._slices[g]) if self._slices else 1):
                 pairs = [
-                    (b, self.layout.group_block_hash(h, group))
-                    for b, h in zip(ids, job.spec.hashes, strict=True)
+                    (b, name)
+                    for b, name in zip(ids, names, strict=True)
                     if group.holds(b) and (g, k, b) not in job.copied
                 ]
                 if pairs:
-                    out.append((g, k, [b for b, _ in pairs], [h for _, h in pairs]))
+                    out.append((g, k, [b for b, _ in pairs], [n for _, n in pairs]))
         return out
 
     def _receive(self, job: _LoadJob) -> None:
         """Receive and copy in chunk by chunk, slice by slice, what is not copied yet; stops as
         soon as the load was reported."""
-        for g, k, block_ids, hashes in self._uncopied(job):
+        for g, k, block_ids, names in self._uncopied(job):
             chunks = self._slices[g][k].mover.receive(
-                block_ids, hashes, timeout_s=max(0.0, job.deadline - time.monotonic())
+                block_ids, names, timeout_s=max(0.0, job.deadline - time.monotonic())
             )
             try:
                 for chunk in chunks:
@@ -744,15 +748,10 @@ class RedisConnectorWorker:
         """Each group's blocks to save (null blocks skipped), in the layout's group order."""
         return [
             [
-                SaveItem(
-                    block_id,
-                    self.layout.group_block_hash(block_hash, group),
-                    spec.first_position + i,
-                    spec.req_id,
-                )
+                SaveItem(block_id, name, spec.first_position + i, spec.req_id)
                 for spec in specs
-                for i, (block_id, block_hash) in enumerate(
-                    zip(spec.block_ids[g], spec.hashes, strict=True)
+                for i, (block_id, name) in enumerate(
+                    zip(spec.block_ids[g], spec.names[g], strict=True)
                 )
                 if group.holds(block_id)
             ]

@@ -79,7 +79,7 @@ class StagingBusyError(Exception):
 @dataclass(frozen=True)
 class SaveItem:
     block_id: int
-    block_hash: str  # the store's name for it (a model with several KV-cache groups: its group's)
+    block_name: str  # the store's name for it (a model with several KV-cache groups: its group's)
     position: int  # the block's index in its chain (sets its TTL)
     owner: str  # e.g. the request id: whose outcome this block counts towards
 
@@ -321,11 +321,11 @@ class BlockMover:
             pieces = chunk.host[: n * self.raw_bytes].numpy().reshape(layers, n, -1)
             values = [
                 (
-                    item.block_hash,
+                    item.block_name,
                     self.store.frame_parts(
                         self.entries,
                         [pieces[layer, i] for layer in range(layers)],
-                        item.block_hash,
+                        item.block_name,
                     ),
                 )
                 for i, item in enumerate(chunk.items)

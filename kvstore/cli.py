@@ -274,7 +274,7 @@ def _checked(
     fingerprint_ok = parsed is None or parsed.fingerprint == header.fingerprint
     # a block's value names its block: under another block's key, it was copied there
     block_ok = (
-        parsed is None or parsed.kind not in ("block", "claim") or parsed.name == header.block_hash
+        parsed is None or parsed.kind not in ("block", "claim") or parsed.name == header.block_name
     )
     placed = fingerprint_ok and block_ok
     if value_key is not None:
@@ -387,7 +387,7 @@ def inspect_key(
             checksum_ok=checks.checksum_ok,
             fingerprint=header.fingerprint,
             fingerprint_matches_key=checks.fingerprint_ok,
-            block_hash=header.block_hash,
+            block_hash=header.block_name,  # (the name scripts read in inspect --json)
             block_hash_matches_key=checks.block_ok,
             format=header.format_version,
             codec=header.codec,

@@ -59,7 +59,7 @@ if python3 setup.py -q build_ext --inplace >"$OUT_DIR/build_core.log" 2>&1 \
 else
   echo "compiled core: NOT built (Python path only; see build_core.log)"; tail -3 "$OUT_DIR/build_core.log"
 fi
-timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/unit/test_datamover.py tests/unit/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
+timeout 150 python3 -m pytest -q -rs -p no:cacheprovider -m cuda tests/unit/test_datamover.py tests/integration/test_datamover_redis.py tests/unit/test_layered_loads.py 2>&1 | tee "$OUT_DIR/pytest.log"
 rc=${PIPESTATUS[0]}
 # issue 39: save / load GB/s into and out of GPU memory per topology -- 1, 2 and 4 Cluster
 # masters, the server's I/O threads on and off -- and per client width: chunks a load reads

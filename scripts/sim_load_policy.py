@@ -55,7 +55,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from connector.config import LOAD_THREADS
 from connector.figures import (
     ComputeRate,
     LoadRate,
@@ -65,6 +64,7 @@ from connector.figures import (
     step_shape,
 )
 from connector.load_policy import (
+    LOAD_THREADS,
     Busy,
     BusyWeights,
     Decision,
@@ -80,6 +80,7 @@ from connector.load_policy import (
 )
 from connector.probes import ProbeKind, ProbePlanner, ProbeSpec
 from datamover.mover import layer_bands
+from kvstore.values.keys import BlockName
 
 from .perf_model import MODELS, Model, gqa
 
@@ -431,7 +432,7 @@ class EngineSim:
             self.probes.note_choice(decision.way is Way.RECOMPUTE)
         else:
             decision = pinned(Way(self.way), hit, True, figures, self.engine, busy)
-        self.probes.remember([f"{r.rid}:{i}" for i in range(hit.blocks)])
+        self.probes.remember([BlockName(f"{r.rid}:{i}") for i in range(hit.blocks)])
         self.chose[decision.way.value] = self.chose.get(decision.way.value, 0) + 1
         return decision
 
@@ -640,7 +641,7 @@ class EngineSim:
         # a probe is read at the link's share it gets now (one small transfer; not modelled
         # as slowing the loads beside it); like a worker's, its sample counts what the link
         # gave every transfer meanwhile
-        nbytes = len(spec.hashes) * self.block_bytes
+        nbytes = len(spec.names) * self.block_bytes
         for rank in range(self.d.gpus):
             sharing = 1 + self.links.active(rank)
             rate = self.store.rank_bytes_per_s(rank, self.d.gpus) / sharing

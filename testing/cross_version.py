@@ -1,6 +1,7 @@
 """Save KV blocks through RedisConnector under the vLLM installed here, or load and check blocks
 saved under another vLLM release: the worker side, driven the way vLLM's model runner drives it
-(no model runs). ``tests/unit/test_cross_version.py`` runs it in each other version's virtualenv.
+(no model runs). ``tests/integration/test_cross_version.py`` runs it in each other version's
+virtualenv.
 
     python -m testing.cross_version save --url redis://127.0.0.1:6390/0 --model DIR
     python -m testing.cross_version load --url redis://127.0.0.1:6390/0 --model DIR
@@ -22,6 +23,7 @@ import vllm
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector
 from kvstore import chain_hashes
+from kvstore.values.keys import block_name
 from testing.scheduler_harness import BS, LAYERS, make_worker_connector, run_worker_step
 
 NUM_BLOCKS = 4  # blocks saved and loaded
@@ -44,11 +46,11 @@ def save(model: Path, url: str) -> dict[str, object]:
     for pos, block_id in enumerate(block_ids):
         for layer, name in enumerate(LAYERS):
             caches[name][block_id].copy_(block_value(pos, layer))
-    hashes = chain_hashes(TOKENS, BS)
+    names = [block_name(h) for h in chain_hashes(TOKENS, BS)]  # generation 0, one group
     run_worker_step(
         conn,
         RedisConnectorMetadata(
-            saves=[SaveSpec("x", [block_ids], hashes, 0, "x")],
+            saves=[SaveSpec("x", [block_ids], [names], 0, "x")],
             commits=[CommitSpec("x", "x", NUM_BLOCKS, 0)],
         ),
     )
@@ -61,9 +63,9 @@ def save(model: Path, url: str) -> dict[str, object]:
 def load(model: Path, url: str) -> dict[str, object]:
     conn, caches = worker(model, url)
     block_ids = list(range(NUM_BLOCKS))
-    hashes = chain_hashes(TOKENS, BS)
+    names = [block_name(h) for h in chain_hashes(TOKENS, BS)]
     run_worker_step(
-        conn, RedisConnectorMetadata(loads=[LoadSpec("y", [block_ids], hashes, timeout_s=30)])
+        conn, RedisConnectorMetadata(loads=[LoadSpec("y", [block_ids], [names], timeout_s=30)])
     )
     deadline = time.monotonic() + 30
     while "y" not in (conn.get_finished(set())[1] or set()) and time.monotonic() < deadline:

@@ -205,13 +205,15 @@ def transfer_results(conn: RedisConnector, req: str, timeout_s: float = 60) -> A
     raise AssertionError(f"{req} never finished loading")
 
 
-def committed_blocks(conn: RedisConnector, url: str, handoff: str, hashes: list[str]) -> int | None:
-    """What the commit record of ``handoff`` (chain ``hashes``) that ``conn``'s layout
-    publishes says: the blocks a consumer may load, or None while there is none."""
+def committed_blocks(conn: RedisConnector, url: str, handoff: str, chain: list[str]) -> int | None:
+    """What the commit record of ``handoff`` (chain hashes ``chain``, generation 0) that
+    ``conn``'s layout publishes says: the blocks a consumer may load, or None while there is
+    none."""
     layout = conn.layout
     store = LookupBuffer.from_url(url, namespace="vllm", fingerprint=layout.fingerprint(0))
     try:
-        return store.read_handoff(handoff, layout.group_block_hashes(hashes)).committed
+        names = layout.chain_names(chain, 0).by_position()
+        return store.read_handoff(handoff, names).committed
     finally:
         store.close()
 
@@ -226,6 +228,16 @@ def make_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=BS,
     )
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    """``n`` prompt token ids (3 to 252), the same for the same ``seed``."""
+    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
+
+
+def zero_block() -> dict[str, torch.Tensor]:
+    """A block's value for the store, as the worker saves it: zeros in each of ``LAYERS``."""
+    return {name: torch.zeros(2, BS, 128) for name in LAYERS}
 
 
 def make_request(

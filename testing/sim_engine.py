@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import xxhash
@@ -45,6 +45,7 @@ from vllm.v1.request import Request, RequestStatus
 from connector.metadata import RedisConnectorMetadata
 from connector.redis_connector import RedisConnector
 from connector.worker import RedisConnectorWorker
+from kvstore import LookupBuffer
 
 from .scheduler_harness import (
     BS,
@@ -624,3 +625,36 @@ def _samples_only(stats: Any) -> Any:
 
     kept = {k: v for k, v in stats.data.items() if k in SAMPLES}
     return RedisConnectorStats(data=kept) if kept else None
+
+
+class Gate:
+    """Holds every call of a store's method until opened: a load or lookup in flight. A gate
+    made with ``Gate.hold`` is opened by the ``engines`` fixture (tests/unit/conftest.py)
+    before it checks and shuts down its engines, if the test left it shut."""
+
+    held: ClassVar[list[Gate]] = []
+
+    def __init__(self, store: LookupBuffer, method: str = "select_into") -> None:
+        self.opened = threading.Event()
+        self.entered = threading.Event()
+        real = getattr(store, method)
+
+        def gated(*a: Any, **k: Any) -> Any:
+            self.entered.set()
+            self.opened.wait(30)
+            return real(*a, **k)
+
+        setattr(store, method, gated)
+
+    @classmethod
+    def hold(cls, store: LookupBuffer, method: str = "select_into") -> Gate:
+        gate = cls(store, method)
+        cls.held.append(gate)
+        return gate
+
+    @classmethod
+    def open_all(cls) -> None:
+        """Open every gate ``hold`` made."""
+        for gate in cls.held:
+            gate.opened.set()
+        cls.held.clear()

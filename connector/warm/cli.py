@@ -29,7 +29,7 @@ from connector.warm.records import (
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
 from kvstore.cli import human_size
 from kvstore.text import shown
-from kvstore.values.keys import at_generation, in_generation
+from kvstore.values.keys import block_name, in_generation
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -245,7 +245,7 @@ def _plan(
                 "split it, or serve and warm with a larger --max-model-len"
             )
             continue
-        row.chain = [at_generation(h, generation) for h in chain_hashes(tokens, layout.block_size)]
+        row.chain = [block_name(h, generation) for h in chain_hashes(tokens, layout.block_size)]
         row.blocks = len(row.chain)
         if not row.chain:
             row.status = "short"

@@ -1,6 +1,6 @@
 """A namespace's generation: what ``reset`` bumps to invalidate every block at once, in O(1).
 
-A block's name holds the generation it was saved in (``keys.at_generation``): ``<hash>`` in
+A block's name holds the generation it was saved in (``keys.block_name``): ``<hash>`` in
 generation 0 (the names blocks always had), ``<hash>@<n>`` after the n-th reset. A reset is one
 atomic increment of ``<prefix>:<namespace>:generation``; readers name the blocks they look up
 with the generation they last read, and read the counter with every lookup (in the same round

@@ -109,7 +109,7 @@ class ValueHeader:
 
     format_version: str
     fingerprint: str
-    block_hash: str
+    block_name: str  # the block it was written for (its "kvstore.key")
     codec: str
     checksum: str
     created: str
@@ -253,7 +253,7 @@ class StagedValue:
     raw_bytes: int
     header_bytes: int  # 8 + the padded JSON header of the uncompressed value
     fingerprint: str
-    block_hash: str
+    block_name: str
     metadata: dict[str, str]
     created: str
     value_key: ValueKey | None = None  # signs the value when set
@@ -274,7 +274,7 @@ def _staged_header(
     return _value_header(
         staged.entries,
         fingerprint=staged.fingerprint,
-        block_hash=staged.block_hash,
+        block_hash=staged.block_name,
         codec=codec,
         raw_bytes=staged.raw_bytes,
         payload_bytes=payload_bytes,
@@ -372,7 +372,7 @@ def stage_value(
         raw_bytes=raw_bytes,
         header_bytes=0,
         fingerprint=fingerprint,
-        block_hash=block_hash,
+        block_name=block_hash,
         metadata=_check_metadata(metadata),
         created=_now_iso(),
         value_key=value_key,
@@ -595,7 +595,7 @@ def _framed(
         raw_bytes=raw_bytes,
         header_bytes=0,
         fingerprint=fingerprint,
-        block_hash=block_hash,
+        block_name=block_hash,
         metadata=meta,
         created=_now_iso(),
         value_key=value_key,
@@ -790,7 +790,7 @@ def _remember_locked(raw: bytes, header: ValueHeader, runs: tuple[_Run, ...]) ->
     if spans is None:
         return
     values = {field_no: raw[a:b].decode("ascii") for a, b, field_no in spans}
-    expected = {0: header.block_hash, 1: header.checksum, 2: header.created}
+    expected = {0: header.block_name, 1: header.checksum, 2: header.created}
     if header.tensor_checksums:
         expected[3] = "".join(header.tensor_checksums)
     if header.mac:
@@ -837,7 +837,7 @@ def _read_header(
         header = object.__new__(ValueHeader)
         fields = header.__dict__
         fields.update(layout.header.__dict__)
-        fields["block_hash"] = varying["v0"].decode("ascii")
+        fields["block_name"] = varying["v0"].decode("ascii")
         fields["checksum"] = varying["v1"].decode("ascii")
         fields["created"] = varying["v2"].decode("ascii")
         if varying.get("v4") is not None:
@@ -958,7 +958,7 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
         header = ValueHeader(
             format_version=str(meta["kvstore.format"]),
             fingerprint=str(meta["kvstore.fingerprint"]),
-            block_hash=str(meta["kvstore.key"]),
+            block_name=str(meta["kvstore.key"]),
             codec=codec,
             checksum=str(meta["kvstore.checksum"]),
             created=str(meta.get("kvstore.created", "")),
@@ -1046,8 +1046,8 @@ def decode_value(
             "fingerprint",
             f"value has layout fingerprint {header.fingerprint}, this store expects {fingerprint}",
         )
-    if block_hash is not None and header.block_hash != block_hash:
-        raise _corrupt("key", f"value was written for block {header.block_hash}")
+    if block_hash is not None and header.block_name != block_hash:
+        raise _corrupt("key", f"value was written for block {header.block_name}")
     if not checksum_ok(value, header, value_key):
         raise _corrupt("forged" if header.mac else "checksum", "payload checksum mismatch")
     payload = memoryview(value)[header.header_bytes :]

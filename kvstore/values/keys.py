@@ -1,16 +1,19 @@
 """The Redis key format, defined once: built by the lookup buffer, parsed by the CLI.
 
-    <prefix>:<namespace>:<fingerprint>:<block hash>              one block's value
-    <prefix>:<namespace>:<fingerprint>:<block hash>:claim:<id>:{<block key>}
+    <prefix>:<namespace>:<fingerprint>:<block name>              one block's value
+    <prefix>:<namespace>:<fingerprint>:<block name>:claim:<id>:{<block key>}
                                                                  a block claimed by drop_select
     <prefix>:<namespace>:<fingerprint>:handoff:{<handoff id>}    a producer's commit record
     <prefix>:<namespace>:<fingerprint>:probe:<id>                a short-lived permission probe
     <prefix>:<namespace>:<fingerprint>:doc:<document id>         a warmed document's record
     <prefix>:<namespace>:generation                              the namespace's generation
 
-A block's hash names its generation (``generations``): ``<hash>`` in generation 0, the names
-blocks always had, ``<hash>@<n>`` after the n-th reset (``<hash>@<n>.g<group>`` for a hybrid
-model's groups). Only block hashes may hold "@".
+A block's name (``BlockName``) is its chain hash, the namespace's generation it was saved in
+(``generations``) and, for a model with several KV-cache groups, its group:
+``<chain hash>[@<generation>][.g<group>]`` -- ``<hash>`` in generation 0, the names blocks always
+had, ``<hash>@<n>`` after the n-th reset, ``<hash>@<n>.g<group>`` for a hybrid model's groups.
+``block_name`` builds it and ``parse_block_name`` reads it; nothing else puts one together or
+takes one apart. Only block names may hold "@".
 
 Braces are Redis Cluster hash tags. A handoff id sits in them, so every tensor-parallel rank's
 commit record of one handoff lives in one slot. A claim ends with its block's whole key in them,
@@ -23,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NewType
 
 from kvstore.errors import InvalidArgumentError
 
@@ -31,6 +35,8 @@ DEFAULT_KEY_PREFIX = "kv"
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+\Z")
 BLOCK_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+(@[0-9]+[A-Za-z0-9_.\-]*)?\Z")
 GENERATION_MARK = "@"
+GROUP_MARK = ".g"
+_GROUP_SUFFIX = re.compile(r"\.g([0-9]+)\Z")
 CLAIM_MARKER = ":claim:"
 _HANDOFF = "handoff"
 _PROBE = "probe"
@@ -51,36 +57,66 @@ def check_name(what: str, name: object) -> str:
     return name
 
 
-def check_block_name(block_hash: object) -> str:
-    """A block hash: a name, with at most one generation mark ("@<n>") after its hash."""
-    if not isinstance(block_hash, str) or not BLOCK_NAME_RE.match(block_hash):
+def check_block_name(name: object) -> str:
+    """A block name: a name, with at most one generation mark ("@<n>") after its chain hash."""
+    if not isinstance(name, str) or not BLOCK_NAME_RE.match(name):
         raise InvalidArgumentError(
-            "a block hash must be a non-empty str of letters, digits, '_', '.', '-' (and "
-            f"'@<generation>' after the hash): got {block_hash!r}"
+            "a block name must be a non-empty str of letters, digits, '_', '.', '-' (and "
+            f"'@<generation>' after the hash): got {name!r}"
         )
-    return block_hash
+    return name
 
 
-def at_generation(block_hash: str, generation: int) -> str:
-    """The name of ``block_hash``'s block saved in ``generation`` (unchanged in generation 0)."""
-    return f"{block_hash}{GENERATION_MARK}{generation}" if generation else block_hash
+# A stored block's name, ``<chain hash>[@<generation>][.g<group>]``: a str wherever it reaches
+# the store (its API takes any name ``check_block_name`` accepts), a type of its own for mypy,
+# so a chain hash is never passed where a name is due.
+BlockName = NewType("BlockName", str)
 
 
-def in_generation(block_name: str, generation: int) -> str:
-    """``block_name`` (``<hash>[@<n>][.g<group>]``) as named in ``generation``: the same block
-    saved after another reset."""
-    base, mark, rest = block_name.partition(GENERATION_MARK)
-    suffix = rest.lstrip("0123456789") if mark else ""
-    return at_generation(base, generation) + suffix
+@dataclass(frozen=True)
+class ParsedBlockName:
+    """What a block name says: its chain hash, the generation it was saved in, and its KV-cache
+    group (None: a name without one, as a model of one attention group has)."""
+
+    chain_hash: str
+    generation: int = 0
+    group: int | None = None
 
 
-def generation_of(block_name: str) -> int:
-    """The generation a block's name (``<hash>[@<n>][.g<group>]``) was saved in."""
-    _, mark, rest = block_name.partition(GENERATION_MARK)
-    if not mark:
-        return 0
-    digits = re.match(r"[0-9]+", rest)
-    return int(digits.group()) if digits else 0
+def block_name(chain_hash: str, generation: int = 0, group: int | None = None) -> BlockName:
+    """The store's name of the block at the chain position ``chain_hash`` names, saved in
+    ``generation`` (no mark in generation 0: the names blocks always had), of KV-cache group
+    ``group`` (None: no group in the name)."""
+    name = f"{chain_hash}{GENERATION_MARK}{generation}" if generation else chain_hash
+    return BlockName(name if group is None else f"{name}{GROUP_MARK}{group}")
+
+
+def parse_block_name(name: str) -> ParsedBlockName:
+    """``name``'s parts (``block_name``'s inverse). A name the store accepts that no connector
+    makes -- text after the generation other than a group -- keeps its chain hash and
+    generation; its group is None."""
+    chain_hash, mark, rest = name.partition(GENERATION_MARK)
+    digits = rest[: len(rest) - len(rest.lstrip("0123456789"))] if mark else ""
+    if mark:  # the group is all that may follow the generation
+        group = _GROUP_SUFFIX.match(rest[len(digits) :])
+    else:  # in generation 0 it follows the chain hash
+        group = _GROUP_SUFFIX.search(chain_hash)
+        if group is not None:
+            chain_hash = chain_hash[: group.start()]
+    return ParsedBlockName(
+        chain_hash, int(digits or 0), int(group.group(1)) if group is not None else None
+    )
+
+
+def in_generation(name: str, generation: int) -> BlockName:
+    """``name`` as named in ``generation``: the same block saved after another reset."""
+    parts = parse_block_name(name)
+    return block_name(parts.chain_hash, generation, parts.group)
+
+
+def generation_of(name: str) -> int:
+    """The generation a block's name says it was saved in."""
+    return parse_block_name(name).generation
 
 
 def generation_key(prefix: str, namespace: str) -> str:
@@ -105,22 +141,23 @@ class KeySpace:
     def _base(self, fingerprint: str | None) -> str:
         return f"{self.prefix}:{self.namespace}:{fingerprint or self.fingerprint}"
 
-    def block(self, block_hash: str, fingerprint: str | None = None) -> str:
-        return f"{self._base(fingerprint)}:{check_block_name(block_hash)}"
+    def block(self, name: str, fingerprint: str | None = None) -> str:
+        """The key of the block named ``name`` (``BlockName``)."""
+        return f"{self._base(fingerprint)}:{check_block_name(name)}"
 
     def fingerprints(self, given: Sequence[str] | None) -> list[str]:
         """``given`` (e.g. one per slice of a model's KV heads), or this space's own fingerprint."""
         return list(given) if given else [self.fingerprint]
 
-    def blocks(self, hashes: Sequence[str], fingerprint: str | None = None) -> list[str]:
-        """The keys of a non-empty list of block hashes."""
-        if isinstance(hashes, str) or not isinstance(hashes, Sequence):
+    def blocks(self, names: Sequence[str], fingerprint: str | None = None) -> list[str]:
+        """The keys of a non-empty list of block names."""
+        if isinstance(names, str) or not isinstance(names, Sequence):
             raise InvalidArgumentError(
-                f"expected a list of block hashes, got {type(hashes).__name__}"
+                f"expected a list of block names, got {type(names).__name__}"
             )
-        if not hashes:
-            raise InvalidArgumentError("the list of block hashes is empty")
-        return [self.block(h, fingerprint) for h in hashes]
+        if not names:
+            raise InvalidArgumentError("the list of block names is empty")
+        return [self.block(n, fingerprint) for n in names]
 
     def handoff(self, handoff_id: str, fingerprint: str | None = None) -> str:
         return f"{self._base(fingerprint)}:{_HANDOFF}:{{{check_name('handoff id', handoff_id)}}}"
@@ -150,7 +187,7 @@ class ParsedKey:
     kind: str  # "block", "claim", "handoff", "probe", "document", "generation"
     namespace: str
     fingerprint: str  # "" for the namespace's generation counter
-    name: str  # the block hash, or the handoff / probe / document id
+    name: str  # the block name (``parse_block_name``), or the handoff / probe / document id
 
     @property
     def generation(self) -> int:

@@ -136,8 +136,8 @@ class TensorReader:
             return CorruptValueError(
                 "fingerprint", f"value has layout fingerprint {header.fingerprint}"
             )
-        if header.block_hash != block_hash:
-            return CorruptValueError("key", f"value was written for block {header.block_hash}")
+        if header.block_name != block_hash:
+            return CorruptValueError("key", f"value was written for block {header.block_name}")
         if (
             header.header_bytes != header_bytes
             or header.codec != "none"

@@ -17,6 +17,7 @@ import torch
 from kvstore import Claim, LookupBuffer, chain_hashes
 from kvstore.values.codec import frame_parts, plan_entries
 from kvstore.values.keys import parse_key
+from testing.blocks import k_v_block
 from testing.redis_server import ClusterServers, RedisServer, server_binary
 
 pytestmark = pytest.mark.redis
@@ -25,18 +26,14 @@ HASHES = chain_hashes(list(range(16 * 80)), 16)
 FPS = ["rank0fingerprint", "rank1fingerprint"]
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"k": torch.full((2, 16, 8), float(i)), "v": torch.full((2, 16, 8), -float(i))}
-
-
 def same(got: dict[str, torch.Tensor] | None, i: int) -> bool:
-    want = block(i)
+    want = k_v_block(i)
     return got is not None and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def parts(buf: LookupBuffer, i: int) -> list[object]:
     """Block ``i`` framed as insert_parts takes it: header and tensors as separate buffers."""
-    tensors = block(i)
+    tensors = k_v_block(i)
     entries, _ = plan_entries(list(tensors), torch.float32, (2, 16, 8))
     pieces = [t.numpy() for t in tensors.values()]
     return frame_parts(entries, pieces, fingerprint=buf.fingerprint, block_hash=HASHES[i])
@@ -109,7 +106,7 @@ def test_the_server_is_the_build_we_meant(store: Backend) -> None:
 
 def test_insert_select_and_lookup(store: Backend) -> None:
     with LookupBuffer.from_url(store.url, namespace="ops", ttl_s=60) as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(40)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(40)])
         got = buf.select(HASHES[:42])
         assert all(same(got[i], i) for i in range(40)) and got[40:] == [None, None]
         assert buf.longest_prefix(HASHES[:60]) == 40
@@ -127,8 +124,8 @@ def test_longest_prefix_needs_every_fingerprint(store: Backend) -> None:
         LookupBuffer.from_url(store.url, namespace="tp", fingerprint=FPS[0]) as r0,
         LookupBuffer.from_url(store.url, namespace="tp", fingerprint=FPS[1]) as r1,
     ):
-        r0.insert_many([(HASHES[i], block(i)) for i in range(10)])
-        r1.insert_many([(HASHES[i], block(i)) for i in range(6)])
+        r0.insert_many([(HASHES[i], k_v_block(i)) for i in range(10)])
+        r1.insert_many([(HASHES[i], k_v_block(i)) for i in range(6)])
         assert r0.longest_prefix(HASHES[:10], FPS) == 6
         assert r0.delete(HASHES[:10], FPS) == 16
 
@@ -147,7 +144,7 @@ def test_insert_parts_then_consume_into_buffers(store: Backend) -> None:
 
 def test_drop_select_takes_values_and_leaves_nothing(store: Backend) -> None:
     with LookupBuffer.from_url(store.url, namespace="drop") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(30)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(30)])
         got = buf.drop_select(HASHES[:32])
         assert all(same(got[i], i) for i in range(30)) and got[30:] == [None, None]
         assert buf.drop_select(HASHES[:30]) == [None] * 30
@@ -156,11 +153,11 @@ def test_drop_select_takes_values_and_leaves_nothing(store: Backend) -> None:
 
 def test_blocking_drop_select_gets_values_inserted_later(store: Backend) -> None:
     with LookupBuffer.from_url(store.url, namespace="wait") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(4)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(4)])
 
         def produce() -> None:
             time.sleep(0.2)
-            buf.insert_many([(HASHES[i], block(i)) for i in range(4, 8)])
+            buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(4, 8)])
 
         threading.Thread(target=produce).start()
         got = buf.drop_select(HASHES[:8], timeout_s=5)
@@ -180,7 +177,7 @@ def _racer(url: str, keys: list[str], out: mp.Queue) -> None:
 def test_drop_select_delivers_each_value_exactly_once_across_processes(store: Backend) -> None:
     n = 60
     with LookupBuffer.from_url(store.url, namespace="race") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(n)])
     ctx = mp.get_context("spawn")
     out: mp.Queue = ctx.Queue()
     # every process walks all keys in overlapping windows, some in reverse order; on a Cluster
@@ -202,9 +199,9 @@ def test_handoff_records_and_one_owner(store: Backend) -> None:
         buf.open_handoff("req-1", FPS)
         state = buf.read_handoff("req-1", HASHES[:4], FPS)
         assert state.pending and state.committed is None
-        buf.insert_many([(HASHES[i], block(i)) for i in range(4)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(4)])
         with LookupBuffer.from_url(store.url, namespace="hand", fingerprint=FPS[1]) as r1:
-            r1.insert_many([(HASHES[i], block(i)) for i in range(4)])
+            r1.insert_many([(HASHES[i], k_v_block(i)) for i in range(4)])
             r1.publish_handoff("req-1", 4)
         buf.publish_handoff("req-1", 4)
         state = buf.read_handoff("req-1", HASHES[:4], FPS)
@@ -225,7 +222,7 @@ def test_every_permission_probe_passes(store: Backend) -> None:
 
 def test_foreign_and_corrupt_values_are_counted_misses(store: Backend) -> None:
     with LookupBuffer.from_url(store.url, namespace="bad") as buf:
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], k_v_block(0))
         buf.client.rpush(buf.redis_key(HASHES[1]), b"x")  # another type under a block key
         buf.client.set(buf.redis_key(HASHES[2]), b"not a kvstore value")
         got = buf.select(HASHES[:3])
@@ -241,7 +238,7 @@ def test_the_cli_sees_every_shard(store: Backend) -> None:
     from kvstore.cli import flush_namespace, list_prefixes, server_stats
 
     with LookupBuffer.from_url(store.url, namespace="cli") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(20)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(20)])
         rows = list_prefixes(buf.client, "kv", "cli")
         assert [(r["namespace"], r["blocks"]) for r in rows] == [("cli", 20)]
         stats = server_stats(buf.client, "kv")
@@ -264,7 +261,7 @@ def cluster_only(store: Backend) -> ClusterServers:
 def test_a_prompts_blocks_spread_over_every_master(store: Backend) -> None:
     cluster_only(store)
     with LookupBuffer.from_url(store.url, namespace="spread") as buf:
-        buf.insert_many([(HASHES[i], block(i)) for i in range(64)])
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(64)])
     per_master = [len(c.keys("kv:spread:*")) for c in store.node_clients()]
     assert len(per_master) == 3 and all(n >= 8 for n in per_master), per_master
 
@@ -317,7 +314,7 @@ def test_a_cluster_over_tls(tls_files: dict[str, str]) -> None:
 def test_claim_keys_live_in_their_blocks_slot(store: Backend) -> None:
     cluster = cluster_only(store)
     with LookupBuffer.from_url(store.url, namespace="slot") as buf:
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], k_v_block(0))
         batch = buf._claims.claim([buf.redis_key(HASHES[0])])
         statuses, claims = batch.statuses, batch.claim_keys
         assert statuses == [1] and len(claims) == 1

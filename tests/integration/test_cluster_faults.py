@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore import KVStoreError, LookupBuffer, chain_hashes
+from testing.blocks import filled_block
 from testing.redis_server import ClusterServers
 
 pytestmark = pytest.mark.redis
@@ -20,10 +21,6 @@ HASHES = chain_hashes(list(range(16 * (96 + 1))), 16)
 N = 96
 # a call's worst case here: a connect (1 s) and a reply (1 s) per attempt, two attempts
 CALL_BOUND_S = 5.0
-
-
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((2, 16, 8), float(i))}
 
 
 @pytest.fixture
@@ -37,7 +34,7 @@ def test_a_master_killed_mid_load_gives_misses_then_recovers(cluster: ClusterSer
         cluster.url, namespace="kill", socket_timeout_s=1, connect_timeout_s=1,
         breaker_probe_s=0.2,
     )  # fmt: skip
-    buf.insert_many([(HASHES[i], block(i)) for i in range(N)])
+    buf.insert_many([(HASHES[i], filled_block(i)) for i in range(N)])
     for master in cluster.master_nodes():  # every block is on a replica before the crash
         assert cluster.client(master).wait(1, 5000) >= 1
     victim = cluster.node_of(buf.redis_key(HASHES[0]))
@@ -56,7 +53,7 @@ def test_a_master_killed_mid_load_gives_misses_then_recovers(cluster: ClusterSer
                 wrong.extend(
                     i
                     for i, g in enumerate(got)
-                    if g is not None and not torch.equal(g["kv"], block(i)["kv"])
+                    if g is not None and not torch.equal(g["kv"], filled_block(i)["kv"])
                 )
             except KVStoreError as exc:
                 outcome = type(exc).__name__
@@ -86,7 +83,7 @@ def test_a_master_killed_mid_load_gives_misses_then_recovers(cluster: ClusterSer
     assert slowest < CALL_BOUND_S, f"a call took {slowest:.1f}s (promotion {promoted_after:.1f}s)"
     assert calls[-1][1] == f"hits:{N}", f"no recovery; last outcomes {calls[-5:]}"
     # and writes land on the new master
-    buf.insert(HASHES[N], block(N))
+    buf.insert(HASHES[N], filled_block(N))
     assert buf.select(HASHES[N : N + 1])[0] is not None
     assert buf.stats().breaker_opens >= 1
     buf.close()

@@ -16,6 +16,7 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, StoreTimeoutError, StoreUnavailableError, chain_hashes
+from testing.blocks import filled_block
 from testing.redis_server import ClusterServers, RedisServer
 from testing.relay import DelayRelay
 
@@ -25,19 +26,15 @@ HASHES = chain_hashes(list(range(16 * 9)), 16)
 TTL_S = 3600
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((2, 16, 8), float(i))}
-
-
 def fill(buf: LookupBuffer, n: int) -> None:
-    buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+    buf.insert_many([(HASHES[i], filled_block(i)) for i in range(n)])
 
 
 def assert_blocks(got: list[dict[str, torch.Tensor] | None], n: int) -> None:
     assert len(got) == n
     for i, value in enumerate(got):
         assert value is not None, f"block {i} missing"
-        assert torch.equal(value["kv"], block(i)["kv"])
+        assert torch.equal(value["kv"], filled_block(i)["kv"])
 
 
 @pytest.fixture
@@ -197,7 +194,7 @@ def test_a_waiting_consuming_read_takes_the_blocks_once_they_are_all_there(
     buf = LookupBuffer.from_url(redis_url, namespace="claims", ttl_s=TTL_S)
     try:
         fill(buf, 2)  # 2 of the 3 keys: the read waits for the third
-        writer = threading.Timer(0.2, lambda: buf.insert(HASHES[2], block(2)))
+        writer = threading.Timer(0.2, lambda: buf.insert(HASHES[2], filled_block(2)))
         writer.start()
         got = buf.drop_select(HASHES[:3], timeout_s=60)  # returns once the third arrived
         writer.join()

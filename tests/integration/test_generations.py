@@ -11,7 +11,7 @@ import torch
 
 from kvstore import KVStoreError, LookupBuffer, StorePermissionError
 from kvstore.fleet.access import acl_rule
-from kvstore.values.keys import at_generation, generation_of, parse_key
+from kvstore.values.keys import block_name, generation_of, parse_key
 from testing.redis_server import RedisServer, add_acl_user
 
 
@@ -20,8 +20,8 @@ def value() -> dict[str, torch.Tensor]:
 
 
 def test_block_names_carry_their_generation_and_generation_0_keeps_the_old_names() -> None:
-    assert at_generation("abc", 0) == "abc"
-    assert at_generation("abc", 3) == "abc@3"
+    assert block_name("abc", 0) == "abc"
+    assert block_name("abc", 3) == "abc@3"
     assert generation_of("abc") == 0 and generation_of("abc@3") == 3
     assert generation_of("abc@12.g1") == 12
     parsed = parse_key("kv:ns:fp:abc@2.g1")
@@ -40,10 +40,10 @@ def test_a_reset_renames_every_block_and_a_second_reader_sees_it_with_its_next_s
     assert b.survey([["h1"]]).presences == [[True]]
     assert a.reset() == 1 and a.generation == 1
     assert b.generation == 0  # nothing read yet ...
-    seen = b.survey([[at_generation("h1", b.generation)]])
+    seen = b.survey([[block_name("h1", b.generation)]])
     assert seen.generation == 1 and b.generation == 1  # ... the next lookup brings it
     # named in the new generation, the old block is not found
-    assert b.survey([[at_generation("h1", b.generation)]]).presences == [[False]]
+    assert b.survey([[block_name("h1", b.generation)]]).presences == [[False]]
 
 
 def test_instances_that_knew_different_generations_converge_after_a_flush() -> None:
@@ -72,13 +72,13 @@ def test_a_reset_made_after_the_counter_was_lost_still_invalidates_every_block()
     instance = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
     for _ in range(3):
         instance.reset()
-    instance.insert(at_generation("h", 3), value())
+    instance.insert(block_name("h", 3), value())
     r.delete("kv:ns:generation")
     trainer = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
     assert trainer.reset() == 1
     seen = instance.read_generation()
     assert seen > 3  # past every generation it could have named blocks in
-    assert instance.survey([[at_generation("h", seen)]]).presences == [[False]]
+    assert instance.survey([[block_name("h", seen)]]).presences == [[False]]
     fresh = LookupBuffer(fakeredis.FakeRedis(server=server), namespace="ns", fingerprint="fp")
     assert fresh.read_generation() == seen  # every client on one generation
 
@@ -120,7 +120,7 @@ def test_the_sweep_unlinks_older_blocks_of_every_fingerprint_and_nothing_else() 
     buf.open_handoff("hand")
     r.set("kv:other:fp:h1", b"x")  # another namespace
     gen = buf.reset()
-    buf.insert(at_generation("h1", gen), value())
+    buf.insert(block_name("h1", gen), value())
     assert buf.sweep() == 3
     left = sorted(k.decode() for k in r.keys("*"))
     assert left == [

@@ -17,7 +17,7 @@ import torch
 from connector.presence import StoredLayout, prompt_presence
 from connector.proxy.server import ProxyConfig, build_app
 from kvstore import LookupBuffer, chain_hashes
-from kvstore.values.keys import at_generation
+from kvstore.values.keys import block_name
 from tests.unit.test_proxy import run_server
 
 pytestmark = pytest.mark.redis
@@ -96,7 +96,7 @@ def test_a_reset_empties_the_answer_within_one_question(
     store.reset()
     found = prompt_presence(asker, layout, TOKENS)  # asker has not heard of the reset before
     assert (found.loadable_blocks, found.generation) == (0, 1)
-    store.insert(at_generation(chain_hashes(TOKENS, BS)[0], 1), value())
+    store.insert(block_name(chain_hashes(TOKENS, BS)[0], 1), value())
     assert prompt_presence(asker, layout, TOKENS).loadable_blocks == 1
     asker.close()
 

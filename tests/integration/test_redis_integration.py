@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import pytest
 import redis
@@ -16,6 +17,7 @@ from kvstore import (
     StoreUnavailableError,
     chain_hashes,
 )
+from testing.blocks import filled_block
 from testing.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.redis
@@ -23,37 +25,36 @@ pytestmark = pytest.mark.redis
 HASHES = chain_hashes(list(range(16 * 64)), 16)
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((4, 16, 8), float(i), dtype=torch.bfloat16)}
+bf16_block = partial(filled_block, shape=(4, 16, 8), dtype=torch.bfloat16)
 
 
 def test_round_trip_over_tcp(redis_url: str) -> None:
     with LookupBuffer.from_url(redis_url, namespace="it", ttl_s=60) as buf:
-        buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:4])])
+        buf.insert_many([(h, bf16_block(i)) for i, h in enumerate(HASHES[:4])])
         assert buf.longest_prefix(HASHES) == 4
         got = buf.select(HASHES[:5])
-        assert torch.equal(got[3]["kv"], block(3)["kv"]) and got[4] is None
+        assert torch.equal(got[3]["kv"], bf16_block(3)["kv"]) and got[4] is None
         got = buf.drop_select(HASHES[:4])
-        assert all(torch.equal(g["kv"], block(i)["kv"]) for i, g in enumerate(got))
+        assert all(torch.equal(g["kv"], bf16_block(i)["kv"]) for i, g in enumerate(got))
         assert buf.longest_prefix(HASHES) == 0
 
 
 def test_unix_socket(redis_server: RedisServer, redis_url: str) -> None:
     with LookupBuffer.from_url(redis_server.unix_url, namespace="unix") as buf:
-        buf.insert(HASHES[0], block(0))
-        assert torch.equal(buf.select(HASHES[:1])[0]["kv"], block(0)["kv"])  # type: ignore[index]
+        buf.insert(HASHES[0], bf16_block(0))
+        assert torch.equal(buf.select(HASHES[:1])[0]["kv"], bf16_block(0)["kv"])  # type: ignore[index]
 
 
 def test_valkey_alias(redis_server: RedisServer, redis_url: str) -> None:
     url = redis_url.replace("redis://", "valkey://")
     with LookupBuffer.from_url(url, namespace="alias") as buf:
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], bf16_block(0))
         assert buf.longest_prefix(HASHES) == 1
 
 
 def test_ttl_expires_values(redis_url: str) -> None:
     with LookupBuffer.from_url(redis_url, namespace="ttl", ttl_s=0.2) as buf:
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], bf16_block(0))
         assert buf.longest_prefix(HASHES) == 1
         time.sleep(0.4)
         assert buf.select(HASHES[:1]) == [None]
@@ -61,24 +62,24 @@ def test_ttl_expires_values(redis_url: str) -> None:
 
 def test_blocking_drop_select_gets_a_value_inserted_later(redis_url: str) -> None:
     with LookupBuffer.from_url(redis_url, namespace="wait") as buf:
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], bf16_block(0))
 
         def produce() -> None:
             time.sleep(0.2)
-            buf.insert(HASHES[1], block(1))
+            buf.insert(HASHES[1], bf16_block(1))
 
         threading.Thread(target=produce).start()
         got = buf.drop_select(HASHES[:2], timeout_s=5)
         assert got[0] is not None and got[1] is not None
-        assert torch.equal(got[1]["kv"], block(1)["kv"])
+        assert torch.equal(got[1]["kv"], bf16_block(1)["kv"])
 
 
 def test_scripts_reload_after_server_restart(private_redis: RedisServer) -> None:
     buf = LookupBuffer.from_url(private_redis.url, namespace="restart")
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], bf16_block(0))
     assert buf.longest_prefix(HASHES) == 1
     private_redis.restart()  # empty server: the script cache is gone (NOSCRIPT)
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], bf16_block(0))
     assert buf.longest_prefix(HASHES) == 1
     assert buf.drop_select(HASHES[:1])[0] is not None
 
@@ -90,13 +91,13 @@ def test_unreachable_server_raises_unavailable() -> None:
 
 def test_server_going_down_mid_use_raises_unavailable(private_redis: RedisServer) -> None:
     buf = LookupBuffer.from_url(private_redis.url, namespace="down", socket_timeout_s=2)
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], bf16_block(0))
     private_redis.kill()
     for op in (
         lambda: buf.select(HASHES[:1]),
         lambda: buf.drop_select(HASHES[:1]),
         lambda: buf.longest_prefix(HASHES),
-        lambda: buf.insert(HASHES[1], block(1)),
+        lambda: buf.insert(HASHES[1], bf16_block(1)),
     ):
         with pytest.raises(StoreUnavailableError):
             op()
@@ -112,7 +113,7 @@ def test_wrong_password_raises_authentication_error_without_the_password() -> No
         with pytest.raises(StoreAuthenticationError):
             LookupBuffer.from_url(f"redis://127.0.0.1:{server.port}/0")
         with LookupBuffer.from_url(server.url, namespace="auth") as buf:
-            buf.insert(HASHES[0], block(0))
+            buf.insert(HASHES[0], bf16_block(0))
             assert buf.longest_prefix(HASHES) == 1
             assert "right-password" not in repr(buf)
 
@@ -127,13 +128,15 @@ def test_tls_with_ca_and_client_certificate(tls_files: dict[str, str]) -> None:
     with RedisServer(extra_args=args) as server:
         url = f"rediss://127.0.0.1:{port}/0"
         buf = LookupBuffer.from_url(url, namespace="tls", tls_ca_file=tls_files["ca"])
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], bf16_block(0))
         assert buf.longest_prefix(HASHES) == 1
         # zero-copy writes and in-place reads work over TLS too (no sendmsg there)
-        parts = [memoryview(b) for b in buf.encode(HASHES[1], block(1)).tobytes().partition(b"}")]
+        parts = [
+            memoryview(b) for b in buf.encode(HASHES[1], bf16_block(1)).tobytes().partition(b"}")
+        ]
         buf.insert_parts([(HASHES[1], parts)], connections=2)
         got = buf.select_into(HASHES[:2], [torch.zeros(1 << 16, dtype=torch.uint8)] * 2)
-        assert got[1] is not None and torch.equal(got[1]["kv"], block(1)["kv"])
+        assert got[1] is not None and torch.equal(got[1]["kv"], bf16_block(1)["kv"])
         assert_odd_tensors_round_trip(buf)  # TLS sends each buffer with sendall, not sendmsg
         buf.close()
         # without the CA the certificate cannot be verified: a clear, typed error

@@ -11,16 +11,9 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, chain_hashes
+from testing.blocks import random_k_v_block
 
 pytestmark = pytest.mark.redis
-
-
-def block(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "k": torch.randn(2, 16, 64, generator=gen).to(torch.bfloat16),
-        "v": torch.randn(2, 16, 64, generator=gen),
-    }
 
 
 @pytest.fixture
@@ -35,7 +28,7 @@ def buffers(n: int, size: int = 64 << 10) -> list[torch.Tensor]:
 @pytest.mark.parametrize("connections", [1, 3])
 def test_values_land_in_the_buffers_and_equal_select(store: LookupBuffer, connections: int) -> None:
     hashes = chain_hashes(list(range(10 * 16)), 16)
-    store.insert_many([(h, block(i)) for i, h in enumerate(hashes)])
+    store.insert_many([(h, random_k_v_block(i)) for i, h in enumerate(hashes)])
     bufs = buffers(len(hashes))
     got = store.select_into(hashes, bufs, connections=connections)
     want = store.select(hashes)
@@ -51,7 +44,7 @@ def test_misses_wrong_types_oversize_and_corrupt_values_are_counted_misses(
     store: LookupBuffer, redis_url: str
 ) -> None:
     hashes = chain_hashes(list(range(5 * 16)), 16)
-    store.insert_many([(h, block(i)) for i, h in enumerate(hashes[:4])])
+    store.insert_many([(h, random_k_v_block(i)) for i, h in enumerate(hashes[:4])])
     client = redis.Redis.from_url(redis_url)
     client.delete(store.redis_key(hashes[1]))
     client.lpush(store.redis_key(hashes[1]), "not a block")  # wrong type
@@ -68,10 +61,10 @@ def test_misses_wrong_types_oversize_and_corrupt_values_are_counted_misses(
 
 def test_consume_takes_each_value_once(store: LookupBuffer, redis_url: str) -> None:
     hashes = chain_hashes(list(range(3 * 16)), 16)
-    store.insert_many([(h, block(i)) for i, h in enumerate(hashes)])
+    store.insert_many([(h, random_k_v_block(i)) for i, h in enumerate(hashes)])
     got = store.select_into(hashes, buffers(3), consume=True, connections=2)
     assert all(g is not None for g in got)
-    assert torch.equal(got[2]["v"], block(2)["v"])  # type: ignore[index]
+    assert torch.equal(got[2]["v"], random_k_v_block(2)["v"])  # type: ignore[index]
     assert store.select_into(hashes, buffers(3), consume=True) == [None, None, None]
     assert redis.Redis.from_url(redis_url).keys("kv:into:*") == []
 
@@ -87,7 +80,7 @@ def test_bad_buffers_are_refused(store: LookupBuffer) -> None:
 
 def value_parts(store: LookupBuffer, h: str, seed: int, pieces: int = 7) -> list[memoryview]:
     """A value cut into ``pieces`` buffers, as the data mover hands them over."""
-    whole = store.encode(h, block(seed)).tobytes()
+    whole = store.encode(h, random_k_v_block(seed)).tobytes()
     cuts = sorted({0, len(whole), *(len(whole) * i // pieces for i in range(1, pieces))})
     return [memoryview(whole)[a:b] for a, b in itertools.pairwise(cuts)]
 
@@ -99,7 +92,7 @@ def test_values_sent_in_pieces_read_back_whole(store: LookupBuffer, connections:
         [(h, value_parts(store, h, i)) for i, h in enumerate(hashes)], connections=connections
     )
     for i, got in enumerate(store.select(hashes)):
-        assert got is not None and torch.equal(got["k"], block(i)["k"])
+        assert got is not None and torch.equal(got["k"], random_k_v_block(i)["k"])
     assert store.stats().inserts == 9
 
 

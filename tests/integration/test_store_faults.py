@@ -24,16 +24,13 @@ from kvstore import (
     chain_hashes,
 )
 from kvstore.fleet.access import ACCESS, acl_rule
+from testing.blocks import filled_block
 from testing.redis_server import RedisServer, add_acl_user
 
 pytestmark = pytest.mark.redis
 
 HASHES = chain_hashes(list(range(16 * 8)), 16)
 ALL_OPS = list(ACCESS)
-
-
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((2, 16, 8), float(i))}
 
 
 def without(rule: str, command: str) -> str:
@@ -57,7 +54,7 @@ def test_the_documented_rule_is_enough_for_every_operation(private_redis: RedisS
     url = acl_user(private_redis, "full", acl_rule(ALL_OPS, "acl"))
     with LookupBuffer.from_url(url, namespace="acl", ttl_s=60) as buf:
         buf.check_access(ALL_OPS)
-        buf.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
+        buf.insert_many([(h, filled_block(i)) for i, h in enumerate(HASHES[:3])])
         buf.publish_handoff("h1", 3)
         assert buf.read_handoff("h1", HASHES[:4]).committed == 3
         assert buf.claim_handoff("h1") == Claim.WON
@@ -86,7 +83,7 @@ def test_a_key_pattern_outside_the_acl_is_a_permission_error(private_redis: Redi
         with pytest.raises(StorePermissionError, match="SET"):
             buf.check_access(["insert"])
         with pytest.raises(StorePermissionError):
-            buf.insert(HASHES[0], block(0))
+            buf.insert(HASHES[0], filled_block(0))
 
 
 @pytest.mark.parametrize(
@@ -96,7 +93,7 @@ def test_drop_select_without_a_script_permission_fails_loudly_and_strands_nothin
     private_redis: RedisServer, missing: str, error: type[Exception]
 ) -> None:
     with LookupBuffer.from_url(private_redis.url, namespace="acl", ttl_s=60) as admin:
-        admin.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:3])])
+        admin.insert_many([(h, filled_block(i)) for i, h in enumerate(HASHES[:3])])
     rule = without(acl_rule(ALL_OPS, "acl"), missing)
     url = acl_user(private_redis, "nope", rule)
     # never silent misses: a refused command inside the claim script is an error, raised
@@ -126,7 +123,7 @@ def test_writing_to_a_replica_is_a_topology_error(redis_server: RedisServer) -> 
         LookupBuffer.from_url(replica.url, namespace="ro") as buf,
         pytest.raises(StoreTopologyError, match="read-only replica"),
     ):
-        buf.insert(HASHES[0], block(0))
+        buf.insert(HASHES[0], filled_block(0))
 
 
 def _fails_fast(op: object, within_s: float = 0.05) -> float:
@@ -142,17 +139,17 @@ def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
     private_redis: RedisServer,
 ) -> None:
     buf = LookupBuffer.from_url(private_redis.url, namespace="brk", breaker_probe_s=0.1)
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], filled_block(0))
     private_redis.kill()
     for _ in range(3):
         with pytest.raises(StoreUnavailableError):
             buf.longest_prefix(HASHES)
     assert not buf.available and buf.stats().breaker_opens == 1
     _fails_fast(lambda: buf.select(HASHES[:1]))
-    _fails_fast(lambda: buf.insert(HASHES[1], block(1)))
+    _fails_fast(lambda: buf.insert(HASHES[1], filled_block(1)))
     private_redis.start()
     assert buf.breaker.wait_closed(5)
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], filled_block(0))
     assert buf.longest_prefix(HASHES) == 1
     buf.close()
 
@@ -168,7 +165,7 @@ def test_a_hung_server_costs_one_control_timeout_then_nothing(
         control_timeout_s=0.2,
         breaker_probe_s=0.1,
     )
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], filled_block(0))
     assert private_redis.proc is not None
     if hang == "sigstop":
         os.kill(private_redis.proc.pid, signal.SIGSTOP)

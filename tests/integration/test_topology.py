@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import redis
@@ -19,13 +20,13 @@ from kvstore import (
     chain_hashes,
     parse_url,
 )
+from testing.blocks import filled_block
 from testing.redis_server import RedisServer, SentinelServer, free_cluster_port
 
 HASHES = chain_hashes(list(range(16 * 8)), 16)
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((2, 16, 64), float(i), dtype=torch.bfloat16)}
+bf16_block = partial(filled_block, shape=(2, 16, 64), dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -143,12 +144,12 @@ def test_every_operation_through_sentinel_and_recovery_after_a_failover(
 ) -> None:
     master, replica, sentinel = sentinel_setup
     store = LookupBuffer.from_url(sentinel.url(), namespace="sent", socket_timeout_s=2)
-    store.insert_many([(h, block(i)) for i, h in enumerate(HASHES[:4])])
+    store.insert_many([(h, bf16_block(i)) for i, h in enumerate(HASHES[:4])])
     assert store.longest_prefix(HASHES) == 4
     bufs = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(4)]
     got = store.select_into(HASHES[:4], bufs, connections=2)
     assert all(g is not None for g in got)
-    assert torch.equal(got[3]["kv"], block(3)["kv"])  # type: ignore[index]
+    assert torch.equal(got[3]["kv"], bf16_block(3)["kv"])  # type: ignore[index]
     taken = store.drop_select(HASHES[3:4])
     assert taken[0] is not None and store.longest_prefix(HASHES) == 3
     wait_replicated(replica, 3)
@@ -170,7 +171,7 @@ def test_every_operation_through_sentinel_and_recovery_after_a_failover(
         assert time.monotonic() < deadline, "operations did not recover after the failover"
         time.sleep(0.1)
     got = store.select(HASHES[:3])
-    assert all(torch.equal(g["kv"], block(i)["kv"]) for i, g in enumerate(got))  # type: ignore[index]
-    store.insert(HASHES[5], block(5))  # the new master takes writes
+    assert all(torch.equal(g["kv"], bf16_block(i)["kv"]) for i, g in enumerate(got))  # type: ignore[index]
+    store.insert(HASHES[5], bf16_block(5))  # the new master takes writes
     assert redis.Redis(port=replica.port).exists(store.redis_key(HASHES[5]))
     store.close()

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import torch
 
 from connector.warm import cli
 from connector.warm.engine import Finished, StoreLayout
@@ -21,12 +21,12 @@ from connector.warm.inputs import Document, PromptStyle, read_documents, render
 from connector.warm.records import DocumentRecord, load_records, presence, save_record
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.values.keys import parse_key
+from testing.blocks import filled_block
 
 BLOCK = 16
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"kv": torch.full((2, BLOCK, 4), float(i))}
+small_block = partial(filled_block, shape=(2, BLOCK, 4))
 
 
 # ------------------------------------------------------------------------------ reading documents
@@ -133,8 +133,8 @@ def test_longest_prefixes_of_many_chains_at_once(fake_client: Any) -> None:
     fps = ["rank0", "rank1"]
     bufs = [LookupBuffer(fake_client, namespace="w", fingerprint=fp) for fp in fps]
     for buf in bufs:
-        buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0][:3])])
-        buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[1])])
+        buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0][:3])])
+        buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[1])])
     bufs[1].delete([CHAINS[0][1]])  # one rank lost block 1 of the first chain
     assert bufs[0].longest_prefixes(CHAINS, fps) == [1, 3]
     assert bufs[0].longest_prefixes(CHAINS) == [3, 3]
@@ -149,7 +149,7 @@ def test_longest_prefixes_of_many_chains_at_once(fake_client: Any) -> None:
 
 def test_block_info_says_present_size_and_ttl(fake_client: Any) -> None:
     buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=100)
-    buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0][:2])])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0][:2])])
     info = buf.block_info(CHAINS[0][:3])
     assert [i.present for i in info] == [True, True, False]
     assert info[0].size == fake_client.strlen(buf.redis_key(CHAINS[0][0])) > 0
@@ -160,7 +160,7 @@ def test_block_info_says_present_size_and_ttl(fake_client: Any) -> None:
 
 def test_renew_restores_the_ttl_schedule_and_persist_without_ttl(fake_client: Any) -> None:
     buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=3600)
-    buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0])])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0])])
     for h in CHAINS[0]:
         fake_client.pexpire(buf.redis_key(h), 5_000)
     assert buf.renew(CHAINS[0] + ["0" * 32]) == len(CHAINS[0])  # a missing key is not renewed
@@ -192,7 +192,7 @@ def test_document_records_round_trip_and_outlive_their_blocks(fake_client: Any) 
 
 def test_presence_counts_holes_and_the_usable_prefix(fake_client: Any) -> None:
     buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=60)
-    buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0])])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0])])
     buf.delete([CHAINS[0][1]])
     now = presence(buf, CHAINS[0], ["f"])
     assert (now.blocks, now.present, now.usable) == (4, 3, 1)
@@ -208,7 +208,7 @@ def test_presences_of_many_documents_batch_round_trips_and_agree_with_one_by_one
     buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=60)
     docs = [chain_hashes(list(range(1000 * d, 1000 * d + 16 * 5)), 16) for d in range(6)]
     for d, chain in enumerate(docs):
-        buf.insert_many([(h, block(i)) for i, h in enumerate(chain[: d % 5 + 1])])
+        buf.insert_many([(h, small_block(i)) for i, h in enumerate(chain[: d % 5 + 1])])
     one_by_one = [presence(buf, chain, ["f"]) for chain in docs]
     monkeypatch.setattr(connector.warm.records, "PRESENCE_BATCH_KEYS", 12)
     calls: list[int] = []
@@ -235,7 +235,7 @@ def test_check_reports_each_warmed_document_and_what_is_missing(
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "b.txt").write_text("beta")
     for name, chain in zip(("a.txt", "b.txt"), CHAINS, strict=True):
-        buf.insert_many([(h, block(i)) for i, h in enumerate(chain)])
+        buf.insert_many([(h, small_block(i)) for i, h in enumerate(chain)])
         rec = _record(str(tmp_path / name), chain, ["f"])
         rec.text_hash = Document(rec.name, (tmp_path / name).read_text()).text_hash
         save_record(buf, rec)
@@ -268,7 +268,7 @@ def test_check_prints_a_table_people_can_read(
     # piped, as a script reads it (pytest-xdist's workers set COLUMNS=80, which it honours)
     monkeypatch.delenv("COLUMNS", raising=False)
     buf = LookupBuffer.from_url(redis_url, namespace="w", fingerprint="f", ttl_s=600)
-    buf.insert_many([(h, block(i)) for i, h in enumerate(CHAINS[0])])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0])])
     save_record(buf, _record("manual.txt", CHAINS[0], ["f"]))
     buf.close()
     assert cli.main(["--url", redis_url, "--namespace", "w", "--check"]) == 0
@@ -317,7 +317,7 @@ class StandInEngine:
             if first in self.short_first and n == 1:
                 upto = len(chain) // 2
             if upto:
-                self.store.insert_many([(h, block(i)) for i, h in enumerate(chain[:upto])])
+                self.store.insert_many([(h, small_block(i)) for i, h in enumerate(chain[:upto])])
             handoff = f"h{first}x{n}"
             self.store.publish_handoff(handoff, upto)
             self.done += 1
@@ -369,7 +369,7 @@ def test_a_commit_record_that_never_comes_falls_back_to_what_is_present(
 ) -> None:
     buf = LookupBuffer(fake_client, namespace="w", fingerprint="f", ttl_s=600)
     rows = _rows(buf, {1: 3})
-    buf.insert_many([(h, block(i)) for i, h in enumerate(rows[0].chain)])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(rows[0].chain)])
     rows[0].handoff, rows[0].finished = "neverwritten", time.perf_counter() - 1
     monkeypatch.setattr(cli, "COMMIT_WAIT_S", 0.5)
     assert cli._confirmed(buf, StoreLayout("w", BLOCK, ["f"], "m"), [rows[0]]) == [rows[0]]
@@ -496,12 +496,12 @@ def test_warm_and_check_name_blocks_in_the_namespaces_generation(
     found 0 of the blocks it had just stored."""
     from types import SimpleNamespace
 
-    from kvstore.values.keys import at_generation
+    from kvstore.values.keys import block_name
 
     buf = LookupBuffer.from_url(redis_url, namespace="w", fingerprint="f", ttl_s=600)
     (tmp_path / "a.txt").write_text("alpha")
     chain = CHAINS[0]
-    buf.insert_many([(h, block(i)) for i, h in enumerate(chain)])
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(chain)])
     rec = _record(str(tmp_path / "a.txt"), chain, ["f"])
     rec.text_hash = Document(rec.name, "alpha").text_hash
     save_record(buf, rec)
@@ -518,8 +518,8 @@ def test_warm_and_check_name_blocks_in_the_namespaces_generation(
         max_model_len=10_000,
     )
     (row,) = cli._plan(eng, buf, [Document("a", "alpha")], PromptStyle())  # type: ignore[arg-type]
-    assert row.status == "todo" and row.chain == [at_generation(h, 1) for h in chain]
-    buf.insert_many([(h, block(i)) for i, h in enumerate(row.chain)])  # as the engine saves
+    assert row.status == "todo" and row.chain == [block_name(h, 1) for h in chain]
+    buf.insert_many([(h, small_block(i)) for i, h in enumerate(row.chain)])  # as the engine saves
     (row,) = cli._plan(eng, buf, [Document("a", "alpha")], PromptStyle())  # type: ignore[arg-type]
     assert row.status == "present" and row.present == 4
     assert _check(redis_url, capsys=capsys)[1]["documents"][0]["status"] == "complete"

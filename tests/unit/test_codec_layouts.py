@@ -102,7 +102,7 @@ def test_a_header_with_any_byte_changed_reads_as_a_full_parse_would(data: st.Dat
 def test_values_of_one_layout_read_their_own_fields() -> None:
     a, b = value_of("a" * 32), value_of("b" * 32)
     ha, hb = read_header(a), read_header(b)
-    assert (ha.block_hash, hb.block_hash) == ("a" * 32, "b" * 32)
+    assert (ha.block_name, hb.block_name) == ("a" * 32, "b" * 32)
     assert ha.tensors == hb.tensors
     assert hb == uncached_outcome(b)
     _, tensors = decode_value(b, fingerprint="fp", block_hash="b" * 32)
@@ -137,7 +137,7 @@ def test_a_header_with_its_fields_in_another_order_reads_each_values_own_fields(
     assert len(codec._layouts[n_header(first)]) == 1  # the second is read through this layout
     got = outcome(second)
     assert isinstance(got, ValueHeader)
-    assert (got.block_hash, got.checksum, got.created) == (
+    assert (got.block_name, got.checksum, got.created) == (
         "b" * 32,
         "0" * 16,
         "2026-11-26T11:00:00.000Z",
@@ -164,7 +164,7 @@ def test_a_repeated_varying_field_is_parsed_in_full_and_the_last_one_counts() ->
     assert outcome(same) == uncached_outcome(same)
     outcome(same)
     got = outcome(differ)
-    assert isinstance(got, ValueHeader) and got.block_hash == "a" * 32
+    assert isinstance(got, ValueHeader) and got.block_name == "a" * 32
     assert got == uncached_outcome(differ)
 
 
@@ -268,7 +268,7 @@ def test_a_field_spelled_with_an_escape_is_never_read_through_a_cached_layout() 
     tricked = decoy_value("k" * 16, "z" * 16)
     got = outcome(tricked)
     assert got == uncached_outcome(tricked)
-    assert isinstance(got, ValueHeader) and got.block_hash == "z" * 16
+    assert isinstance(got, ValueHeader) and got.block_name == "z" * 16
 
 
 def test_values_whose_own_metadata_varies_keep_the_cache_small_and_read_right() -> None:

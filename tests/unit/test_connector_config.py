@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from connector import config as config_module
+from connector import cpu_cores
 from connector.config import RedisConnectorConfig
 from kvstore import InvalidArgumentError
 
@@ -17,8 +17,8 @@ URL = {"url": "redis://r:6379/0"}
 def no_cgroup_quota(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """The host's own cgroup limits stay out of these tests; a test writes its own tree under
     the returned root (``/proc/self/cgroup`` becomes ``<root>/self-cgroup``)."""
-    monkeypatch.setattr(config_module, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(config_module, "PROC_CGROUP", tmp_path / "self-cgroup")
+    monkeypatch.setattr(cpu_cores, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cpu_cores, "PROC_CGROUP", tmp_path / "self-cgroup")
     return tmp_path
 
 
@@ -79,26 +79,26 @@ def test_the_cgroup_cpu_quota_is_read_from_the_process_cgroup_and_its_ancestors(
     no_cgroup_quota: Path, membership: str, files: dict[str, str], cores: float | None
 ) -> None:
     _cgroup(no_cgroup_quota, membership, files)
-    assert config_module.cpu_quota_cores() == cores
+    assert cpu_cores.cpu_quota_cores() == cores
 
 
 def test_a_cgroup_name_the_locale_cannot_decode_is_still_read(no_cgroup_quota: Path) -> None:
     _cgroup(no_cgroup_quota, b"0::/caf\xe9\n", {})
     (no_cgroup_quota / "caf\udce9").mkdir()  # the name as Python sees it (surrogateescape)
     (no_cgroup_quota / "caf\udce9" / "cpu.max").write_text("300000 100000\n")
-    assert config_module.cpu_quota_cores() == 3.0
+    assert cpu_cores.cpu_quota_cores() == 3.0
 
 
 def test_a_container_cpu_limit_lowers_the_connections_default(
     monkeypatch: pytest.MonkeyPatch, no_cgroup_quota: Path
 ) -> None:
-    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr(cpu_cores.os, "sched_getaffinity", lambda _pid: set(range(64)))
     assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 4
     _cgroup(no_cgroup_quota, "0::/pod\n", {"pod/cpu.max": "250000 100000\n"})  # 2.5 CPUs
-    assert config_module.usable_cores() == 2
+    assert cpu_cores.usable_cores() == 2
     assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 1
     _cgroup(no_cgroup_quota, "0::/pod\n", {"pod/cpu.max": "50000 100000\n"})  # half a CPU
-    assert config_module.usable_cores() == 1
+    assert cpu_cores.usable_cores() == 1
     assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 1
 
 
@@ -106,7 +106,7 @@ def test_a_container_cpu_limit_lowers_the_connections_default(
 def test_connections_default_to_one_per_two_cores_up_to_four(
     monkeypatch: pytest.MonkeyPatch, cores: int, connections: int
 ) -> None:
-    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda _pid: set(range(cores)))
+    monkeypatch.setattr(cpu_cores.os, "sched_getaffinity", lambda _pid: set(range(cores)))
     for extra in (URL, {**URL, "connections": "auto"}, {**URL, "connections": None}):
         assert RedisConnectorConfig.from_extra(extra, "kv_both").connections == connections
 
@@ -120,8 +120,8 @@ def test_connections_given_are_kept_and_zero_is_refused() -> None:
 
 
 def test_connections_default_without_sched_getaffinity(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(config_module.os, "sched_getaffinity")  # as on macOS and Windows
-    monkeypatch.setattr(config_module.os, "cpu_count", lambda: 8)
+    monkeypatch.delattr(cpu_cores.os, "sched_getaffinity")  # as on macOS and Windows
+    monkeypatch.setattr(cpu_cores.os, "cpu_count", lambda: 8)
     assert RedisConnectorConfig.from_extra(URL, "kv_both").connections == 4
 
 
@@ -152,7 +152,7 @@ def test_times_take_numbers_given_as_strings_and_refuse_negative_ones() -> None:
     config = RedisConnectorConfig.from_extra(
         {**URL, "deadline_s": "1.5", "io_threads": 2.0}, "kv_both"
     )
-    assert (config.deadline_s, config.io_threads) == (1.5, 2)
+    assert (config.deadlines.base_s, config.io_threads) == (1.5, 2)
     with pytest.raises(InvalidArgumentError, match="deadline_s must be >= 0"):
         RedisConnectorConfig.from_extra({**URL, "deadline_s": -0.1}, "kv_both")
 

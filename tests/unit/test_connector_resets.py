@@ -15,14 +15,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvstore.values.keys import at_generation
-from testing.scheduler_harness import BS, make_request
+from kvstore.values.keys import block_name
+from testing.scheduler_harness import BS, make_request, prompt
 from tests.unit.test_connector_scheduler import (
     connector_of,
     hand_off,
     make_scheduler,
     meta_of,
-    prompt,
     seed_blocks,
     store_for,
     until,
@@ -51,8 +50,8 @@ def test_after_a_reset_no_instance_loads_an_older_block(
             out = sched.schedule()  # ``other`` learned the reset from this lookup: asks again
         assert meta_of(out).loads == []
         assert out.num_scheduled_tokens == {f"r{i}": len(tokens)}  # computed, not loaded
-        renamed = [at_generation(h, 1) for h in hashes[:4]]
-        assert [h for s in meta_of(out).saves for h in s.hashes] == renamed
+        renamed = [block_name(h, 1) for h in hashes[:4]]
+        assert [h for s in meta_of(out).saves for h in s.names[0]] == renamed
     # the older blocks are unlinked in the background; nothing else was
     until(lambda: store.contains(hashes[:4]) == [False] * 4)
 

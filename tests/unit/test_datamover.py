@@ -2,7 +2,8 @@
 
 Every test runs on the CPU; the ``cuda`` variants run the same checks on a GPU, where saves go
 through device scratch and side streams (``pytest -m cuda``: the GPU suite, which needs only
-PyTorch with CUDA, redis-py and a ``redis-server``)."""
+PyTorch with CUDA, redis-py and a ``redis-server``). The round trip through a real
+redis-server is tests/integration/test_datamover_redis.py."""
 
 from __future__ import annotations
 
@@ -19,38 +20,9 @@ import torch
 from datamover import BlockMover, PagedKV, SaveItem, StagingBusyError
 from datamover.staging import StagingPool
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+from testing.kv_caches import caches, load_all, save_all, store_on
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def caches(
-    device: str,
-    *,
-    layers: int = 4,
-    blocks: int = 64,
-    heads: int = 8,
-    block_size: int = 16,
-    content: int = 256,
-    token_major: bool = False,
-    seed: int | None = 0,
-) -> dict[str, torch.Tensor]:
-    """Per-layer logical views [blocks, heads, block_size, content] (Llama-3-8B geometry per
-    layer by default: 8 KV heads, head size 128, K and V); ``token_major`` stores each block
-    as [block_size, heads, content] underneath, like a different attention backend."""
-    gen = torch.Generator().manual_seed(seed or 0)
-    out = {}
-    for i in range(layers):
-        shape = (
-            (blocks, block_size, heads, content)
-            if token_major
-            else (blocks, heads, block_size, content)
-        )
-        t = torch.zeros(shape, dtype=torch.bfloat16)
-        if seed is not None:
-            t.copy_(torch.randn(shape, generator=gen))
-        t = t.to(device)
-        out[f"model.layers.{i}.self_attn"] = t.permute(0, 2, 1, 3) if token_major else t
-    return out
 
 
 def own_fake_client() -> fakeredis.FakeRedis:
@@ -60,60 +32,6 @@ def own_fake_client() -> fakeredis.FakeRedis:
     connections) and 0 in 22 with explicit servers. The interleaving inside fakeredis 2.40 is not
     pinned down."""
     return fakeredis.FakeRedis(server=fakeredis.FakeServer())
-
-
-def store_on(client: redis.Redis, compression: str = "none") -> LookupBuffer:
-    return LookupBuffer(
-        client, namespace="mover", layout={"m": "datamover"}, compression=compression
-    )
-
-
-def save_all(mover: BlockMover, block_ids: list[int], hashes: list[str]) -> None:
-    items = [SaveItem(b, h, i, "r") for i, (b, h) in enumerate(zip(block_ids, hashes, strict=True))]
-    chunks, shed = mover.stage_saves(items)
-    assert shed == []
-    for chunk in chunks:
-        mover.write(chunk)
-
-
-def load_all(mover: BlockMover, block_ids: list[int], hashes: list[str]) -> list[int]:
-    copied: list[int] = []
-    for chunk in mover.receive(block_ids, hashes, timeout_s=5):
-        ids, _ = chunk.copy_in()
-        copied += ids
-    return copied
-
-
-@pytest.mark.redis
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("token_major", [False, True])
-def test_save_then_load_into_another_cache_is_bit_exact(
-    redis_url: str, device: str, token_major: bool
-) -> None:
-    layers = 32 if device == "cuda" else 4
-    src = caches(device, layers=layers)
-    dst = caches(device, layers=layers, seed=None, token_major=token_major)
-    client = redis.Redis.from_url(redis_url)
-    # small chunks, so one call spans several chunks and several connections; staging for
-    # all 20 blocks (a block is 2 MiB at the GPU's 32 layers, 256 KiB at the CPU's 4)
-    mib = 1 << 20
-    kw = {
-        "max_inflight_bytes": (256 if device == "cuda" else 64) * mib,
-        "chunk_bytes": (8 if device == "cuda" else 4) * mib,
-        "connections": 3,
-    }
-    saver = BlockMover(src, store_on(client), **kw)
-    loader = BlockMover(dst, store_on(client), **kw)
-    assert 1 < saver.chunk_blocks < 20
-    hashes = chain_hashes(list(range(20 * 16)), 16)
-    src_ids = [3 * i + 1 for i in range(20)]
-    dst_ids = list(range(40, 60))
-    save_all(saver, src_ids, hashes)
-    assert sorted(load_all(loader, dst_ids, hashes)) == dst_ids
-    for name in src:
-        assert torch.equal(dst[name][dst_ids].cpu(), src[name][src_ids].cpu())
-        untouched = [i for i in range(64) if i not in dst_ids]
-        assert not dst[name][untouched].any()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -167,7 +167,7 @@ def settle(worker: RedisConnectorWorker) -> None:
 def save(worker: RedisConnectorWorker, block_ids: list[int], hashes: list[str]) -> None:
     worker.start_load_kv(RedisConnectorMetadata())
     worker.wait_for_save(
-        RedisConnectorMetadata(saves=[SaveSpec("p", [block_ids], hashes, 0, "hp")])
+        RedisConnectorMetadata(saves=[SaveSpec("p", [block_ids], [hashes], 0, "hp")])
     )
     worker.start_load_kv(RedisConnectorMetadata(commits=[CommitSpec("p", "hp", len(hashes), 0)]))
     worker.wait_for_save(RedisConnectorMetadata())
@@ -177,7 +177,7 @@ def save(worker: RedisConnectorWorker, block_ids: list[int], hashes: list[str]) 
 def load(worker: RedisConnectorWorker, block_ids: list[int], hashes: list[str]) -> set[int]:
     """Load and wait; returns the failed block ids."""
     worker.start_load_kv(
-        RedisConnectorMetadata(loads=[LoadSpec("d", [block_ids], hashes, timeout_s=30.0)])
+        RedisConnectorMetadata(loads=[LoadSpec("d", [block_ids], [hashes], timeout_s=30.0)])
     )
     deadline = time.monotonic() + 60
     while "d" not in worker.get_finished()[1]:

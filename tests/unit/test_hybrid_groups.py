@@ -33,6 +33,7 @@ from testing.scheduler_harness import (
     make_request,
     make_scheduler,
     make_worker_connector,
+    prompt,
     run_worker_step,
     runner_output,
     transfer_results,
@@ -52,10 +53,6 @@ WINDOW = 2 * BS  # the sliding-window layer sees its last two blocks' worth of t
 NULL = 0  # vLLM's null block
 
 
-def prompt(n: int, seed: int = 1) -> list[int]:
-    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
-
-
 def hybrid_scheduler(tiny_model: Path, role: str = "kv_both") -> Scheduler:
     return make_scheduler(tiny_model, role, url=URL, sliding_window=WINDOW)  # type: ignore[arg-type]
 
@@ -72,9 +69,8 @@ def seed_groups(
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
     values = {name: torch.zeros(2, BS, 128) for name in LAYERS}
     items = []
-    for h in hashes[:n]:
-        for group in layout.groups:
-            key = layout.group_block_hash(h, group)
+    for group, names in zip(layout.groups, layout.chain_names(hashes[:n], 0).names, strict=True):
+        for key in names:
             if key not in skip:
                 items.append((key, {name: values[name] for name in group.layer_names}))
     store.insert_many(items)
@@ -108,15 +104,16 @@ def test_groups_are_named_in_keys_and_fingerprint_and_one_group_keeps_its_own(
     _, two = make_configs(tiny_model, "kv_both", url=URL, sliding_window=WINDOW)
     dense = KVLayout.from_vllm(vllm_config, one, None)
     hybrid = KVLayout.from_vllm(vllm_config, two, None)
-    assert not dense.hybrid and dense.group_block_hash("ab", dense.groups[0]) == "ab"
+    assert not dense.hybrid and dense.chain_names(["ab"], 0).names == [["ab"]]
     # the fingerprint a one-group model always had (a layout built without groups)
     legacy = KVLayout(
         dense.model_id, BS, 2, 64, "float32", tuple(LAYERS), 1, kv_cache_dtype=dense.kv_cache_dtype
     )
     assert dense.fingerprint(0) == legacy.fingerprint(0)
-    assert hybrid.hybrid and [g.kind for g in hybrid.groups] == ["full", f"sliding_window={WINDOW}"]
-    assert [hybrid.group_block_hash("ab", g) for g in hybrid.groups] == ["ab.g0", "ab.g1"]
-    assert hybrid.group_block_hashes(["a", "b"]) == ["a.g0", "a.g1", "b.g0", "b.g1"]
+    kinds = [str(g.kind) for g in hybrid.groups]
+    assert hybrid.hybrid and kinds == ["full", f"sliding_window={WINDOW}"]
+    assert hybrid.chain_names(["ab"], 0).names == [["ab.g0"], ["ab.g1"]]
+    assert hybrid.chain_names(["a", "b"], 0).by_position() == ["a.g0", "a.g1", "b.g0", "b.g1"]
     assert hybrid.fingerprint(0) != dense.fingerprint(0)
 
 
@@ -129,7 +126,7 @@ def test_a_load_reads_every_full_block_and_only_the_window_of_the_sliding_group(
     sched, hashes, out = schedule_seeded(tiny_model, 6)
     (load,) = meta_of(out).loads
     full, window = load.block_ids
-    assert load.hashes == hashes[:6]
+    assert load.names == layout_of(sched).chain_names(hashes[:6], 0).names
     assert len(full) == len(window) == 6 and NULL not in full
     # the window before token 96 is tokens 65..95: blocks 4 and 5; the others are null
     assert window[:4] == [NULL] * 4 and NULL not in window[4:]
@@ -154,12 +151,10 @@ def test_a_hit_needs_every_full_block_and_only_the_window_of_a_sliding_group(
     tokens = prompt(6 * BS + 1)
     hashes = chain_hashes(tokens, BS)
     position, group = missing
-    seed_groups(
-        layout, tokens, 6, skip={layout.group_block_hash(hashes[position], layout.groups[group])}
-    )
+    seed_groups(layout, tokens, 6, skip={layout.chain_names(hashes, 0).names[group][position]})
     sched.add_request(make_request("r", tokens))
     (load,) = meta_of(sched.schedule()).loads
-    assert load.hashes == hashes[:hit]
+    assert load.names == layout.chain_names(hashes[:hit], 0).names
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 
@@ -186,8 +181,9 @@ def test_a_failed_load_makes_the_whole_request_recompute_and_share_mode_saves_it
     assert [r.num_computed_tokens for r in out.scheduled_new_reqs] == [0]
     assert out.num_scheduled_tokens == {"r": 4 * BS + 1}
     saves = meta_of(out).saves
-    assert [h for s in saves for h in s.hashes] == hashes[:4]
-    assert all(len(ids) == len(s.hashes) for s in saves for ids in s.block_ids)
+    named = layout_of(sched).chain_names(hashes[:4], 0)
+    assert [h for s in saves for h in s.names[0]] == named.names[0]
+    assert all(len(ids) == len(s.names[0]) for s in saves for ids in s.block_ids)
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 
@@ -196,7 +192,7 @@ def test_saves_carry_each_groups_blocks(tiny_model: Path, fake_redis: fakeredis.
     sched.add_request(make_request("p", prompt(3 * BS + 5)))
     (save,) = meta_of(sched.schedule()).saves
     full, window = save.block_ids
-    assert len(full) == len(window) == len(save.hashes) == 3
+    assert len(full) == len(window) == len(save.names[0]) == 3
     assert NULL not in full and NULL not in window  # computed this step: every block is real
     assert set(full).isdisjoint(window)
     sched.connector.shutdown()  # type: ignore[union-attr]
@@ -218,7 +214,9 @@ def test_each_group_saves_and_loads_its_own_blocks_and_null_blocks_are_never_tou
             cache[b] = float(b) + (0.5 if name == LAYERS[1] else 0.0)
     hashes = chain_hashes(list(range(3 * BS)), BS)
     # the sliding group's first block is null (its window has passed)
-    save = SaveSpec("p", [[1, 2, 3], [NULL, 5, 6]], hashes, 0, "hp")
+    save = SaveSpec(
+        "p", [[1, 2, 3], [NULL, 5, 6]], src.layout.chain_names(hashes, 0).names, 0, "hp"
+    )
     run_worker_step(src, RedisConnectorMetadata(saves=[save]))
     run_worker_step(src, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 3, 0)]))
     assert src.worker.shutdown_pending(timeout_s=60) == 0
@@ -228,7 +226,7 @@ def test_each_group_saves_and_loads_its_own_blocks_and_null_blocks_are_never_tou
 
     dst, dst_kv = hybrid_worker(tiny_model)
     before = {name: cache.clone() for name, cache in dst_kv.items()}
-    load = LoadSpec("d", [[4, 5, 6], [NULL, NULL, 7]], hashes, timeout_s=30)
+    load = LoadSpec("d", [[4, 5, 6], [NULL, NULL, 7]], save.names, timeout_s=30)
     run_worker_step(dst, RedisConnectorMetadata(loads=[load]))
     results = transfer_results(dst, "d")
     assert results.failed_recving == set() and dst.get_block_ids_with_load_errors() == set()
@@ -253,9 +251,10 @@ def test_a_block_missing_in_one_group_fails_the_request_not_blocks(
     hashes = chain_hashes(list(range(2 * BS)), BS)
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
     value = {LAYERS[0]: torch.ones(2, BS, 128)}
-    store.insert_many([(layout.group_block_hash(h, layout.groups[0]), value) for h in hashes])
+    names = layout.chain_names(hashes, 0).names
+    store.insert_many([(name, value) for name in names[0]])
     store.close()  # the sliding group's values are missing
-    load = LoadSpec("d", [[1, 2], [3, 4]], hashes, timeout_s=30)
+    load = LoadSpec("d", [[1, 2], [3, 4]], names, timeout_s=30)
     run_worker_step(conn, RedisConnectorMetadata(loads=[load]))
     results = transfer_results(conn, "d")
     assert results.failed_recving == {"d"}
@@ -268,8 +267,9 @@ def test_a_failed_load_is_reported_once_finished_and_failed_together(
 ) -> None:
     conn, _kv = hybrid_worker(tiny_model)
     hashes = chain_hashes(list(range(2 * BS)), BS)  # nothing stored: the load fails
+    names = conn.layout.chain_names(hashes, 0).names
     run_worker_step(
-        conn, RedisConnectorMetadata(loads=[LoadSpec("d", [[1, 2], [3, 4]], hashes, timeout_s=30)])
+        conn, RedisConnectorMetadata(loads=[LoadSpec("d", [[1, 2], [3, 4]], names, timeout_s=30)])
     )
     first = transfer_results(conn, "d")
     assert first.failed_recving == {"d"} and "d" in first.finished_recving
@@ -290,7 +290,7 @@ def test_one_sliding_window_group_fails_loads_per_request_too(
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
     store.insert_many([(h, {n: torch.ones(2, BS, 128) for n in LAYERS}) for h in hashes[4:5]])
     store.close()  # block 5 is missing
-    load = LoadSpec("d", [[NULL, NULL, NULL, NULL, 7, 8]], hashes, timeout_s=30)
+    load = LoadSpec("d", [[NULL, NULL, NULL, NULL, 7, 8]], [hashes], timeout_s=30)
     run_worker_step(conn, RedisConnectorMetadata(loads=[load]))
     results = transfer_results(conn, "d")
     assert results.failed_recving == {"d"}
@@ -320,7 +320,9 @@ def test_a_producer_with_a_local_hit_commits_what_a_consumer_can_load(
     assert conn.worker.shutdown_pending(timeout_s=30) == 0
     layout = conn.layout
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
-    state = store.read_handoff(save.handoff, layout.group_block_hashes(save.hashes))
+    state = store.read_handoff(
+        save.handoff, [name for at in zip(*save.names, strict=True) for name in at]
+    )
     assert n == 7 and state.committed == 7
     store.close()
     sched.connector.shutdown()  # type: ignore[union-attr]

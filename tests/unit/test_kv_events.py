@@ -5,11 +5,9 @@ what is in Redis."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import fakeredis
 import pytest
 
 pytest.importorskip("vllm")
@@ -21,7 +19,7 @@ from connector.events import KVEventsEmitter, StoredPrefixReports
 from connector.presence import StoredLayout, prompt_presence
 from connector.redis_connector import write_layout_file
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
-from testing.scheduler_harness import BS, make_request
+from testing.scheduler_harness import BS, make_request, prompt
 from testing.sim_engine import SimEngine
 
 pytestmark = pytest.mark.vllm
@@ -29,26 +27,10 @@ pytestmark = pytest.mark.vllm
 URL = "redis://fake:6379/0"
 
 
-def prompt(n: int, seed: int = 1) -> list[int]:
-    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
-
-
 @pytest.fixture
-def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
-    made: list[SimEngine] = []
-
-    def make(role: str = "kv_both", **kw: Any) -> SimEngine:
-        kw.setdefault("deadline_s", 30)
-        kw.setdefault("lookup_wait_s", 0.05)
-        kw.setdefault("kv_events", True)
-        e = SimEngine(tiny_model, role, URL, **kw)  # type: ignore[arg-type]
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.assert_clean()
-        e.shutdown()
+def engine_defaults(engine_defaults: dict[str, Any]) -> dict[str, Any]:
+    """The ``engines`` fixture's (tests/unit/conftest.py), for engines that publish KV events."""
+    return {**engine_defaults, "lookup_wait_s": 0.05, "kv_events": True}
 
 
 def stored(engine: SimEngine) -> list[BlockStored]:

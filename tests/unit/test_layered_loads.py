@@ -16,8 +16,9 @@ import torch
 from datamover import BlockMover, LayeredLoad
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 from kvstore.values.codec import read_header
+from testing.kv_caches import caches, save_all, store_on
 from tests.integration.test_tensor_reads import _without_tensor_checksums
-from tests.unit.test_datamover import DEVICES, caches, own_fake_client, save_all, store_on
+from tests.unit.test_datamover import DEVICES, own_fake_client
 
 LAYERS = 4
 BANDS = [(0, 1), (1, 2), (2, 4)]
@@ -218,7 +219,7 @@ def test_a_value_whose_payload_lies_at_an_odd_offset_loads(layered: bool) -> Non
     src, dst, mover, hashes, store = saved("cpu")
     key = store.redis_key(hashes[4])
     store.client.set(key, _unpadded(store.client.get(key)))
-    assert read_header(store.client.get(key)).block_hash == hashes[4]
+    assert read_header(store.client.get(key)).block_name == hashes[4]
     dst_ids = list(range(20, 30))
     if layered:
         load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)

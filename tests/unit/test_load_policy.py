@@ -433,7 +433,7 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
     probes.remember([f"h{i}" for i in range(64)])
     first = probes.due(None, None, True, block)
     assert first is not None and first.kind is ProbeKind.WHOLE
-    assert len(first.hashes) == 1  # nothing known of the store yet: one block
+    assert len(first.names) == 1  # nothing known of the store yet: one block
     clock.now += 0.1
     second = probes.due(None, None, True, block)
     assert second is not None and second.kind is ProbeKind.BANDS  # both figures missing
@@ -441,7 +441,7 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
     rough = LoadFit(0.0, 1e8, 1)  # what the first probe said: larger ones measure more
     third = probes.due(rough, None, True, block)
     assert third is not None and third.kind is ProbeKind.WHOLE
-    assert len(third.hashes) == int(1e8 * PROBE_SECONDS) // block  # 0.25 s of the store
+    assert len(third.names) == int(1e8 * PROBE_SECONDS) // block  # 0.25 s of the store
     fresh = LoadFit(0.001, 2e9, 8)
     splits = SplitFit(0.001, 0.0001, 6e8, 8)
     clock.now += 10
@@ -458,7 +458,7 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
         clock.now += PROBE_INTERVAL_S
         slow = LoadFit(0.0, 1e6, 0, bounded=True)
         spec = probes.due(slow, None, False, block)
-        assert spec is not None and spec.kind is ProbeKind.WHOLE and len(spec.hashes) == 1
+        assert spec is not None and spec.kind is ProbeKind.WHOLE and len(spec.names) == 1
 
 
 def test_on_the_cpu_a_splits_reads_and_its_pass_take_turns() -> None:
@@ -491,4 +491,4 @@ def test_probes_stop_when_their_blocks_are_gone_until_a_lookup_finds_more() -> N
     assert planner.due(None, None, False, 1 << 20) is None
     planner.remember(["c"])
     spec = planner.due(None, None, False, 1 << 20)
-    assert spec is not None and spec.hashes == ["c"]
+    assert spec is not None and spec.names == ["c"]

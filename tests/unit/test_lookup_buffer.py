@@ -17,30 +17,28 @@ from kvstore import (
     chain_hashes,
     layout_fingerprint,
 )
+from testing.blocks import k_v_block
 
 HASHES = chain_hashes(list(range(16 * 6)), 16)
 
 
-def block(i: int) -> dict[str, torch.Tensor]:
-    return {"k": torch.full((2, 16, 8), float(i)), "v": torch.full((2, 16, 8), -float(i))}
-
-
 def fill(buf: LookupBuffer, n: int) -> None:
-    buf.insert_many([(HASHES[i], block(i)) for i in range(n)])
+    buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(n)])
 
 
 def test_insert_then_select_returns_the_tensors_and_keeps_them(fake_buffer: LookupBuffer) -> None:
     fill(fake_buffer, 3)
     got = fake_buffer.select(HASHES[:4])
     assert [g is None for g in got] == [False, False, False, True]
-    assert torch.equal(got[2]["k"], block(2)["k"]) and torch.equal(got[2]["v"], block(2)["v"])
+    want = k_v_block(2)
+    assert torch.equal(got[2]["k"], want["k"]) and torch.equal(got[2]["v"], want["v"])
     assert fake_buffer.select(HASHES[:1])[0] is not None
 
 
 def test_drop_select_takes_the_values_once(fake_buffer: LookupBuffer) -> None:
     fill(fake_buffer, 2)
     first = fake_buffer.drop_select(HASHES[:3])
-    assert torch.equal(first[1]["k"], block(1)["k"]) and first[2] is None
+    assert torch.equal(first[1]["k"], k_v_block(1)["k"]) and first[2] is None
     assert fake_buffer.drop_select(HASHES[:2]) == [None, None]
     assert fake_buffer.contains(HASHES[:2]) == [False, False]
 
@@ -69,7 +67,7 @@ def test_drop_select_waiting_consumes_nothing_until_complete(fake_buffer: Lookup
 def test_longest_prefix_counts_leading_blocks(fake_buffer: LookupBuffer) -> None:
     assert fake_buffer.longest_prefix(HASHES) == 0
     fill(fake_buffer, 3)
-    fake_buffer.insert(HASHES[4], block(4))  # a gap at 3
+    fake_buffer.insert(HASHES[4], k_v_block(4))  # a gap at 3
     assert fake_buffer.longest_prefix(HASHES) == 3
     assert fake_buffer.longest_prefix([]) == 0
 
@@ -81,8 +79,8 @@ def test_longest_prefix_across_fingerprints_needs_every_rank(fake_client) -> Non
     ]
     fps = [b.fingerprint for b in ranks]
     for i in range(3):
-        ranks[0].insert(HASHES[i], block(i))
-    ranks[1].insert(HASHES[0], block(0))
+        ranks[0].insert(HASHES[i], k_v_block(i))
+    ranks[1].insert(HASHES[0], k_v_block(0))
     assert ranks[0].longest_prefix(HASHES, fingerprints=fps) == 1
     assert ranks[0].longest_prefix(HASHES) == 3
 
@@ -95,17 +93,17 @@ def test_delete_and_contains(fake_buffer: LookupBuffer) -> None:
 
 def test_ttl_is_set_in_milliseconds(fake_client) -> None:
     buf = LookupBuffer(fake_client, namespace="ttl", ttl_s=2.5)
-    buf.insert(HASHES[0], block(0))
+    buf.insert(HASHES[0], k_v_block(0))
     assert 2000 < fake_client.pttl(buf.redis_key(HASHES[0])) <= 2500
 
 
 def test_no_ttl_by_default(fake_buffer: LookupBuffer, fake_client) -> None:
-    fake_buffer.insert(HASHES[0], block(0))
+    fake_buffer.insert(HASHES[0], k_v_block(0))
     assert fake_client.pttl(fake_buffer.redis_key(HASHES[0])) == -1
 
 
 def test_insert_async_returns_a_future(fake_buffer: LookupBuffer) -> None:
-    fut = fake_buffer.insert_async(HASHES[0], block(0))
+    fut = fake_buffer.insert_async(HASHES[0], k_v_block(0))
     assert fut.result(timeout=5) is None
     assert fake_buffer.contains(HASHES[:1]) == [True]
 
@@ -117,7 +115,7 @@ def test_insert_async_future_carries_the_error(fake_buffer: LookupBuffer) -> Non
 
 
 def test_key_is_readable_and_scannable(fake_buffer: LookupBuffer, fake_client) -> None:
-    fake_buffer.insert(HASHES[0], block(0))
+    fake_buffer.insert(HASHES[0], k_v_block(0))
     key = fake_buffer.redis_key(HASHES[0])
     assert key == f"kv:test:{fake_buffer.fingerprint}:{HASHES[0]}"
     assert [k.decode() for k in fake_client.scan_iter(match=fake_buffer.key_pattern())] == [key]
@@ -152,7 +150,7 @@ def test_corrupt_value_is_a_counted_miss_logged_once(
 def test_bit_flip_in_stored_value_is_a_checksum_miss(
     fake_buffer: LookupBuffer, fake_client
 ) -> None:
-    fake_buffer.insert(HASHES[0], block(0))
+    fake_buffer.insert(HASHES[0], k_v_block(0))
     key = fake_buffer.redis_key(HASHES[0])
     value = bytearray(fake_client.get(key))
     value[-1] ^= 1
@@ -164,7 +162,7 @@ def test_bit_flip_in_stored_value_is_a_checksum_miss(
 def test_value_copied_to_another_block_key_is_rejected(
     fake_buffer: LookupBuffer, fake_client
 ) -> None:
-    fake_buffer.insert(HASHES[0], block(0))
+    fake_buffer.insert(HASHES[0], k_v_block(0))
     fake_client.copy(fake_buffer.redis_key(HASHES[0]), fake_buffer.redis_key(HASHES[1]))
     assert fake_buffer.select(HASHES[1:2]) == [None]
     assert fake_buffer.stats().corrupt_by_reason == {"key": 1}
@@ -173,7 +171,7 @@ def test_value_copied_to_another_block_key_is_rejected(
 def test_other_model_in_the_same_namespace_never_reads_our_bytes(fake_client) -> None:
     a = LookupBuffer(fake_client, namespace="shared", layout={"model": "a", "dtype": "bf16"})
     b = LookupBuffer(fake_client, namespace="shared", layout={"model": "b", "dtype": "bf16"})
-    a.insert(HASHES[0], block(0))
+    a.insert(HASHES[0], k_v_block(0))
     assert b.select(HASHES[:1]) == [None] and b.longest_prefix(HASHES) == 0
     # even if a value is moved under b's key, its header's fingerprint gives it away
     fake_client.copy(a.redis_key(HASHES[0]), b.redis_key(HASHES[0]))
@@ -231,18 +229,18 @@ def test_layout_fingerprint_is_order_independent_and_sensitive() -> None:
 
 def test_compressed_buffer_round_trips(fake_client: fakeredis.FakeRedis) -> None:
     buf = LookupBuffer(fake_client, namespace="z", compression="lz4")
-    buf.insert(HASHES[0], block(3))
-    assert torch.equal(buf.select(HASHES[:1])[0]["k"], block(3)["k"])  # type: ignore[index]
+    buf.insert(HASHES[0], k_v_block(3))
+    assert torch.equal(buf.select(HASHES[:1])[0]["k"], k_v_block(3)["k"])  # type: ignore[index]
 
 
 def test_reused_scratch_buffers_never_mix_values(fake_buffer: LookupBuffer) -> None:
     for i in range(3):  # one thread, consecutive batches: the same scratch buffers each time
         fake_buffer.insert_many(
-            [(HASHES[2 * i], block(2 * i)), (HASHES[2 * i + 1], block(2 * i + 1))]
+            [(HASHES[2 * i], k_v_block(2 * i)), (HASHES[2 * i + 1], k_v_block(2 * i + 1))]
         )
     got = fake_buffer.select(HASHES[:6])
     for i in range(6):
-        assert torch.equal(got[i]["k"], block(i)["k"])  # type: ignore[index]
+        assert torch.equal(got[i]["k"], k_v_block(i)["k"])  # type: ignore[index]
 
 
 def test_chain_tails_get_shorter_ttls_so_they_expire_and_evict_first(fake_client) -> None:
@@ -250,7 +248,7 @@ def test_chain_tails_get_shorter_ttls_so_they_expire_and_evict_first(fake_client
     fill(buf, 4)
     ttls = [fake_client.pttl(buf.redis_key(h)) for h in HASHES[:4]]
     assert ttls == sorted(ttls, reverse=True) and ttls[0] - ttls[3] >= 140
-    buf.insert_encoded([(HASHES[5], buf.encode(HASHES[5], block(5)))], positions=[40])
+    buf.insert_encoded([(HASHES[5], buf.encode(HASHES[5], k_v_block(5)))], positions=[40])
     assert fake_client.pttl(buf.redis_key(HASHES[5])) <= 100_000 - 40 * 50
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -25,67 +24,12 @@ import connector.lookup_polls
 from connector.chains import handoff_salt
 from connector.request_state import Phase
 from kvstore import LookupBuffer, chain_hashes
-from testing.scheduler_harness import BS, make_request, make_scheduler
-from testing.sim_engine import SimEngine
+from testing.scheduler_harness import BS, make_request, make_scheduler, prompt
+from testing.sim_engine import Gate, SimEngine
 
 pytestmark = pytest.mark.vllm
 
 URL = "redis://fake:6379/0"
-
-
-def prompt(n: int, seed: int = 1) -> list[int]:
-    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
-
-
-class Gate:
-    """Holds every call of a store's method until opened: a load or lookup in flight."""
-
-    def __init__(self, store: LookupBuffer, method: str = "select_into") -> None:
-        self.opened = threading.Event()
-        self.entered = threading.Event()
-        real = getattr(store, method)
-
-        def gated(*a: Any, **k: Any) -> Any:
-            self.entered.set()
-            self.opened.wait(30)
-            return real(*a, **k)
-
-        setattr(store, method, gated)
-
-
-GATES: list[Gate] = []
-
-
-@pytest.fixture
-def engines(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> Iterator[Any]:
-    """A factory of simulated engines on one fakeredis server; afterwards every gate is
-    opened, every engine checked (no foreign writes, no wrong values) and shut down."""
-    made: list[SimEngine] = []
-
-    def make(role: str = "kv_both", **kw: Any) -> SimEngine:
-        kw.setdefault("deadline_s", 30)
-        kw.setdefault("lookup_wait_s", 0.02)
-        e = SimEngine(tiny_model, role, URL, **kw)  # type: ignore[arg-type]
-        made.append(e)
-        return e
-
-    yield make
-    for gate in GATES:
-        gate.opened.set()
-    GATES.clear()
-    for e in made:
-        if not e.sched.has_requests():  # all done: the connector must hold nothing of them
-            e.settle()
-            assert not e.leftovers(), e.leftovers()
-        e.shutdown()
-    for e in made:
-        e.assert_clean()
-
-
-def gate(store: LookupBuffer, method: str = "select_into") -> Gate:
-    g = Gate(store, method)
-    GATES.append(g)
-    return g
 
 
 def until(pred: Any, engine: SimEngine, steps: int = 400) -> None:
@@ -112,7 +56,7 @@ def test_an_abort_during_a_share_mode_load_holds_the_blocks_until_the_load_ends(
     writer.add("w", tokens)
     writer.run_until_idle()
     reader = engines()
-    held = gate(reader.worker.store)
+    held = Gate.hold(reader.worker.store)
     reader.add("a", tokens)
     until(lambda: held.entered.is_set(), reader)
     assert reader.sched.requests["a"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -370,12 +314,12 @@ def test_an_aborted_consumer_leaves_nothing_behind(engines: Any, when: str) -> N
     # (a lookup held at the gate must not be taken for a hung Redis on a slow machine)
     consumer = engines("kv_consumer", num_blocks=16, control_timeout_s=30)
     if when == "looking up":
-        held = gate(consumer.connector.scheduler.store, "survey")
+        held = Gate.hold(consumer.connector.scheduler.store, "survey")
     elif when == "answered":
         consumer.add("hog", prompt(10 * BS, seed=4), max_tokens=12)
         consumer.step()
     else:
-        held = gate(consumer.worker.store, "select_into")
+        held = Gate.hold(consumer.worker.store, "select_into")
     consumer.add("d", tokens, params=params)
     if when == "loading":
         # stepped until its load reads (not a few steps, then a wait: on a busy CI machine the
@@ -391,8 +335,7 @@ def test_an_aborted_consumer_leaves_nothing_behind(engines: Any, when: str) -> N
     consumer.add("next", prompt(5 * BS + 1, seed=13))
     for _ in range(3):
         consumer.step()
-    for g in GATES:
-        g.opened.set()
+    Gate.open_all()
     consumer.run_until_idle()
     assert "next" in consumer.finished_params
     wait_deleted(consumer, handoff_chain(tokens, params))
@@ -491,7 +434,7 @@ def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
 
     conn.update_state_after_alloc(req, Blocks(), 2 * BS + 3)  # 2 blocks and a part of a third
     (load,) = conn._pending_loads
-    assert load.block_ids == [[10, 11, 12]] and load.hashes == hashes[:3]
+    assert load.block_ids == [[10, 11, 12]] and load.names[0] == hashes[:3]
     sched.connector.shutdown()  # type: ignore[union-attr]
 
 

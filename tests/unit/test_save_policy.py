@@ -13,12 +13,10 @@ pytest.importorskip("vllm")
 from connector.config import RedisConnectorConfig
 from connector.save_policy import SAVE_MARK_KEY, SaveAllowance, SavePolicy
 from kvstore import InvalidArgumentError, chain_hashes
-from testing.scheduler_harness import BS
+from testing.scheduler_harness import BS, prompt
 from testing.sim_engine import SimEngine
-from tests.unit.test_request_lifecycle import engines, prompt
 
 pytestmark = pytest.mark.vllm
-__all__ = ["engines"]  # (the fixture)
 
 TOKENS = prompt(6 * BS + 3, seed=31)  # six full blocks
 

@@ -30,6 +30,7 @@ from connector.layout import NO_BLOCK, KVLayout, UnsupportedModelError
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.redis_connector import RedisConnector, SupportsHMA
 from kvstore import LookupBuffer, chain_hashes
+from kvstore.values.keys import BlockName
 from testing.scheduler_harness import (
     BS,
     LAYERS,
@@ -42,6 +43,7 @@ from testing.scheduler_harness import (
     make_scheduler,
     make_worker_connector,
     model_output,
+    prompt,
     run_worker_step,
     runner_output,
     state_spec,
@@ -61,14 +63,16 @@ NULL = 0
 STATES = 2  # gated delta-net layers, a group each
 
 
-def prompt(n: int, seed: int = 1) -> list[int]:
-    return [(i * 7 + seed * 13) % 250 + 3 for i in range(n)]
-
-
 def meta_of(out: Any) -> RedisConnectorMetadata:
     meta = out.kv_connector_metadata
     assert isinstance(meta, RedisConnectorMetadata)
     return meta
+
+
+def names(layout: KVLayout, chain: list[str]) -> list[list[BlockName]]:
+    """Every group's block names of ``chain`` (generation 0), as load and save specs carry
+    them."""
+    return layout.chain_names(chain, 0).names
 
 
 def layout_for(tiny_model: Path, **kw: Any) -> KVLayout:
@@ -109,9 +113,9 @@ def test_state_groups_get_keys_and_a_fingerprint_that_names_their_states(
     tiny_model: Path,
 ) -> None:
     layout = layout_for(tiny_model, state_layers=STATES)
-    assert [g.kind for g in layout.groups] == ["full"] + ["state=GDN_ATTN"] * STATES
+    assert [str(g.kind) for g in layout.groups] == ["full"] + ["state=GDN_ATTN"] * STATES
     assert [g.layer_names for g in layout.groups[1:]] == [(n,) for n in STATE_LAYERS[:STATES]]
-    assert [layout.group_block_hash("ab", g) for g in layout.groups] == ["ab.g0", "ab.g1", "ab.g2"]
+    assert layout.chain_names(["ab"], 0).by_position() == ["ab.g0", "ab.g1", "ab.g2"]
     state = layout.groups[1]
     assert (state.num_kv_heads, state.head_size, state.dtype) == (1, STATE_BYTES, "int8")
     assert state.holds(5) and not state.holds(NULL) and not state.holds(NO_BLOCK)
@@ -147,7 +151,7 @@ def test_a_mamba2_hybrid_is_stored_as_a_gated_delta_net_is_under_its_own_fingerp
         ],
     )
     layout = KVLayout.from_vllm(vllm_config, mamba2, None)
-    assert [g.kind for g in layout.groups] == ["full", "state=MAMBA2"]
+    assert [str(g.kind) for g in layout.groups] == ["full", "state=MAMBA2"]
     assert layout.fails_per_request and layout.groups[1].first_needed(4, BS) == 3
     assert layout.fingerprint(0) != layout_for(tiny_model, state_layers=1).fingerprint(0)
 
@@ -222,7 +226,7 @@ def test_a_producer_saves_attention_by_position_and_states_only_from_vllms_offer
         (s.first_position, s.block_ids[0]) for s in saves if NO_BLOCK not in s.block_ids[0]
     ]
     assert [p for p, _ in attention] == [0, 2, 4]
-    assert all(ids == [NO_BLOCK] * len(s.hashes) for s in saves if s.block_ids[0][0] != NO_BLOCK
+    assert all(ids == [NO_BLOCK] * len(s.names[0]) for s in saves if s.block_ids[0][0] != NO_BLOCK
                for ids in s.block_ids[1:])  # fmt: skip
     got = state_saves(saves)
     assert sorted({p for p, _ in got}) == [1, 3, 4]
@@ -239,17 +243,13 @@ def seed(layout: KVLayout, hashes: list[str], blocks: int, states: set[int]) -> 
     """Attention values of the first ``blocks`` positions and states at ``states``."""
     store = LookupBuffer.from_url(URL, namespace="vllm", fingerprint=layout.fingerprint(0))
     items = []
-    for p, h in enumerate(hashes[:blocks]):
-        items.append(
-            (
-                layout.group_block_hash(h, layout.groups[0]),
-                {n: torch.zeros(2, BS, 128) for n in LAYERS},
-            )
-        )
+    named = names(layout, hashes[:blocks])
+    for p in range(len(named[0])):
+        items.append((named[0][p], {n: torch.zeros(2, BS, 128) for n in LAYERS}))
         if p in states:
-            for group in layout.groups[1:]:
+            for g, group in enumerate(layout.groups[1:], 1):
                 state = {group.layer_names[0]: torch.zeros(1, 1, STATE_BYTES, dtype=torch.int8)}
-                items.append((layout.group_block_hash(h, group), state))
+                items.append((named[g][p], state))
     store.insert_many(items)
     store.close()
 
@@ -270,7 +270,7 @@ def test_a_consumer_loads_the_attention_blocks_and_the_one_state_at_the_hits_end
 ) -> None:
     sched, _, hashes = seeded(tiny_model, prompt(6 * BS + 1), 6, states={1, 3})
     (load,) = meta_of(sched.schedule()).loads
-    assert load.hashes == hashes[:4]
+    assert load.names == names(sched.connector.layout, hashes[:4])
     attention, *states = load.block_ids
     assert NULL not in attention and len(attention) == 4
     for ids in states:  # vLLM allocated the state at the hit's end alone
@@ -284,7 +284,7 @@ def test_a_loaded_state_offered_again_is_not_saved_again(
     sched, req, hashes = seeded(tiny_model, prompt(5 * BS + 3), 2, states={1})
     out = sched.schedule()
     (load,) = meta_of(out).loads
-    assert load.hashes == hashes[:2]
+    assert load.names == names(sched.connector.layout, hashes[:2])
     sched.update_from_output(out, runner_output([], recving={"r"}))
     saves = run_steps(sched, req)
     assert [s.first_position for s in saves if s.block_ids[0][0] != NO_BLOCK] == [2]
@@ -328,9 +328,10 @@ def test_states_round_trip_bit_exact_writing_only_their_bytes(
     src, src_kv = state_worker(tiny_model, state_type=state_type)
     fill(src_kv, 1)
     hashes = chain_hashes(list(range(3 * BS)), BS)
+    named = src.layout.chain_names(hashes, 0)
     saves = [
-        SaveSpec("p", [[1, 2, 3], [NO_BLOCK] * 3, [NO_BLOCK] * 3], hashes, 0, "hp"),
-        SaveSpec("p", [[NO_BLOCK], [5], [6]], hashes[2:], 2, "hp"),  # the offered states
+        SaveSpec("p", [[1, 2, 3], [NO_BLOCK] * 3, [NO_BLOCK] * 3], named.span(0, 3), 0, "hp"),
+        SaveSpec("p", [[NO_BLOCK], [5], [6]], named.span(2, 3), 2, "hp"),  # the offered states
     ]
     run_worker_step(src, RedisConnectorMetadata(saves=saves))
     run_worker_step(src, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 3, 0)]))
@@ -344,7 +345,8 @@ def test_states_round_trip_bit_exact_writing_only_their_bytes(
     before = {
         name: pages(t).clone() if t.dtype == torch.int8 else t.clone() for name, t in dst_kv.items()
     }
-    load = LoadSpec("d", [[4, 5, 6], [NULL, NULL, 7], [NULL, NULL, 1]], hashes, timeout_s=30)
+    ids = [[4, 5, 6], [NULL, NULL, 7], [NULL, NULL, 1]]
+    load = LoadSpec("d", ids, names(dst.layout, hashes), timeout_s=30)
     run_worker_step(dst, RedisConnectorMetadata(loads=[load]))
     assert transfer_results(dst, "d").failed_recving == set()
     attention = dst_kv[LAYERS[0]]
@@ -369,9 +371,10 @@ def test_a_commit_record_ends_at_the_last_state_saved(
     consumer can load 2 blocks, not 5."""
     src, _ = state_worker(tiny_model)
     hashes = chain_hashes(list(range(5 * BS)), BS)
+    named = src.layout.chain_names(hashes, 0)
     saves = [
-        SaveSpec("p", [[1, 2, 3, 4, 5], [NO_BLOCK] * 5, [NO_BLOCK] * 5], hashes, 0, "hp"),
-        SaveSpec("p", [[NO_BLOCK], [6], [7]], hashes[1:2], 1, "hp"),
+        SaveSpec("p", [[1, 2, 3, 4, 5], [NO_BLOCK] * 5, [NO_BLOCK] * 5], named.span(0, 5), 0, "hp"),
+        SaveSpec("p", [[NO_BLOCK], [6], [7]], named.span(1, 2), 1, "hp"),
     ]
     run_worker_step(src, RedisConnectorMetadata(saves=saves))
     run_worker_step(src, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 5, 0)]))
@@ -400,10 +403,11 @@ def test_events_announce_each_state_only_where_a_load_can_end(
     )
     tokens = prompt(6 * BS)
     hashes = chain_hashes(tokens, BS)
+    named = conn.layout.chain_names(hashes, 0)
     saves = [
-        SaveSpec("p", [[1, 2, 3, 4, 5], [NO_BLOCK] * 5, [NO_BLOCK] * 5], hashes[:5], 0, "hp"),
-        SaveSpec("p", [[NO_BLOCK], [6], [7]], hashes[1:2], 1, "hp"),  # states after 2 blocks
-        SaveSpec("p", [[NO_BLOCK], [6], [7]], hashes[3:4], 3, "hp"),  # and after 4
+        SaveSpec("p", [[1, 2, 3, 4, 5], [NO_BLOCK] * 5, [NO_BLOCK] * 5], named.span(0, 5), 0, "hp"),
+        SaveSpec("p", [[NO_BLOCK], [6], [7]], named.span(1, 2), 1, "hp"),  # states after 2 blocks
+        SaveSpec("p", [[NO_BLOCK], [6], [7]], named.span(3, 4), 3, "hp"),  # and after 4
     ]
     run_worker_step(conn, RedisConnectorMetadata(saves=saves))
     run_worker_step(conn, RedisConnectorMetadata(commits=[CommitSpec("p", "hp", 5, 0)]))
@@ -446,7 +450,7 @@ def test_a_missing_state_fails_the_whole_request(
     layout = conn.layout
     hashes = chain_hashes(list(range(2 * BS)), BS)
     seed(layout, hashes, 2, states=set())  # attention there, the states not
-    load = LoadSpec("d", [[1, 2], [NULL, 3], [NULL, 4]], hashes, timeout_s=30)
+    load = LoadSpec("d", [[1, 2], [NULL, 3], [NULL, 4]], names(layout, hashes), timeout_s=30)
     run_worker_step(conn, RedisConnectorMetadata(loads=[load]))
     assert transfer_results(conn, "d").failed_recving == {"d"}
     assert conn.get_block_ids_with_load_errors() == set()  # vLLM takes it per request
@@ -461,14 +465,17 @@ def test_each_tensor_parallel_rank_stores_and_loads_its_own_state(
     """A state is cut by rank (its heads are the rank's share of the layer's), not by KV head:
     at TP 2 each rank writes its state under its own fingerprint and reads back its own."""
     from connector.config import RedisConnectorConfig
+    from connector.group_kinds import GroupKind
     from connector.layout import KVGroup
     from connector.worker import RedisConnectorWorker
     from testing.scheduler_harness import state_pages
 
     state_layer = STATE_LAYERS[0]
     groups = (
-        KVGroup(0, "full", tuple(LAYERS), 1, 128, "float32"),
-        KVGroup(1, "state=GDN_ATTN", (state_layer,), 1, STATE_BYTES, "int8", state="{}"),
+        KVGroup(0, GroupKind.parse("full"), tuple(LAYERS), 1, 128, "float32"),
+        KVGroup(
+            1, GroupKind.parse("state=GDN_ATTN"), (state_layer,), 1, STATE_BYTES, "int8", state="{}"
+        ),
     )
     layout = KVLayout("m", BS, 1, 128, "float32", (*LAYERS, state_layer), 2, groups=groups)
     assert layout.store_tp_size == 2 and len(set(layout.all_fingerprints())) == 2
@@ -494,8 +501,8 @@ def test_each_tensor_parallel_rank_stores_and_loads_its_own_state(
         worker.wait_for_save(
             RedisConnectorMetadata(
                 saves=[
-                    SaveSpec("p", [[1, 2], [NO_BLOCK] * 2], hashes, 0, "hp"),
-                    SaveSpec("p", [[NO_BLOCK], [3]], hashes[1:], 1, "hp"),
+                    SaveSpec("p", [[1, 2], [NO_BLOCK] * 2], names(layout, hashes), 0, "hp"),
+                    SaveSpec("p", [[NO_BLOCK], [3]], names(layout, hashes[1:]), 1, "hp"),
                 ]
             )
         )
@@ -507,7 +514,9 @@ def test_each_tensor_parallel_rank_stores_and_loads_its_own_state(
     for r in range(2):
         worker, kv = rank(r, seed_=20 + r)
         worker.start_load_kv(
-            RedisConnectorMetadata(loads=[LoadSpec("d", [[4, 5], [NULL, 6]], hashes, 30.0)])
+            RedisConnectorMetadata(
+                loads=[LoadSpec("d", [[4, 5], [NULL, 6]], names(layout, hashes), 30.0)]
+            )
         )
         deadline = time.monotonic() + 30
         while "d" not in worker.get_finished()[1]:
@@ -564,7 +573,7 @@ def test_a_model_of_states_alone_hands_off_its_states(
             break
         time.sleep(0.01)
     (load,) = loads
-    assert len(load.hashes) == 5
+    assert len(load.names[0]) == 5
     for ids in load.block_ids:
         assert ids[:4] == [NULL] * 4 and ids[4] != NULL
     for s in (sched, consumer):

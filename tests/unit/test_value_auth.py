@@ -240,7 +240,7 @@ def test_secrets_come_from_a_file_or_the_environment_and_never_show(
 def test_the_data_mover_signs_what_it_saves_and_loads_only_signed_blocks() -> None:
     from datamover import BlockMover
     from kvstore import chain_hashes
-    from tests.unit.test_datamover import caches, load_all, save_all
+    from testing.kv_caches import caches, load_all, save_all
 
     server = fakeredis.FakeServer()
 

@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 
 from testing import cross_version
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.redis]
 
 ROOT = Path(__file__).resolve().parents[2]
 # the installed vLLM's version, without importing it (a peer is asked the same way: quickly)
