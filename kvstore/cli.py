@@ -791,23 +791,18 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
 
 
 def library_state(client: redis.Redis) -> dict[str, Any]:
-    """The server's kvstore library against this release's: its name, both digests, whether
-    they match (a server without functions reads ``loaded: None``)."""
+    """The servers' kvstore library against this release's: its name, this release's digest,
+    each server's (each master of a Cluster; None where it has none), whether all match."""
     from kvstore.fleet.functions import LIBRARY
-    from kvstore.net.server_code import LIBRARY_NAME
+    from kvstore.net.server_code import LIBRARY_NAME, server_digest, servers
 
-    state: dict[str, Any] = {"library": LIBRARY_NAME, "release_digest": LIBRARY.digest}
-    try:
-        digest = client.fcall(LIBRARY.version_function, 0)
-    except redis.exceptions.ResponseError as exc:
-        if "function not found" not in str(exc).lower():
-            raise
-        digest = None
-    state["server_digest"] = (
-        digest.decode(errors="replace") if isinstance(digest, bytes) else digest
-    )
-    state["matches"] = state["server_digest"] == LIBRARY.digest
-    return state
+    digests = {name or "server": server_digest(server, LIBRARY) for name, server in servers(client)}
+    return {
+        "library": LIBRARY_NAME,
+        "release_digest": LIBRARY.digest,
+        "server_digests": digests,
+        "matches": all(d == LIBRARY.digest for d in digests.values()),
+    }
 
 
 def _functions(args: argparse.Namespace, client: redis.Redis, console: Console) -> int:
@@ -815,27 +810,30 @@ def _functions(args: argparse.Namespace, client: redis.Redis, console: Console) 
     from kvstore.net.server_code import load_library
 
     if args.action == "load":
-        load_library(client, LIBRARY, replace=args.replace)
+        try:
+            load_library(client, LIBRARY, replace=args.replace)
+        except redis.exceptions.NoPermissionError as exc:
+            raise StorePermissionError(
+                f"this user may not load functions ({exc}): run it as the server's operator "
+                "-- the default user, or a user of its own with +function|load, never a "
+                "namespace's role (it could then load any Lua)",
+                command="FUNCTION LOAD",
+            ) from None
     state = library_state(client)
     if args.json:
         _json(state, indent=None)
-    elif state["server_digest"] is None:
-        console.print(f"{state['library']} is not loaded (python -m kvstore functions load)")
-    else:
-        verdict = (
-            "this release's"
-            if state["matches"]
-            else (
-                "NOT this release's: python -m kvstore functions load --replace, once every "
-                "instance runs this release"
+        return ExitStatus.OK if state["matches"] else ExitStatus.FAILED
+    for server, digest in state["server_digests"].items():
+        if digest is None:
+            verdict = "not loaded (python -m kvstore functions load)"
+        elif digest == LIBRARY.digest:
+            verdict = f"loaded (digest {digest}), this release's"
+        else:
+            verdict = (
+                f"loaded (digest {digest}) but NOT this release's: python -m kvstore functions "
+                "load --replace, once every instance runs this release"
             )
-        )
-        console.print(
-            _shown(
-                f"{state['library']} loaded (digest {state['server_digest']}): {verdict}",
-                limit=None,
-            )
-        )
+        console.print(_shown(f"{server}: {state['library']} {verdict}", limit=None))
     return ExitStatus.OK if state["matches"] else ExitStatus.FAILED
 
 

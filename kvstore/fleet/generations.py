@@ -62,8 +62,21 @@ end
 """
 
 # max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
+# The functions run with allow-oom (a reset must work on a full server), so they write nothing
+# but a namespace's counter (a tenant's rule reaches no key of that shape: namespaces hold no
+# ':'), and only a decimal: a tenant can neither create keys nor grow one through them.
+_ONLY_A_COUNTER = """
+if #KEYS ~= 1 or #KEYS[1] > 512 or not string.match(KEYS[1], '^[^:]+:[^:]+:generation$') then
+  return redis.error_reply('ERR KVSTORE writes only a namespace generation counter')
+end
+if not ARGV[1] or #ARGV[1] > 16 or not string.match(ARGV[1], '^%d+$') then
+  return redis.error_reply('ERR KVSTORE a generation is a decimal of at most 16 digits')
+end
+"""
+
 BUMP_LUA = (
-    _READ_LUA
+    _ONLY_A_COUNTER
+    + _READ_LUA
     + """
 local floor = tonumber(ARGV[1])
 if floor > current then current = floor end
@@ -78,7 +91,8 @@ return current
 
 # a counter below what the caller knew (ARGV[1]) becomes known + 1; one at or above it stays
 RAISE_LUA = (
-    _READ_LUA
+    _ONLY_A_COUNTER
+    + _READ_LUA
     + """
 local known = tonumber(ARGV[1])
 if current < known then

@@ -28,8 +28,15 @@ HANDOFF_TTL_MS = 600_000
 # for ARGV[1] (the "taken:<owner>" mark), atomically: when another owner's mark is on any of
 # them nothing is written (a loser must not overwrite the winner's mark: the winner's claim
 # sent again would then read as lost); else each record that exists takes the mark, for
-# ARGV[2] ms. Returns every record's previous value (false: none), as SET ... GET would.
+# ARGV[2] ms. Returns every record's previous value (false: none), as SET ... GET would. It
+# runs with allow-oom, so its writes are bounded: existing records only, a short mark, a TTL
+# of at most a minute (a tenant sending a 50 MB mark took a full server to 454 MiB).
 CLAIM_RECORDS_LUA = """
+local ttl = tonumber(ARGV[2])
+if #KEYS > 1024 or #ARGV[1] > 1024 or #ARGV[3] > 64 or not ttl or ttl <= 0 or ttl > 60000 then
+  return redis.error_reply('ERR KVSTORE a handoff claim takes at most 1024 records, '
+    .. 'a mark of at most 1024 bytes, a TTL of at most a minute')
+end
 local olds, prefix = {}, ARGV[3]
 for i, key in ipairs(KEYS) do
   local v = redis.call('GET', key)

@@ -118,13 +118,46 @@ def _unknown_command(exc: BaseException) -> bool:
     return "unknown command" in text or "unknown subcommand" in text
 
 
-def load_library(client: Any, library: Library, *, replace: bool = False) -> None:
-    """``FUNCTION LOAD`` ``library`` (on every master of a Cluster: redis-py sends it to all
-    primaries). Without ``replace``, a library of this version already loaded is left alone."""
+def _out_of_memory(exc: BaseException) -> bool:
+    return str(exc).startswith("OOM") or "maxmemory" in str(exc)
+
+
+def servers(client: Any) -> list[tuple[str, Any]]:
+    """``(name, client)`` of every server that must hold the library: each master of a Cluster
+    (functions are not copied between shards, only to a shard's replicas), else the one. A
+    zero-key ``FCALL`` through a Cluster client reaches one master at random, and redis-py's
+    ``FUNCTION LOAD`` stops at the first master that answers an error."""
+    from redis.cluster import RedisCluster
+
+    if isinstance(client, RedisCluster):
+        return [(n.name, client.get_redis_connection(n)) for n in client.get_primaries()]
+    return [("", client)]
+
+
+def server_digest(server: Any, library: Library) -> str | None:
+    """The digest of the library of this version on one server; None where it has none."""
     try:
-        client.function_load(library.text(), replace=replace)
+        digest = server.fcall(library.version_function, 0)
     except rex.ResponseError as exc:
-        if "already exists" not in str(exc).lower():
+        if _missing_function(exc):
+            return None
+        raise
+    return digest.decode(errors="replace") if isinstance(digest, bytes) else str(digest)
+
+
+def load_library(client: Any, library: Library, *, replace: bool = False) -> None:
+    """``FUNCTION LOAD`` ``library`` on every server that must hold it (each master of a
+    Cluster, one by one). Without ``replace``, a library of this version already there is
+    left alone; a server over ``maxmemory`` (which refuses the load) passes where it already
+    holds this very library."""
+    for _, server in servers(client):
+        try:
+            server.function_load(library.text(), replace=replace)
+        except rex.ResponseError as exc:
+            if "already exists" in str(exc).lower():
+                continue
+            if _out_of_memory(exc) and server_digest(server, library) == library.digest:
+                continue
             raise
 
 
@@ -154,74 +187,112 @@ class ServerCode:
         return ScriptMode.FUNCTIONS
 
     def forget(self) -> None:
-        """The server lost the library (a restart without persistence): ask again."""
+        """Ask the server again at the next call: it lost the library (a restart without
+        persistence), or a role refused FCALL may have been granted it since."""
         with self._lock:
             if self.wanted is not ScriptMode.SCRIPTS:
                 self._mode = None
 
     def mode(self, client: Any) -> ScriptMode:
-        """FUNCTIONS or SCRIPTS for this server, asked of it on the first call (one round trip;
-        a load where the library is missing). Connection errors propagate and settle nothing."""
+        """FUNCTIONS or SCRIPTS for these servers, asked of them on the first call (a round
+        trip per master; a load where the library is missing). Connection errors propagate and
+        settle nothing. No lock is held while asking: concurrent first calls each ask (loading
+        is idempotent), so one hung server costs each caller its own timeout, not a queue's."""
         mode = self._mode
         if mode is not None:
             return mode
+        asked = self._ask(client)
         with self._lock:
             if self._mode is None:
-                self._mode = self._ask(client)
+                self._mode = asked
             return self._mode
 
     def _ask(self, client: Any) -> ScriptMode:
+        modes = {self._ask_one(server, name) for name, server in servers(client)}
+        if len(modes) > 1:
+            raise StoreCodeError(
+                f"{self._safe_url}: some masters have functions and some do not: run one "
+                f"server version across the Cluster"
+            )
+        return modes.pop()
+
+    def _where(self, name: str) -> str:
+        return f"{self._safe_url} (master {name})" if name else self._safe_url
+
+    def _ask_one(self, server: Any, name: str) -> ScriptMode:
         try:
-            digest = client.fcall(self.library.version_function, 0)
+            digest = server_digest(server, self.library)
         except rex.NoPermissionError as exc:
             return self._scripts_instead(f"this user may not run FCALL ({exc})")
         except rex.ResponseError as exc:
-            if _unknown_command(exc):
-                self._server_has_functions = False
-                return self._scripts_instead("the server has no functions (Redis < 7)")
-            if not _missing_function(exc):
+            if not _unknown_command(exc):
                 raise
-            return self._load(client)
-        return self._check_digest(digest)
+            self._server_has_functions = False
+            return self._scripts_instead("the server has no functions (Redis < 7)")
+        if digest is None:
+            return self._load(server, name)
+        return self._check_digest(digest, name)
 
-    def _check_digest(self, digest: Any) -> ScriptMode:
-        got = digest.decode(errors="replace") if isinstance(digest, bytes) else str(digest)
-        if got != self.library.digest:
+    def _check_digest(self, digest: str | None, name: str) -> ScriptMode:
+        if digest != self.library.digest:
             raise StoreCodeError(
-                f"{self._safe_url}: the server's {LIBRARY_NAME} functions are not this "
-                f"release's (digest {got[:16]!r}, this client's {self.library.digest}): load "
-                f"this release's with `python -m kvstore functions load --replace <url>` as the "
-                f"admin, once every instance runs it"
+                f"{self._where(name)}: the server's {LIBRARY_NAME} functions are not this "
+                f"release's (digest {str(digest)[:16]!r}, this client's {self.library.digest}): "
+                f"load this release's with `python -m kvstore functions load --replace` as the "
+                f"server's operator, once every instance runs it"
             )
         return ScriptMode.FUNCTIONS
 
-    def _load(self, client: Any) -> ScriptMode:
+    def _load(self, server: Any, name: str) -> ScriptMode:
         try:
-            load_library(client, self.library)
+            load_library(server, self.library)
         except rex.NoPermissionError as exc:
             raise StorePermissionError(
-                f"{self._safe_url}: the kvstore functions ({LIBRARY_NAME}) are not loaded on "
+                f"{self._where(name)}: the kvstore functions ({LIBRARY_NAME}) are not loaded on "
                 f"this server and this user may not load them ({exc}). Load them once as the "
-                f"admin: `python -m kvstore functions load <url>`",
+                f"server's operator -- the default user, or a user of its own with "
+                f"+function|load, never a namespace's role (it could then load any Lua): "
+                f"`python -m kvstore --url <operator's url> functions load`",
                 command="FUNCTION LOAD",
             ) from None
-        logger.info("kvstore: loaded the %s functions on %s", LIBRARY_NAME, self._safe_url)
-        return self._check_digest(client.fcall(self.library.version_function, 0))
+        except rex.ResponseError as exc:
+            if not _out_of_memory(exc):
+                raise
+            raise StoreCodeError(
+                f"{self._where(name)}: the kvstore functions are not loaded and the server, "
+                f"over maxmemory, refuses to load them ({exc}): free memory or raise maxmemory, "
+                f"then `python -m kvstore functions load`"
+            ) from None
+        logger.info("kvstore: loaded the %s functions on %s", LIBRARY_NAME, self._where(name))
+        return self._check_digest(server_digest(server, self.library), name)
 
     def _scripts_instead(self, why: str) -> ScriptMode:
         if self.wanted is ScriptMode.FUNCTIONS:
-            raise StoreCodeError(
-                f"{self._safe_url}: lua='functions' but {why}: grant +fcall (Redis/Valkey >= 7), "
-                f"or set lua='scripts' on a server without functions"
+            hint = (
+                "set lua='scripts' on a server without functions"
+                if not self._server_has_functions
+                else "grant +fcall"
             )
-        logger.warning(
-            "kvstore: %s runs its Lua as EVALSHA scripts: %s. A role that may run EVALSHA and "
-            "SCRIPT LOAD may run any Lua; on a server shared by tenants grant +fcall instead "
-            "(docs/operations.md)",
-            self._safe_url,
-            why,
+            raise StoreCodeError(f"{self._safe_url}: lua='functions' but {why}: {hint}")
+        advice = (
+            "a role that may run EVALSHA and SCRIPT LOAD may run any Lua: on a server shared by "
+            "tenants use Redis or Valkey >= 7 and grant +fcall"
+            if not self._server_has_functions
+            else "a role that may run EVALSHA and SCRIPT LOAD may run any Lua; on a server "
+            "shared by tenants grant +fcall instead (docs/operations.md)"
         )
+        logger.warning("kvstore: %s runs its Lua as EVALSHA scripts: %s. %s",
+                       self._safe_url, why, advice)  # fmt: skip
         return ScriptMode.SCRIPTS
+
+    def refused(self, exc: rex.NoPermissionError) -> rex.NoPermissionError:
+        """What to raise for an EVALSHA refused: a role that was refused FCALL too lacks
+        +fcall (never steer it to the grant that runs any Lua), and is asked again at the next
+        call, in case it has been granted since."""
+        if self.grant is ScriptMode.SCRIPTS:
+            return exc
+        self.forget()
+        return rex.NoPermissionError("this user has no permissions to run the 'fcall' command")
 
     def bind(self, script: ServerScript, client: Any) -> BoundScript:
         return BoundScript(self, script, client)
@@ -245,25 +316,30 @@ class BoundScript:
     def __call__(
         self, keys: Sequence[Any] = (), args: Sequence[Any] = (), client: Any = None
     ) -> Any:
+        return self._call(keys, args, client, settle_again=True)
+
+    def _call(
+        self, keys: Sequence[Any], args: Sequence[Any], client: Any, settle_again: bool
+    ) -> Any:
         if self._code.mode(self._client) is ScriptMode.SCRIPTS:
             try:
                 return self._eval(keys=keys, args=args, client=client)
             except rex.NoPermissionError as exc:
-                if self._code.grant is ScriptMode.SCRIPTS:
-                    raise
-                # a role refused both: what it lacks is +fcall (never steer it to the grant
-                # that lets it run any Lua)
-                raise rex.NoPermissionError(
-                    f"this user has no permissions to run the 'fcall' command ({exc})"
-                ) from None
+                raise self._code.refused(exc) from None
         target = client if client is not None else self._client
         try:
             return target.fcall(self.script.function, len(keys), *keys, *args)
         except rex.ResponseError as exc:
             if not _missing_function(exc):
                 raise
+            if not settle_again:
+                raise StoreCodeError(
+                    f"{self._code._safe_url}: {self.script.function} is still missing after "
+                    f"the functions were loaded again ({exc}): on a Cluster every master needs "
+                    f"them: `python -m kvstore functions load` as the server's operator"
+                ) from None
             self._code.forget()  # the server lost it: settled again, then sent once more
-            return self(keys, args, client)
+            return self._call(keys, args, client, settle_again=False)
 
     def command_args(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
         """The command as a tuple, for a caller that sends it on a connection of its own
@@ -274,7 +350,7 @@ class BoundScript:
 
     def recover(self, exc: BaseException) -> bool:
         """After ``exc`` from a command built by :meth:`command_args`: True when the server
-        lacked the code and now has it again (send the command again, rebuilt)."""
+        lacked the code and now has it again (send the command again, rebuilt, once)."""
         if isinstance(exc, rex.NoScriptError):
             self._client.script_load(self.script.lua)
             return True
@@ -294,4 +370,6 @@ __all__ = [
     "ServerCode",
     "ServerScript",
     "load_library",
+    "server_digest",
+    "servers",
 ]

@@ -50,6 +50,8 @@ from kvstore.errors import (
     InvalidArgumentError,
     KVStoreError,
     StoreCircuitOpenError,
+    StoreCodeError,
+    StorePermissionError,
     StoreTimeoutError,
     StoreUnavailableError,
 )
@@ -67,7 +69,11 @@ logger = logging.getLogger("kvstore")
 # Reply: a [status, length] pair per key; status 1 claimed, 0 missing, 2 over the size limit
 # (left in place), 3 not a string. A key this call's suffix already holds counts as claimed.
 # redis.acl_check_cmd (Redis/Valkey 7+) refuses a forbidden RENAME before anything changed.
+# Key names are bounded (allow-oom: a rename to a 40 MB name would grow a full server).
 CLAIM_LUA = """
+for i = 1, #KEYS do
+  if #KEYS[i] > 1024 then return redis.error_reply('ERR KVSTORE a key over 1024 bytes') end
+end
 local n = #KEYS / 2
 local maxlen = tonumber(ARGV[1])
 local late = tonumber(ARGV[3])
@@ -112,6 +118,9 @@ CLAIM = ServerScript("claim", CLAIM_LUA, ("allow-oom",))
 # Gives claimed values back (same KEYS layout): a private key goes back to its block's key,
 # unless a new value was stored there meanwhile (then the newer one stays). Reply: how many.
 RELEASE_LUA = """
+for i = 1, #KEYS do
+  if #KEYS[i] > 1024 then return redis.error_reply('ERR KVSTORE a key over 1024 bytes') end
+end
 local n = #KEYS / 2
 local released = 0
 for i = 1, n do
@@ -431,10 +440,17 @@ class Claimer:
             if isinstance(first, _StillMigrating):
                 raise  # what the other slots took is given back (``_claim_per_slot``)
             return self._claim_again(keys, deadline, suffix, first)
-        except BaseException:  # any other error: other slots' claims may have run
-            self.release_later(_everything(keys, suffix))
+        except BaseException as exc:  # any other error: other slots' claims may have run
+            if not self._took_nothing(exc):
+                self.release_later(_everything(keys, suffix))
             raise
         return ClaimedBatch(keys, suffix, statuses, lengths)
+
+    def _took_nothing(self, exc: BaseException) -> bool:
+        """A claim one server refused took nothing: the function never ran (NOPERM on FCALL,
+        a library not this release's) or refused before its first rename (a NOPERM inside;
+        the key-size check). On a Cluster other slots' claims may have run."""
+        return not self._shards.cluster and isinstance(exc, (StorePermissionError, StoreCodeError))
 
     def claim_reading(
         self,
@@ -464,6 +480,8 @@ class Claimer:
             args = (self._max_value_bytes, mode, self._late_ms())
             try:
                 return read(self._claim_script.command_args(scripted, args), private)
+            except rex.NoPermissionError as exc:
+                raise self._code.refused(exc) from None
             except rex.ResponseError as exc:
                 # the server lost its code (a restart, SCRIPT FLUSH): nothing ran, so the same
                 # again once it is back
@@ -481,8 +499,9 @@ class Claimer:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
             return self._claim_again(keys, deadline, suffix, first), None
-        except BaseException:
-            self.release_later(_everything(keys, suffix))
+        except BaseException as exc:
+            if not self._took_nothing(exc):
+                self.release_later(_everything(keys, suffix))
             raise
         if reply == -1:  # "too late" came back in time: the clocks disagree (nothing taken)
             self._late_reply_in_time(sent)

@@ -4,6 +4,7 @@ costs one timeout per call, never a retried one. Real Cluster nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import kvstore.cli
 from kvstore import (
     LookupBuffer,
     StoreCircuitOpenError,
@@ -19,6 +21,8 @@ from kvstore import (
     StoreUnavailableError,
     chain_hashes,
 )
+from kvstore.fleet.functions import LIBRARY
+from kvstore.net.server_code import server_digest
 from testing.redis_server import ClusterServers
 
 pytestmark = pytest.mark.redis
@@ -118,3 +122,28 @@ def test_a_lookup_never_waits_behind_reads_from_a_hung_master(cluster: ClusterSe
     for reader in readers:
         reader.join()
     buf.close()
+
+
+def test_every_master_holds_the_functions_and_one_that_lost_them_gets_them_again(
+    cluster: ClusterServers, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Functions are not copied between a Cluster's shards: a zero-key FCALL checked one master
+    at random and redis-py's FUNCTION LOAD stopped at the first error, so a master that lost
+    the library (a restart without persistence) failed every claim on its slots, and
+    `functions load` said all was well (fresh-eyes review, 2026-11-29)."""
+    lost = cluster.master_nodes()[1]
+    with LookupBuffer.from_url(cluster.url, namespace="fn", fingerprint="fp", ttl_s=60) as buf:
+        buf.insert_many([(h, {"kv": torch.ones(4)}) for h in MANY])
+        assert all(v is not None for v in buf.drop_select(MANY[:32]))
+        for node in cluster.master_nodes():  # every master got it, not one at random
+            assert server_digest(cluster.client(node), LIBRARY) == LIBRARY.digest
+        cluster.client(lost).function_flush()
+        assert all(v is not None for v in buf.drop_select(MANY[32:]))  # loaded again there
+        assert server_digest(cluster.client(lost), LIBRARY) == LIBRARY.digest
+    cluster.client(lost).function_flush()
+    url = ["--url", cluster.url, "--json", "functions"]
+    assert kvstore.cli.main([*url, "show"]) == kvstore.cli.ExitStatus.FAILED
+    shown = json.loads(capsys.readouterr().out)["server_digests"]
+    assert sorted(d is None for d in shown.values()) == [False, False, True]
+    assert kvstore.cli.main([*url, "load"]) == kvstore.cli.ExitStatus.OK
+    assert server_digest(cluster.client(lost), LIBRARY) == LIBRARY.digest

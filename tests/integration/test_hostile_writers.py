@@ -17,6 +17,7 @@ import torch
 from kvstore import LookupBuffer
 from kvstore.fleet.functions import LIBRARY
 from kvstore.fleet.generations import BUMP, RAISE, RAISE_LUA
+from kvstore.fleet.handoff import CLAIM_RECORDS
 from kvstore.net.server_code import LIBRARY_NAME
 from testing.redis_server import RedisServer, add_acl_user, server_binary
 from tests.conftest import ROOT
@@ -194,3 +195,45 @@ def test_values_built_to_exhaust_a_reader_cost_it_bounded_memory(server: RedisSe
         # the connections it used are usable, or were replaced: a good value reads
         good = reader.select_into(["b2" * 16], rows[:1])[0]
         assert good is not None and torch.equal(good["kv"], torch.ones(8))
+
+
+def test_kvstores_own_functions_cannot_grow_a_full_server(server: RedisServer) -> None:
+    """The functions run with allow-oom (a claim or a reset must work on a full server), so
+    what they write is bounded: a tenant with the consumer's rule took a 32 MiB server to
+    454 MiB through a claim's 50 MB "taken" mark, and to 566 MiB creating keys without a TTL
+    through the reset functions (fresh-eyes review, 2026-11-29)."""
+    admin = tenants(server)
+    c = user(server, "full_a", rule_for("`kv_consumer`, consume mode", "a"))
+    record = "kv:a:fp:handoff:{h0}"
+    admin.set(record, b"3", px=60_000)
+    used = admin.info("memory")["used_memory"]
+    admin.config_set("maxmemory", str(used + (1 << 20)))
+    admin.config_set("maxmemory-policy", "noeviction")
+    try:
+        attempts = {
+            "a 50 MB mark": lambda: c.fcall(
+                CLAIM_RECORDS.function, 1, record, b"Z" * 50_000_000, 60_000, b"taken:"
+            ),
+            "a TTL past a minute": lambda: c.fcall(
+                CLAIM_RECORDS.function, 1, record, b"taken:x", 10**12, b"taken:"
+            ),
+            "a new key without a TTL": lambda: c.fcall(BUMP.function, 1, "kv:a:fp:new", 0),
+            "a 1 MB key name": lambda: c.fcall(BUMP.function, 1, "kv:a:fp:" + "N" * 2**20, 0),
+        }
+        keys = admin.dbsize()
+        allowed = [what for what, call in attempts.items() if not refused_or_error(call)]
+        assert allowed == []
+        # nothing stored grew or appeared (a request's own argument buffer is not the data:
+        # any command with a 50 MB argument costs that while it is read)
+        assert admin.dbsize() == keys and admin.get(record) == b"3"
+        assert (admin.memory_usage(record) or 0) < 1024
+    finally:
+        admin.config_set("maxmemory", "0")
+
+
+def refused_or_error(call: object) -> bool:
+    try:
+        call()  # type: ignore[operator]
+    except redis.exceptions.ResponseError:
+        return True
+    return False

@@ -24,6 +24,7 @@ from kvstore import (
     chain_hashes,
 )
 from kvstore.fleet.access import ACCESS, acl_rule
+from kvstore.net.server_code import ScriptMode
 from testing.blocks import filled_block
 from testing.redis_server import RedisServer, add_acl_user
 
@@ -208,3 +209,22 @@ def test_a_new_connection_to_a_hung_server_costs_one_timeout_not_a_retry_storm(
     finally:
         os.kill(private_redis.proc.pid, signal.SIGCONT)
     buf.close()
+
+
+def test_a_claim_refused_fcall_names_fcall_and_runs_once_it_is_granted(
+    private_redis: RedisServer,
+) -> None:
+    """A role without +fcall fell back to EVALSHA, and the claim's refusal then told the
+    operator to grant +evalsha +script|load, the grant that runs any Lua; granted +fcall, the
+    running store stayed on EVALSHA (fresh-eyes review, 2026-11-29)."""
+    ops = ["ping", "insert", "drop_select"]
+    url = acl_user(private_redis, "nofcall", without(acl_rule(ops, "acl"), "FCALL"))
+    with LookupBuffer.from_url(url, namespace="acl", fingerprint="fp", ttl_s=60) as buf:
+        buf.insert(HASHES[0], {"kv": torch.ones(4)})
+        with pytest.raises(StorePermissionError) as info:
+            buf.drop_select(HASHES[:1])
+        assert "+fcall" in str(info.value) and "evalsha" not in str(info.value).lower()
+        acl_user(private_redis, "nofcall", acl_rule(ops, "acl"))  # the operator grants it
+        (got,) = buf.drop_select(HASHES[:1])
+        assert got is not None and got["kv"].tolist() == [1.0] * 4
+        assert buf.server_code.settled is ScriptMode.FUNCTIONS

