@@ -214,7 +214,13 @@ class LookupBuffer:
         # connect and one control round trip's timeouts, if longer)
         self.close_wait_s = CLOSE_WAIT_S
         # the namespace's: every fingerprint's view shares it
-        self._generations = Generations(self._transport, self.guard, self.keys, self.server_code)
+        self._generations = Generations(
+            self._transport,
+            self.guard,
+            self.keys,
+            self.server_code,
+            signed=self.value_key is not None,
+        )
         # what drop_select's claims share over every view: the thread giving claimed blocks
         # back after a failed call, and the server's clock (values/drop_select.py)
         self._releaser = ClaimReleaser(
@@ -767,7 +773,7 @@ class LookupBuffer:
     @property
     def generation(self) -> int:
         """The namespace's generation as this buffer last read it (``read_generation``,
-        ``survey``) or made it (``reset``): name blocks with ``keys.at_generation``."""
+        ``survey``) or made it (``reset``): name blocks in it (``keys.block_name``)."""
         return self._generations.known
 
     def read_generation(self) -> int:

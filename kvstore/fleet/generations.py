@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,6 @@ if current >= {MAX_GENERATION} then
 end
 """
 
-# max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
 # The functions run with allow-oom (a reset must work on a full server), so they write nothing
 # but a namespace's counter (a tenant's rule reaches no key of that shape: namespaces hold no
 # ':'), and only a decimal: a tenant can neither create keys nor grow one through them.
@@ -74,6 +74,7 @@ if not ARGV[1] or #ARGV[1] > 16 or not string.match(ARGV[1], '^%d+$') then
 end
 """
 
+# max(counter, the caller's floor) + 1, written back: a vanished counter never restarts at 1
 BUMP_LUA = (
     _ONLY_A_COUNTER
     + _READ_LUA
@@ -130,8 +131,18 @@ class Generations:
     """The generation of one namespace, as this client knows it (thread-safe)."""
 
     def __init__(
-        self, transport: Transport, guard: Guard, keys: KeySpace, code: ServerCode
+        self,
+        transport: Transport,
+        guard: Guard,
+        keys: KeySpace,
+        code: ServerCode,
+        *,
+        signed: bool = False,
     ) -> None:
+        # a signed namespace (a secret) trusts no missing counter: see observe()
+        self._signed = signed
+        self._missing_refused: StorePermissionError | None = None  # may not create it
+        self._missing = False
         self._transport = transport
         self._guard = guard
         self._keys = keys
@@ -148,8 +159,18 @@ class Generations:
         """The highest generation this client has read or made (0 before any)."""
         return self._known
 
+    @property
+    def unknown(self) -> bool:
+        """A signed namespace's counter was missing at the last reading, and this client could
+        not put it back: the generation is not known, so nothing may be loaded (lookups answer
+        misses) until the counter is there again (``kvstore reset``)."""
+        return self._missing
+
     def observe(self, reply: Any) -> int:
         """Take a GET reply of the counter; returns the generation now known (never lower)."""
+        if reply is None and self._signed:
+            return self._counter_missing()
+        self._missing = False
         value = parse_generation(reply)
         with self._lock:
             if value > self._known:
@@ -191,6 +212,47 @@ class Generations:
             known,
         )
         return known
+
+    def _counter_missing(self) -> int:
+        """A signed namespace's counter is missing: deleted, flushed or evicted -- or never
+        made. Read as 0 it would let a value saved before a reset, put back by whoever deleted
+        the counter, load as a verified hit on every instance started since. A user that may
+        write the counter makes it again above every generation made before: the time in ms
+        (bumps add 1 each, so no earlier generation reached it), never less than known + 1.
+        A user that may not loads nothing until the admin does (``kvstore reset``)."""
+        if self._missing_refused is None:
+            new = max(self._known + 1, int(time.time() * 1000))
+            try:
+                made = self._guard.call(
+                    "SET", lambda: self._transport.control.set(self.key, new, nx=True)
+                )
+            except StorePermissionError as exc:
+                self._missing_refused = exc
+                logger.warning(
+                    "kvstore: namespace %r is signed and its generation counter %s is missing, "
+                    "and this user may not make it again (%s): this instance loads nothing "
+                    "until the admin runs `python -m kvstore reset --namespace %s` (a missing "
+                    "counter read as 0 would let values from before a reset load again)",
+                    self._keys.namespace,
+                    self.key,
+                    exc,
+                    self._keys.namespace,
+                )
+            except KVStoreError:
+                pass  # counted by the guard; the next reading tries again
+            else:
+                if made:
+                    logger.warning(
+                        "kvstore: namespace %r's generation counter was missing: made again "
+                        "at %d, past every generation before it (blocks named earlier are "
+                        "not loaded)",
+                        self._keys.namespace,
+                        new,
+                    )
+                    self._missing = False
+                    return self._adopt(new)
+        self._missing = True  # (made meanwhile by another client: the next reading sees it)
+        return self._known
 
     def _adopt(self, value: int) -> int:
         with self._lock:

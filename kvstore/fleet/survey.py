@@ -46,4 +46,7 @@ def survey(
     at = len(block_keys)
     presences = split_presences([int(x) for x in replies[:at]], chains, len(fps))
     states, used = records.parse_read(replies[at:], handoffs, len(fps))
-    return Survey(presences, states, generations.observe(replies[at + used]))
+    generation = generations.observe(replies[at + used])
+    if generations.unknown:  # a signed namespace lost its counter: no block name is safe
+        presences = [[False] * len(p) for p in presences]
+    return Survey(presences, states, generation)

@@ -253,3 +253,51 @@ def test_a_block_name_moves_to_another_generation_whole(
 
     assert in_generation(name, generation) == named
     assert generation_of(named) == generation
+
+
+SECRET = b"namespace sig's secret, 32 bytes"
+
+
+def test_a_signed_namespace_never_reads_a_missing_counter_as_generation_0(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 52: delete a signed namespace's counter and an instance started afterwards read
+    generation 0, so a value signed before the first reset (named without a generation) and
+    put back loaded as a verified hit. Now a reader that may not write the counter loads
+    nothing until the admin makes it again, and one that may makes it past every generation
+    made before."""
+    admin = redis.Redis(port=private_redis.port)
+    with LookupBuffer.from_url(
+        private_redis.url, namespace="sig", fingerprint="fp", secret=SECRET
+    ) as old:
+        old.insert("h1", value())  # signed in generation 0: its name is "h1"
+    rule = acl_rule(["ping", "generation", "lookup", "select"], "sig")
+    add_acl_user(admin, "reader", rule)
+    url = f"redis://reader:pw@127.0.0.1:{private_redis.port}/0"
+    with (
+        LookupBuffer.from_url(url, namespace="sig", fingerprint="fp", secret=SECRET) as reader,
+        caplog.at_level("WARNING", logger="kvstore"),
+    ):
+        assert reader.survey([["h1"]]).presences == [[False]]  # there, and not offered
+        assert reader.survey([["h1"]]).presences == [[False]]
+        warnings = [r for r in caplog.records if "loads nothing" in r.getMessage()]
+        assert len(warnings) == 1 and "kvstore reset --namespace sig" in warnings[0].getMessage()
+        with LookupBuffer.from_url(
+            private_redis.url, namespace="sig", fingerprint="fp", secret=SECRET
+        ) as writer:
+            generation = writer.reset()  # the admin makes the counter again
+            writer.insert(block_name("h2", generation), value())
+        assert reader.survey([[block_name("h2", generation)]]).presences == [[True]]  # resumed
+    # a user that may write the counter makes it again above every earlier generation
+    admin.delete("kv:sig:generation")
+    with LookupBuffer.from_url(
+        private_redis.url, namespace="sig", fingerprint="fp", secret=SECRET
+    ) as fresh:
+        fresh.read_generation()
+        assert fresh.generation > 10**12 and int(admin.get("kv:sig:generation")) == fresh.generation
+        # what it now looks up for that chain is named in the new generation: not there
+        assert fresh.survey([[block_name("h1", fresh.generation)]]).presences == [[False]]
+    # an unsigned namespace trusts its writers anyway: a missing counter still reads 0
+    with LookupBuffer.from_url(private_redis.url, namespace="open", fingerprint="fp") as plain:
+        plain.insert("h1", value())
+        assert plain.survey([["h1"]]).presences == [[True]] and plain.generation == 0
