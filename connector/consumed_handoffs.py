@@ -35,9 +35,10 @@ class ConsumedHandoffs:
         self.loading[req_id] = (st.handoff, st.load_names.by_position())
         return claim
 
-    def drop_unloaded(self, st: RequestState) -> None:
+    def drop_unloaded(self, st: RequestState, hold_s: float = 0.0) -> None:
         """Claim a handoff this request will not load (e.g. vLLM's local prefix cache had its
-        blocks) and delete its blocks and record, once its producer is done writing them."""
+        blocks) and delete its blocks and record, once its producer is done writing them and
+        ``hold_s`` has passed (a probe of the store reads them meanwhile)."""
         handoff = st.handoff
         if handoff is None or not self.owns(st) or not st.handoff_waiting:
             return
@@ -47,6 +48,7 @@ class ConsumedHandoffs:
             handoff.owner,
             st.load_names.by_position(),
             expect_record=not handoff.opened,
+            hold_s=hold_s,
         )
 
     def loaded(self, req_id: str) -> None:

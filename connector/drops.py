@@ -35,6 +35,7 @@ class _Drop:
     expect_record: bool  # a missing record may still come: wait for it as for "pending"
     give_up_at: float
     failed_deletes: int = 0
+    not_before: float = 0.0  # kept until then whatever its producer's state (a probe reads it)
 
 
 class HandoffDrops:
@@ -58,11 +59,20 @@ class HandoffDrops:
         self._thread.start()
 
     def drop(
-        self, handoff_id: str, owner: str, names: list[BlockName], expect_record: bool
+        self,
+        handoff_id: str,
+        owner: str,
+        names: list[BlockName],
+        expect_record: bool,
+        hold_s: float = 0.0,
     ) -> None:
+        """Delete the handoff once its producer is done, and not before ``hold_s`` from now
+        (its blocks are what a probe of the store is about to read)."""
+        now = time.monotonic()
+        give_up_at = now + max(self.max_wait_s, hold_s)
         with self._lock:
             self._waiting.append(
-                _Drop(handoff_id, owner, names, expect_record, time.monotonic() + self.max_wait_s)
+                _Drop(handoff_id, owner, names, expect_record, give_up_at, 0, now + hold_s)
             )
         self._wake.set()
 
@@ -93,10 +103,14 @@ class HandoffDrops:
 
     def _check(self, batch: list[_Drop]) -> list[_Drop]:
         """Delete the drops whose producer is done (or whose wait is over); the rest wait."""
+        now = time.monotonic()
+        keep = [d for d in batch if now < d.not_before]  # held for a probe
+        batch = [d for d in batch if now >= d.not_before]
+        if not batch:
+            return keep
         states = self.store.read_handoffs(
             [(d.handoff_id, d.names[:1]) for d in batch], self.fingerprints
         )
-        now, keep = time.monotonic(), []
         for d, state in zip(batch, states, strict=True):
             missing = state.committed is None and not state.taken and not state.pending
             writing = state.pending or (missing and d.expect_record)

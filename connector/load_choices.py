@@ -144,8 +144,10 @@ class LoadChoices:
                 # loaded before the store is measured (the probes do that meanwhile)
                 unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
             )
-            measured = decision.reason is Reason.MEASURED
-            self.probes.note_choice(measured and decision.way is Way.RECOMPUTE)
+            # recomputed on what the store's figures say (measured, or only bounded by an
+            # expired load): the store stays under watch, and this hit is what probes read
+            judged = decision.reason in (Reason.MEASURED, Reason.NOT_MEASURED)
+            self.probes.note_choice(judged and decision.way is Way.RECOMPUTE)
             if decision.gain_s is not None:
                 self.stats.observe("predicted_gain_seconds", decision.gain_s)
         st.decided(decision, start + decision.blocks)

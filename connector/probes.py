@@ -57,6 +57,10 @@ FEW_SAMPLES = 3
 PROBE_TIMEOUT_S = 1.0
 # how long a due probe waits for a quiet step before it runs beside a busy one (seconds)
 BUSY_WAIT_S = 0.5
+# how long a consume-mode handoff recomputed because the store looked slow stays in Redis:
+# the next probe reads it (its blocks are the newest hit's), and a consumer deletes every
+# handoff it will not load, so without it a store judged slow once was never measured again
+PROBE_HOLD_S = PROBE_INTERVAL_S + BUSY_WAIT_S + PROBE_TIMEOUT_S + 0.5
 
 
 class ProbeKind(enum.Enum):
@@ -100,6 +104,11 @@ class ProbePlanner:
         """The policy chose how to serve a measured hit: recomputing it because loading looked
         slower keeps the store under watch."""
         self._store_too_slow = recomputed_for_the_store
+
+    def hold_s(self) -> float:
+        """How long blocks of the newest hit must stay for the probe that reads them: while
+        the store is under watch (the last hit was recomputed because of it), else 0."""
+        return PROBE_HOLD_S if self._store_too_slow and self._names else 0.0
 
     def due(
         self,

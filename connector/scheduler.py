@@ -371,7 +371,9 @@ class RedisConnectorScheduler:
         end = min(answered_end, start + math.ceil(num_external_tokens / self.block_size))
         if end <= start:
             st.start_running()
-            self._handoffs.drop_unloaded(st)  # handed off to us but not loaded (a local hit)
+            # handed off to us but not loaded (a local hit, or recomputed: the store looked
+            # slow, and the probe that measures it again reads these blocks before they go)
+            self._handoffs.drop_unloaded(st, hold_s=self.load_choices.probes.hold_s())
             return
         now = time.monotonic()
         st.load_planned(start, end, now)

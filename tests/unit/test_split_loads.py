@@ -749,3 +749,32 @@ def test_the_engine_the_policy_models_is_vllms_scheduler_config() -> None:
     assert (gpu.token_budget, gpu.cap, gpu.overlap) == (8192, 8192, True)
     cpu = engine_shape(config("cpu", 4096, 1024))
     assert (cpu.token_budget, cpu.cap, cpu.overlap) == (4096, 1024, False)
+
+
+def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_fast(
+    engines: Any,
+) -> None:
+    """Consume mode: an expired load bounds the store's figure, and the next handoff is
+    recomputed. Probes read a recent hit's blocks, but a recomputed handoff was deleted at once,
+    so they found nothing, and every later handoff was recomputed too, however fast the store
+    became (the demo saw the figure at 6 B/s and 7 of 7 handoffs computed). A handoff dropped
+    for that reason now stays for the probe that measures the store again."""
+    tokens = [prompt(5 * BS + 3, seed=90 + i) for i in range(3)]
+    params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
+    consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
+    slow = slow_reads(consumer.worker.store, 3.0)
+    consumer.add("c0", tokens[0], params=params[0])
+    consumer.run_until_idle()
+    assert consumer.take_stats()["loads_expired"] == 1  # the figure is now a bound
+    slow.clear()  # the store is fast again
+    consumer.add("c1", tokens[1], params=params[1])
+    consumer.run_until_idle()
+    assert consumer.take_stats()["chose_recompute"] == 1  # judged on the bound
+    policy = consumer.connector.scheduler.load_choices
+    step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
+    consumer.add("c2", tokens[2], params=params[2])
+    consumer.run_until_idle()
+    stats = consumer.take_stats()
+    assert stats.get("chose_async") == 1 and stats["blocks_loaded"] >= 1
+    # the held handoff went once the probe was done with it: nothing is left behind
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
