@@ -289,8 +289,9 @@ class ServerCode:
         """What to raise for an EVALSHA refused: a role that was refused FCALL too lacks
         +fcall (never steer it to the grant that runs any Lua), and is asked again at the next
         call, in case it has been granted since."""
-        if self.grant is ScriptMode.SCRIPTS:
-            return exc
+        text = str(exc).lower()
+        if self.grant is ScriptMode.SCRIPTS or not ("evalsha" in text or "script" in text):
+            return exc  # (a refusal of another command -- a GET read with the claim -- as is)
         self.forget()
         return rex.NoPermissionError("this user has no permissions to run the 'fcall' command")
 

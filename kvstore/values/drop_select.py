@@ -447,9 +447,10 @@ class Claimer:
         return ClaimedBatch(keys, suffix, statuses, lengths)
 
     def _took_nothing(self, exc: BaseException) -> bool:
-        """A claim one server refused took nothing: the function never ran (NOPERM on FCALL,
-        a library not this release's) or refused before its first rename (a NOPERM inside;
-        the key-size check). On a Cluster other slots' claims may have run."""
+        """A claim sent alone that one server refused took nothing: the function never ran
+        (NOPERM on FCALL, a library not this release's) or refused before its first rename (a
+        NOPERM inside). On a Cluster other slots' claims may have run; in
+        :meth:`claim_reading` the refusal may be a read's, after the claim ran."""
         return not self._shards.cluster and isinstance(exc, (StorePermissionError, StoreCodeError))
 
     def claim_reading(
@@ -499,9 +500,8 @@ class Claimer:
             if isinstance(first, StoreCircuitOpenError):
                 raise  # nothing was sent
             return self._claim_again(keys, deadline, suffix, first), None
-        except BaseException as exc:
-            if not self._took_nothing(exc):
-                self.release_later(_everything(keys, suffix))
+        except BaseException:  # (the claim may have run: a read after it may be what failed)
+            self.release_later(_everything(keys, suffix))
             raise
         if reply == -1:  # "too late" came back in time: the clocks disagree (nothing taken)
             self._late_reply_in_time(sent)
