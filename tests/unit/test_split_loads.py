@@ -762,7 +762,11 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     tokens = [prompt(5 * BS + 3, seed=90 + i) for i in range(3)]
     params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
     consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
-    slow = slow_reads(consumer.worker.store, 3.0)
+    policy = consumer.connector.scheduler.load_choices
+    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
     consumer.add("c0", tokens[0], params=params[0])
     consumer.run_until_idle()
     assert consumer.take_stats()["loads_expired"] == 1  # the figure is now a bound
@@ -770,7 +774,6 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     consumer.add("c1", tokens[1], params=params[1])
     consumer.run_until_idle()
     assert consumer.take_stats()["chose_recompute"] == 1  # judged on the bound
-    policy = consumer.connector.scheduler.load_choices
     step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
     consumer.add("c2", tokens[2], params=params[2])
     consumer.run_until_idle()
