@@ -47,6 +47,7 @@ from kvstore.errors import (
     KVStoreError,
     StorePermissionError,
 )
+from kvstore.fleet.readership import Readership, readership, untouched_pipelines
 from kvstore.net.connection import (
     AclScope,
     error_code,
@@ -145,12 +146,21 @@ class _Group:
     nbytes: int = 0
     ttls: tuple[float, float] | None = None
     ages: tuple[float, float] | None = None
+    # readership.py: blocks read since written, never read (and their bytes), not known
+    read: int = 0
+    unread: int = 0
+    unread_bytes: int = 0
 
-    def add(self, size: int, ttl_s: float | None, age_s: float | None) -> None:
+    def add(self, size: int, ttl_s: float | None, age_s: float | None, seen: Readership) -> None:
         self.blocks += 1
         self.nbytes += size
         self.ttls = _widen(self.ttls, ttl_s)
         self.ages = _widen(self.ages, age_s)
+        if seen is Readership.READ:
+            self.read += 1
+        elif seen is Readership.UNREAD:
+            self.unread += 1
+            self.unread_bytes += size
 
 
 def _widen(span: tuple[float, float] | None, x: float | None) -> tuple[float, float] | None:
@@ -159,37 +169,85 @@ def _widen(span: tuple[float, float] | None, x: float | None) -> tuple[float, fl
     return (x, x) if span is None else (min(span[0], x), max(span[1], x))
 
 
+@dataclass
+class Listing:
+    """What ``ls`` found: a row per (namespace, fingerprint), then the other keys' counts;
+    and what the read figures are worth (``readership.py``)."""
+
+    rows: list[dict[str, Any]]
+    touched: bool = False  # a server refused CLIENT NO-TOUCH: the blocks read look read now
+    no_idle_times: bool = False  # a server keeps none (an LFU policy): nothing read counted
+    idle_refused: bool = False  # this user may not ask for idle times: nothing read counted
+
+    @property
+    def notes(self) -> list[str]:
+        out = []
+        if self.no_idle_times:
+            out.append(
+                "read/unread not counted where the server's maxmemory-policy is LFU (it keeps "
+                "no idle times): use an LRU or volatile-ttl policy to see them"
+            )
+        if self.idle_refused:
+            out.append(
+                "read/unread not counted: this user may not run OBJECT IDLETIME (grant "
+                "+object|idletime, and +client|no-touch so that looking is not reading)"
+            )
+        if self.touched:
+            out.append(
+                "the server has no CLIENT NO-TOUCH (Redis before 7.2): this listing's figures "
+                "are right, but reading the headers touched every block, so the next listing "
+                "counts them as read and LRU eviction sees them as recently used"
+            )
+        return out
+
+
 def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> list[dict[str, Any]]:
-    """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range. Streams: keys
-    are read as SCAN returns them, :data:`_SCAN_COUNT` per pipeline, and only running totals
-    are kept, so a namespace of millions of blocks costs bounded client memory."""
+    """:func:`list_blocks`' rows."""
+    return list_blocks(client, prefix, namespace).rows
+
+
+def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> Listing:
+    """One row per (namespace, fingerprint): blocks, bytes, TTL range, age range, blocks read
+    since written and not (``readership.py``). Streams: keys are read as SCAN returns them,
+    :data:`_SCAN_COUNT` per pipeline, and only running totals are kept, so a namespace of
+    millions of blocks costs bounded client memory."""
     pattern = f"{_glob_literal(prefix)}:{_glob_literal(namespace) if namespace else '*'}:*"
     groups: dict[tuple[str, str], _Group] = defaultdict(_Group)
     others: dict[str, int] = defaultdict(int)  # claims, handoff and document records, probes
-    now = time.time()
+    listing = Listing([])
+
+    def fill(pipe: Any, key: bytes) -> None:
+        pipe.object("IDLETIME", key)  # first: the server's own reads of it, not this listing's
+        pipe.strlen(key)
+        pipe.pttl(key)
+        pipe.getrange(key, 0, 1023)
 
     def flush(batch: list[tuple[str, str, bytes]]) -> None:
-        pipe = client.pipeline(transaction=False)
-        for _, _, k in batch:
-            pipe.strlen(k)
-            pipe.pttl(k)
-            pipe.getrange(k, 0, 1023)
         # one key of another type (WRONGTYPE) must not fail the listing of the others
-        replies = pipe.execute(raise_on_error=False)
-        for i, (ns, fp, _) in enumerate(batch):
-            size, pttl, head = replies[3 * i : 3 * i + 3]
-            errors = [r for r in (size, pttl, head) if isinstance(r, Exception)]
-            if errors:
-                if any(error_code(e) != "WRONGTYPE" for e in errors):
-                    raise errors[0]  # NOPERM and the like: about the server, not this key
-                others["wrong-type"] += 1
-                continue
-            if pttl == -2:  # expired or deleted since SCAN saw it
-                continue
-            created = created_epoch(head)
-            groups[(ns, fp)].add(
-                int(size), pttl / 1000 if pttl >= 0 else None, now - created if created else None
-            )
+        for part in untouched_pipelines(client, [k for _, _, k in batch], fill):
+            listing.touched |= part.touched
+            now = part.now_s if part.now_s is not None else time.time()
+            for n, i in enumerate(part.indexes):
+                ns, fp, _ = batch[i]
+                idle, size, pttl, head = part.replies[4 * n : 4 * n + 4]
+                errors = [r for r in (size, pttl, head) if isinstance(r, Exception)]
+                if errors:
+                    if any(error_code(e) != "WRONGTYPE" for e in errors):
+                        raise errors[0]  # NOPERM and the like: about the server, not this key
+                    others["wrong-type"] += 1
+                    continue
+                if pttl == -2:  # expired or deleted since SCAN saw it
+                    continue
+                if isinstance(idle, Exception):  # not counted: the notes say why
+                    if error_code(idle) == "NOPERM":
+                        listing.idle_refused = True
+                    else:
+                        listing.no_idle_times = True  # an LFU policy keeps none
+                created = created_epoch(head)
+                age = now - created if created else None
+                groups[(ns, fp)].add(
+                    int(size), pttl / 1000 if pttl >= 0 else None, age, readership(idle, age)
+                )
 
     batch: list[tuple[str, str, bytes]] = []
     for key, raw in _scan(client, pattern):
@@ -217,6 +275,10 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
                 "ttl_max_s": round(g.ttls[1], 1) if g.ttls else None,
                 "age_min_s": round(g.ages[0], 1) if g.ages else None,
                 "age_max_s": round(g.ages[1], 1) if g.ages else None,
+                # read since written (by any instance), never read, and what those hold
+                "read_blocks": g.read,
+                "unread_blocks": g.unread,
+                "unread_bytes": g.unread_bytes,
                 "pattern": f"{prefix}:{ns}:{fp}:*",
             }
         )
@@ -230,7 +292,8 @@ def list_prefixes(client: redis.Redis, prefix: str, namespace: str | None) -> li
     }
     for kind, count in sorted(others.items()):
         rows.append({"namespace": labels.get(kind, f"({kind} records)"), "blocks": count})
-    return rows
+    listing.rows = rows
+    return listing
 
 
 _CREATED = re.compile(rb'"kvstore.created":"([^"]{1,40})"')
@@ -535,6 +598,18 @@ def human_size(n: float | None) -> str:
     return f"{n:.1f} TiB"
 
 
+def _share(part: int | None, whole: int) -> str:
+    if part is None:
+        return ""
+    return f"{part} ({100 * part / whole:.0f}%)" if whole else str(part)
+
+
+def _unread(row: dict[str, Any]) -> str:
+    if "unread_blocks" not in row:
+        return ""
+    return f"{_share(row['unread_blocks'], row['blocks'])}, {human_size(row['unread_bytes'])}"
+
+
 def _range(lo: float | None, hi: float | None) -> str:
     if lo is None:
         return "-"
@@ -670,14 +745,19 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
     from rich.text import Text
 
     if args.cmd == "ls":
-        rows = list_prefixes(client, args.prefix, args.namespace)
+        listing = list_blocks(client, args.prefix, args.namespace)
+        rows = listing.rows
+        for note in listing.notes:  # (on stderr: --json's output stays the rows)
+            err.print(f"note: {note}")
         if args.json:
             _json(rows)
             return ExitStatus.OK
         table = Table(
             title=_shown(f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
         )
-        for col in ("namespace", "fingerprint", "blocks", "bytes", "TTL", "age", "pattern"):
+        columns = ("namespace", "fingerprint", "blocks", "bytes", "TTL", "age", "read",
+                   "unread", "pattern")  # fmt: skip
+        for col in columns:
             table.add_column(col)
         for r in rows:
             table.add_row(
@@ -687,9 +767,16 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 human_size(r.get("bytes")),
                 _range(r.get("ttl_min_s"), r.get("ttl_max_s")),
                 _range(r.get("age_min_s"), r.get("age_max_s")),
+                _share(r.get("read_blocks"), r["blocks"]),
+                _unread(r),
                 _shown(r.get("pattern", "")),
             )
         console.print(table if rows else "no kvstore keys found")
+        if rows:
+            console.print(
+                "read: blocks read since written, by any instance (a load, a probe, a warm "
+                "renewal); unread: blocks nobody read, and the memory they hold"
+            )
         return ExitStatus.OK
     if args.cmd == "inspect":
         info = inspect_key(client, args.key, args.secret, args.prefix, args.epoch)

@@ -249,6 +249,40 @@ def test_the_cli_sees_every_shard(store: Backend) -> None:
     assert store.keys("kv:cli:*") == []
 
 
+# a server with CLIENT NO-TOUCH, one without, and a Cluster (each master's idle times)
+READERSHIP_BACKENDS = ("valkey-9.1", "redis-7.0", "valkey-8.1-cluster")
+
+
+def test_ls_counts_the_blocks_read_since_written_without_reading_them(store: Backend) -> None:
+    """Saved blocks later loaded, by any instance, and the bytes of those nobody read: the
+    server's idle times against the values' ages. Lookups (EXISTS) are not reads; looking
+    (ls itself) is not a read where the server has CLIENT NO-TOUCH, and says so where not."""
+    from kvstore.cli import list_blocks
+
+    if store.name not in READERSHIP_BACKENDS:
+        pytest.skip("the read figures on three kinds of server suffice")
+    with LookupBuffer.from_url(store.url, namespace="reads") as buf:
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(4)])
+        clock = store.node_clients()[0]
+        written = clock.time()[0]
+        # the LRU clock counts whole seconds: the blocks must be older than its slack before a
+        # read tells them apart (a wait for the server's clock, not a deadline)
+        while clock.time()[0] < written + 4:
+            time.sleep(0.2)
+        assert buf.longest_prefix(HASHES[:4]) == 4  # a lookup reads nothing
+        assert all(same(g, i) for i, g in enumerate(buf.select(HASHES[:2])))
+        listing = list_blocks(buf.client, "kv", "reads")
+        [row] = listing.rows
+        assert (row["blocks"], row["read_blocks"], row["unread_blocks"]) == (4, 2, 2)
+        no_touch = store.name != "redis-7.0"  # Redis 7.2 brought CLIENT NO-TOUCH
+        assert listing.touched is not no_touch and bool(listing.notes) is not no_touch
+        if no_touch:  # looking again finds the same: the listing read nothing
+            [again] = list_blocks(buf.client, "kv", "reads").rows
+            assert (again["read_blocks"], again["unread_blocks"]) == (2, 2)
+        unread = [buf.redis_key(h) for h in HASHES[2:4]]  # (STRLEN is a read: asked last)
+        assert row["unread_bytes"] == sum(int(buf.client.strlen(k)) for k in unread)
+
+
 # ---------------------------------------------------------------- Cluster only
 
 
