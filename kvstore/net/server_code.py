@@ -167,7 +167,7 @@ class ServerCode:
     def __init__(self, library: Library, mode: ScriptMode, safe_url: str) -> None:
         self.library = library
         self.wanted = mode
-        self._safe_url = safe_url
+        self.safe_url = safe_url  # (the URL without its password: for messages)
         self._mode: ScriptMode | None = ScriptMode.SCRIPTS if mode is ScriptMode.SCRIPTS else None
         self._server_has_functions = True  # until a server answers FCALL "unknown command"
         self._lock = threading.Lock()
@@ -211,13 +211,13 @@ class ServerCode:
         modes = {self._ask_one(server, name) for name, server in servers(client)}
         if len(modes) > 1:
             raise StoreCodeError(
-                f"{self._safe_url}: some masters have functions and some do not: run one "
+                f"{self.safe_url}: some masters have functions and some do not: run one "
                 f"server version across the Cluster"
             )
         return modes.pop()
 
     def _where(self, name: str) -> str:
-        return f"{self._safe_url} (master {name})" if name else self._safe_url
+        return f"{self.safe_url} (master {name})" if name else self.safe_url
 
     def _ask_one(self, server: Any, name: str) -> ScriptMode:
         try:
@@ -273,7 +273,7 @@ class ServerCode:
                 if not self._server_has_functions
                 else "grant +fcall"
             )
-            raise StoreCodeError(f"{self._safe_url}: lua='functions' but {why}: {hint}")
+            raise StoreCodeError(f"{self.safe_url}: lua='functions' but {why}: {hint}")
         advice = (
             "a role that may run EVALSHA and SCRIPT LOAD may run any Lua: on a server shared by "
             "tenants use Redis or Valkey >= 7 and grant +fcall"
@@ -282,7 +282,7 @@ class ServerCode:
             "shared by tenants grant +fcall instead (docs/operations.md)"
         )
         logger.warning("kvstore: %s runs its Lua as EVALSHA scripts: %s. %s",
-                       self._safe_url, why, advice)  # fmt: skip
+                       self.safe_url, why, advice)  # fmt: skip
         return ScriptMode.SCRIPTS
 
     def refused(self, exc: rex.NoPermissionError) -> rex.NoPermissionError:
@@ -335,7 +335,7 @@ class BoundScript:
                 raise
             if not settle_again:
                 raise StoreCodeError(
-                    f"{self._code._safe_url}: {self.script.function} is still missing after "
+                    f"{self._code.safe_url}: {self.script.function} is still missing after "
                     f"the functions were loaded again ({exc}): on a Cluster every master needs "
                     f"them: `python -m kvstore functions load` as the server's operator"
                 ) from None
