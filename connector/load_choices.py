@@ -27,7 +27,6 @@ from connector.load_policy import (
     Figures,
     Hit,
     LoadsInFlight,
-    Reason,
     Way,
     admitted,
     choose,
@@ -144,10 +143,9 @@ class LoadChoices:
                 # loaded before the store is measured (the probes do that meanwhile)
                 unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
             )
-            # recomputed on what the store's figures say (measured, or only bounded by an
-            # expired load): the store stays under watch, and this hit is what probes read
-            judged = decision.reason in (Reason.MEASURED, Reason.NOT_MEASURED)
-            self.probes.note_choice(judged and decision.way is Way.RECOMPUTE)
+            # recomputed because of the store: it stays under watch, and this hit is what
+            # probes read
+            self.probes.note_choice(decision.recomputed_for_the_store)
             if decision.gain_s is not None:
                 self.stats.observe("predicted_gain_seconds", decision.gain_s)
         st.decided(decision, start + decision.blocks)

@@ -271,6 +271,13 @@ class Decision:
     wait_s: float | None = None  # None: the request's deadline alone
 
     @property
+    def recomputed_for_the_store(self) -> bool:
+        """Recomputed on what the store's figures say (measured, or only bounded by an expired
+        load), not pinned: the store stays under watch."""
+        judged = self.reason in (Reason.MEASURED, Reason.NOT_MEASURED)
+        return judged and self.way is Way.RECOMPUTE
+
+    @property
     def gain_s(self) -> float | None:
         """What the choice is predicted to save against recomputing (None: not predicted)."""
         chosen = self.predicted_s.get(self.way.value)

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
+from connector import drops, probes
 from connector.figures import StepShape
 from kvstore import LookupBuffer
 from kvstore.values.keys import parse_key
@@ -781,3 +782,40 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     assert stats.get("chose_async") == 1 and stats["blocks_loaded"] >= 1
     # the held handoff went once the probe was done with it: nothing is left behind
     step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
+
+
+def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(
+    engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the store under watch, every unloaded handoff was held for the probe, a local
+    hit's too, although probes read only a hit the policy recomputed. Held for ten minutes
+    here: the recomputed one stays, the local hit's goes at once."""
+    monkeypatch.setattr(probes, "PROBE_HOLD_S", 600.0)
+    tokens = [prompt(5 * BS + 3, seed=95 + i) for i in range(2)]
+    params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
+    again = produce(engines, tokens[1], rid="p1-again")  # a second handoff of the same prompt
+    consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
+    policy = consumer.connector.scheduler.load_choices
+    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
+    consumer.add("c0", tokens[0], params=params[0])
+    consumer.run_until_idle()
+    slow.clear()
+    consumer.add("c1", tokens[1], params=params[1])
+    step_until(consumer, lambda: not consumer.sched.has_requests())  # (no settling: it is held)
+    assert consumer.take_stats()["chose_recompute"] == 1  # judged slow: held for the probe
+    consumer.add("c1-again", tokens[1], params=again)  # vLLM's own cache has it now
+    step_until(consumer, lambda: not consumer.sched.has_requests())
+    assert "chose_recompute" not in consumer.take_stats()  # a local hit: nothing to choose
+    # c1's stays for ten minutes: the one that goes is the local hit's
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 1)
+
+    class TenMinutesLater:  # then the held one is due, and the engine settles
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + 601
+
+    monkeypatch.setattr(drops, "time", TenMinutesLater)
+    consumer.run_until_idle()
