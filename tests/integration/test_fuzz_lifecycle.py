@@ -57,6 +57,7 @@ from hypothesis.stateful import (
 )
 
 import kvstore.lookup_buffer
+from connector import probes
 from connector.chains import RequestChains
 from kvstore import Claim, LookupBuffer
 from kvstore.values.keys import parse_key
@@ -85,6 +86,15 @@ CONNECTOR = {
     "max_inflight_bytes": 2 << 20,  # a small staging pool: saves get shed too
 }
 ENGINE = {"num_blocks": 40, "max_num_seqs": 6, "max_batched": 96}
+
+
+@pytest.fixture(autouse=True)
+def short_probe_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handoff recomputed because the store looked slow is held for the probe that measures
+    it again (3 s): short here, like the deadlines, or every example ending with one waited it
+    out (half the consume examples' time)."""
+    monkeypatch.setattr(probes, "PROBE_HOLD_S", 0.3)
+
 
 # What the examples did, summed per test (printed at the end; JSON to $KVSTORE_FUZZ_REPORT):
 # proof that the interleavings reached loads, aborts in each state, failures and recoveries.
