@@ -24,6 +24,9 @@ to the proxy):
 - ``doc_qa``: several questions about each document;
 - ``multi_turn``: conversations whose every turn resends the history;
 - ``no_reuse``: random prompts that share nothing: the overhead.
+- ``doc_qa_noise`` (only when named): ``doc_qa`` with two one-shot prompts after each
+  question, as traffic whose prompts mostly never come back: with ``--redis-maxmemory``, what
+  a save policy writes of the one-shots decides whether the documents stay in Redis.
 
 Between workloads every server's prefix cache is reset and Redis emptied, so each starts
 cold. ``--quick`` is small enough for CI and checks that the figures
@@ -59,6 +62,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import redis
 
 from testing import stack
 from testing.redis_server import RedisServer, free_port
@@ -66,9 +70,12 @@ from testing.tiny_model import make_model
 from testing.zygote import Zygote
 
 SETUPS = ("single", "pair", "share", "share_sight", "consume", "offload")
-WORKLOADS = ("system_prompt", "doc_qa", "multi_turn", "no_reuse")
-REUSING = ("system_prompt", "doc_qa", "multi_turn")  # prompts that repeat a prefix
-ALTERNATING = ("doc_qa", "multi_turn")  # ... whose repeats the proxy sends to the other server
+WORKLOADS = ("system_prompt", "doc_qa", "multi_turn", "no_reuse")  # the default
+MORE_WORKLOADS = ("doc_qa_noise",)  # run only when named
+REUSING = ("system_prompt", "doc_qa", "multi_turn", "doc_qa_noise")  # prompts repeat a prefix
+# ... whose repeats the proxy sends to the other server
+ALTERNATING = ("doc_qa", "multi_turn", "doc_qa_noise")
+NOISE_PER_QUESTION = 2  # doc_qa_noise: one-shot prompts after each question (even: see there)
 OFFLOAD_UNSUPPORTED = (
     "vLLM's OffloadingConnector runs on CUDA and XPU only (on this platform its worker raises "
     "'CPU Offloading is currently only supported on CUDA-alike and XPU GPUs')"
@@ -146,7 +153,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI size, with sanity checks")
     ap.add_argument("--setups", default=",".join(SETUPS), help=f"from {','.join(SETUPS)}")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"from {','.join(WORKLOADS)}")
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"from {','.join(WORKLOADS + MORE_WORKLOADS)} (default: all but the last)",
+    )
     ap.add_argument("--concurrency", type=int, help="requests in flight (default: by size)")
     ap.add_argument(
         "--rounds", type=int, help="passes of each workload per setup (default 3; --quick 1)"
@@ -173,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--replot", metavar="JSON", help="only redraw the plots of an earlier run (--plot-dir)"
     )
     args = ap.parse_args(argv)
-    for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS)):
+    for name, allowed in (("setups", SETUPS), ("workloads", WORKLOADS + MORE_WORKLOADS)):
         chosen = [s for s in getattr(args, name).split(",") if s]
         unknown = sorted(set(chosen) - set(allowed))
         if unknown or not chosen:
@@ -220,6 +231,18 @@ def doc_qa_prompts(s: Sizes, rng: random.Random) -> list[str]:
     return alternating(rounds)
 
 
+def noisy_doc_qa_prompts(s: Sizes, rng: random.Random) -> list[str]:
+    """``doc_qa``'s questions, each followed by ``NOISE_PER_QUESTION`` one-shot prompts as long
+    as a question (an even number: a document's next question still reaches the other server
+    under the proxy's round robin)."""
+    out = []
+    for question in doc_qa_prompts(s, rng):
+        out.append(question)
+        for _ in range(NOISE_PER_QUESTION):
+            out.append(text(rng, s.doc_tokens + s.question_tokens))
+    return out
+
+
 def multi_turn_prompts(s: Sizes, rng: random.Random) -> list[str]:
     """Each turn resends the conversation so far: earlier user messages and replayed assistant
     answers (a recorded conversation's, as a trace would have them), then the new message."""
@@ -250,6 +273,8 @@ def client_args(workload: str, s: Sizes, tmp: Path) -> list[str]:
         prompts = [text(rng, length) for _ in range(s.users)]
     elif workload == "doc_qa":
         prompts = doc_qa_prompts(s, rng)
+    elif workload == "doc_qa_noise":
+        prompts = noisy_doc_qa_prompts(s, rng)
     else:
         prompts = multi_turn_prompts(s, rng)
     path = tmp / f"{workload}.jsonl"
@@ -398,6 +423,7 @@ def measure(
     log: Path,
 ) -> Round:
     before = {u: snapshot(u) for u in endpoint.answering}
+    evicted_before = evicted_keys(endpoint.redis_url)
     argv = ["--backend", "vllm", "--base-url", endpoint.url, "--endpoint", "/v1/completions",
             "--model", name, "--tokenizer", model_dir, "--max-concurrency", str(s.concurrency),
             "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", "0",
@@ -418,8 +444,23 @@ def measure(
         ttfts_ms=ttfts,
         output_tok_s=float(result["output_throughput"]),
         request_per_s=float(result["request_throughput"]),
-        counters=counted(endpoint, before, prompt_tokens),
+        counters={
+            **counted(endpoint, before, prompt_tokens),
+            # blocks Redis evicted meanwhile (under --redis-maxmemory): the pressure there was
+            "redis:evicted_keys": evicted_keys(endpoint.redis_url) - evicted_before,
+        },
     )
+
+
+def evicted_keys(redis_url: str | None) -> float:
+    """The store's evicted_keys so far (0 without a store: the setups without a connector)."""
+    if redis_url is None:
+        return 0.0
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return float(client.info("stats").get("evicted_keys", 0))
+    finally:
+        client.close()
 
 
 def summarize(setup: str, workload: str, rounds: list[Round]) -> Row:
