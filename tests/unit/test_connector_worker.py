@@ -683,8 +683,9 @@ def test_a_load_queued_behind_others_is_timed_from_its_first_request() -> None:
     assert len(samples) == 3 and {s[0] for s in samples} == {0}  # rank, bytes, seconds, lag
     third, *held_two = sorted(samples, key=lambda s: s[2])
     assert min(s[2] for s in held_two) >= 0.3  # held at the store
-    assert third[2] < 0.3  # its time at the store: without the queue
-    assert max(s[3] for s in samples) >= 0.3  # its lag: the queue
+    # its lag is the queue (at least the 0.3 s the others were held), and its time at the
+    # store leaves the queue out: shorter than the lag however slow this machine is
+    assert third[3] >= 0.3 and third[2] < third[3]
 
 
 def test_loads_that_expire_or_fail_bound_the_bandwidth() -> None:
