@@ -257,9 +257,11 @@ def multi_turn_prompts(s: Sizes, rng: random.Random) -> list[str]:
     return alternating(rounds)
 
 
-def client_args(workload: str, s: Sizes, tmp: Path) -> list[str]:
-    """vLLM's benchmark-client arguments that choose the workload's prompts."""
-    rng = random.Random(f"{workload}-{s}")  # the same prompts for every setup
+def client_args(workload: str, s: Sizes, tmp: Path, round_no: int = 0) -> list[str]:
+    """vLLM's benchmark-client arguments that choose the workload's prompts: the same for every
+    setup, new each round. (Rounds used to repeat one another's prompts, so a second round
+    was a repeat of the first: ``second_sight`` then wrote every one-shot prompt whole.)"""
+    rng = random.Random(f"{workload}-{s}-{round_no}")
     if workload == "system_prompt":
         return ["--dataset-name", "random", "--num-prompts", str(s.users),
                 "--random-prefix-len", str(s.system_tokens),
@@ -421,15 +423,16 @@ def measure(
     name: str,
     tmp: Path,
     log: Path,
+    round_no: int = 0,
 ) -> Round:
     before = {u: snapshot(u) for u in endpoint.answering}
     evicted_before = evicted_keys(endpoint.redis_url)
     argv = ["--backend", "vllm", "--base-url", endpoint.url, "--endpoint", "/v1/completions",
             "--model", name, "--tokenizer", model_dir, "--max-concurrency", str(s.concurrency),
-            "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", "0",
+            "--request-rate", "inf", "--temperature", "0", "--ignore-eos", "--seed", str(round_no),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-detailed", "--disable-tqdm", "--label", f"{setup}/{workload}",
-            *client_args(workload, s, tmp)]  # fmt: skip
+            *client_args(workload, s, tmp, round_no)]  # fmt: skip
     result = vllm_bench_serve(argv, log)
     # every request's prompt, failed ones too (vLLM's total_input_tokens counts the answered
     # ones only, while the servers count whatever reached them)
@@ -678,8 +681,20 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
     if args.target:
         endpoint = Endpoint(args.target.rstrip("/"), args.metrics, args.metrics)
         for workload in args.workloads:
-            rounds = [measure("target", workload, endpoint, sizes, args.model_dir,
-                              args.served_name, tmp, log) for _ in range(args.rounds)]  # fmt: skip
+            rounds = [
+                measure(
+                    "target",
+                    workload,
+                    endpoint,
+                    sizes,
+                    args.model_dir,
+                    args.served_name,
+                    tmp,
+                    log,
+                    n,
+                )
+                for n in range(args.rounds)
+            ]
             rows.append(summarize("target", workload, rounds))
         return rows, skipped
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # POST /reset_prefix_cache between workloads
@@ -716,11 +731,11 @@ def run(args: argparse.Namespace, tmp: Path, log_dir: Path) -> tuple[list[Row], 
                 print(f"   up in {time.monotonic() - t0:.0f}s", flush=True)
                 warm_up(endpoint, args.served_name)
                 passes: dict[str, list[Round]] = {w: [] for w in args.workloads}
-                for _ in range(args.rounds):  # rounds interleave workloads: drift hits each
+                for n in range(args.rounds):  # rounds interleave workloads: drift hits each
                     for workload in args.workloads:
                         reset(endpoint)
                         passes[workload].append(measure(
-                            setup, workload, endpoint, sizes, model, args.served_name, tmp, log
+                            setup, workload, endpoint, sizes, model, args.served_name, tmp, log, n
                         ))  # fmt: skip
                 for workload, rounds in passes.items():
                     rows.append(summarize(setup, workload, rounds))
