@@ -125,7 +125,7 @@ class LoadChoices:
         st.decided(None, start)
         if hit.blocks <= 0:
             return
-        self.probes.remember(st.load_names.first_group(start, hit.end))
+        self.probes.remember(st.load_names.first_group(start, hit.end), request.request_id)
         way = st.pin or self.config.load_policy.pinned
         figures, busy = self.figures(), self._busy()
         if way is not None:

@@ -85,15 +85,18 @@ class ProbePlanner:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._names: list[BlockName] = []  # a recent hit's blocks, as present in Redis
+        self._owner: str | None = None  # the request whose hit they are
         self._sent_at = -float("inf")
         self._sent = 0
         self._store_too_slow = False  # the last hit was recomputed because of the store
         self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
-    def remember(self, names: list[BlockName]) -> None:
-        """Blocks a lookup just found in Redis: what probes read (the newest hit's)."""
+    def remember(self, names: list[BlockName], owner: str) -> None:
+        """Blocks a lookup just found in Redis for request ``owner``: what probes read (the
+        newest hit's)."""
         if names:
             self._names = list(names)
+            self._owner = owner
 
     def forget(self) -> None:
         """A probe found the blocks it read gone (evicted, or a consume-mode handoff deleted
@@ -105,10 +108,13 @@ class ProbePlanner:
         slower keeps the store under watch."""
         self._store_too_slow = recomputed_for_the_store
 
-    def hold_s(self) -> float:
-        """How long blocks of the newest hit must stay for the probe that reads them: while
-        the store is under watch (the last hit was recomputed because of it), else 0."""
-        return PROBE_HOLD_S if self._store_too_slow and self._names else 0.0
+    def hold_s(self, owner: str) -> float:
+        """How long request ``owner``'s handoff, which it will not load, must stay for the
+        probe: while the store is under watch (the last hit was recomputed because of it) and
+        its blocks are the ones probes read, whatever its own choice was (pinned, or a load
+        vLLM cut short); else 0 (a local hit's, an older hit's)."""
+        watched = self._store_too_slow and self._names and owner == self._owner
+        return PROBE_HOLD_S if watched else 0.0
 
     def due(
         self,

@@ -371,10 +371,9 @@ class RedisConnectorScheduler:
         end = min(answered_end, start + math.ceil(num_external_tokens / self.block_size))
         if end <= start:
             st.start_running()
-            # handed off to us but not loaded: a local hit's go at once; a hit recomputed
-            # because the store looked slow stays for the probe that measures it again
-            recomputed = st.decision is not None and st.decision.recomputed_for_the_store
-            hold_s = self.load_choices.probes.hold_s() if recomputed else 0.0
+            # handed off to us but not loaded: deleted, unless its blocks are what the probe
+            # that measures a store judged slow reads (a local hit's never are)
+            hold_s = self.load_choices.probes.hold_s(request.request_id)
             self._handoffs.drop_unloaded(st, hold_s=hold_s)
             return
         now = time.monotonic()

@@ -430,7 +430,7 @@ def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow(
     probes = ProbePlanner(clock=clock)
     block = 2 << 20
     assert probes.due(None, None, True, block) is None  # no hit seen: nothing to read
-    probes.remember([f"h{i}" for i in range(64)])
+    probes.remember([f"h{i}" for i in range(64)], "r0")
     first = probes.due(None, None, True, block)
     assert first is not None and first.kind is ProbeKind.WHOLE
     assert len(first.names) == 1  # nothing known of the store yet: one block
@@ -484,11 +484,11 @@ def test_probes_stop_when_their_blocks_are_gone_until_a_lookup_finds_more() -> N
     probe read them again, every 50 ms while a figure was missing (found by a review)."""
     clock = Clock()
     planner = ProbePlanner(clock=clock)
-    planner.remember(["a", "b"])
+    planner.remember(["a", "b"], "r0")
     assert planner.due(None, None, False, 1 << 20) is not None
     planner.forget()
     clock.now += 10
     assert planner.due(None, None, False, 1 << 20) is None
-    planner.remember(["c"])
+    planner.remember(["c"], "r1")
     spec = planner.due(None, None, False, 1 << 20)
     assert spec is not None and spec.names == ["c"]

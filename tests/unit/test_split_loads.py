@@ -819,3 +819,27 @@ def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(
 
     monkeypatch.setattr(drops, "time", TenMinutesLater)
     consumer.run_until_idle()
+
+
+def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines: Any) -> None:
+    """Found in review: holding only handoffs the policy recomputed because of the store let a
+    pinned recompute's go at once, although it was the newest hit and so what the probe read:
+    the probe found nothing, forgot, and the store's figure stayed a bound. The hold now
+    follows the blocks the probe reads."""
+    tokens = [prompt(5 * BS + 3, seed=190 + i) for i in range(3)]
+    params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
+    consumer = engines("kv_consumer", load_policy="auto", deadline_s=30, request_load_policy=True)
+    policy = consumer.connector.scheduler.load_choices
+    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
+    consumer.add("c0", tokens[0], params=params[0])
+    consumer.run_until_idle()
+    assert consumer.take_stats()["loads_expired"] == 1  # the figure is now a bound
+    slow.clear()
+    consumer.add("c1", tokens[1], params=params[1])  # judged on the bound: recomputed
+    consumer.add("c2", tokens[2], params={**params[2], "redis_kv_load": "recompute"})  # pinned
+    consumer.run_until_idle()
+    assert consumer.take_stats()["chose_recompute"] == 2
+    step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
