@@ -33,7 +33,7 @@ import textwrap
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Any
@@ -47,7 +47,7 @@ from kvstore.errors import (
     KVStoreError,
     StorePermissionError,
 )
-from kvstore.fleet.readership import Readership, readership, untouched_pipelines
+from kvstore.fleet.readership import NoTouch, Readership, readership, untouched_pipelines
 from kvstore.net.connection import (
     AclScope,
     error_code,
@@ -175,9 +175,15 @@ class Listing:
     and what the read figures are worth (``readership.py``)."""
 
     rows: list[dict[str, Any]]
-    touched: bool = False  # a server refused CLIENT NO-TOUCH: the blocks read look read now
+    no_touch: set[NoTouch] = field(default_factory=set)  # what the servers answered
     no_idle_times: bool = False  # a server keeps none (an LFU policy): nothing read counted
     idle_refused: bool = False  # this user may not ask for idle times: nothing read counted
+    before_restart: bool = False  # blocks older than a restart that reset their idle times
+
+    @property
+    def touched(self) -> bool:
+        """The listing's own reads moved LRU clocks: the blocks it read look read now."""
+        return bool(self.no_touch - {NoTouch.KEPT})
 
     @property
     def notes(self) -> list[str]:
@@ -190,13 +196,25 @@ class Listing:
         if self.idle_refused:
             out.append(
                 "read/unread not counted: this user may not run OBJECT IDLETIME (grant "
-                "+object|idletime, and +client|no-touch so that looking is not reading)"
+                "+object|idletime, and on Redis 7.2+ or Valkey +client|no-touch, so that "
+                "looking is not reading)"
             )
-        if self.touched:
+        if self.before_restart:
+            out.append(
+                "blocks written before the server's last restart are not counted: a restart "
+                "keeps idle times only under an LRU maxmemory-policy"
+            )
+        if NoTouch.UNSUPPORTED in self.no_touch:
             out.append(
                 "the server has no CLIENT NO-TOUCH (Redis before 7.2): this listing's figures "
                 "are right, but reading the headers touched every block, so the next listing "
                 "counts them as read and LRU eviction sees them as recently used"
+            )
+        if NoTouch.REFUSED in self.no_touch:
+            out.append(
+                "this user may not run CLIENT NO-TOUCH (grant +client|no-touch): this "
+                "listing's figures are right, but reading the headers touched every block, so "
+                "the next listing counts them as read and LRU eviction sees them as recently used"
             )
         return out
 
@@ -224,8 +242,11 @@ def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> List
 
     def flush(batch: list[tuple[str, str, bytes]]) -> None:
         # one key of another type (WRONGTYPE) must not fail the listing of the others
-        for part in untouched_pipelines(client, [k for _, _, k in batch], fill):
-            listing.touched |= part.touched
+        listed = untouched_pipelines(client, [k for _, _, k in batch], fill, per_key=4)
+        if listed.moved:
+            others["moved"] += len(listed.moved)
+        for part in listed.parts:
+            listing.no_touch.add(part.no_touch)
             now = part.now_s if part.now_s is not None else time.time()
             for n, i in enumerate(part.indexes):
                 ns, fp, _ = batch[i]
@@ -238,16 +259,16 @@ def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> List
                     continue
                 if pttl == -2:  # expired or deleted since SCAN saw it
                     continue
-                if isinstance(idle, Exception):  # not counted: the notes say why
-                    if error_code(idle) == "NOPERM":
-                        listing.idle_refused = True
-                    else:
-                        listing.no_idle_times = True  # an LFU policy keeps none
+                if isinstance(idle, redis.exceptions.NoPermissionError):
+                    listing.idle_refused = True  # not counted: the notes say why
+                elif isinstance(idle, Exception):
+                    listing.no_idle_times = True  # an LFU policy keeps none
                 created = created_epoch(head)
                 age = now - created if created else None
-                groups[(ns, fp)].add(
-                    int(size), pttl / 1000 if pttl >= 0 else None, age, readership(idle, age)
-                )
+                seen = readership(idle, age, part.kept_since_s)
+                if part.kept_since_s is not None and age is not None and age > part.kept_since_s:
+                    listing.before_restart = True
+                groups[(ns, fp)].add(int(size), pttl / 1000 if pttl >= 0 else None, age, seen)
 
     batch: list[tuple[str, str, bytes]] = []
     for key, raw in _scan(client, pattern):
@@ -279,6 +300,9 @@ def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> List
                 "read_blocks": g.read,
                 "unread_blocks": g.unread,
                 "unread_bytes": g.unread_bytes,
+                # not told either way: the notes say why (an LFU policy, a refused command, a
+                # restart, a header without its creation time)
+                "unknown_blocks": g.blocks - g.read - g.unread,
                 "pattern": f"{prefix}:{ns}:{fp}:*",
             }
         )
@@ -289,6 +313,7 @@ def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> List
         "document": "(warmed-document records)",
         "generation": "(namespace generations)",
         "wrong-type": "(block keys that do not hold a string)",
+        "moved": "(block keys whose Cluster slot kept moving during the listing)",
     }
     for kind, count in sorted(others.items()):
         rows.append({"namespace": labels.get(kind, f"({kind} records)"), "blocks": count})
@@ -604,9 +629,19 @@ def _share(part: int | None, whole: int) -> str:
     return f"{part} ({100 * part / whole:.0f}%)" if whole else str(part)
 
 
+def _read(row: dict[str, Any]) -> str:
+    if "read_blocks" not in row:
+        return ""
+    if row["unknown_blocks"] == row["blocks"]:
+        return "-"  # not counted: the notes say why
+    return _share(row["read_blocks"], row["blocks"])
+
+
 def _unread(row: dict[str, Any]) -> str:
     if "unread_blocks" not in row:
         return ""
+    if row["unknown_blocks"] == row["blocks"]:
+        return "-"
     return f"{_share(row['unread_blocks'], row['blocks'])}, {human_size(row['unread_bytes'])}"
 
 
@@ -767,7 +802,7 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 human_size(r.get("bytes")),
                 _range(r.get("ttl_min_s"), r.get("ttl_max_s")),
                 _range(r.get("age_min_s"), r.get("age_max_s")),
-                _share(r.get("read_blocks"), r["blocks"]),
+                _read(r),
                 _unread(r),
                 _shown(r.get("pattern", "")),
             )

@@ -281,6 +281,34 @@ def test_ls_counts_the_blocks_read_since_written_without_reading_them(store: Bac
             assert (again["read_blocks"], again["unread_blocks"]) == (2, 2)
         unread = [buf.redis_key(h) for h in HASHES[2:4]]  # (STRLEN is a read: asked last)
         assert row["unread_bytes"] == sum(int(buf.client.strlen(k)) for k in unread)
+    if store.name == "valkey-9.1":  # a user who may not ask: not counted, and told what to grant
+        admin = store.node_clients()[0]
+        allowed = ["+scan", "+strlen", "+pttl", "+getrange", "+time", "+info"]
+        admin.acl_setuser("looker", enabled=True, passwords=["+pw"], keys=["*"], commands=allowed)
+        assert isinstance(store.servers, RedisServer)
+        looker = redis.Redis(unix_socket_path=store.servers.unix_socket, username="looker",
+                             password="pw")  # fmt: skip
+        listing = list_blocks(looker, "kv", "reads")
+        [row] = listing.rows
+        assert (row["read_blocks"], row["unread_blocks"], row["unknown_blocks"]) == (0, 0, 4)
+        assert any("+object|idletime" in n for n in listing.notes)
+        assert any("+client|no-touch" in n and "Redis before" not in n for n in listing.notes)
+
+
+def test_ls_counts_every_block_of_a_cluster_whose_slot_map_is_stale(store: Backend) -> None:
+    """Found in review: ls sent each master its keys by the client's slot map, and a slot that
+    had moved (a resharding, a failover) raised MOVED; the map is refreshed and asked again."""
+    from kvstore.cli import list_blocks
+
+    cluster_only(store)
+    with LookupBuffer.from_url(store.url, namespace="moving") as buf:
+        buf.insert_many([(HASHES[i], k_v_block(i)) for i in range(24)])
+        nodes = buf.client.nodes_manager  # type: ignore[attr-defined]
+        wrong = nodes.get_node_from_slot(0)
+        for slot in range(16384):  # every slot at one master, as before a resharding is seen
+            nodes.slots_cache[slot] = [wrong]
+        listing = list_blocks(buf.client, "kv", "moving")
+        assert [(r["namespace"], r["blocks"]) for r in listing.rows] == [("moving", 24)]
 
 
 # ---------------------------------------------------------------- Cluster only
