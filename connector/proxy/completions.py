@@ -23,6 +23,7 @@ from connector.proxy.bodies import Refusal, read_json, refuse_constant, valid_to
 from connector.proxy.errors import BackendError, RequestRefused, openai_error
 from connector.proxy.guards import BodyHold, RequestGuards
 from connector.proxy.routing import PrefixIndex
+from connector.save_policy import SAVE_MARK_KEY, marked_for_saving
 
 logger = logging.getLogger("vllm_redis_proxy")
 
@@ -182,11 +183,16 @@ def validate_body(body: Any, path: str) -> tuple[str, str | None] | None:
 
 def without_proxy_owned(body: dict[str, Any]) -> dict[str, Any]:
     """A client's body without the fields that are the proxy's to set, at the top level or in
-    ``vllm_xargs``."""
+    ``vllm_xargs``. Of a client's ``kv_transfer_params`` only the save mark passes
+    (``{"redis_kv_save": true}``, the ``marked`` save policy's): it asks the pool to write the
+    prompt, which ``save_policy: all`` does for every request, and names no one's KV."""
+    mark = body.get("kv_transfer_params")
     body = {k: v for k, v in body.items() if k not in _PROXY_OWNED_FIELDS}
     xargs = body.get(_XARGS)
     if isinstance(xargs, dict):
         body[_XARGS] = {k: v for k, v in xargs.items() if k not in _PROXY_OWNED_FIELDS}
+    if marked_for_saving(mark):
+        body["kv_transfer_params"] = {SAVE_MARK_KEY: True}
     return body
 
 

@@ -26,7 +26,8 @@ Callers are not trusted: ``--api-key`` (or ``$VLLM_API_KEY``) guards every path 
 channels; ``/kv/presence`` is off unless ``--enable-kv-presence``, and rate- and size-limited;
 bodies over ``--max-body-bytes`` are refused unread, and what bodies may hold of the proxy
 (bytes at once, requests at once, time to arrive, JSON containers) is bounded (``guards.py``);
-the client's ``kv_transfer_params``, ``request_id`` and ``X-Request-Id`` never reach a backend;
+the client's ``kv_transfer_params`` (but for the save mark alone), ``request_id`` and
+``X-Request-Id`` never reach a backend;
 backend credentials (``user:pass@`` in a URL) never reach a client or a log line. The proxy
 listens on 127.0.0.1 unless ``--host``.
 """

@@ -742,6 +742,27 @@ def test_client_transfer_params_and_request_ids_never_reach_a_backend(echo_backe
     assert r.headers["x-request-id"] == pool_id  # an id it would not echo: the proxy's own
 
 
+def test_a_clients_save_mark_and_nothing_else_of_its_transfer_params_reaches_the_pool(
+    echo_backend: str,
+) -> None:
+    """The marked save policy: a client (or a router in front of the proxy) asks the pool to
+    write a prompt with kv_transfer_params {"redis_kv_save": true}. The proxy stripped all of a
+    client's kv_transfer_params, so the policy could not be used through it; the mark alone
+    passes now, never a handoff beside it, and only a real true."""
+    stolen = {"redis_kv": {"handoff": "someone-elses", "num_blocks": 9}, "redis_kv_load": "split"}
+    for params, passed in (
+        ({**stolen, "redis_kv_save": True}, {"redis_kv_save": True}),
+        ({"redis_kv_save": "true"}, None),
+        ({"redis_kv_save": 1}, None),
+        ("redis_kv_save", None),
+    ):
+        SEEN.clear()
+        body = {"prompt": "x", "kv_transfer_params": params}
+        r = call(ProxyConfig([], [echo_backend]), "POST", "/v1/completions", json=body)
+        ((_, pooled),) = SEEN
+        assert r.status_code == 200 and pooled.get("kv_transfer_params") == passed, params
+
+
 @pytest.mark.parametrize("password", ["1234/s3cret", "pa?ss", "pa#ss"])
 def test_a_backend_url_with_a_raw_slash_in_its_password_is_refused_unshown(
     password: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
