@@ -432,7 +432,7 @@ class EngineSim:
             self.probes.note_choice(decision.way is Way.RECOMPUTE)
         else:
             decision = pinned(Way(self.way), hit, True, figures, self.engine, busy)
-        self.probes.remember([BlockName(f"{r.rid}:{i}") for i in range(hit.blocks)])
+        self.probes.remember([BlockName(f"{r.rid}:{i}") for i in range(hit.blocks)], str(r.rid))
         self.chose[decision.way.value] = self.chose.get(decision.way.value, 0) + 1
         return decision
 
