@@ -34,11 +34,16 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
+from connector.chains import handoff_salt
+from connector.layout import KVLayout
 from connector.metadata import RedisConnectorMetadata
 from connector.redis_connector import RedisConnector
-from kvstore import LookupBuffer
+from kvstore import LookupBuffer, chain_hashes
 
 BS = 16
+# the placeholder URL of the unit tests' fake_redis fixture, which gives every store one
+# fakeredis server whatever its URL
+FAKE_URL = "redis://fake:6379/0"
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 # state layers (``make_configs(state_layers=n)``): each a gated delta-net layer with a KV-cache
 # group of its own, as vLLM gives Qwen3-Next's; a state is a bf16 conv state and an fp32
@@ -304,3 +309,71 @@ def runner_output(
         pooler_output=None,
         kv_connector_output=connector_output,
     )
+
+
+def fake_redis_scheduler(model: Path, role: Role, **extra: Any) -> Scheduler:
+    """``make_scheduler``, by default on the fake_redis fixture's placeholder URL (``FAKE_URL``),
+    with lookups answered within the step that starts them."""
+    return make_scheduler(model, role, **{"url": FAKE_URL, **extra})
+
+
+def store_for(sched: Scheduler) -> LookupBuffer:
+    """The store a ``fake_redis_scheduler``'s connector reads, under its layout's fingerprint."""
+    conn = sched.connector
+    layout: KVLayout = conn.layout  # type: ignore[union-attr]
+    return LookupBuffer.from_url(FAKE_URL, namespace="vllm", fingerprint=layout.fingerprint(0))
+
+
+def seed_blocks(sched: Scheduler, tokens: list[int], n: int) -> list[str]:
+    """Put the first ``n`` blocks of the shared (share-mode) chain in the store."""
+    hashes = chain_hashes(tokens, BS)
+    store_for(sched).insert_many([(h, zero_block()) for h in hashes[:n]])
+    return hashes
+
+
+def hand_off(
+    sched: Scheduler,
+    tokens: list[int],
+    written: int,
+    *,
+    announced: int | None = None,
+    commit: int | None = None,
+    pending: bool = False,
+    handoff: str = "feed1234",
+    opened: bool = True,
+) -> tuple[dict[str, Any], list[str]]:
+    """What a consume-mode producer leaves: ``written`` blocks of a chain private to this
+    handoff, its record (a ``commit`` of that many blocks, or ``pending``: still writing, or
+    none at all) and the params it returns (``announced`` blocks)."""
+    chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
+    store = store_for(sched)
+    store.insert_many([(h, zero_block()) for h in chain[:written]])
+    if pending:
+        store.open_handoff(handoff)
+    if commit is not None:
+        store.publish_handoff(handoff, commit)
+    n = announced if announced is not None else written
+    params = {
+        "redis_kv": {
+            "handoff": handoff,
+            "scope": "handoff",
+            "num_blocks": n,
+            "last_hash": chain[n - 1],
+            "namespace": "vllm",
+            "block_size": BS,
+            "opened": opened,
+        }
+    }
+    return params, chain
+
+
+def meta_of(out: Any) -> RedisConnectorMetadata:
+    """The connector metadata of a ``schedule()`` output (asserted to be RedisConnector's)."""
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, RedisConnectorMetadata)
+    return meta
+
+
+def connector_of(sched: Scheduler) -> Any:
+    """The scheduler side of ``sched``'s RedisConnector."""
+    return sched.connector.scheduler  # type: ignore[union-attr]

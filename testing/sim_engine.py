@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -658,3 +659,13 @@ class Gate:
         for gate in cls.held:
             gate.opened.set()
         cls.held.clear()
+
+
+def produce(engines: Callable[..., SimEngine], tokens: list[int], rid: str = "p") -> dict[str, Any]:
+    """Run ``tokens`` on a new producer from ``engines`` (one token); its kv_transfer_params."""
+    producer = engines("kv_producer")
+    producer.add(rid, tokens, max_tokens=1)
+    producer.run_until_idle()
+    params = producer.finished_params[rid]
+    assert params is not None
+    return params

@@ -10,9 +10,7 @@ import torch
 
 from datamover import BlockMover
 from kvstore import chain_hashes
-from testing.kv_caches import caches, load_all, save_all, store_on
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+from testing.kv_caches import DEVICES, caches, load_all, save_all, store_on
 
 
 @pytest.mark.redis

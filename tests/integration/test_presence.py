@@ -18,7 +18,7 @@ from connector.presence import StoredLayout, prompt_presence
 from connector.proxy.server import ProxyConfig, build_app
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.values.keys import block_name
-from tests.unit.test_proxy import run_server
+from testing.proxy_servers import run_server
 
 pytestmark = pytest.mark.redis
 BS = 16

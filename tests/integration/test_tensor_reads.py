@@ -15,6 +15,7 @@ import xxhash
 from kvstore import LookupBuffer, ValueHeader, encode_value
 from kvstore.values.codec import frame_parts, plan_entries, read_header, tensor_checksums_ok
 from kvstore.values.tensor_reads import HeadMiss
+from testing.blocks import without_tensor_checksums
 
 LAYERS = 4
 SHAPE = (2, 16, 8)  # float32: 1 KiB a layer
@@ -82,7 +83,7 @@ def test_a_missing_key_is_a_miss_and_a_value_not_in_ranges_is_read_whole(
     new = encode_value(
         {f"l{i}": t for i, t in enumerate(layer_values(0))}, fingerprint="fp", block_hash="b" * 32
     )
-    client.set(store.redis_key("b" * 32), _without_tensor_checksums(bytes(new)))
+    client.set(store.redis_key("b" * 32), without_tensor_checksums(bytes(new)))
     got = store.select_head_into(
         ["a" * 32, "b" * 32, "c" * 32],
         rows(3, header + raw),
@@ -95,19 +96,6 @@ def test_a_missing_key_is_a_miss_and_a_value_not_in_ranges_is_read_whole(
     assert got[2] is HeadMiss.MISSING
     whole = store.select_into(["b" * 32], rows(1, 2 * (header + raw)))
     assert whole[0] is not None and torch.equal(whole[0]["l3"], layer_values(0)[3])
-
-
-def _without_tensor_checksums(value: bytes) -> bytes:
-    """``value`` as a writer before per-tensor checksums framed it (same payload)."""
-    (n,) = struct.unpack_from("<Q", value)
-    doc = value[8 : 8 + n].rstrip(b" ")
-    start = doc.index(b',"kvstore.tensor_checksums":"')
-    end = doc.index(b'"', start + len(b',"kvstore.tensor_checksums":"')) + 1
-    doc = doc[:start] + doc[end:]
-    doc += b" " * (-(8 + len(doc)) % 8)
-    out = struct.pack("<Q", len(doc)) + doc + value[8 + n :]
-    assert not read_header(out).tensor_checksums
-    return out
 
 
 @pytest.mark.parametrize("where", ["header", "first", "later"])

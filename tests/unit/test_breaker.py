@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 
 import pytest
 
 from kvstore.net.breaker import CircuitBreaker
+from testing.threads import returns_only_once_set
 
 
 def test_opens_after_the_threshold_and_a_success_in_between_resets_the_count() -> None:
@@ -63,18 +63,6 @@ def test_a_caller_can_probe_now_instead_of_waiting_for_the_background_probe() ->
     assert b.probe_now() and b.allow()
     assert b.probe_now()  # closed: nothing to do
     b.stop()
-
-
-def returns_only_once_set(call: Callable[[], object], release: threading.Event) -> None:
-    """``call``, run on a thread, is still blocked while ``release`` is unset (a slow machine
-    can only make this pass, never fail), and returns once it is set."""
-    waiter = threading.Thread(target=call)
-    waiter.start()
-    waiter.join(0.2)
-    assert waiter.is_alive()
-    release.set()
-    waiter.join(30)
-    assert not waiter.is_alive()
 
 
 def test_stop_waits_for_a_probe_under_way_and_no_probe_follows() -> None:

@@ -16,16 +16,18 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvstore.values.keys import block_name
-from testing.scheduler_harness import BS, make_request, prompt
-from tests.unit.test_connector_scheduler import (
+from testing.scheduler_harness import (
+    BS,
     connector_of,
+    fake_redis_scheduler,
     hand_off,
-    make_scheduler,
+    make_request,
     meta_of,
+    prompt,
     seed_blocks,
     store_for,
-    until,
 )
+from testing.threads import until
 
 pytestmark = pytest.mark.vllm
 
@@ -34,8 +36,8 @@ def test_after_a_reset_no_instance_loads_an_older_block(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     # older blocks are unlinked deadline_max_s after the reset: loads under way finish first
-    resetter = make_scheduler(tiny_model, "kv_both", deadline_max_s=2.0)
-    other = make_scheduler(tiny_model, "kv_both")  # another instance of the namespace
+    resetter = fake_redis_scheduler(tiny_model, "kv_both", deadline_max_s=2.0)
+    other = fake_redis_scheduler(tiny_model, "kv_both")  # another instance of the namespace
     tokens = prompt(4 * BS + 3)
     hashes = seed_blocks(resetter, tokens, 4)
     store = store_for(resetter)
@@ -59,7 +61,7 @@ def test_after_a_reset_no_instance_loads_an_older_block(
 def test_a_handoff_from_before_a_reset_is_computed_not_loaded(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS)
     params, _ = hand_off(sched, tokens, 4, commit=4)  # a producer in generation 0
     store_for(sched).reset()  # e.g. `kvstore reset`, or another instance's reset
@@ -75,7 +77,7 @@ def test_a_handoff_from_before_a_reset_is_computed_not_loaded(
 def test_a_reset_redis_refuses_is_reported_failed(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
     fake_redis.server.connected = False  # type: ignore[attr-defined]
     with caplog.at_level(logging.ERROR, logger="connector.scheduler"):
         assert not sched.reset_prefix_cache(reset_connector=True)
@@ -88,7 +90,7 @@ def test_shutdown_closes_the_connections_only_after_background_calls_end(
 ) -> None:
     # CI caught fakeredis raising "generator already executing" in shutdown: the connections
     # were closed while a background call still used them
-    sched = make_scheduler(tiny_model, "kv_both", deadline_max_s=0.1)
+    sched = fake_redis_scheduler(tiny_model, "kv_both", deadline_max_s=0.1)
     store = connector_of(sched).store
     running: list[int] = []
     started = threading.Event()

@@ -22,97 +22,25 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from connector.chains import handoff_salt
-from connector.layout import KVLayout
-from connector.metadata import RedisConnectorMetadata
-from kvstore import Claim, InvalidArgumentError, LookupBuffer, StoreTimeoutError, chain_hashes
+from kvstore import Claim, InvalidArgumentError, StoreTimeoutError, chain_hashes
 from testing.scheduler_harness import (
     BS,
-    Role,
+    connector_of,
+    fake_redis_scheduler,
+    hand_off,
     make_request,
+    meta_of,
     prompt,
     runner_output,
+    seed_blocks,
+    store_for,
     zero_block,
 )
-from testing.scheduler_harness import make_scheduler as _make_scheduler
+from testing.threads import until
 
 pytestmark = pytest.mark.vllm
 
 T = TypeVar("T")
-
-
-def make_scheduler(tiny_model: Path, role: Role, **extra: Any) -> Scheduler:
-    """The harness's scheduler, by default on the fake_redis fixture's placeholder URL, with
-    lookups answered within the step that starts them."""
-    return _make_scheduler(tiny_model, role, **{"url": "redis://fake:6379/0", **extra})
-
-
-def store_for(sched: Scheduler) -> LookupBuffer:
-    conn = sched.connector
-    layout: KVLayout = conn.layout  # type: ignore[union-attr]
-    return LookupBuffer.from_url(
-        "redis://fake:6379/0", namespace="vllm", fingerprint=layout.fingerprint(0)
-    )
-
-
-def seed_blocks(sched: Scheduler, tokens: list[int], n: int) -> list[str]:
-    """Put the first ``n`` blocks of the shared (share-mode) chain in the store."""
-    hashes = chain_hashes(tokens, BS)
-    store_for(sched).insert_many([(h, zero_block()) for h in hashes[:n]])
-    return hashes
-
-
-def hand_off(
-    sched: Scheduler,
-    tokens: list[int],
-    written: int,
-    *,
-    announced: int | None = None,
-    commit: int | None = None,
-    pending: bool = False,
-    handoff: str = "feed1234",
-    opened: bool = True,
-) -> tuple[dict, list[str]]:
-    """What a consume-mode producer leaves: ``written`` blocks of a chain private to this
-    handoff, its record (a ``commit`` of that many blocks, or ``pending``: still writing, or
-    none at all) and the params it returns (``announced`` blocks)."""
-    chain = chain_hashes(tokens, BS, handoff_salt("", handoff))
-    store = store_for(sched)
-    store.insert_many([(h, zero_block()) for h in chain[:written]])
-    if pending:
-        store.open_handoff(handoff)
-    if commit is not None:
-        store.publish_handoff(handoff, commit)
-    n = announced if announced is not None else written
-    params = {
-        "redis_kv": {
-            "handoff": handoff,
-            "scope": "handoff",
-            "num_blocks": n,
-            "last_hash": chain[n - 1],
-            "namespace": "vllm",
-            "block_size": BS,
-            "opened": opened,
-        }
-    }
-    return params, chain
-
-
-def until(pred: Any, timeout_s: float = 30) -> None:
-    """Wait for a background call's effect (a generous bound, for a busy machine)."""
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.01)
-
-
-def meta_of(out: Any) -> RedisConnectorMetadata:
-    meta = out.kv_connector_metadata
-    assert isinstance(meta, RedisConnectorMetadata)
-    return meta
-
-
-def connector_of(sched: Scheduler) -> Any:
-    return sched.connector.scheduler  # type: ignore[union-attr]
 
 
 def schedule_until_admitted(sched: Scheduler, rid: str, steps: int = 50) -> Any:
@@ -141,7 +69,7 @@ def while_redis_hangs(fake_redis: fakeredis.FakeRedis, call: Callable[[], T]) ->
 def test_consumer_loads_a_handoff_asynchronously_and_never_the_last_token(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS)  # exactly 4 blocks: only 3 may be loaded
     params, chain = hand_off(sched, tokens, 4, commit=4)
     req = make_request("r1", tokens, params)
@@ -168,7 +96,7 @@ def test_consumer_loads_a_handoff_asynchronously_and_never_the_last_token(
 def test_a_consumed_handoff_is_deleted_once_loaded_even_when_its_request_was_aborted(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS + 1)
     params, chain = hand_off(sched, tokens, 4, commit=4)
     req = make_request("r1", tokens, params)
@@ -187,7 +115,7 @@ def test_a_consumed_handoff_is_deleted_once_loaded_even_when_its_request_was_abo
 def test_consume_mode_without_a_handoff_never_asks_redis(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS + 1)
     seed_blocks(sched, tokens, 4)  # shared blocks are share mode's business, not ours
     fake_redis.server.connected = False  # type: ignore[attr-defined]  # and Redis is down
@@ -200,7 +128,7 @@ def test_consume_mode_without_a_handoff_never_asks_redis(
 def test_consumer_waits_for_the_commit_record_without_blocking_then_loads(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(5 * BS + 3)
     params, chain = hand_off(sched, tokens, 2, announced=5, pending=True)  # 2 of 5 written
     waiting = make_request("late", tokens, params)
@@ -225,7 +153,7 @@ def test_a_commit_of_fewer_blocks_loads_those_at_once(
 ) -> None:
     """The producer shed or failed saves: its commit record says so, the consumer never waits
     for blocks that are not coming (formerly: the whole load_timeout_s)."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(6 * BS + 3)
     params, chain = hand_off(sched, tokens, 2, announced=6, commit=2)
     sched.add_request(make_request("r", tokens, params))
@@ -237,7 +165,7 @@ def test_a_commit_of_fewer_blocks_loads_those_at_once(
 def test_blocks_missing_after_the_commit_are_recomputed_at_once(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(5 * BS + 3)
     params, chain = hand_off(sched, tokens, 5, commit=5)
     fake_redis.delete(store_for(sched).redis_key(chain[2]))  # evicted after it was written
@@ -251,7 +179,7 @@ def test_a_missing_record_is_waited_for_briefly_then_what_is_there_loads(
 ) -> None:
     """The record was evicted (allkeys-lru takes any key) or never written: waiting for it
     until the deadline, as every request under memory pressure did, helps nobody."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.2)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.2)
     tokens = prompt(5 * BS + 3)
     params, chain = hand_off(sched, tokens, 3, announced=5)  # no record: evicted
     # (from before add_request: vLLM >= 0.33 hands the request to the connector right there,
@@ -271,7 +199,7 @@ def test_a_record_the_producer_could_not_confirm_is_waited_for_not_taken_as_evic
     """A one-step prefill answers before its background "pending" write lands: its params say
     so, and the consumer waits for the record (up to its deadline) instead of loading what is
     there after the grace period and leaving the producer's late blocks behind."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.05)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30, handoff_grace_s=0.05)
     tokens = prompt(5 * BS + 3)
     params, chain = hand_off(sched, tokens, 0, announced=5, opened=False)  # nothing there yet
     sched.add_request(make_request("r", tokens, params))
@@ -291,7 +219,7 @@ def test_the_deadline_ends_the_wait_for_a_producer_and_scales_with_the_prompt(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = {"deadline_s": 0.2, "deadline_per_1k_tokens_s": 10.0, "deadline_max_s": 0.5}
-    sched = make_scheduler(tiny_model, "kv_consumer", **cfg)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", **cfg)
     rc = sched.connector.rc  # type: ignore[union-attr]
     assert rc.deadlines.for_prompt(0) == 0.2 and rc.deadlines.for_prompt(10) == pytest.approx(0.3)
     assert rc.deadlines.for_prompt(100_000) == 0.5
@@ -315,7 +243,7 @@ def test_a_failing_lookup_recomputes_instead_of_hanging(
 ) -> None:
     """A real Redis timeout is a builtin TimeoutError, hence concurrent.futures.TimeoutError on
     Python >= 3.11: it was taken for "not answered yet" and the request waited forever."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
 
@@ -331,7 +259,7 @@ def test_a_failing_lookup_recomputes_instead_of_hanging(
 def test_an_open_breaker_answers_at_once_without_asking_redis(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     store = connector_of(sched).store
     for _ in range(3):
         store.breaker.record_failure("refused")
@@ -353,8 +281,8 @@ def test_two_consumers_with_a_shared_prefix_never_take_each_others_blocks(
 ) -> None:
     system = prompt(4 * BS, seed=3)
     a, b = system + prompt(BS + 5, seed=4), system + prompt(2 * BS + 1, seed=5)
-    dec_a = make_scheduler(tiny_model, "kv_consumer")
-    dec_b = make_scheduler(tiny_model, "kv_consumer")
+    dec_a = fake_redis_scheduler(tiny_model, "kv_consumer")
+    dec_b = fake_redis_scheduler(tiny_model, "kv_consumer")
     params_a, chain_a = hand_off(dec_a, a, 5, commit=5, handoff="aaaa")
     params_b, chain_b = hand_off(dec_b, b, 6, commit=6, handoff="bbbb")
     assert not set(chain_a) & set(chain_b)  # the same system prompt, different keys
@@ -368,14 +296,14 @@ def test_two_consumers_with_a_shared_prefix_never_take_each_others_blocks(
 def test_a_handoff_is_taken_once(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
     """The same params twice (a retried request): once the first request's worker has claimed
     the handoff, the second recomputes at once instead of waiting for blocks the first takes."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     sched.add_request(make_request("first", tokens, params))
     (load,) = meta_of(sched.schedule()).loads
     assert load.claim == "feed1234"  # the worker claims it before reading
     assert store_for(sched).claim_handoff("feed1234", owner=load.owner) == Claim.WON
-    other = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    other = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     other.add_request(make_request("again", tokens, params))
     out = other.schedule()
     assert meta_of(out).loads == [] and out.num_scheduled_tokens == {"again": 4 * BS + 1}
@@ -401,7 +329,7 @@ def test_params_that_do_not_match_are_ignored_with_one_warning(
     field: str,
     value: object,
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     params["redis_kv"][field] = value
@@ -417,7 +345,7 @@ def test_params_that_do_not_match_are_ignored_with_one_warning(
 def loading_handoff(tiny_model: Path) -> tuple[Any, Any, list[int]]:
     """A consumer loading a 4-block handoff for request "r": the scheduler, the step that
     planned the load, and the block ids it loads into."""
-    sched = make_scheduler(tiny_model, "kv_consumer")
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer")
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     sched.add_request(make_request("r", tokens, params))
@@ -468,7 +396,7 @@ def test_a_load_failed_on_one_rank_reported_before_it_finished_is_counted_once(
 def test_share_mode_saves_a_block_again_when_its_load_failed(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
     tokens = prompt(4 * BS + 1)
     hashes = seed_blocks(sched, tokens, 4)
     req = make_request("s", tokens)
@@ -483,7 +411,7 @@ def test_share_mode_saves_a_block_again_when_its_load_failed(
 def test_a_preempted_request_does_not_wait_for_its_handoff_again(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
     tokens = prompt(4 * BS + 1)
     params, _ = hand_off(sched, tokens, 4, commit=4)
     req = make_request("r", tokens, params)
@@ -503,7 +431,7 @@ def test_a_preempted_request_does_not_wait_for_its_handoff_again(
 def test_redis_down_degrades_to_recompute(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
     tokens = prompt(4 * BS + 1)
     seed_blocks(sched, tokens, 4)
     fake_redis.server.connected = False  # type: ignore[attr-defined]
@@ -521,7 +449,7 @@ def test_redis_down_degrades_to_recompute(
 def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_producer", max_batched=2 * BS + 8)
+    sched = fake_redis_scheduler(tiny_model, "kv_producer", max_batched=2 * BS + 8)
     tokens = prompt(5 * BS + 3)
     req = make_request("p", tokens)
     sched.add_request(req)
@@ -570,7 +498,7 @@ def test_producer_saves_its_private_chain_and_publishes_a_commit_when_done(
 
 
 def test_salt_separates_tenants(tiny_model: Path, fake_redis: fakeredis.FakeRedis) -> None:
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
     tokens = prompt(4 * BS + 1)
     seed_blocks(sched, tokens, 4)  # stored without a salt
     req = make_request("salted", tokens, cache_salt="tenant-b")
@@ -582,7 +510,7 @@ def test_salt_separates_tenants(tiny_model: Path, fake_redis: fakeredis.FakeRedi
 def test_share_mode_loads_the_pool_and_saves_only_what_it_lacks(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
-    sched = make_scheduler(tiny_model, "kv_both")
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
     tokens = prompt(5 * BS + 3)
     hashes = seed_blocks(sched, tokens, 3)  # another instance cached the first 3 blocks
     req = make_request("s", tokens)
@@ -601,7 +529,7 @@ def test_consume_mode_deletes_a_handoff_it_gives_up_on(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     # deadline_max_s also bounds how long a dropped handoff waits for a producer that died
-    sched = make_scheduler(
+    sched = fake_redis_scheduler(
         tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0, deadline_max_s=1
     )
     tokens = prompt(4 * BS + 1)
@@ -625,7 +553,9 @@ def test_a_dropped_handoff_is_deleted_after_its_producer_finishes_writing(
     """The consumer gives up on a handoff whose producer is still writing (the prefill's
     response comes before its writes are acknowledged); blocks written after that used to
     stay for their whole TTL."""
-    sched = make_scheduler(tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0)
+    sched = fake_redis_scheduler(
+        tiny_model, "kv_consumer", deadline_s=0.2, deadline_per_1k_tokens_s=0
+    )
     tokens = prompt(6 * BS + 1)
     params, chain = hand_off(sched, tokens, 2, announced=6, pending=True)
     sched.add_request(make_request("r", tokens, params))
@@ -648,7 +578,7 @@ def test_unreachable_redis_at_startup_is_logged_and_requests_are_served(
 
     url = f"redis://127.0.0.1:{free_port()}/0"
     with caplog.at_level(logging.ERROR, logger="connector"):
-        sched = make_scheduler(tiny_model, "kv_both", url=url, connect_timeout_s=0.5)
+        sched = fake_redis_scheduler(tiny_model, "kv_both", url=url, connect_timeout_s=0.5)
     assert any("cannot use" in r.getMessage() and url in r.getMessage() for r in caplog.records)
     req = make_request("r", prompt(3 * BS + 1))
     sched.add_request(req)
@@ -660,7 +590,7 @@ def test_a_preempted_request_gets_a_fresh_budget_scaled_with_its_prompt(
     tiny_model: Path, fake_redis: fakeredis.FakeRedis
 ) -> None:
     cfg = {"deadline_s": 0.0, "deadline_per_1k_tokens_s": 10.0, "deadline_max_s": 60.0}
-    sched = make_scheduler(tiny_model, "kv_both", **cfg)
+    sched = fake_redis_scheduler(tiny_model, "kv_both", **cfg)
     tokens = prompt(8 * BS + 1)
     seed_blocks(sched, tokens, 8)
     req = make_request("r", tokens)
@@ -683,11 +613,11 @@ def test_redis_hits_are_reported_per_source_where_vllm_counts_them(
     hit_source = pytest.importorskip("vllm.v1.metrics.cache_hit_source")  # vLLM 0.32+
     tokens = prompt(4 * BS)
     if source == "handoff":
-        sched = make_scheduler(tiny_model, "kv_consumer")
+        sched = fake_redis_scheduler(tiny_model, "kv_consumer")
         params, _ = hand_off(sched, tokens, 4, commit=4)
         want = hit_source.CacheHitSource.P2P  # from a prefill instance
     else:
-        sched = make_scheduler(tiny_model, "kv_both")
+        sched = fake_redis_scheduler(tiny_model, "kv_both")
         seed_blocks(sched, tokens, 4)
         params, want = None, hit_source.CacheHitSource.EXTERNAL_UNSPECIFIED  # a remote store
     sched.add_request(make_request("r", tokens, params))

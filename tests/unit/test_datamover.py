@@ -20,18 +20,7 @@ import torch
 from datamover import BlockMover, PagedKV, SaveItem, StagingBusyError
 from datamover.staging import StagingPool
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
-from testing.kv_caches import caches, load_all, save_all, store_on
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
-
-
-def own_fake_client() -> fakeredis.FakeRedis:
-    """A fakeredis client on a server of its own, given explicitly. ``FakeRedis()`` alone finds
-    its server by name when each connection is made; with the writes' and loads' fan-out over
-    connections this file failed 3 to 7 runs in 10 (values SET, then not found by GETs on other
-    connections) and 0 in 22 with explicit servers. The interleaving inside fakeredis 2.40 is not
-    pinned down."""
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+from testing.kv_caches import DEVICES, caches, load_all, own_fake_client, save_all, store_on
 
 
 @pytest.mark.parametrize("device", DEVICES)

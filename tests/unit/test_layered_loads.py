@@ -16,9 +16,8 @@ import torch
 from datamover import BlockMover, LayeredLoad
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
 from kvstore.values.codec import read_header
-from testing.kv_caches import caches, save_all, store_on
-from tests.integration.test_tensor_reads import _without_tensor_checksums
-from tests.unit.test_datamover import DEVICES, own_fake_client
+from testing.blocks import without_tensor_checksums
+from testing.kv_caches import DEVICES, caches, own_fake_client, save_all, store_on
 
 LAYERS = 4
 BANDS = [(0, 1), (1, 2), (2, 4)]
@@ -159,7 +158,7 @@ def test_a_missing_block_fails_alone_and_old_values_are_read_whole() -> None:
     store.client.delete(store.redis_key(hashes[4]))
     # block 6 as an older version wrote it: no per-tensor checksums, read whole
     key = store.redis_key(hashes[6])
-    store.client.set(key, _without_tensor_checksums(store.client.get(key)))
+    store.client.set(key, without_tensor_checksums(store.client.get(key)))
     dst_ids = list(range(20, 30))
     load = LayeredLoad([mover], dst_ids, hashes, BANDS, time.monotonic() + 30)
     load.run()

@@ -19,14 +19,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from connector.proxy.server import ProxyConfig, build_app
 from testing import stack
+from testing.proxy_servers import DOWN, assert_openai_error, proxy_server, run_server
 from testing.redis_server import free_port
-
-
-def run_server(app: FastAPI) -> Iterator[str]:
-    url, stop = stack.serve_in_thread(app, log_level="error")
-    yield url
-    stop()
-
 
 SEEN: list[tuple[str | None, dict]] = []
 
@@ -93,9 +87,6 @@ def call_in_turn(
                 return [await c.request(method, path, **kw) for kw in requests]
 
     return asyncio.run(go())
-
-
-DOWN = f"http://127.0.0.1:{free_port()}"
 
 
 def test_prefill_then_decode_with_transfer_params(echo_backend: str) -> None:
@@ -272,12 +263,6 @@ def test_least_loaded_counts_a_stream_until_it_ends(echo_backend: str) -> None:
     assert hits[1] != hits[2], hits
 
 
-def proxy_server(cfg: ProxyConfig) -> tuple[Iterator[str], str, FastAPI]:
-    app = build_app(cfg)
-    gen = run_server(app)  # a real server: ASGITransport would buffer streams
-    return gen, next(gen), app
-
-
 def test_a_decode_server_failing_mid_stream_gives_an_error_event_and_frees_its_slot(
     echo_backend: str,
 ) -> None:
@@ -400,13 +385,6 @@ KV_KEY = "sk-kv-9876543210"
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-def assert_openai_error(r: httpx.Response, status: int) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert err["code"] == status and isinstance(err["message"], str) and "type" in err
-    return dict(err)
 
 
 def test_the_api_key_guards_every_path_but_health(echo_backend: str) -> None:

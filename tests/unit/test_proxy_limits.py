@@ -28,7 +28,7 @@ from connector.proxy.guards import (
     rate_limit_key,
 )
 from connector.proxy.server import ProxyConfig, build_app
-from tests.unit.test_proxy import DOWN, assert_openai_error, proxy_server, run_server
+from testing.proxy_servers import DOWN, assert_openai_error, proxy_server, run_server
 
 SMALL = {"prompt": "x", "max_tokens": 2}
 

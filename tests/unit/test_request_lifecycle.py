@@ -25,7 +25,7 @@ from connector.chains import handoff_salt
 from connector.request_state import Phase
 from kvstore import LookupBuffer, chain_hashes
 from testing.scheduler_harness import BS, make_request, make_scheduler, prompt
-from testing.sim_engine import Gate, SimEngine
+from testing.sim_engine import Gate, SimEngine, produce
 
 pytestmark = pytest.mark.vllm
 
@@ -261,15 +261,6 @@ def test_lora_adapters_are_told_apart_by_name_and_path_not_by_id(
 
 
 # ---------------------------------------------------------------------- consume mode
-def produce(engines: Any, tokens: list[int], rid: str = "p") -> dict:
-    producer = engines("kv_producer")
-    producer.add(rid, tokens, max_tokens=1)
-    producer.run_until_idle()
-    params = producer.finished_params[rid]
-    assert params is not None
-    return params
-
-
 def handoff_chain(tokens: list[int], params: dict) -> list[str]:
     return chain_hashes(tokens, BS, handoff_salt("", params["redis_kv"]["handoff"]))
 

@@ -26,8 +26,8 @@ from vllm.distributed.kv_events import (
 
 from connector.proxy.routing import CacheAwareChooser, PrefixIndex, decode_batch
 from connector.proxy.server import ProxyConfig, build_app
+from testing.proxy_servers import run_server
 from testing.redis_server import free_port
-from tests.unit.test_proxy import run_server
 
 BS = 4
 

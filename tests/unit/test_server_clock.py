@@ -16,7 +16,7 @@ import pytest
 
 from kvstore.values import drop_select
 from kvstore.values.drop_select import ServerClock
-from tests.unit.test_breaker import returns_only_once_set
+from testing.threads import returns_only_once_set
 
 
 def join_clock_threads() -> None:

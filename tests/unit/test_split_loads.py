@@ -24,8 +24,7 @@ from connector.figures import StepShape
 from kvstore import LookupBuffer
 from kvstore.values.keys import parse_key
 from testing.scheduler_harness import BS, LAYERS, prompt
-from testing.sim_engine import SimEngine
-from tests.unit.test_request_lifecycle import produce
+from testing.sim_engine import SimEngine, produce
 
 pytestmark = pytest.mark.vllm
 
