@@ -52,6 +52,7 @@ class HandoffDrops:
         self.on_error = on_error
         self._waiting: list[_Drop] = []
         self._checking = 0  # drops of the batch being checked now
+        self._batch: list[_Drop] = []  # ... themselves
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -76,6 +77,14 @@ class HandoffDrops:
             )
         self._wake.set()
 
+    def release(self, handoff_id: str) -> None:
+        """The probe no longer needs the held handoff: delete it once its producer is done."""
+        with self._lock:
+            for d in self._waiting + self._batch:
+                if d.handoff_id == handoff_id:
+                    d.not_before = 0.0
+        self._wake.set()
+
     @property
     def waiting(self) -> int:
         """Drops not finished yet: waiting, or being checked and deleted right now."""
@@ -89,6 +98,7 @@ class HandoffDrops:
             with self._lock:
                 batch, self._waiting = self._waiting, []
                 self._checking = len(batch)
+                self._batch = batch
             if not batch:
                 continue
             try:
@@ -100,6 +110,7 @@ class HandoffDrops:
             with self._lock:
                 self._waiting = keep + self._waiting
                 self._checking = 0
+                self._batch = []
 
     def _check(self, batch: list[_Drop]) -> list[_Drop]:
         """Delete the drops whose producer is done (or whose wait is over); the rest wait."""

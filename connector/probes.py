@@ -1,10 +1,10 @@
 """When the load policy's figures of the store need measuring again, without a user's request
 paying for it: small background reads of stored values (a probe), planned on the scheduler side
-and run by every worker rank beside its loads (``worker.py``). A probe reads a few blocks of a
-recent hit into staging and writes nothing into the KV cache: whole values (``ProbeKind.WHOLE``,
-the figure of asynchronous loads) or band by band (``ProbeKind.BANDS``, the figure of splits).
-Its time is a sample like a load's; one that expires or fails is an upper bound
-(``figures.py``).
+and run by every worker rank beside its loads (``probe_reads.py``). A probe reads a few blocks
+of a recent hit into staging and writes nothing into the KV cache: whole values
+(``ProbeKind.WHOLE``, the figure of asynchronous loads) or band by band (``ProbeKind.BANDS``,
+the figure of splits). Its time is a sample like a load's; one that expires or fails is an upper
+bound (``figures.py``).
 
 A probe is due when a figure is missing, has too few samples, or follows a store that just
 changed (every ``MISSING_INTERVAL_S``: hits are decided on it meanwhile), and at most every
@@ -57,10 +57,13 @@ FEW_SAMPLES = 3
 PROBE_TIMEOUT_S = 1.0
 # how long a due probe waits for a quiet step before it runs beside a busy one (seconds)
 BUSY_WAIT_S = 0.5
-# how long a consume-mode handoff recomputed because the store looked slow stays in Redis:
-# the next probe reads it (its blocks are the newest hit's), and a consumer deletes every
-# handoff it will not load, so without it a store judged slow once was never measured again
-PROBE_HOLD_S = PROBE_INTERVAL_S + BUSY_WAIT_S + PROBE_TIMEOUT_S + 0.5
+# A consume-mode handoff recomputed because the store looked slow stays in Redis while the
+# probes read it (its blocks are the newest hit's): a consumer deletes every handoff it will
+# not load, so without it a store judged slow once was never measured again. It goes once the
+# probes have measured the store (``ProbePlanner.needs``), or after this long if they never do
+# (a busy machine's steps may come seconds apart: a fixed 3 s hold ran out before the probe
+# came, and the figure stayed a bound for good).
+PROBE_HOLD_S = 30.0
 
 
 class ProbeKind(enum.Enum):
@@ -115,6 +118,12 @@ class ProbePlanner:
         vLLM cut short); else 0 (a local hit's, an older hit's)."""
         watched = self._store_too_slow and self._names and owner == self._owner
         return PROBE_HOLD_S if watched else 0.0
+
+    def needs(self, owner: str, loads: LoadFit | None) -> bool:
+        """Whether request ``owner``'s held blocks are still what the probes must read: its hit
+        is the newest, and the store under watch is not measured yet (``loads``: the whole
+        loads' figure now)."""
+        return owner == self._owner and bool(self._names) and self._store_too_slow and _needs(loads)
 
     def due(
         self,

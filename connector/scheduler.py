@@ -374,7 +374,7 @@ class RedisConnectorScheduler:
             # handed off to us but not loaded: deleted, unless its blocks are what the probe
             # that measures a store judged slow reads (a local hit's never are)
             hold_s = self.load_choices.probes.hold_s(request.request_id)
-            self._handoffs.drop_unloaded(st, hold_s=hold_s)
+            self._handoffs.drop_unloaded(request.request_id, st, hold_s=hold_s)
             return
         now = time.monotonic()
         st.load_planned(start, end, now)
@@ -430,6 +430,10 @@ class RedisConnectorScheduler:
         if self.events is not None:
             self.events.reported(getattr(output, "kv_cache_events", None))
         self.load_choices.take_samples(getattr(output, "kv_connector_stats", None))
+        if self._handoffs.held:  # the probes may have measured the store with them
+            loads = self.load_choices.figures().loads
+            probes = self.load_choices.probes
+            self._handoffs.release_unneeded(lambda rid: probes.needs(rid, loads))
         failed_split_blocks: set[int] = set()
         for block_id in output.invalid_block_ids or ():
             owner = self._loads.block_failed(block_id)  # (vLLM recomputes from it on)
@@ -574,7 +578,8 @@ class RedisConnectorScheduler:
             self.load_choices.loads_out.ended(request.request_id)
         self._loads.release(request.request_id, st)
         if not loading:
-            self._handoffs.drop_unloaded(st)  # not loaded, and never will be: claim and delete it
+            # not loaded, and never will be: claim and delete it
+            self._handoffs.drop_unloaded(request.request_id, st)
         if not self.config.saves or (st.saved_blocks == 0 and st.save_start is None):
             return False, None
         n = st.saved_blocks

@@ -90,9 +90,10 @@ ENGINE = {"num_blocks": 40, "max_num_seqs": 6, "max_batched": 96}
 
 @pytest.fixture(autouse=True)
 def short_probe_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A handoff recomputed because the store looked slow is held for the probe that measures
-    it again (3 s): short here, like the deadlines, or every example ending with one waited it
-    out (half the consume examples' time)."""
+    """A handoff recomputed because the store looked slow is held until the probes have
+    measured the store again, 30 s at most: an example's settling does not step the engine, so
+    no probe runs then, and every example ending with one would wait out the cap. Short here,
+    like the deadlines."""
     monkeypatch.setattr(probes, "PROBE_HOLD_S", 0.3)
 
 

@@ -19,7 +19,6 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
-from connector import drops, probes
 from connector.figures import StepShape
 from kvstore import LookupBuffer
 from kvstore.values.keys import parse_key
@@ -707,7 +706,7 @@ def test_a_cold_consumer_waits_for_a_handoff_no_longer_than_recomputing_plausibl
     tokens = [prompt(5 * BS + 3, seed=70 + i) for i in range(2)]
     params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
     consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
-    slow_reads(consumer.worker.store, 3.0)
+    slow = slow_reads(consumer.worker.store, 3.0)
     planned: list[float] = []
     real = consumer.connector.scheduler.build_connector_meta
 
@@ -726,8 +725,10 @@ def test_a_cold_consumer_waits_for_a_handoff_no_longer_than_recomputing_plausibl
     figures = consumer.connector.scheduler.load_choices.figures()
     assert figures.loads is not None  # the expiry's bound
     consumer.add("c1", tokens[1], params=params[1])
-    consumer.run_until_idle()
+    step_until(consumer, lambda: not consumer.sched.has_requests())  # (held for the probes)
     assert consumer.take_stats()["chose_recompute"] == 1
+    slow.clear()  # the probes measure the store and let c1's handoff go
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
 
 
 def test_the_engine_the_policy_models_is_vllms_scheduler_config() -> None:
@@ -772,7 +773,9 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     assert consumer.take_stats()["loads_expired"] == 1  # the figure is now a bound
     slow.clear()  # the store is fast again
     consumer.add("c1", tokens[1], params=params[1])
-    consumer.run_until_idle()
+    # (stepped, not settled: its handoff is held until the probes, which run with the steps,
+    # have measured the store)
+    step_until(consumer, lambda: not consumer.sched.has_requests())
     assert consumer.take_stats()["chose_recompute"] == 1  # judged on the bound
     step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
     consumer.add("c2", tokens[2], params=params[2])
@@ -783,13 +786,11 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
 
 
-def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(
-    engines: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(engines: Any) -> None:
     """With the store under watch, every unloaded handoff was held for the probe, a local
-    hit's too, although probes read only a hit the policy recomputed. Held for ten minutes
-    here: the recomputed one stays, the local hit's goes at once."""
-    monkeypatch.setattr(probes, "PROBE_HOLD_S", 600.0)
+    hit's too, although probes read only the newest hit's blocks. While the store stays slow
+    the recomputed handoff stays; the local hit's goes at once; once the store is fast again
+    the probes measure it and the held one goes too."""
     tokens = [prompt(5 * BS + 3, seed=95 + i) for i in range(2)]
     params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
     again = produce(engines, tokens[1], rid="p1-again")  # a second handoff of the same prompt
@@ -798,26 +799,21 @@ def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(
     for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
         for _ in range(8):
             policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
-    slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
+    # past the load's deadline (~0.15 s) and a probe's (1 s): while slow, no probe measures it
+    slow = slow_reads(consumer.worker.store, 1.5)
     consumer.add("c0", tokens[0], params=params[0])
     consumer.run_until_idle()
-    slow.clear()
     consumer.add("c1", tokens[1], params=params[1])
     step_until(consumer, lambda: not consumer.sched.has_requests())  # (no settling: it is held)
     assert consumer.take_stats()["chose_recompute"] == 1  # judged slow: held for the probe
     consumer.add("c1-again", tokens[1], params=again)  # vLLM's own cache has it now
     step_until(consumer, lambda: not consumer.sched.has_requests())
     assert "chose_recompute" not in consumer.take_stats()  # a local hit: nothing to choose
-    # c1's stays for ten minutes: the one that goes is the local hit's
+    # the store is still slow, so c1's stays: the one that goes is the local hit's
     step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 1)
-
-    class TenMinutesLater:  # then the held one is due, and the engine settles
-        @staticmethod
-        def monotonic() -> float:
-            return time.monotonic() + 601
-
-    monkeypatch.setattr(drops, "time", TenMinutesLater)
-    consumer.run_until_idle()
+    slow.clear()  # fast again: the probes measure it, and c1's goes too (not after 30 s)
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
+    assert (f := policy.figures().loads) is not None and not f.bounded
 
 
 def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines: Any) -> None:
@@ -839,6 +835,6 @@ def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines:
     slow.clear()
     consumer.add("c1", tokens[1], params=params[1])  # judged on the bound: recomputed
     consumer.add("c2", tokens[2], params={**params[2], "redis_kv_load": "recompute"})  # pinned
-    consumer.run_until_idle()
+    step_until(consumer, lambda: not consumer.sched.has_requests())  # (held: not settled)
     assert consumer.take_stats()["chose_recompute"] == 2
     step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
