@@ -7,6 +7,7 @@ start. Not meant for production: it runs without persistence.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,10 +33,33 @@ def add_acl_user(admin: redis.Redis, name: str, rule: str | list[str]) -> None:
     admin.execute_command("ACL", "SETUSER", name, "reset", "on", ">pw", *words)
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes the local ports of outgoing connections from."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, below the ephemeral range: a port the kernel hands out for
+    port 0 is one it also gives outgoing connections (Redis clients, HTTP calls), so one found
+    free could be some connection's local port by the time a server binds it (CI's engines lane
+    saw the proxy exit with "address already in use"). Tests' servers bind seconds later (vLLM
+    tens of seconds), so a port outside that range is only ever taken by another test's pick."""
+    low, _ = _ephemeral_ports()
+    first = 15000
+    for _ in range(200):
+        port = random.randrange(first, low) if low - first > 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free loopback port in [{first}, {low})")
 
 
 def free_cluster_port() -> int:
