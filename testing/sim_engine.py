@@ -207,7 +207,7 @@ class SimEngine:
 
     def _instrument(self) -> None:
         worker = self.worker
-        real_copy_in = worker._copy_in
+        real_copy_in = worker._whole_loads.copy_in
         tls = self._tls
 
         def copy_in(job: Any, group: int, head_slice: int, chunk: Any) -> bool:
@@ -230,7 +230,7 @@ class SimEngine:
 
             return scatter
 
-        worker._copy_in = copy_in  # type: ignore[method-assign]
+        worker._whole_loads.copy_in = copy_in  # type: ignore[method-assign]
         for layout_group, movers in enumerate(worker.movers_by_group):
             group = worker.layout.groups[layout_group].index
             for mover in movers:
@@ -238,7 +238,7 @@ class SimEngine:
 
     def _split_of(self, block_ids: list[int]) -> str | None:
         """The request whose split load of this step writes ``block_ids`` (a split's writes
-        run on the connector's loader thread, outside ``_copy_in``)."""
+        run on the connector's loader thread, outside ``copy_in``)."""
         for rid, ids in self._splits.items():
             if set(block_ids) <= set(ids):
                 return rid

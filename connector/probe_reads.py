@@ -1,0 +1,110 @@
+"""Probes on the worker side (planned by the scheduler side: ``probes.py``): background reads of
+a few stored blocks into staging, as a whole load or a split of their kind would read them,
+nothing written into the KV cache, one at a time on a thread of their own; their time is a
+sample of that kind's figure (``figures.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
+
+from connector.probes import ProbeKind, ProbeSpec
+from connector.split_loads import SplitLoads
+from connector.worker_context import WorkerContext
+from datamover import StagingBusyError
+from kvstore import KVStoreError
+
+logger = logging.getLogger("connector.worker")
+
+
+class ProbeReads:
+    def __init__(self, ctx: WorkerContext, io: ThreadPoolExecutor, splits: SplitLoads) -> None:
+        self._ctx = ctx
+        self._io = io  # probes run here, one at a time, never holding up a load
+        self._splits = splits  # a probe of splits reads their bands
+        self._probing = False  # under ``ctx.lock``
+
+    def start(self, spec: ProbeSpec) -> None:
+        """A probe of the store (``probes.py``), unless one is still running or there is
+        nothing to read with (asleep, or a layout without one group's movers)."""
+        ctx = self._ctx
+        with ctx.lock:
+            if self._probing or ctx.asleep or not ctx.slices or not ctx.slices[0]:
+                return
+            self._probing = True
+        ctx.stats.add(load_probes=1)
+        ctx.track(self._io.submit(self._probe, spec), "a probe")
+
+    def _probe(self, spec: ProbeSpec) -> None:
+        """Read ``spec``'s blocks into staging as a load of its kind would, writing nothing
+        into the KV cache; the time is a sample of that kind's figure, an upper bound if it
+        expired or failed. Values not there (evicted, or a handoff already deleted) are no
+        sample."""
+        ctx = self._ctx
+        names = spec.names  # (the first group's: the one group a split loads)
+        ids = list(range(len(names)))  # (nothing is written: no block ids are needed)
+        movers = [sm.mover for sm in ctx.slices[0]]
+        nbytes, missing, t0 = 0, 0, time.perf_counter()
+        landed_before = ctx.landed_since(0, 0)
+        deadline = time.monotonic() + spec.timeout_s
+        kind = "load" if spec.kind is ProbeKind.WHOLE else "split"
+        timeline: list[float] = []
+        try:
+            for mover in movers:
+                left = max(0.0, deadline - time.monotonic())
+                if spec.kind is ProbeKind.WHOLE:
+                    chunks = mover.receive(ids, names, timeout_s=left)
+                    try:
+                        for chunk in chunks:
+                            got = [v for v in chunk.values if v is not None]
+                            missing += len(chunk.values) - len(got)
+                            nbytes += len(got) * (mover.header_bytes + mover.raw_bytes)
+                            ctx.count_landed(len(got) * (mover.header_bytes + mover.raw_bytes))
+                            if time.monotonic() > deadline:
+                                raise TimeoutError("the probe ran past its time")
+                    finally:
+                        chunks.close()
+                    continue
+                bands = self._splits.bands or [(0, len(mover.kv.names))]
+                pieces = mover.receive_bands(ids, names, bands, timeout_s=left)
+                try:
+                    for piece in pieces:
+                        good = sum(piece.ok)
+                        missing += len(piece.ok) - good if piece.band == 0 else 0
+                        layers = piece.layers[1] - piece.layers[0]
+                        nbytes += good * layers * mover.layer_raw_bytes
+                        ctx.count_landed(good * layers * mover.layer_raw_bytes)
+                        if piece.last_of_band and mover is movers[-1]:
+                            timeline.append(time.perf_counter() - t0)
+                        if time.monotonic() > deadline:
+                            raise TimeoutError("the probe ran past its time")
+                finally:
+                    pieces.close()
+        except StagingBusyError:
+            return  # users' loads hold the staging: the worker's own congestion, not the store's
+        except (KVStoreError, TimeoutError) as exc:
+            seconds = time.perf_counter() - t0
+            logger.debug("probing the store ended early (%s): %s", kind, exc)
+            ctx.stats.sample(f"{kind}_bounds", ctx.tp_rank, nbytes, seconds)
+            return
+        finally:
+            with ctx.lock:
+                self._probing = False
+        seconds = time.perf_counter() - t0
+        if missing or not nbytes:
+            # part of it was not there (evicted, or a handoff deleted): its time says little of
+            # the store, and the scheduler side stops probing those blocks
+            ctx.stats.sample("probe_missing", 1)
+            return
+        shared = ctx.landed_since(landed_before, nbytes)  # (what loads beside it got too)
+        if spec.kind is ProbeKind.WHOLE:
+            ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, -1.0)
+            return
+        between = statistics.median(b - a for a, b in pairwise(timeline)) if timeline[1:] else 0.0
+        per_band = shared // max(1, len(timeline))
+        first = timeline[0] if timeline else seconds
+        ctx.stats.sample("split_samples", ctx.tp_rank, per_band, first, between, len(timeline))
