@@ -89,6 +89,7 @@ class ProbePlanner:
         self._clock = clock
         self._names: list[BlockName] = []  # a recent hit's blocks, as present in Redis
         self._owner: str | None = None  # the request whose hit they are
+        self._held_at = 0.0  # when that request's handoff was last held for the probes
         self._sent_at = -float("inf")
         self._sent = 0
         self._store_too_slow = False  # the last hit was recomputed because of the store
@@ -117,13 +118,23 @@ class ProbePlanner:
         its blocks are the ones probes read, whatever its own choice was (pinned, or a load
         vLLM cut short); else 0 (a local hit's, an older hit's)."""
         watched = self._store_too_slow and self._names and owner == self._owner
-        return PROBE_HOLD_S if watched else 0.0
+        if not watched:
+            return 0.0
+        self._held_at = self._clock()
+        return PROBE_HOLD_S
 
     def needs(self, owner: str, loads: LoadFit | None) -> bool:
         """Whether request ``owner``'s held blocks are still what the probes must read: its hit
         is the newest, and the store under watch is not measured yet (``loads``: the whole
         loads' figure now)."""
-        return owner == self._owner and bool(self._names) and self._store_too_slow and _needs(loads)
+        if owner != self._owner or not self._names or not self._store_too_slow:
+            return False
+        if _needs(loads) or loads is None:
+            return True
+        # measured, but judged slow on it: needed until a sample newer than the hold came in
+        # (a review: released at once, the probes found nothing, and a store that had become
+        # fast was recomputed for until its slow figure went stale)
+        return loads.age_s >= self._clock() - self._held_at
 
     def due(
         self,

@@ -43,14 +43,16 @@ def _ephemeral_ports() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
-    """A loopback port free now, below the ephemeral range: a port the kernel hands out for
-    port 0 is one it also gives outgoing connections (Redis clients, HTTP calls), so one found
-    free could be some connection's local port by the time a server binds it (CI's engines lane
-    saw the proxy exit with "address already in use"). Tests' servers bind seconds later (vLLM
-    tens of seconds), so a port outside that range is only ever taken by another test's pick."""
+def free_port(below: int | None = None) -> int:
+    """A loopback port free now (under ``below``, if given), below the ephemeral range: a port
+    the kernel hands out for port 0 is one it also gives outgoing connections (Redis clients,
+    HTTP calls), so one found free could be some connection's local port by the time a server
+    binds it (CI's engines lane saw the proxy exit with "address already in use"). Tests'
+    servers bind seconds later (vLLM tens of seconds), so a port outside that range is only
+    ever taken by another test's pick."""
     low, _ = _ephemeral_ports()
-    first = 15000
+    low = min(low, below) if below is not None else low
+    first = 12000
     for _ in range(200):
         port = random.randrange(first, low) if low - first > 1000 else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -63,11 +65,10 @@ def free_port() -> int:
 
 
 def free_cluster_port() -> int:
-    """A free port for a Cluster node: its bus port (port + 10000) must exist and be free too."""
+    """A free port for a Cluster node: its bus port (port + 10000) must be free too, and below
+    the ephemeral range as well (a review: 57 % of bus ports fell inside it)."""
     while True:
-        port = free_port()
-        if port > 55535:
-            continue
+        port = free_port(below=_ephemeral_ports()[0] - 10000)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind(("127.0.0.1", port + 10000))

@@ -838,3 +838,5 @@ def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines:
     step_until(consumer, lambda: not consumer.sched.has_requests())  # (held: not settled)
     assert consumer.take_stats()["chose_recompute"] == 2
     step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
+    # c2's held handoff goes once the probes have read it: nothing left for teardown to wait on
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
