@@ -619,6 +619,13 @@ def test_a_split_never_leaves_the_one_token_pass_vllm_replays_as_a_full_cuda_gra
     assert "split_loads_failed" not in stats and "split_loads_unwaited" not in stats
 
 
+def compute_costs_a_ms_a_token(policy: Any) -> None:
+    """Prime the load policy's compute figure: 1 ms a prompt token, whatever this machine does."""
+    for n in (64, 128, 256, 512):
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+
+
 def slow_reads(store: LookupBuffer, seconds: float) -> threading.Event:
     """Every read of ``store`` takes ``seconds`` more while the returned event is set."""
     slow = threading.Event()
@@ -764,9 +771,7 @@ def test_a_consumer_that_judged_the_store_slow_measures_it_again_and_loads_once_
     params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
     consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
     policy = consumer.connector.scheduler.load_choices
-    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
-        for _ in range(8):
-            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    compute_costs_a_ms_a_token(policy)  # loading a fast store pays
     slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
     consumer.add("c0", tokens[0], params=params[0])
     consumer.run_until_idle()
@@ -796,9 +801,7 @@ def test_only_a_handoff_recomputed_for_the_store_is_held_for_its_probe(engines: 
     again = produce(engines, tokens[1], rid="p1-again")  # a second handoff of the same prompt
     consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
     policy = consumer.connector.scheduler.load_choices
-    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
-        for _ in range(8):
-            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    compute_costs_a_ms_a_token(policy)  # loading a fast store pays
     # past the load's deadline (~0.15 s) and a probe's (1 s): while slow, no probe measures it
     slow = slow_reads(consumer.worker.store, 1.5)
     consumer.add("c0", tokens[0], params=params[0])
@@ -825,9 +828,7 @@ def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines:
     params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
     consumer = engines("kv_consumer", load_policy="auto", deadline_s=30, request_load_policy=True)
     policy = consumer.connector.scheduler.load_choices
-    for n in (64, 128, 256, 512):  # computing costs 1 ms a token: loading a fast store pays
-        for _ in range(8):
-            policy.compute_rate.add(StepShape(n, n * n / 2), 0.001 * n)
+    compute_costs_a_ms_a_token(policy)  # loading a fast store pays
     slow = slow_reads(consumer.worker.store, 1.0)  # past the load's deadline (~0.15 s)
     consumer.add("c0", tokens[0], params=params[0])
     consumer.run_until_idle()
