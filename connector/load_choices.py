@@ -215,8 +215,16 @@ class LoadChoices:
                 self.bands = min(int(b) for (b,) in data["split_bands"])
         except (TypeError, ValueError, OverflowError):
             logger.debug("ignoring a malformed load shape in the connector's stats")
-        if data.get("probe_missing"):  # (a list: one entry a probe, any rank)
-            self.probes.forget()
+        # (lists: one entry a probe and rank, each the probe's ``probe_id``)
+        for key, report in (
+            ("probe_done", self.probes.reported),
+            ("probe_missing", self.probes.missing),
+        ):
+            for values in data.get(key, ()):
+                try:
+                    report(int(values[0]))
+                except (TypeError, ValueError, OverflowError, IndexError):
+                    logger.debug("ignoring a malformed %s in the connector's stats", key)
         unwaited = data.get("split_unwaited")
         if isinstance(unwaited, list) and unwaited:
             self._unwaited_splits += len(unwaited)

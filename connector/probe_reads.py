@@ -90,6 +90,7 @@ class ProbeReads:
             seconds = time.perf_counter() - t0
             logger.debug("probing the store ended early (%s): %s", kind, exc)
             ctx.stats.sample(f"{kind}_bounds", ctx.tp_rank, nbytes, seconds)
+            ctx.stats.sample("probe_done", spec.probe_id)
             return
         finally:
             with ctx.lock:
@@ -98,9 +99,10 @@ class ProbeReads:
         if missing or not nbytes:
             # part of it was not there (evicted, or a handoff deleted): its time says little of
             # the store, and the scheduler side stops probing those blocks
-            ctx.stats.sample("probe_missing", 1)
+            ctx.stats.sample("probe_missing", spec.probe_id)
             return
         shared = ctx.landed_since(landed_before, nbytes)  # (what loads beside it got too)
+        ctx.stats.sample("probe_done", spec.probe_id)
         if spec.kind is ProbeKind.WHOLE:
             ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, -1.0)
             return

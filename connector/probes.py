@@ -80,6 +80,8 @@ class ProbeSpec:
     kind: ProbeKind
     names: list[BlockName]
     timeout_s: float = PROBE_TIMEOUT_S
+    # the planner's number for it, in the order sent: a report says which probe it is about
+    probe_id: int = 0
 
 
 class ProbePlanner:
@@ -89,9 +91,11 @@ class ProbePlanner:
         self._clock = clock
         self._names: list[BlockName] = []  # a recent hit's blocks, as present in Redis
         self._owner: str | None = None  # the request whose hit they are
-        self._held_at = 0.0  # when that request's handoff was last held for the probes
+        self._names_from = 0  # the first probe that read those blocks (by ``probe_id``)
+        self._held_from = 0  # the first probe after the owner's handoff was held for them
+        self._reported = -1  # the newest probe that reported a sample, a bound or nothing
         self._sent_at = -float("inf")
-        self._sent = 0
+        self._sent = 0  # probes planned so far: the next one's ``probe_id``
         self._store_too_slow = False  # the last hit was recomputed because of the store
         self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
@@ -101,11 +105,21 @@ class ProbePlanner:
         if names:
             self._names = list(names)
             self._owner = owner
+            self._names_from = self._sent
 
-    def forget(self) -> None:
-        """A probe found the blocks it read gone (evicted, or a consume-mode handoff deleted
-        after its load): no more probes until a lookup finds blocks again."""
-        self._names = []
+    def missing(self, probe_id: int) -> None:
+        """Probe ``probe_id`` found the blocks it read gone (evicted, or a consume-mode handoff
+        deleted after its load): no more probes until a lookup finds blocks again -- unless it
+        read an older hit's blocks (a report from before the newest lookup says nothing of
+        the newest hit's: it wiped them, and let their hold go)."""
+        self.reported(probe_id)
+        if self._names_from <= probe_id < self._sent:
+            self._names = []
+
+    def reported(self, probe_id: int) -> None:
+        """Probe ``probe_id`` ended: with a sample, an upper bound, or nothing found."""
+        if 0 <= probe_id < self._sent:  # (never planned: not ours)
+            self._reported = max(self._reported, probe_id)
 
     def note_choice(self, recomputed_for_the_store: bool) -> None:
         """The policy chose how to serve a measured hit: recomputing it because loading looked
@@ -120,21 +134,23 @@ class ProbePlanner:
         watched = self._store_too_slow and self._names and owner == self._owner
         if not watched:
             return 0.0
-        self._held_at = self._clock()
+        self._held_from = self._sent
         return PROBE_HOLD_S
 
     def needs(self, owner: str, loads: LoadFit | None) -> bool:
         """Whether request ``owner``'s held blocks are still what the probes must read: its hit
-        is the newest, and the store under watch is not measured yet (``loads``: the whole
-        loads' figure now)."""
+        is the newest, the store is under watch (the policy has not trusted it since), and
+        the probes have not measured it yet -- the figure is missing, bounded or stale, or
+        fewer than ``FEW_SAMPLES`` probes have reported since the hold. ``loads``: the whole
+        loads' figure now. (Released after one newer sample, the next probe found nothing and
+        stopped: a store measured slow and then fast again kept its slow figure, and every
+        hit was recomputed until that went stale; three samples are what a changed store's
+        figure follows, ``figures.fixed_and_rate``.)"""
         if owner != self._owner or not self._names or not self._store_too_slow:
             return False
-        if _needs(loads) or loads is None:
+        if loads is None or _needs(loads):
             return True
-        # measured, but judged slow on it: needed until a sample newer than the hold came in
-        # (a review: released at once, the probes found nothing, and a store that had become
-        # fast was recomputed for until its slow figure went stale)
-        return loads.age_s >= self._clock() - self._held_at
+        return self._reported + 1 - self._held_from < FEW_SAMPLES
 
     def due(
         self,
@@ -173,8 +189,9 @@ class ProbePlanner:
             large = max(1, min(len(self._names), blocks))
         # small, then large (sized by what the small one said), and so on
         blocks = large if (self._sent // len(kinds)) % 2 == 1 else 1
+        spec = ProbeSpec(kind, self._names[:blocks], probe_id=self._sent)
         self._sent_at, self._sent = now, self._sent + 1
-        return ProbeSpec(kind, self._names[:blocks])
+        return spec
 
 
 def _needs(fit: LoadFit | SplitFit | None) -> bool:

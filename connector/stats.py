@@ -233,6 +233,7 @@ SAMPLES = (
     "split_bounds",
     "split_unwaited",
     "probe_missing",
+    "probe_done",
     "compute_samples",
     "rank_block_bytes",
     "split_bands",

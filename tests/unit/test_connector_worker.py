@@ -800,10 +800,11 @@ def test_a_probe_without_staging_blames_no_store_and_one_of_gone_blocks_says_so(
     for mover in dst.movers:
         mover.receive = real_receive.__get__(mover)  # type: ignore[method-assign]
     dst.store.client.flushall()  # the blocks are gone
-    dst.start_load_kv(RedisConnectorMetadata(probes=[ProbeSpec(ProbeKind.WHOLE, hashes)]))
+    probe = ProbeSpec(ProbeKind.WHOLE, hashes, probe_id=7)
+    dst.start_load_kv(RedisConnectorMetadata(probes=[probe]))
     settle(dst)
     stats = dst.take_stats()
-    assert stats["probe_missing"] == [[1]] and "load_samples" not in stats
+    assert stats["probe_missing"] == [[7]] and "load_samples" not in stats
 
 
 def test_forward_passes_are_sampled_with_their_shape_less_their_split_waits() -> None:

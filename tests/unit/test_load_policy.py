@@ -36,7 +36,14 @@ from connector.load_policy import (
     pinned,
     plausible_recompute_s,
 )
-from connector.probes import PROBE_INTERVAL_S, PROBE_SECONDS, STALE_S, ProbeKind, ProbePlanner
+from connector.probes import (
+    FEW_SAMPLES,
+    PROBE_INTERVAL_S,
+    PROBE_SECONDS,
+    STALE_S,
+    ProbeKind,
+    ProbePlanner,
+)
 
 # a prompt of 2,000 tokens, 16-token blocks, 1,984 tokens (124 blocks) in Redis, 32 bands:
 # Llama-3.1-8B's block is 2 MiB (128 KiB a token)
@@ -485,10 +492,74 @@ def test_probes_stop_when_their_blocks_are_gone_until_a_lookup_finds_more() -> N
     clock = Clock()
     planner = ProbePlanner(clock=clock)
     planner.remember(["a", "b"], "r0")
-    assert planner.due(None, None, False, 1 << 20) is not None
-    planner.forget()
+    sent = planner.due(None, None, False, 1 << 20)
+    assert sent is not None
+    planner.missing(sent.probe_id)
     clock.now += 10
     assert planner.due(None, None, False, 1 << 20) is None
     planner.remember(["c"], "r1")
     spec = planner.due(None, None, False, 1 << 20)
     assert spec is not None and spec.names == ["c"]
+
+
+def test_a_late_report_of_an_older_hits_missing_blocks_keeps_the_newest_hits() -> None:
+    """Found in review: ``probe_missing`` did not say which probe it was about, so a probe of
+    an older hit whose handoff was deleted, reporting after a newer lookup, wiped the newest
+    hit's blocks (and released their hold): no probe until the next lookup."""
+    clock = Clock()
+    planner = ProbePlanner(clock=clock)
+    planner.remember(["a"], "r0")
+    old = planner.due(None, None, False, 1 << 20)
+    assert old is not None and old.names == ["a"]
+    planner.remember(["b", "c"], "r1")  # a newer hit, while the old probe is still reading
+    planner.missing(old.probe_id)  # the old probe's blocks were gone
+    clock.now += 10
+    spec = planner.due(None, None, False, 1 << 20)
+    assert spec is not None and spec.names == ["b"]
+    planner.missing(spec.probe_id)  # the newest hit's own blocks gone: that one stops them
+    clock.now += 10
+    assert planner.due(None, None, False, 1 << 20) is None
+    planner.missing(10**9)  # never sent: not ours, changes nothing
+    planner.reported(-1)
+
+
+def test_a_held_handoff_stays_until_the_probes_have_measured_the_store_again() -> None:
+    """Found in review: a handoff held for the probes went after one sample newer than the
+    hold; the next probe found nothing and stopped, so a store measured slow and then fast
+    again kept its slow figure, and every hit was recomputed until it went stale. It is held
+    until ``FEW_SAMPLES`` probes have reported since -- or the policy trusts the store again,
+    or a newer hit is what the probes read."""
+    clock = Clock()
+    planner = ProbePlanner(clock=clock)
+    slow = LoadFit(0.2, 1e5, samples=8)  # measured, not bounded: the store under watch
+    planner.remember(["a", "b"], "r0")
+    planner.note_choice(recomputed_for_the_store=True)
+    assert planner.hold_s("r0") > 0 and planner.hold_s("other") == 0
+    for _ in range(FEW_SAMPLES):
+        assert planner.needs("r0", slow)
+        clock.now += PROBE_INTERVAL_S
+        spec = planner.due(slow, None, False, 1 << 20)
+        assert spec is not None and spec.names[0] == "a"
+        planner.reported(spec.probe_id)
+    assert not planner.needs("r0", slow)  # measured: it goes
+    # held again, and let go as soon as the policy trusts the store
+    planner.remember(["c"], "r1")
+    planner.note_choice(recomputed_for_the_store=True)
+    assert planner.hold_s("r1") > 0 and planner.needs("r1", slow)
+    planner.note_choice(recomputed_for_the_store=False)
+    assert not planner.needs("r1", slow)
+    # or once a newer hit is what the probes read
+    planner.note_choice(recomputed_for_the_store=True)
+    assert planner.hold_s("r1") > 0 and planner.needs("r1", slow)
+    planner.remember(["d"], "r2")
+    assert not planner.needs("r1", slow)
+    # a figure still missing or bounded keeps it whatever the count
+    planner.note_choice(recomputed_for_the_store=True)
+    assert planner.hold_s("r2") > 0
+    for _ in range(FEW_SAMPLES):
+        clock.now += PROBE_INTERVAL_S
+        spec = planner.due(None, None, False, 1 << 20)
+        assert spec is not None
+        planner.reported(spec.probe_id)
+    assert planner.needs("r2", None)
+    assert planner.needs("r2", LoadFit(0.0, 10.0, 0, bounded=True))

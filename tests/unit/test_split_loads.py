@@ -478,6 +478,7 @@ def test_hostile_figures_in_the_workers_stats_teach_nothing_and_stop_nothing(
         "rank_block_bytes": [[inf]],
         "split_bands": [[nan]],
         "probe_missing": "yes",
+        "probe_done": [[inf], [1e300], ["x"], []],
     }
     scheduler = reader.connector.scheduler
     before = scheduler.load_choices.figures()
@@ -841,3 +842,45 @@ def test_a_pinned_recompute_whose_blocks_the_probe_reads_is_held_for_it(engines:
     step_until(consumer, lambda: (f := policy.figures().loads) is not None and not f.bounded)
     # c2's held handoff goes once the probes have read it: nothing left for teardown to wait on
     step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
+
+
+def test_a_consumer_that_measured_the_store_slow_loads_once_probes_see_it_fast(
+    engines: Any,
+) -> None:
+    """Found in review: a store *measured* slow (complete samples, not a bound), then fast
+    again. The recomputed handoff held for the probes went after one newer sample, the next
+    probe found nothing and stopped, and the figure kept its slow samples: every handoff was
+    recomputed until the figure went stale. It is held until the probes have measured the
+    store again, and the next handoff loads."""
+    tokens = [prompt(5 * BS + 3, seed=290 + i) for i in range(4)]
+    params = [produce(engines, t, rid=f"p{i}") for i, t in enumerate(tokens)]
+    consumer = engines("kv_consumer", load_policy="auto", deadline_s=30)
+    policy = consumer.connector.scheduler.load_choices
+    compute_costs_a_ms_a_token(policy)  # loading a fast store pays
+    # past the load's deadline (~0.15 s) but within a probe's (1 s): probes measure it slow
+    slow = slow_reads(consumer.worker.store, 0.2)
+    consumer.add("c0", tokens[0], params=params[0])
+    consumer.run_until_idle()
+    assert consumer.take_stats()["loads_expired"] == 1
+    consumer.add("c1", tokens[1], params=params[1])  # judged on the bound: recomputed, held
+    step_until(consumer, lambda: not consumer.sched.has_requests())
+
+    def measured_slow() -> bool:
+        fit = policy.figures().loads
+        return fit is not None and not fit.bounded and fit.samples >= 3 and not fit.changed
+
+    step_until(consumer, measured_slow)
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
+    hit_bytes = 5 * policy.block_bytes
+    slow_s = policy.figures().loads.seconds(hit_bytes)  # type: ignore[union-attr]
+    consumer.add("c2", tokens[2], params=params[2])
+    step_until(consumer, lambda: not consumer.sched.has_requests())
+    assert consumer.take_stats()["chose_recompute"] == 2  # measured slow: recomputed, held
+    slow.clear()  # fast again: the probes read c2's held blocks until they have measured it
+    step_until(consumer, lambda: consumer.connector.scheduler.drops_waiting == 0)
+    fit = policy.figures().loads
+    assert fit is not None and fit.seconds(hit_bytes) < slow_s / 2
+    consumer.add("c3", tokens[3], params=params[3])
+    consumer.run_until_idle()
+    stats = consumer.take_stats()
+    assert stats.get("chose_async") == 1 and stats["blocks_loaded"] >= 1
