@@ -85,6 +85,20 @@ class LoadChoices:
         splits = splits_within_loads(loads, self.split_rate.estimate())
         return Figures(loads, splits, self.compute_rate.estimate())
 
+    def _load_rate(self) -> float | None:
+        """The whole loads' bandwidth now, what the loads in flight drain at (None: not
+        measured)."""
+        loads = self.load_rate.estimate() if self.block_bytes > 0 else None
+        return loads.bytes_per_s if loads is not None else None
+
+    def load_started(self, req_id: str, nbytes: float, now: float) -> None:
+        """An asynchronous load of ``nbytes`` a rank starts now (``time.monotonic``)."""
+        self.loads_out.started(req_id, nbytes, now, self._load_rate())
+
+    def load_ended(self, req_id: str) -> None:
+        """The asynchronous load of ``req_id`` landed, failed or was given up."""
+        self.loads_out.ended(req_id, time.monotonic(), self._load_rate())
+
     @property
     def splits_allowed(self) -> bool:
         return self.split_refusal is None and self._unwaited_splits < UNWAITED_SPLITS_LIMIT
@@ -107,7 +121,8 @@ class LoadChoices:
             prefills=run.prefills + more.prefills,
             prefill_tokens_ahead=run.prefill_tokens_ahead + more.prefill_tokens_ahead,
             loads=len(self.loads_out) + more.loads,
-            load_bytes_ahead=self.loads_out.bytes_left(time.monotonic()) + more.load_bytes_ahead,
+            load_bytes_ahead=self.loads_out.bytes_left(time.monotonic(), self._load_rate())
+            + more.load_bytes_ahead,
             split_bytes=more.split_bytes,  # (one split a pass: a second waits for the next)
         )
 

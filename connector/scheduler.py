@@ -390,14 +390,8 @@ class RedisConnectorScheduler:
             # request waits for them
             self._splits_planned.append(rid)
         else:
-            predicted = st.decision.predicted_s if st.decision is not None else {}
             nbytes = (end - start) * self.load_choices.block_bytes
-            # its bytes leave the queue until it is predicted to land, the loads ahead of it
-            # first (a review suggested its own time alone: loads queued at the store then
-            # looked gone long before they were, and in the simulator waits ran out)
-            self.load_choices.loads_out.started(
-                rid, nbytes, now, predicted.get(Way.ASYNC.value) or timeout
-            )
+            self.load_choices.load_started(rid, nbytes, now)
         self._loads.planned(
             rid,
             st,
@@ -457,7 +451,7 @@ class RedisConnectorScheduler:
             if st is not None and st.same_chain:  # share mode: save what was not loaded again
                 st.recomputed_from(st.load_range[0])
         for req_id in output.finished_recving or ():
-            self.load_choices.loads_out.ended(req_id)
+            self.load_choices.load_ended(req_id)
             self._loads.count(req_id)
             st = self._reqs.get(req_id)
             if st is not None and st.phase is Phase.LOADING:
@@ -575,7 +569,7 @@ class RedisConnectorScheduler:
             return False, None
         loading = st.phase is Phase.LOADING
         if not loading:
-            self.load_choices.loads_out.ended(request.request_id)
+            self.load_choices.load_ended(request.request_id)
         self._loads.release(request.request_id, st)
         if not loading:
             # not loaded, and never will be: claim and delete it

@@ -254,11 +254,11 @@ class WholeLoads:
                 # the store gave at most this: the policy trusts no more until measured again
                 ctx.stats.sample("load_bounds", ctx.tp_rank, job.nbytes, seconds)
             elif not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
-                # from the step's start to its first byte: vLLM's late call and the queue
-                # behind other loads. The model adds the queue of the loads ahead too, but
-                # underestimates it under many loads; without the queue here (a review's
-                # suggestion) the simulator's busy cells ran 2-5x the best fixed way
-                lag = job.first_byte - job.step_started
+                # from the step's start to vLLM's call that started it (late on some releases
+                # and platforms), not to its first byte: the queue behind other loads is the
+                # model's (``load_policy.LoadsInFlight``), and counted here too it said an
+                # idle store's load starts seconds late once loads had queued
+                lag = max(0.0, job.started - job.step_started)
                 shared = ctx.landed_since(job.landed_before, job.nbytes)
                 ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, lag)
         if expired:

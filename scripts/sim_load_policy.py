@@ -551,7 +551,9 @@ class EngineSim:
             prefills=run.prefills,
             prefill_tokens_ahead=run.prefill_tokens_ahead,
             loads=len(self.loads_out),
-            load_bytes_ahead=self.loads_out.bytes_left(self.t),
+            load_bytes_ahead=self.loads_out.bytes_left(
+                self.t, loads.bytes_per_s if (loads := self.load_rate.estimate()) else None
+            ),
         )
 
     def _split_step(self, splits: list[tuple[Request, int]], compute: float) -> tuple[float, bool]:
@@ -596,9 +598,10 @@ class EngineSim:
         nbytes = r.hit // BLOCK * self.block_bytes
         self.links.start(r, nbytes, at, self.store.overhead_s)
         self.loading[r.rid] = r
-        predicted = r.decision.predicted_s.get("async") if r.decision else None
-        wait = r.decision.wait_s if r.decision and r.decision.wait_s is not None else None
-        self.loads_out.started(str(r.rid), nbytes, step_start, predicted or wait or 1.0)
+        loads = self.load_rate.estimate()
+        self.loads_out.started(
+            str(r.rid), nbytes, step_start, loads.bytes_per_s if loads is not None else None
+        )
         r.arrival_load = step_start  # type: ignore[attr-defined]
 
     def _limit(self, r: Request) -> float:
@@ -615,7 +618,9 @@ class EngineSim:
             if done is not None and done <= limit:
                 for rank, _, first in self.links.landed(r):
                     assert first is not None
-                    lag = first - r.arrival_load  # type: ignore[attr-defined]  # (queue included)
+                    # (from its step to when it was started, as a worker times it: the queue
+                    # behind other loads is the model's)
+                    lag = self.store.lag_s
                     done_rank = next(
                         t.done_at for t in self.links.transfers if t.owner is r and t.rank == rank
                     )
@@ -630,7 +635,8 @@ class EngineSim:
             else:
                 continue
             del self.loading[rid]
-            self.loads_out.ended(str(r.rid))
+            loads = self.load_rate.estimate()
+            self.loads_out.ended(str(r.rid), now, loads.bytes_per_s if loads else None)
             self.links.drop(r)
 
     def _probe(self) -> None:
@@ -795,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
         cell = run_cell(d, gbps, ratio, work, hit, requests, args.seed)
         cells.append(cell)
         print(table([cell]).splitlines()[-1], flush=True)
+    if not cells:
+        print(f"no cell's name contains all of {args.only!r} (names read like {name!r})")
+        return 2
     print(f"\n{summary(cells)} ({time.monotonic() - t0:.0f} s)\n")
     print(table(cells))
     if args.json:

@@ -27,6 +27,7 @@ from connector.load_policy import (
     Engine,
     Figures,
     Hit,
+    LoadsInFlight,
     Reason,
     Way,
     admitted,
@@ -187,6 +188,39 @@ def test_loads_in_flight_share_the_store_and_async_is_rounded_to_the_engines_ste
     idle = choose(HIT, at(20), split_ok=False).predicted_s["async"]
     busy = choose(HIT, at(20), busy=decodes, split_ok=False).predicted_s["async"]
     assert busy >= idle + step * 0.5
+
+
+def test_a_recompute_whose_chunks_fill_the_budget_holds_every_load_landing_meanwhile() -> None:
+    """vLLM serves running requests first: while a 32k prompt's chunks fill the token
+    budget, a request whose load landed waits for the last of them, not for one pass (the
+    simulator: loads that landed in 1 s waited 3 s behind a recompute chosen beside them)."""
+    long = Hit(start=0, end=2048, prompt_tokens=32768 + 64, block_size=16, block_bytes=2 << 20,
+               bands=32)  # fmt: skip
+    assert choose(long, at(5.0), split_ok=False).way is Way.ASYNC
+    landing = Busy(loads=2, load_bytes_ahead=0.0)  # two loads about to land
+    assert choose(long, at(5.0), busy=landing, split_ok=False).way is Way.ASYNC
+
+
+def test_loads_in_flight_are_a_backlog_the_store_drains_at_its_rate() -> None:
+    """A load queued behind others keeps its bytes until the store got to them: each load's
+    bytes used to leave over its own predicted time, queued ones looked half gone before their
+    first byte, and the worker's lag had to carry the queue instead (then an idle store's
+    load looked seconds late). A load that ended takes its bytes with it, after the drain up
+    to then (clamped first, the drain was taken twice: gigabytes behind in the simulator)."""
+    gb = 1e9
+    loads = LoadsInFlight()
+    for i in range(4):
+        loads.started(f"r{i}", 1 * gb, 0.0, 1 * gb)
+    assert loads.bytes_left(1.0, 1 * gb) == pytest.approx(3 * gb)  # one load's worth drained
+    loads.ended("r0", 2.0, 1 * gb)  # (heard of a step late)
+    assert loads.bytes_left(2.0, 1 * gb) == pytest.approx(2 * gb)
+    loads.ended("r1", 2.0, 1 * gb)
+    loads.ended("r2", 2.0, 1 * gb)
+    assert loads.bytes_left(2.0, 1 * gb) == pytest.approx(1 * gb)  # no more than r3's
+    assert loads.bytes_left(10.0, 1 * gb) == 0.0 and len(loads) == 1
+    assert loads.bytes_left(11.0, None) == 0.0  # not measured: nothing drains, nothing added
+    loads.started("r4", 1 * gb, 12.0, None)
+    assert loads.bytes_left(20.0, None) == pytest.approx(1 * gb)
 
 
 def test_a_busy_engine_counts_what_each_way_costs_the_prompts_it_computes() -> None:
