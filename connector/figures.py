@@ -9,8 +9,9 @@ take for what they hold. Three paths, three figures; no fit mixes them:
   fastest sample; the bandwidth is over the newest few samples, bytes-weighted (a small
   probe's time is mostly its fixed cost), so a store that got ten times slower or faster is
   followed within a few samples. A load also says how long after
-  its step began its first byte went out (``lag_s``: vLLM starts asynchronous loads after the
-  forward pass on some releases and platforms).
+  its step began vLLM's call started it (``lag_s``: vLLM starts asynchronous loads after the
+  forward pass on some releases and platforms; the queue behind other loads is not in it,
+  ``load_policy.LoadsInFlight`` models that).
 - **Split loads** (``SplitRate`` -> ``SplitFit``): a split reads every block's band of layers
   ``i`` before any block's band ``i + 1``; band ``i`` lands ``first_s + (i + 1) x`` after the
   split starts, ``x = band_s + band bytes / bandwidth``. Fitted from the band timeline each
@@ -76,7 +77,7 @@ class LoadFit:
     overhead_s: float  # a load's fixed cost: round trips, claiming
     bytes_per_s: float  # one rank's bandwidth from Redis into its KV cache
     samples: int
-    lag_s: float = 0.0  # from the load's step starting to its first byte out
+    lag_s: float = 0.0  # from the load's step starting to vLLM's call that started it
     age_s: float = 0.0  # how old the newest sample is
     bounded: bool = False  # the bandwidth is an expired or failed load's upper bound
     changed: bool = False  # the newest samples disagree with the window: the store changed
@@ -288,7 +289,8 @@ class LoadRate:
 
     def add(self, nbytes: float, seconds: float, rank: int = 0, lag_s: float | None = None) -> None:
         """A whole load (or probe) that landed: ``nbytes`` in ``seconds`` from its first byte;
-        ``lag_s``: from its step's start to that first byte (None: not a step's load)."""
+        ``lag_s``: from its step's start to vLLM's call that started it (None: not a step's
+        load)."""
         if not _finite(nbytes, seconds) or nbytes <= 0 or seconds <= 0:
             return
         lag = float(lag_s) if lag_s is not None and _finite(lag_s) and lag_s >= 0 else math.nan

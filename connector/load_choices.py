@@ -218,7 +218,7 @@ class LoadChoices:
             ),
         }
         for key, take in kinds.items():
-            for values in data.get(key, ()):
+            for values in _entries(data, key):
                 try:
                     take(*(float(v) for v in values))
                 except (TypeError, ValueError, OverflowError):  # not what our workers send
@@ -235,10 +235,11 @@ class LoadChoices:
             ("probe_done", self.probes.reported),
             ("probe_missing", self.probes.missing),
         ):
-            for values in data.get(key, ()):
+            for values in _entries(data, key):
                 try:
-                    report(int(values[0]))
-                except (TypeError, ValueError, OverflowError, IndexError):
+                    (probe_id,) = values
+                    report(int(probe_id))
+                except (TypeError, ValueError, OverflowError):
                     logger.debug("ignoring a malformed %s in the connector's stats", key)
         unwaited = data.get("split_unwaited")
         if isinstance(unwaited, list) and unwaited:
@@ -267,3 +268,12 @@ class LoadChoices:
             data["policy_step_seconds"] = compute.step_s
             data["policy_token_seconds"] = compute.token_s
             data["policy_attention_seconds"] = compute.attention_s
+
+
+def _entries(data: dict[str, Any], key: str) -> list[Any]:
+    """The entries of one kind of sample in the workers' stats: a sequence of sequences (lists,
+    or tuples after a serializer); anything else (not what our workers send) is none."""
+    entries = data.get(key)
+    if not isinstance(entries, list | tuple):
+        return []
+    return [e for e in entries if isinstance(e, list | tuple)]

@@ -102,11 +102,15 @@ class ProbeReads:
             ctx.stats.sample("probe_missing", spec.probe_id)
             return
         shared = ctx.landed_since(landed_before, nbytes)  # (what loads beside it got too)
-        ctx.stats.sample("probe_done", spec.probe_id)
         if spec.kind is ProbeKind.WHOLE:
             ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, -1.0)
-            return
-        between = statistics.median(b - a for a, b in pairwise(timeline)) if timeline[1:] else 0.0
-        per_band = shared // max(1, len(timeline))
-        first = timeline[0] if timeline else seconds
-        ctx.stats.sample("split_samples", ctx.tp_rank, per_band, first, between, len(timeline))
+        else:
+            between = (
+                statistics.median(b - a for a, b in pairwise(timeline)) if timeline[1:] else 0.0
+            )
+            per_band = shared // max(1, len(timeline))
+            first = timeline[0] if timeline else seconds
+            ctx.stats.sample("split_samples", ctx.tp_rank, per_band, first, between, len(timeline))
+        # after its sample: the report may let a held handoff go, and the sample must be in
+        # the same stats by then
+        ctx.stats.sample("probe_done", spec.probe_id)

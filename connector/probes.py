@@ -66,6 +66,10 @@ BUSY_WAIT_S = 0.5
 PROBE_HOLD_S = 30.0
 
 
+# whole-value probes a hold keeps track of (a 30 s hold plans at most 600, at 50 ms apart)
+_MAX_TRACKED = 1024
+
+
 class ProbeKind(enum.Enum):
     WHOLE = "whole"  # values read whole, as an asynchronous load reads them
     BANDS = "bands"  # values read band of layers by band, as a split reads them
@@ -92,8 +96,11 @@ class ProbePlanner:
         self._names: list[BlockName] = []  # a recent hit's blocks, as present in Redis
         self._owner: str | None = None  # the request whose hit they are
         self._names_from = 0  # the first probe that read those blocks (by ``probe_id``)
-        self._held_from = 0  # the first probe after the owner's handoff was held for them
-        self._reported = -1  # the newest probe that reported a sample, a bound or nothing
+        # whole-value probes planned since the owner's handoff was held for them, and those of
+        # them that reported (a planned probe may never run: the worker drops one while another
+        # runs, or finds no staging; band probes say nothing of the whole loads' figure)
+        self._whole_since_hold: set[int] = set()
+        self._reported_since_hold: set[int] = set()
         self._sent_at = -float("inf")
         self._sent = 0  # probes planned so far: the next one's ``probe_id``
         self._store_too_slow = False  # the last hit was recomputed because of the store
@@ -118,8 +125,8 @@ class ProbePlanner:
 
     def reported(self, probe_id: int) -> None:
         """Probe ``probe_id`` ended: with a sample, an upper bound, or nothing found."""
-        if 0 <= probe_id < self._sent:  # (never planned: not ours)
-            self._reported = max(self._reported, probe_id)
+        if probe_id in self._whole_since_hold:  # (anything else: not one the hold waits for)
+            self._reported_since_hold.add(probe_id)
 
     def note_choice(self, recomputed_for_the_store: bool) -> None:
         """The policy chose how to serve a measured hit: recomputing it because loading looked
@@ -134,23 +141,23 @@ class ProbePlanner:
         watched = self._store_too_slow and self._names and owner == self._owner
         if not watched:
             return 0.0
-        self._held_from = self._sent
+        self._whole_since_hold, self._reported_since_hold = set(), set()
         return PROBE_HOLD_S
 
     def needs(self, owner: str, loads: LoadFit | None) -> bool:
         """Whether request ``owner``'s held blocks are still what the probes must read: its hit
         is the newest, the store is under watch (the policy has not trusted it since), and
-        the probes have not measured it yet -- the figure is missing, bounded or stale, or
-        fewer than ``FEW_SAMPLES`` probes have reported since the hold. ``loads``: the whole
-        loads' figure now. (Released after one newer sample, the next probe found nothing and
-        stopped: a store measured slow and then fast again kept its slow figure, and every
-        hit was recomputed until that went stale; three samples are what a changed store's
-        figure follows, ``figures.fixed_and_rate``.)"""
+        the probes have not measured it yet -- the figure (``loads``, the whole loads' now) is
+        missing, bounded or stale, or fewer than ``FEW_SAMPLES`` whole-value probes planned
+        since the hold have reported. (Released after one newer sample, the next probe found
+        nothing and stopped: a store measured slow and then fast again kept its slow figure,
+        and every hit was recomputed until it went stale; three samples are what a changed
+        store's figure follows, ``figures.fixed_and_rate``.)"""
         if owner != self._owner or not self._names or not self._store_too_slow:
             return False
         if loads is None or _needs(loads):
             return True
-        return self._reported + 1 - self._held_from < FEW_SAMPLES
+        return len(self._reported_since_hold) < FEW_SAMPLES
 
     def due(
         self,
@@ -190,6 +197,8 @@ class ProbePlanner:
         # small, then large (sized by what the small one said), and so on
         blocks = large if (self._sent // len(kinds)) % 2 == 1 else 1
         spec = ProbeSpec(kind, self._names[:blocks], probe_id=self._sent)
+        if kind is ProbeKind.WHOLE and len(self._whole_since_hold) < _MAX_TRACKED:
+            self._whole_since_hold.add(spec.probe_id)
         self._sent_at, self._sent = now, self._sent + 1
         return spec
 

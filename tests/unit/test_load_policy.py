@@ -576,6 +576,23 @@ def test_a_held_handoff_stays_until_the_probes_have_measured_the_store_again() -
         assert spec is not None and spec.names[0] == "a"
         planner.reported(spec.probe_id)
     assert not planner.needs("r0", slow)  # measured: it goes
+    # what counts is whole-value probes that reported: not ids planned and never run (the
+    # worker drops one while another runs), nor band probes (they measure splits)
+    planner.note_choice(recomputed_for_the_store=True)
+    assert planner.hold_s("r0") > 0
+    unreported = []
+    for _ in range(2 * FEW_SAMPLES):
+        clock.now += PROBE_INTERVAL_S
+        spec = planner.due(slow, SplitFit(0.001, 0.0001, 1e6, samples=8), True, 1 << 20)
+        assert spec is not None
+        unreported.append(spec)
+    for spec in unreported[-2:]:
+        planner.reported(spec.probe_id)  # a band probe and a whole one, the rest never ran
+    assert {s.kind for s in unreported[-2:]} == {ProbeKind.WHOLE, ProbeKind.BANDS}
+    assert planner.needs("r0", slow)
+    for spec in unreported:
+        planner.reported(spec.probe_id)
+    assert not planner.needs("r0", slow)  # three whole-value probes have reported
     # held again, and let go as soon as the policy trusts the store
     planner.remember(["c"], "r1")
     planner.note_choice(recomputed_for_the_store=True)

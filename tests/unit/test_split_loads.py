@@ -477,8 +477,9 @@ def test_hostile_figures_in_the_workers_stats_teach_nothing_and_stop_nothing(
         "compute_samples": [[inf, 1.0, 0, 0, 0.01], [10, 1.0, 0, 0, -1.0]],
         "rank_block_bytes": [[inf]],
         "split_bands": [[nan]],
-        "probe_missing": "yes",
-        "probe_done": [[inf], [1e300], ["x"], []],
+        "probe_missing": None,
+        "probe_done": [[inf], [1e300], ["x"], [], [{"x": 1}], {"x": 1}, 5, None],
+        "split_bounds": 7,  # (not even a list)
     }
     scheduler = reader.connector.scheduler
     before = scheduler.load_choices.figures()
