@@ -66,8 +66,11 @@ from connector.figures import (
 MIN_SPLIT_REST = 2
 # a load is chosen only where it is predicted to cost at least this much less than recomputing
 # (a fraction of recomputing's cost), and a split only where it beats a plain load by as much:
-# the model's errors are of this order (scripts/sim_load_policy.py; 0.10 lost more gains)
-MARGIN = 0.05
+# the model's errors are of this order. In the simulator (scripts/sim_load_policy.py, 384
+# cells, 2026-11-29) 0.05 missed its targets in 21 cells (splits 6-8% faster than recomputing
+# never taken), 0.04 in 15, 0.03 and 0.02 in 14 and 12 but with one cell's p99 at 1.27x
+# recomputing's (splits of a slow store's bands taken on a thin predicted gain); 0.10 lost more
+MARGIN = 0.04
 # before any prefill was measured: what a prompt plausibly costs at most (a slow CPU's figures:
 # a GPU computes a token 30-300x faster, and is measured within its first passes)
 PRIOR_STEP_S = 0.05
