@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from connector.load_policy import MARGIN
 from scripts import serve_demo
 from testing.redis_server import free_port
 from tests.conftest import ROOT
@@ -165,7 +166,7 @@ BEFORE = metrics(chose_async_total=1.0, predicted_gain_seconds_count=0.0)
             ),
             True,
             "compute: load not faster",
-            "not predicted to bring the first token at least 5% sooner",
+            f"not predicted to bring the first token at least {MARGIN:.0%} sooner",
         ),
         (
             metrics(chose_async_total=1.0, chose_recompute_total=1.0),
