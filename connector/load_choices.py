@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from connector.config import RedisConnectorConfig
 from connector.figures import (
     ComputeRate,
+    LoadFit,
     LoadRate,
     SplitRate,
     StepShape,
@@ -81,14 +82,18 @@ class LoadChoices:
 
     def figures(self) -> Figures:
         """What the load policy decides from now (``figures.py``)."""
-        loads = self.load_rate.estimate() if self.block_bytes > 0 else None
+        loads = self._loads()
         splits = splits_within_loads(loads, self.split_rate.estimate())
         return Figures(loads, splits, self.compute_rate.estimate())
+
+    def _loads(self) -> LoadFit | None:
+        """The whole loads' figure (none before a rank said how large its blocks are)."""
+        return self.load_rate.estimate() if self.block_bytes > 0 else None
 
     def _load_rate(self) -> float | None:
         """The whole loads' bandwidth now, what the loads in flight drain at (None: not
         measured)."""
-        loads = self.load_rate.estimate() if self.block_bytes > 0 else None
+        loads = self._loads()
         return loads.bytes_per_s if loads is not None else None
 
     def load_started(self, req_id: str, nbytes: float, now: float) -> None:

@@ -421,6 +421,11 @@ class EngineSim:
             self.compute_rate.estimate(),
         )
 
+    def _load_rate(self) -> float | None:
+        """What the loads in flight drain at: the whole loads' figure (None: not measured)."""
+        loads = self.load_rate.estimate()
+        return loads.bytes_per_s if loads is not None else None
+
     def decide(self, r: Request, busy: Busy) -> Decision:
         hit = Hit(0, r.hit // BLOCK, r.prompt, BLOCK, self.block_bytes, self.bands)
         figures = self.figures()
@@ -551,9 +556,7 @@ class EngineSim:
             prefills=run.prefills,
             prefill_tokens_ahead=run.prefill_tokens_ahead,
             loads=len(self.loads_out),
-            load_bytes_ahead=self.loads_out.bytes_left(
-                self.t, loads.bytes_per_s if (loads := self.load_rate.estimate()) else None
-            ),
+            load_bytes_ahead=self.loads_out.bytes_left(self.t, self._load_rate()),
         )
 
     def _split_step(self, splits: list[tuple[Request, int]], compute: float) -> tuple[float, bool]:
@@ -598,10 +601,7 @@ class EngineSim:
         nbytes = r.hit // BLOCK * self.block_bytes
         self.links.start(r, nbytes, at, self.store.overhead_s)
         self.loading[r.rid] = r
-        loads = self.load_rate.estimate()
-        self.loads_out.started(
-            str(r.rid), nbytes, step_start, loads.bytes_per_s if loads is not None else None
-        )
+        self.loads_out.started(str(r.rid), nbytes, step_start, self._load_rate())
         r.arrival_load = step_start  # type: ignore[attr-defined]
 
     def _limit(self, r: Request) -> float:
@@ -635,8 +635,7 @@ class EngineSim:
             else:
                 continue
             del self.loading[rid]
-            loads = self.load_rate.estimate()
-            self.loads_out.ended(str(r.rid), now, loads.bytes_per_s if loads else None)
+            self.loads_out.ended(str(r.rid), now, self._load_rate())
             self.links.drop(r)
 
     def _probe(self) -> None:
