@@ -76,3 +76,13 @@ def load_all(mover: BlockMover, block_ids: list[int], hashes: list[str]) -> list
         ids, _ = chunk.copy_in()
         copied += ids
     return copied
+
+
+def staging_all_free(mover: BlockMover) -> bool:
+    """Take every load staging buffer (waiting for those still in use), then give them back."""
+    pool = mover._load_pool
+    taken = [pool.acquire(timeout_s=60) for _ in range(pool.count)]
+    for buf in taken:
+        if buf is not None:
+            pool.release(buf)
+    return all(buf is not None for buf in taken)

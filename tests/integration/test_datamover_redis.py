@@ -1,8 +1,15 @@
 """The data mover (``datamover``) against a real redis-server: a save and a load through it, on
-the CPU and, in the GPU suite (``pytest -m cuda``, scripts/gpu_suite.sh), on a GPU. Its tests
-on fakeredis are in tests/unit/test_datamover.py."""
+the CPU and, in the GPU suite (``pytest -m cuda``, scripts/gpu_suite.sh), on a GPU; and the
+read-ahead's staging hand-over between loads on several threads, which fakeredis could not
+serve reliably (a value SET was, once in CI, not found by a read on another thread's
+connection: ``testing.kv_caches.own_fake_client``). Its tests on fakeredis are in
+tests/unit/test_datamover.py."""
 
 from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
@@ -10,7 +17,7 @@ import torch
 
 from datamover import BlockMover
 from kvstore import chain_hashes
-from testing.kv_caches import DEVICES, caches, load_all, save_all, store_on
+from testing.kv_caches import DEVICES, caches, load_all, save_all, staging_all_free, store_on
 
 
 @pytest.mark.redis
@@ -43,3 +50,43 @@ def test_save_then_load_into_another_cache_is_bit_exact(
         assert torch.equal(dst[name][dst_ids].cpu(), src[name][src_ids].cpu())
         untouched = [i for i in range(64) if i not in dst_ids]
         assert not dst[name][untouched].any()
+
+
+@pytest.mark.redis
+def test_reading_ahead_never_takes_a_buffer_a_waiting_load_needs(redis_url: str) -> None:
+    # load A holds one buffer for its chunk and one for the chunk it reads ahead; load B waits.
+    # When A moves on, the buffer it frees must go to B, not to A's next read-ahead
+    client = redis.Redis.from_url(redis_url)
+    hashes = chain_hashes(list(range(6 * 16)), 16)
+    saver = BlockMover(caches("cpu"), store_on(client), max_inflight_bytes=64 << 20)
+    save_all(saver, list(range(6)), hashes)
+    with ThreadPoolExecutor(2) as prefetch:
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            store_on(client),
+            max_inflight_bytes=1,  # two staging buffers of one block each
+            chunk_bytes=1,
+            prefetch=prefetch,
+        )
+        assert loader._load_pool.count == 2
+        a = loader.receive(list(range(30, 34)), hashes[:4], timeout_s=60)
+        assert next(a).copy_in()[0] == [30]  # A: a chunk, and the next one read ahead
+        b_got: list[list[int]] = []
+        b = threading.Thread(
+            target=lambda: b_got.append(
+                next(loader.receive([40], hashes[4:5], timeout_s=60)).copy_in()[0]
+            )
+        )
+        b.start()
+        deadline = time.monotonic() + 60
+        while loader._load_pool.waiting != 1:  # load B waits for staging
+            assert time.monotonic() < deadline, "load B never waited for staging"
+            time.sleep(0.001)
+        # A moves on while B cannot run yet (the test holds the pool's lock, which A may
+        # take again: it is re-entrant): A's freed buffer must be left for B
+        with loader._load_pool._cond:
+            assert next(a).copy_in()[0] == [31]
+        b.join(60)
+        assert b_got == [[40]]
+        assert list(chunk.copy_in()[0] for chunk in a) == [[32], [33]]
+    assert staging_all_free(loader)

@@ -20,7 +20,15 @@ import torch
 from datamover import BlockMover, PagedKV, SaveItem, StagingBusyError
 from datamover.staging import StagingPool
 from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
-from testing.kv_caches import DEVICES, caches, load_all, own_fake_client, save_all, store_on
+from testing.kv_caches import (
+    DEVICES,
+    caches,
+    load_all,
+    own_fake_client,
+    save_all,
+    staging_all_free,
+    store_on,
+)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -382,16 +390,6 @@ class GatedStore:
         return self._store.select_into(*args, **kwargs)  # type: ignore[arg-type]
 
 
-def staging_all_free(mover: BlockMover) -> bool:
-    """Take every load staging buffer (waiting for those still in use), then give them back."""
-    pool = mover._load_pool
-    taken = [pool.acquire(timeout_s=60) for _ in range(pool.count)]
-    for buf in taken:
-        if buf is not None:
-            pool.release(buf)
-    return all(buf is not None for buf in taken)
-
-
 def saved_blocks(client: fakeredis.FakeRedis, n: int) -> tuple[dict[str, torch.Tensor], list[str]]:
     src = caches("cpu")
     hashes = chain_hashes(list(range(n * 16)), 16)
@@ -583,40 +581,6 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.001)
-
-
-def test_reading_ahead_never_takes_a_buffer_a_waiting_load_needs() -> None:
-    # load A holds one buffer for its chunk and one for the chunk it reads ahead; load B waits.
-    # When A moves on, the buffer it frees must go to B, not to A's next read-ahead
-    client = own_fake_client()
-    _, hashes = saved_blocks(client, 6)
-    with ThreadPoolExecutor(2) as prefetch:
-        loader = BlockMover(
-            caches("cpu", seed=None),
-            store_on(client),
-            max_inflight_bytes=1,  # two staging buffers of one block each
-            chunk_bytes=1,
-            prefetch=prefetch,
-        )
-        assert loader._load_pool.count == 2
-        a = loader.receive(list(range(30, 34)), hashes[:4], timeout_s=60)
-        assert next(a).copy_in()[0] == [30]  # A: a chunk, and the next one read ahead
-        b_got: list[list[int]] = []
-        b = threading.Thread(
-            target=lambda: b_got.append(
-                next(loader.receive([40], hashes[4:5], timeout_s=60)).copy_in()[0]
-            )
-        )
-        b.start()
-        wait_until(lambda: loader._load_pool.waiting == 1, "load B to wait for staging")
-        # A moves on while B cannot run yet (the test holds the pool's lock, which A may
-        # take again: it is re-entrant): A's freed buffer must be left for B
-        with loader._load_pool._cond:
-            assert next(a).copy_in()[0] == [31]
-        b.join(60)
-        assert b_got == [[40]]
-        assert list(chunk.copy_in()[0] for chunk in a) == [[32], [33]]
-    assert staging_all_free(loader)
 
 
 def test_a_prefetch_cancelled_by_shutdown_gives_its_staging_back() -> None:
