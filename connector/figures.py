@@ -23,8 +23,11 @@ take for what they hold. Three paths, three figures; no fit mixes them:
   of decode steps never pushes out the prefills a prompt's cost is predicted from.
 
 Every figure is per TP rank where ranks differ (the loads): the slowest rank sets the pace, so
-its figure counts. Samples age: none older than ``MAX_AGE_S`` is used, and the policy asks for
-background probes when the newest is older than it likes (``probes.py``). A load that expired
+its figure counts. Samples age from when their rank recorded them, not from the step that
+carried them (an idle engine's probes wait for the next step: ``stats.StatsBuffer.timed_sample``),
+so a bound and the samples after it keep their order; none older than ``MAX_AGE_S`` is used,
+and the policy asks for background probes when the newest is older than it likes
+(``probes.py``). A load that expired
 or failed, or a probe that did, teaches an upper bound: the store gave at most what landed over
 the time spent; the bandwidth is at most that until newer complete samples come, and then it is
 theirs alone (the store changed there), unless one shows the store more than
@@ -189,6 +192,14 @@ def step_shape(rows: Sequence[tuple[int, int, bool]]) -> StepShape:
     )
 
 
+def _age(age_s: float) -> float:
+    """A sample's age as the workers say it: at least 0, at most ``MAX_AGE_S`` past usable
+    (what is not a finite number: new)."""
+    if not _finite(age_s):
+        return 0.0
+    return min(max(0.0, float(age_s)), 2 * MAX_AGE_S)
+
+
 def _finite(*values: float) -> bool:
     return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
 
@@ -253,14 +264,18 @@ class _PerRank:
         self.clock = clock
         self.count = 0  # samples and bounds ever added: tells a fresh sample from an old fit
 
-    def add(self, rank: int, values: tuple[float, ...]) -> None:
+    def add(self, rank: int, values: tuple[float, ...], age_s: float = 0.0) -> None:
+        """A sample recorded ``age_s`` ago (it may have waited for a step to carry it)."""
         with self._lock:
-            self._rank(rank).samples.append((values, self.clock()))
+            self._rank(rank).samples.append((values, self.clock() - _age(age_s)))
             self.count += 1
 
-    def add_bound(self, rank: int, bytes_per_s: float) -> None:
+    def add_bound(self, rank: int, bytes_per_s: float, age_s: float = 0.0) -> None:
         with self._lock:
-            self._rank(rank).bound = (bytes_per_s, self.clock())
+            samples = self._rank(rank)
+            at = self.clock() - _age(age_s)
+            if samples.bound is None or at >= samples.bound[1]:  # (the newest bound counts)
+                samples.bound = (bytes_per_s, at)
             self.count += 1
 
     def _rank(self, rank: int) -> _RankSamples:
@@ -287,21 +302,29 @@ class LoadRate:
     def count(self) -> int:
         return self._ranks.count
 
-    def add(self, nbytes: float, seconds: float, rank: int = 0, lag_s: float | None = None) -> None:
+    def add(
+        self,
+        nbytes: float,
+        seconds: float,
+        rank: int = 0,
+        lag_s: float | None = None,
+        age_s: float = 0.0,
+    ) -> None:
         """A whole load (or probe) that landed: ``nbytes`` in ``seconds`` from its first byte;
         ``lag_s``: from its step's start to vLLM's call that started it (None: not a step's
-        load)."""
+        load); ``age_s``: how long ago it ended."""
         if not _finite(nbytes, seconds) or nbytes <= 0 or seconds <= 0:
             return
         lag = float(lag_s) if lag_s is not None and _finite(lag_s) and lag_s >= 0 else math.nan
-        self._ranks.add(rank, (float(nbytes), float(seconds), lag))
+        self._ranks.add(rank, (float(nbytes), float(seconds), lag), age_s)
 
-    def add_bound(self, nbytes: float, seconds: float, rank: int = 0) -> None:
-        """A load (or probe) that expired or failed after ``seconds`` with ``nbytes`` landed:
-        the store was at most that fast (nothing landed: as good as not at all)."""
+    def add_bound(self, nbytes: float, seconds: float, rank: int = 0, age_s: float = 0.0) -> None:
+        """A load (or probe) that expired or failed after ``seconds`` with ``nbytes`` landed,
+        ``age_s`` ago: the store was at most that fast (nothing landed: as good as not at
+        all)."""
         if not _finite(nbytes, seconds) or seconds <= 0 or nbytes < 0:
             return
-        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds))
+        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds), age_s)
 
     def estimate(self) -> LoadFit | None:
         """The slowest rank's fit over its recent loads, or None while any rank that reported
@@ -386,22 +409,29 @@ class SplitRate:
         return self._ranks.count
 
     def add(
-        self, band_bytes: float, first_s: float, between_s: float, bands: int, rank: int = 0
+        self,
+        band_bytes: float,
+        first_s: float,
+        between_s: float,
+        bands: int,
+        rank: int = 0,
+        age_s: float = 0.0,
     ) -> None:
-        """A split whose every band landed: each band ``band_bytes`` (every block's), the first
-        landed ``first_s`` after it started, later ones ``between_s`` apart (the median)."""
+        """A split whose every band landed, ``age_s`` ago: each band ``band_bytes`` (every
+        block's), the first landed ``first_s`` after it started, later ones ``between_s``
+        apart (the median)."""
         if not _finite(band_bytes, first_s, between_s) or band_bytes <= 0 or first_s <= 0:
             return
         if bands < 2 or between_s <= 0:
             between_s = math.nan  # one band: nothing between bands
-        self._ranks.add(rank, (float(band_bytes), float(first_s), float(between_s)))
+        self._ranks.add(rank, (float(band_bytes), float(first_s), float(between_s)), age_s)
 
-    def add_bound(self, nbytes: float, seconds: float, rank: int = 0) -> None:
-        """A split that ended before its bands landed: ``nbytes`` (what landed and the band it
-        waited for) in ``seconds``: its bands came at most that fast."""
+    def add_bound(self, nbytes: float, seconds: float, rank: int = 0, age_s: float = 0.0) -> None:
+        """A split that ended before its bands landed, ``age_s`` ago: ``nbytes`` (what landed
+        and the band it waited for) in ``seconds``: its bands came at most that fast."""
         if not _finite(nbytes, seconds) or seconds <= 0 or nbytes < 0:
             return
-        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds))
+        self._ranks.add_bound(rank, max(float(nbytes), 1.0) / float(seconds), age_s)
 
     def estimate(self) -> SplitFit | None:
         now, ranks = self._ranks.snapshot()

@@ -34,7 +34,7 @@ from connector.load_policy import (
     next_pass,
     pinned,
 )
-from connector.probes import ProbePlanner, ProbeSpec
+from connector.probes import IDLE_AFTER_S, ProbePlanner, ProbeSpec
 from connector.request_state import RequestState
 from connector.stats import StatsBuffer
 
@@ -69,6 +69,10 @@ class LoadChoices:
         self.compute_rate = ComputeRate()
         self.weights = BusyWeights(decode=config.busy_decode_weight)
         self.probes = ProbePlanner()
+        # the idle probes the workers were last sent (``probes.ProbePlanner.idle_order``), and
+        # when a step was last scheduled or its output came in (``time.monotonic``)
+        self._idle_order: tuple[ProbeSpec, ...] = ()
+        self._step_seen_at = time.monotonic()
         self._unwaited_splits = 0  # splits whose forward pass skipped their waits
         # what the engine runs besides a request being admitted (``_busy``): the pass just
         # scheduled, seen as the next one, and what this step's admissions added to it
@@ -188,9 +192,13 @@ class LoadChoices:
         """A step was scheduled (``rows``: see ``load_policy.next_pass``): it is the pass the
         next admissions run beside, and none of them is admitted yet."""
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
+        self._step_seen_at = time.monotonic()
 
-    def due_probe(self, quiet_step: bool, splits_running: bool) -> ProbeSpec | None:
-        """The probe this step's metadata carries, if one is due (``probes.py``).
+    def step_probes(
+        self, quiet_step: bool, splits_running: bool
+    ) -> tuple[ProbeSpec | None, list[ProbeSpec] | None]:
+        """What this step's metadata carries for probing the store (``probes.py``): the probe
+        due now, if any, and the workers' idle probes when they changed (None: unchanged).
         ``quiet_step``: the step computes no prompt and loads nothing; ``splits_running``: a
         split's load runs in it."""
         figures = self.figures()
@@ -199,25 +207,40 @@ class LoadChoices:
         quiet = self.engine.overlap or (
             quiet_step and not len(self.loads_out) and not splits_running
         )
-        return self.probes.due(
+        due = self.probes.due(
             figures.loads, figures.splits, self.auto_splits, self.block_bytes, quiet
         )
+        order = self.probes.idle_order(
+            figures.loads, figures.splits, self.auto_splits, self.block_bytes
+        )
+        if order == self._idle_order:
+            return due, None
+        self._idle_order = order
+        return due, list(order)
+
+    def idle_samples_may_wait(self) -> bool:
+        """Whether the workers may hold samples of idle probes this side has not seen: they
+        had probes to run, and no step has been scheduled, nor its output come in, for
+        ``IDLE_AFTER_S`` (``idle_probes.py``)."""
+        return bool(self._idle_order) and time.monotonic() - self._step_seen_at >= IDLE_AFTER_S
 
     def take_samples(self, stats: Any) -> None:
         """The workers' measurements, for the load policy's figures (``figures.py``): each
         kind as the workers send it (``worker.py``); anything else teaches nothing."""
+        self._step_seen_at = time.monotonic()  # (a step's output came in)
         data = getattr(stats, "data", None)
         if not isinstance(data, dict):
             return
+        # (each with how long ago the rank recorded it, last: ``StatsBuffer.timed_sample``)
         kinds: dict[str, Any] = {
-            "load_samples": lambda r, b, s, lag: self.load_rate.add(
-                b, s, int(r), lag if lag >= 0 else None
+            "load_samples": lambda r, b, s, lag, age=0.0: self.load_rate.add(
+                b, s, int(r), lag if lag >= 0 else None, age
             ),
-            "load_bounds": lambda r, b, s: self.load_rate.add_bound(b, s, int(r)),
-            "split_samples": lambda r, b, first, between, bands: self.split_rate.add(
-                b, first, between, int(bands), int(r)
+            "load_bounds": lambda r, b, s, age=0.0: self.load_rate.add_bound(b, s, int(r), age),
+            "split_samples": lambda r, b, first, between, bands, age=0.0: self.split_rate.add(
+                b, first, between, int(bands), int(r), age
             ),
-            "split_bounds": lambda r, b, s: self.split_rate.add_bound(b, s, int(r)),
+            "split_bounds": lambda r, b, s, age=0.0: self.split_rate.add_bound(b, s, int(r), age),
             "compute_samples": lambda p, a, d, x, s: self.compute_rate.add(
                 StepShape(int(p), float(a), int(d), int(x)), s
             ),

@@ -101,17 +101,23 @@ class LookupPolls:
             return min(result.present, result.committed)  # the rest was shed, failed or is gone
         return result.present  # no record at all (evicted, never written): load what is there
 
+    def ask(self, st: RequestState, start: int, end: int) -> int:
+        """Ask Redis about the request's blocks from ``start`` (unless asked already), without
+        waiting for the answer; returns the block the question starts at."""
+        ask_from = 0 if self.config.saves and st.same_chain else start
+        if st.lookup is not None and st.lookup_start > ask_from:
+            st.lookup_dropped()  # it asks about fewer blocks than vLLM now needs: ask again
+        if st.lookup is None:
+            self.start(st, ask_from, end)
+        return ask_from
+
     def _poll(self, st: RequestState, start: int, end: int) -> LookupResult | None:
         """The answer of a lookup covering ``start``, started now if needed; None while out.
         A failed lookup answers ``present=-1``. A request that loads and saves one chain
         (share mode, an instance that saves) always asks from the chain's first block: what
         Redis lacks of vLLM's local hit is what it must write back, and a load or announcement
         may only follow a head that is there."""
-        ask_from = 0 if self.config.saves and st.same_chain else start
-        if st.lookup is not None and st.lookup_start > ask_from:
-            st.lookup_dropped()  # it asks about fewer blocks than vLLM now needs: ask again
-        if st.lookup is None:
-            self.start(st, ask_from, end)
+        ask_from = self.ask(st, start, end)
         lookup = st.lookup
         assert lookup is not None
         fut = lookup.future

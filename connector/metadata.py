@@ -73,6 +73,9 @@ class RedisConnectorMetadata(KVConnectorMetadata):
     step: StepShape = field(default_factory=StepShape)
     # background reads that measure the store for the load policy (probes.py)
     probes: list[ProbeSpec] = field(default_factory=list)
+    # the probes the workers run on their own while no step comes, from now on (``None``: the
+    # ones they have; empty: none; ``idle_probes.py``)
+    idle_probes: list[ProbeSpec] | None = None
     # blocks to report failed with this step's output: left wrong in vLLM's prefix cache by a
     # failed split, about to be read by this step's requests (taints.py)
     reject_blocks: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 
 from connector.probes import ProbeKind, ProbeSpec
@@ -28,22 +28,25 @@ class ProbeReads:
         self._splits = splits  # a probe of splits reads their bands
         self._probing = False  # under ``ctx.lock``
 
-    def start(self, spec: ProbeSpec) -> None:
+    def start(self, spec: ProbeSpec) -> Future[bool] | None:
         """A probe of the store (``probes.py``), unless one is still running or there is
-        nothing to read with (asleep, or a layout without one group's movers)."""
+        nothing to read with (asleep, or a layout without one group's movers): None. The
+        future says whether the blocks were there."""
         ctx = self._ctx
         with ctx.lock:
             if self._probing or ctx.asleep or not ctx.slices or not ctx.slices[0]:
-                return
+                return None
             self._probing = True
         ctx.stats.add(load_probes=1)
-        ctx.track(self._io.submit(self._probe, spec), "a probe")
+        fut = self._io.submit(self._probe, spec)
+        ctx.track(fut, "a probe")
+        return fut
 
-    def _probe(self, spec: ProbeSpec) -> None:
+    def _probe(self, spec: ProbeSpec) -> bool:
         """Read ``spec``'s blocks into staging as a load of its kind would, writing nothing
         into the KV cache; the time is a sample of that kind's figure, an upper bound if it
         expired or failed. Values not there (evicted, or a handoff already deleted) are no
-        sample."""
+        sample, and False."""
         ctx = self._ctx
         names = spec.names  # (the first group's: the one group a split loads)
         ids = list(range(len(names)))  # (nothing is written: no block ids are needed)
@@ -85,13 +88,13 @@ class ProbeReads:
                 finally:
                     pieces.close()
         except StagingBusyError:
-            return  # users' loads hold the staging: the worker's own congestion, not the store's
+            return True  # users' loads hold the staging: the worker's own congestion
         except (KVStoreError, TimeoutError) as exc:
             seconds = time.perf_counter() - t0
             logger.debug("probing the store ended early (%s): %s", kind, exc)
-            ctx.stats.sample(f"{kind}_bounds", ctx.tp_rank, nbytes, seconds)
+            ctx.stats.timed_sample(f"{kind}_bounds", ctx.tp_rank, nbytes, seconds)
             ctx.stats.sample("probe_done", spec.probe_id)
-            return
+            return True
         finally:
             with ctx.lock:
                 self._probing = False
@@ -100,17 +103,20 @@ class ProbeReads:
             # part of it was not there (evicted, or a handoff deleted): its time says little of
             # the store, and the scheduler side stops probing those blocks
             ctx.stats.sample("probe_missing", spec.probe_id)
-            return
+            return False
         shared = ctx.landed_since(landed_before, nbytes)  # (what loads beside it got too)
         if spec.kind is ProbeKind.WHOLE:
-            ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, -1.0)
+            ctx.stats.timed_sample("load_samples", ctx.tp_rank, shared, seconds, -1.0)
         else:
             between = (
                 statistics.median(b - a for a, b in pairwise(timeline)) if timeline[1:] else 0.0
             )
             per_band = shared // max(1, len(timeline))
             first = timeline[0] if timeline else seconds
-            ctx.stats.sample("split_samples", ctx.tp_rank, per_band, first, between, len(timeline))
+            ctx.stats.timed_sample(
+                "split_samples", ctx.tp_rank, per_band, first, between, len(timeline)
+            )
         # after its sample: the report may let a held handoff go, and the sample must be in
         # the same stats by then
         ctx.stats.sample("probe_done", spec.probe_id)
+        return True

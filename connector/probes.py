@@ -18,6 +18,11 @@ and the bandwidth only where a probe's bytes take longer than its fixed costs. A
 than a block in ``PROBE_SECONDS``, or one whose figure is an upper bound, gets one block, so a
 probe never costs a slow store long.
 
+An idle engine runs no step, so no step carries a probe: while none has come for
+``IDLE_AFTER_S``, its workers run the probes of a standing order on their own
+(``idle_probes.py``; the order, ``ProbePlanner.idle_order``, is sent when it changes), and
+the first request after an idle spell waits one step for their samples (``scheduler.py``).
+
 On vLLM's CPU backend a probe waits for a quiet step (no prompt tokens computed, no load or
 split in flight), for at most ``BUSY_WAIT_S``: there a probe's receiving shares the cores of
 the pass it runs beside, and on this VM every recomputed prompt's first token came 5-7% later
@@ -57,6 +62,10 @@ FEW_SAMPLES = 3
 PROBE_TIMEOUT_S = 1.0
 # how long a due probe waits for a quiet step before it runs beside a busy one (seconds)
 BUSY_WAIT_S = 0.5
+# an engine that has run no step for this long is idle: its workers probe on their own
+IDLE_AFTER_S = 1.0
+# the ``probe_id`` of a probe a worker runs on its own (no hold counts it; ``idle_probes.py``)
+IDLE_PROBE_ID = -1
 # A consume-mode handoff recomputed because the store looked slow stays in Redis while the
 # probes read it (its blocks are the newest hit's): a consumer deletes every handoff it will
 # not load, so without it a store judged slow once was never measured again. It goes once the
@@ -188,19 +197,50 @@ class ProbePlanner:
         self._waiting_since = None
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
         kind = kinds[self._sent % len(kinds)]
-        rate = (loads if kind is ProbeKind.WHOLE else splits) or loads
-        large = 1  # nothing known, or an upper bound: one block
-        if rate is not None and not rate.bounded:
-            nbytes = min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
-            blocks = max(MIN_LARGE_BLOCKS, int(nbytes // block_bytes))
-            large = max(1, min(len(self._names), blocks))
         # small, then large (sized by what the small one said), and so on
-        blocks = large if (self._sent // len(kinds)) % 2 == 1 else 1
+        large = (self._sent // len(kinds)) % 2 == 1
+        blocks = self._large(kind, loads, splits, block_bytes) if large else 1
         spec = ProbeSpec(kind, self._names[:blocks], probe_id=self._sent)
         if kind is ProbeKind.WHOLE and len(self._whole_since_hold) < _MAX_TRACKED:
             self._whole_since_hold.add(spec.probe_id)
         self._sent_at, self._sent = now, self._sent + 1
         return spec
+
+    def idle_order(
+        self,
+        loads: LoadFit | None,
+        splits: SplitFit | None,
+        splits_allowed: bool,
+        block_bytes: int,
+    ) -> tuple[ProbeSpec, ...]:
+        """The probes an idle engine's workers run in turn while no step comes
+        (``idle_probes.py``): those ``due`` would plan now, each kind small then large; none
+        (empty) when the figures need no measuring or there is nothing to read."""
+        if not self._names or block_bytes <= 0:
+            return ()
+        whole = _needs(loads) or self._store_too_slow
+        bands = splits_allowed and (_needs(splits) or self._store_too_slow)
+        kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
+        small = [ProbeSpec(k, self._names[:1], probe_id=IDLE_PROBE_ID) for k in kinds]
+        large = [
+            ProbeSpec(
+                k, self._names[: self._large(k, loads, splits, block_bytes)], probe_id=IDLE_PROBE_ID
+            )
+            for k in kinds
+        ]
+        return (*small, *large)
+
+    def _large(
+        self, kind: ProbeKind, loads: LoadFit | None, splits: SplitFit | None, block_bytes: int
+    ) -> int:
+        """The larger probe's blocks: what the store gives in ``PROBE_SECONDS`` by the figure
+        of ``kind`` (one block while nothing is known, or the figure is an upper bound)."""
+        rate = (loads if kind is ProbeKind.WHOLE else splits) or loads
+        if rate is None or rate.bounded:
+            return 1
+        nbytes = min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
+        blocks = max(MIN_LARGE_BLOCKS, int(nbytes // block_bytes))
+        return max(1, min(len(self._names), blocks))
 
 
 def _needs(fit: LoadFit | SplitFit | None) -> bool:

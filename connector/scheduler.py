@@ -320,6 +320,14 @@ class RedisConnectorScheduler:
             return st.handoff_waiting
         return not self.config.consume  # consume mode loads only what was handed off to it
 
+    def _waits_for_idle_samples(self, st: RequestState) -> bool:
+        """Whether the request waits a step before its lookup is answered: the policy chooses
+        its way (nothing pinned), and the workers may hold samples of idle probes this side
+        has not seen (once a request)."""
+        if st.idle_samples_awaited or st.pin is not None or self.config.load_policy.pinned:
+            return False
+        return self.load_choices.idle_samples_may_wait()
+
     def _writes_back(self, st: RequestState) -> bool:
         """Share mode: its chain is the pool's, and what Redis lacks of it is written back."""
         return st.same_chain and self._lookupable(st)
@@ -338,6 +346,13 @@ class RedisConnectorScheduler:
         end = self._max_blocks(st, request)
         present = 0
         if self.config.loads and end > start and self._lookupable(st):
+            if self._waits_for_idle_samples(st):
+                # the first request after an idle spell: one step brings what the workers'
+                # idle probes measured (``idle_probes.py``); its lookup runs meanwhile
+                st.idle_samples_awaited = True
+                if self.store.available:
+                    self._polls.ask(st, start, end)
+                return None, False
             found = self._polls.present_blocks(st, request.request_id, start, end)
             if found is None:
                 return None, False
@@ -488,9 +503,10 @@ class RedisConnectorScheduler:
         self.load_choices.next_pass(rows)
         if self.config.loads:
             quiet_step = meta.step.prefill_tokens == 0 and not meta.loads
-            probe = self.load_choices.due_probe(quiet_step, bool(self._splits_running))
+            probe, idle = self.load_choices.step_probes(quiet_step, bool(self._splits_running))
             if probe is not None:
                 meta.probes.append(probe)
+            meta.idle_probes = idle
         self._pending_loads, self._pending_commits = [], []
         progress, fresh = self._track_block_tables(scheduler_output)
         if self._splits_running:  # what a failed split would taint (``taints.py``)

@@ -127,10 +127,10 @@ class SplitLoads:
                 got = after - split.landed_before if after is not None else 0
                 shared = max(got, load.nbytes) / max(1, load.nbytes)
                 sample = (int(band_bytes * shared), first, between, bands)
-                ctx.stats.sample("split_samples", ctx.tp_rank, *sample)
+                ctx.stats.timed_sample("split_samples", ctx.tp_rank, *sample)
             elif bound is not None and not load.skipped_waits:
                 # a failed split too: a store that got slower shows
-                ctx.stats.sample("split_bounds", ctx.tp_rank, *bound)
+                ctx.stats.timed_sample("split_bounds", ctx.tp_rank, *bound)
             if load.skipped_waits:
                 ctx.stats.add(split_loads_unwaited=1)
                 ctx.stats.sample("split_unwaited", 1)  # (for the scheduler side's policy)

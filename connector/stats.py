@@ -11,6 +11,7 @@ vLLM's offline metrics reader truncates counter values to integers.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +247,7 @@ class StatsBuffer:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {}
+        self._timed: set[str] = set()  # keys of ``timed_sample``
 
     def add(self, **counts: int) -> None:
         with self._lock:
@@ -262,6 +264,14 @@ class StatsBuffer:
         with self._lock:
             self._data.setdefault(key, []).append(list(values))
 
+    def timed_sample(self, key: str, *values: float) -> None:
+        """One sample of a figure that ages (a key of ``SAMPLES``): ``take`` adds how long ago
+        it was recorded, so samples and upper bounds keep their order and age however long
+        they waited here (an idle engine's probes wait until its next step)."""
+        with self._lock:
+            self._data.setdefault(key, []).append([*values, -time.monotonic()])
+            self._timed.add(key)
+
     def set(self, key: str, value: float) -> None:
         with self._lock:
             self._data[key] = value
@@ -269,6 +279,11 @@ class StatsBuffer:
     def take(self) -> dict[str, Any]:
         with self._lock:
             data, self._data = self._data, {}
+            timed, self._timed = self._timed, set()
+        now = time.monotonic()
+        for key in timed:
+            for entry in data.get(key, ()):
+                entry[-1] = max(0.0, now + entry[-1])  # (recorded as minus the time)
         return data
 
 

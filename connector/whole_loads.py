@@ -252,7 +252,7 @@ class WholeLoads:
             seconds = now - job.first_byte - job.fenced_s
             if (expired or store_failed) and seconds > 0:
                 # the store gave at most this: the policy trusts no more until measured again
-                ctx.stats.sample("load_bounds", ctx.tp_rank, job.nbytes, seconds)
+                ctx.stats.timed_sample("load_bounds", ctx.tp_rank, job.nbytes, seconds)
             elif not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
                 # from the step's start to vLLM's call that started it (late on some releases
                 # and platforms), not to its first byte: the queue behind other loads is the
@@ -260,7 +260,7 @@ class WholeLoads:
                 # idle store's load starts seconds late once loads had queued
                 lag = max(0.0, job.started - job.step_started)
                 shared = ctx.landed_since(job.landed_before, job.nbytes)
-                ctx.stats.sample("load_samples", ctx.tp_rank, shared, seconds, lag)
+                ctx.stats.timed_sample("load_samples", ctx.tp_rank, shared, seconds, lag)
         if expired:
             ctx.warn(
                 "deadline",

@@ -40,6 +40,7 @@ import torch
 from connector.commits import StoredReport
 from connector.config import RedisConnectorConfig
 from connector.forward_timing import ForwardTimer
+from connector.idle_probes import IdleProbes
 from connector.layout import KVLayout
 from connector.load_policy import LOAD_THREADS
 from connector.metadata import RedisConnectorMetadata, SaveSpec
@@ -93,6 +94,7 @@ class RedisConnectorWorker:
         self._whole_loads = WholeLoads(ctx, self._load_io)
         self._split_loads = SplitLoads(ctx, self._layered_io)
         self._probes = ProbeReads(ctx, self._probe_io, self._split_loads)
+        self.idle_probes = IdleProbes(self._probes.start)  # while no step runs
         self._saves = SaveWrites(ctx, self._save_io, report_stored)
         self._timer = ForwardTimer(ctx)
 
@@ -166,6 +168,7 @@ class RedisConnectorWorker:
         """Every step starts here, with or without a forward pass; ``wait_for_save`` runs only
         after a forward pass on vLLM 0.30. So finished requests' commits are taken
         here, and acted on after this step's saves are staged (or in ``get_finished``)."""
+        self.idle_probes.step_began(meta.idle_probes)
         self._saves.commits_received(meta.commits)
         with self._ctx.lock:
             # blocks a failed split left wrong, which this step's requests would read: vLLM
@@ -197,6 +200,7 @@ class RedisConnectorWorker:
         was launched), and the pass is timed on rank 0 for the load policy's figures."""
         self._step_started = time.perf_counter()
         self._step_fence = None
+        self.idle_probes.step_began(meta.idle_probes)
         movers = self.movers if meta.loads else []
         if movers:
             self._step_fence = movers[0].compute_fence()
@@ -258,6 +262,9 @@ class RedisConnectorWorker:
         return failed
 
     def take_stats(self) -> dict[str, Any]:
+        """What this rank measured and counted since the last call: vLLM gathers it at the end
+        of every step, which ends the step for the idle probes too."""
+        self.idle_probes.step_ended()
         if not self._shape_reported and self._ctx.slices:
             # what one block costs this rank to load, and in how many bands a split reads it
             self._shape_reported = True
@@ -289,6 +296,7 @@ class RedisConnectorWorker:
             wait(pending, timeout=left)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
+        self.idle_probes.stop()
         still_running = self.shutdown_pending(timeout_s)
         if still_running:
             logger.warning(

@@ -708,7 +708,7 @@ def test_loads_that_expire_or_fail_bound_the_bandwidth() -> None:
     settle(dst)
     stats = dst.take_stats()
     assert "load_samples" not in stats
-    ((rank, landed, seconds),) = stats["load_bounds"]  # nothing landed in ~0.3 s
+    ((rank, landed, seconds, _age),) = stats["load_bounds"]  # nothing landed in ~0.3 s
     assert (rank, landed) == (0, 0) and seconds >= 0.25
 
 
@@ -749,14 +749,14 @@ def test_a_probe_reads_stored_blocks_into_staging_and_writes_nothing() -> None:
     settle(dst)
     stats = dst.take_stats()
     assert stats["load_probes"] == 1
-    ((rank, nbytes, seconds, lag),) = stats["load_samples"]
+    ((rank, nbytes, seconds, lag, _age),) = stats["load_samples"]
     block = dst.movers[0].header_bytes + dst.movers[0].raw_bytes
     assert (rank, lag) == (0, -1.0) and nbytes >= 2 * block and seconds > 0
     assert all(int(t.count_nonzero()) == 0 for t in dst_kv.values())  # nothing written
     # by bands, as a split reads: a split figure's sample
     dst.start_load_kv(RedisConnectorMetadata(probes=[ProbeSpec(ProbeKind.BANDS, hashes)]))
     settle(dst)
-    ((rank, band_bytes, first, _, bands),) = dst.take_stats()["split_samples"]
+    ((rank, band_bytes, first, _, bands, _age),) = dst.take_stats()["split_samples"]
     assert bands == 1 and band_bytes >= 2 * dst.movers[0].raw_bytes and first > 0
     # a block not there: no sample (its time says little of the store)
     missing = chain_hashes(list(range(100, 100 + 2 * N)), N)
@@ -777,7 +777,7 @@ def test_a_probe_that_runs_out_of_time_bounds_the_bandwidth() -> None:
     spec = ProbeSpec(ProbeKind.WHOLE, hashes, timeout_s=0.1)
     dst.start_load_kv(RedisConnectorMetadata(probes=[spec]))
     settle(dst)
-    ((rank, _, seconds),) = dst.take_stats()["load_bounds"]
+    ((rank, _, seconds, _age),) = dst.take_stats()["load_bounds"]
     assert rank == 0 and seconds >= 0.1
 
 

@@ -686,6 +686,35 @@ def test_the_store_is_measured_by_probes_not_by_users_requests_and_trusted_again
     assert "chose_recompute" not in stats and stats["blocks_loaded"] >= 1
 
 
+def test_an_idle_engine_measures_a_store_that_recovered_before_its_next_request(
+    engines: Any,
+) -> None:
+    """vLLM runs no step while it has no request, so no step carries a probe: a store that
+    recovered while the engine was idle was measured only by the next request's steps, after
+    that request had been recomputed on the old figure (the CPU bench: the first requests
+    after the store got 30x faster). The workers probe on their own while no step runs, and
+    the first request after an idle spell waits one step for what they measured."""
+    prompts = saved_prompts(engines, 2, seed=300)
+    reader = engines(load_policy="auto")
+    policy = reader.connector.scheduler.load_choices
+    for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
+        for _ in range(8):
+            policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), 0.001 * tokens)
+    slow = slow_reads(reader.worker.store, 1.5)  # past a probe's time (1 s)
+    reader.add("p0", prompts["p0"])
+    reader.run_until_idle()
+    assert reader.take_stats()["chose_recompute"] == 1  # cold: not loaded
+    # from here on the engine runs no step until p1 comes, as vLLM's would not
+    idle = reader.worker.idle_probes
+    assert idle.wait_completed(1, timeout_s=60)  # a probe of the slow store, with no step
+    slow.clear()  # the store recovers while the engine is idle
+    assert idle.wait_completed(idle.completed + 2, timeout_s=60)
+    reader.add("p1", prompts["p1"])
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert "chose_recompute" not in stats and stats["blocks_loaded"] >= 1
+
+
 def test_a_probe_waits_for_a_step_that_computes_no_prompt(engines: Any) -> None:
     """A cold instance recomputes its first hit and probes the store, but not beside that
     prompt's pass: on a CPU engine the probe's reads share the pass's cores, and on this VM every
