@@ -424,20 +424,27 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
     from redis.cluster import ClusterNode, RedisCluster
 
     del kwargs["host"], kwargs["port"], kwargs["db"], kwargs["retry"]
-    # RedisCluster builds its node clients itself, from ssl_* arguments, and takes neither a
-    # connection class nor a parser: a Cluster's control replies are parsed by redis-py's
-    # own, unbounded (bounded_replies; values are read by wire.py on every topology)
-    del kwargs["parser_class"]
-    if kwargs.pop("connection_class") is BoundedSSLConnection:
-        kwargs["ssl"] = True
+    # RedisCluster builds its node clients itself, and takes a connection class only in its
+    # URL mode, through the node pools' class: there ``_BoundedNodePool`` gives every node
+    # the bounded connections of the other topologies (``bounded_replies``). Before, a
+    # Cluster's control replies were parsed by redis-py's own parser, unbounded. (The URL
+    # names the first seed, without credentials: they travel as arguments, as elsewhere; its
+    # scheme says TLS, which redis-py's URL mode takes from it, not from ``ssl``.)
+    del kwargs["parser_class"], kwargs["connection_class"]
     if address.db:
         raise InvalidURLError(f"{address.safe_url}: a Cluster has only database 0")
     kwargs.pop("health_check_interval")
+    (seed_host, seed_port), *more = address.nodes
+    if ":" in seed_host:  # (IPv6)
+        seed_host = f"[{seed_host}]"
+    seed_url = f"{'rediss' if address.tls else 'redis'}://{seed_host}:{seed_port}/0"
     try:
         # per node a plain pool of max_connections (redis-py builds node pools itself):
         # more than that at once is a typed error, never a wait
         client = RedisCluster(
-            startup_nodes=[ClusterNode(host, port) for host, port in address.nodes],
+            url=seed_url,
+            connection_pool_class=_BoundedNodePool,
+            startup_nodes=[ClusterNode(host, port) for host, port in more],
             # one more attempt after redis-py relearned the slot map: with none, loads
             # resumed after a failover only some of the time (tests/e2e/test_e2e_cluster.py failed
             # 3 of 7 runs, 2026-11-23). redis-py spends it on timeouts too, so the frequent
@@ -464,6 +471,16 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
             "check that the seed nodes run, are reachable and that every slot is served"
         ) from None
     return client  # type: ignore[return-value]
+
+
+class _BoundedNodePool(redis.ConnectionPool):
+    """A Cluster node's pool, as redis-py's URL mode builds one per node: its connections are
+    the bounded ones (``bounded_replies``), TLS or not as the URL said."""
+
+    def __init__(self, connection_class: type = redis.Connection, **kwargs: Any) -> None:
+        tls = issubclass(connection_class, redis.SSLConnection)
+        bounded = BoundedSSLConnection if tls else BoundedConnection
+        super().__init__(connection_class=bounded, **kwargs)
 
 
 def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:

@@ -14,7 +14,8 @@ import pytest
 import redis
 import torch
 
-from kvstore import Claim, LookupBuffer, chain_hashes
+from kvstore import Claim, LookupBuffer, StoreCommandError, chain_hashes
+from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.values.codec import frame_parts, plan_entries
 from kvstore.values.keys import parse_key
 from testing.blocks import k_v_block
@@ -371,6 +372,18 @@ def test_a_cluster_over_tls(tls_files: dict[str, str]) -> None:
             assert all(same(g, i) for i, g in enumerate(buf.select_into(HASHES[:12], bufs)))
             assert all(same(g, i) for i, g in enumerate(buf.drop_select(HASHES[:12])))
             assert buf.longest_prefix(HASHES[:12]) == 0
+        # its nodes' control replies are bounded as a plain Cluster's are (test_cluster_errors)
+        address = parse_url(cluster.url)
+        client = make_client(address, socket_timeout_s=5.0, tls_ca_file=tls_files["ca"])
+        try:
+            client.set("big", b"B" * (5 << 20))
+            with (
+                pytest.raises(StoreCommandError, match="control replies"),
+                translated_errors(address.safe_url, "GET"),
+            ):
+                client.get("big")
+        finally:
+            client.close()
 
 
 def test_claim_keys_live_in_their_blocks_slot(store: Backend) -> None:

@@ -17,11 +17,13 @@ import kvstore.cli
 from kvstore import (
     LookupBuffer,
     StoreCircuitOpenError,
+    StoreCommandError,
     StoreTimeoutError,
     StoreUnavailableError,
     chain_hashes,
 )
 from kvstore.fleet.functions import LIBRARY
+from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.server_code import server_digest
 from testing.redis_server import ClusterServers
 
@@ -147,3 +149,30 @@ def test_every_master_holds_the_functions_and_one_that_lost_them_gets_them_again
     assert sorted(d is None for d in shown.values()) == [False, False, True]
     assert kvstore.cli.main([*url, "load"]) == kvstore.cli.ExitStatus.OK
     assert server_digest(cluster.client(lost), LIBRARY) == LIBRARY.digest
+
+
+def test_a_clusters_control_replies_are_bounded_like_every_other_topologys(
+    cluster: ClusterServers,
+) -> None:
+    """Issue 52: redis-py built a Cluster's node clients with its own parser, so a control
+    reply (the generation, a handoff record, a lookup's answer) was taken whole however large.
+    Each node's connections are now the bounded ones: a 5 MiB string where a control reply is
+    read fails typed, and the node's later replies answer their own commands."""
+    address = parse_url(cluster.url)
+    client = make_client(address, socket_timeout_s=5.0)
+    owner = cluster.client(cluster.node_of("big"))
+    owner.set("big", b"B" * (5 << 20))
+    keys = [f"key{i}" for i in range(8)]
+    for key in keys:
+        cluster.client(cluster.node_of(key)).set(key, f"value of {key}")
+    try:
+        for key in keys:
+            with (
+                pytest.raises(StoreCommandError, match="control replies"),
+                translated_errors(address.safe_url, "GET"),
+            ):
+                client.get("big")
+            with translated_errors(address.safe_url, "GET"):
+                assert client.get(key) == f"value of {key}".encode()
+    finally:
+        client.close()
