@@ -193,10 +193,10 @@ def step_shape(rows: Sequence[tuple[int, int, bool]]) -> StepShape:
 
 
 def _age(age_s: float) -> float:
-    """A sample's age as the workers say it: at least 0, at most ``MAX_AGE_S`` past usable
-    (what is not a finite number: new)."""
+    """A sample's age as the workers say it: at least 0, at most twice ``MAX_AGE_S`` (what is
+    not a finite number: that old, too old to be used)."""
     if not _finite(age_s):
-        return 0.0
+        return 2 * MAX_AGE_S
     return min(max(0.0, float(age_s)), 2 * MAX_AGE_S)
 
 

@@ -8,13 +8,17 @@ that request had been served on the old figure. On the CPU bench the first one o
 after the store got 30x faster were recomputed, which put auto at 1.11-1.14x of the better
 way in those phases.
 
+The scheduler side sends an order only where the next hit's choice hangs on it: a figure
+missing or an upper bound, or the store under watch (the last hit recomputed because of it).
 Once no step has run for ``IDLE_AFTER_S``, the worker runs the order's probes in turn: the
 first ``FEW_SAMPLES`` of each kind one after another (what a changed figure follows,
 ``figures.py``), then further and further apart, at most ``IDLE_MAX_INTERVAL_S`` (a watched
 figure never goes stale), and none once the engine has been idle for ``IDLE_PROBE_FOR_S`` (no
-sample older than ``figures.MAX_AGE_S`` is used). Their samples go to the scheduler side with
-the next step's output; the first request after an idle spell waits one step for them
-(``scheduler.py``). A probe that finds its blocks gone ends the order until a new one comes.
+sample older than ``figures.MAX_AGE_S`` is used). A step stops an idle probe still reading (on
+the CPU backend it would share the pass's cores; it gives no sample), and a probe that finds
+its blocks gone ends the order until a new one comes. The samples go to the scheduler side
+with the next step's output; the first request after an idle spell waits for that output
+(``scheduler.py``: one step, two with vLLM's async scheduling).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from connector.figures import MAX_AGE_S
 from connector.probes import FEW_SAMPLES, IDLE_AFTER_S, PROBE_INTERVAL_S, STALE_S, ProbeSpec
@@ -40,22 +45,26 @@ class IdleProbes:
 
     def __init__(
         self,
-        start_probe: Callable[[ProbeSpec], Future[bool] | None],
+        start_probe: Callable[[ProbeSpec, threading.Event], Future[bool] | None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._start_probe = start_probe  # ``ProbeReads.start``
         self._clock = clock
         self._cond = threading.Condition()
-        # under ``_cond``: the standing order, whether a step runs, when the last one ended,
-        # the idle probes run since and when the last of them ended (or could not start),
-        # and whether the worker shuts down
+        # under ``_cond``: the standing order; whether a step runs; the idle spells so far (a
+        # probe that ends after a step began counts in none) and when this one began; the
+        # idle probes run in it and when the last ended; whether the worker shuts down
         self._order: tuple[ProbeSpec, ...] = ()
         self._in_step = False
+        self._spell = 0
         self._idle_since = clock()
         self._ran = 0
-        self._last_try = self._idle_since
+        self._last_ended = self._idle_since
         self._not_before = 0.0  # (a probe that could not start is tried again after it)
         self._stopped = False
+        # set when the spell ends: an idle probe still reading stops (on the CPU backend its
+        # reads would share the cores of the step's pass)
+        self._step_began = threading.Event()
         self.completed = 0  # idle probes that ended (tests wait on it; under ``_cond``)
         self._thread = threading.Thread(target=self._run, name="redis-kv-idle-probes", daemon=True)
         self._thread.start()
@@ -63,22 +72,30 @@ class IdleProbes:
     def step_began(self, order: list[ProbeSpec] | None) -> None:
         """A step began; ``order``: the scheduler side's new standing order (None: unchanged)."""
         with self._cond:
-            self._in_step = True
-            self._ran = 0
+            if not self._in_step:
+                self._in_step = True
+                self._spell += 1
+                self._step_began.set()
             if order is not None:
                 self._order = tuple(order)
             self._cond.notify_all()
 
     def step_ended(self) -> None:
-        """The step's output was gathered: the engine is idle until the next one begins."""
+        """The step's output was gathered: an idle spell begins, until the next step. (Outside
+        a step -- a test taking the stats -- nothing changes.)"""
         with self._cond:
+            if not self._in_step:
+                return
             self._in_step = False
-            self._idle_since = self._last_try = self._clock()
+            self._ran = 0
+            self._idle_since = self._clock()
+            self._step_began = threading.Event()
             self._cond.notify_all()
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
+            self._step_began.set()
             self._cond.notify_all()
         self._thread.join(timeout=5)
 
@@ -94,13 +111,10 @@ class IdleProbes:
         if self._clock() - self._idle_since > IDLE_PROBE_FOR_S:
             return None
         burst = FEW_SAMPLES * len({spec.kind for spec in self._order})
-        if self._ran == 0:
-            gap = IDLE_AFTER_S
-        elif self._ran < burst:
-            gap = 0.0
-        else:
+        gap = 0.0
+        if self._ran >= burst:
             gap = min(IDLE_MAX_INTERVAL_S, PROBE_INTERVAL_S * 2 ** (self._ran - burst))
-        return max(self._last_try + gap, self._not_before)
+        return max(self._idle_since + IDLE_AFTER_S, self._last_ended + gap, self._not_before)
 
     def _run(self) -> None:
         while True:
@@ -112,30 +126,38 @@ class IdleProbes:
                 if due is None or now < due:
                     self._cond.wait(timeout=None if due is None else due - now)
                     continue
-                order = self._order
+                order, spell, stop = self._order, self._spell, self._step_began
                 spec = order[self._ran % len(order)]
-            try:
-                found = self._probe(spec)
-            except Exception as exc:  # the thread must outlive any one probe
-                logger.warning("RedisConnector: an idle probe of the store failed: %r", exc)
-                found = True
+            found = self._probe(spec, stop)
             with self._cond:
                 if found is None:
                     # another probe runs (a step's), or nothing to read with (asleep): again
                     # a probe interval later
                     self._not_before = self._clock() + PROBE_INTERVAL_S
                     continue
-                self._last_try = self._clock()
-                self._ran += 1
                 self.completed += 1
+                self._cond.notify_all()
+                if spell != self._spell:
+                    continue  # a step began meanwhile: it counts in no spell
+                self._ran += 1
+                self._last_ended = self._clock()
                 if not found and self._order is order:
                     self._order = ()  # its blocks are gone: nothing to probe until told
-                self._cond.notify_all()
 
-    def _probe(self, spec: ProbeSpec) -> bool | None:
-        """Run one probe to its end: whether its blocks were there (None: it did not run)."""
-        fut = self._start_probe(spec)
+    def _probe(self, spec: ProbeSpec, stop: threading.Event) -> bool | None:
+        """Run one probe to its end: whether its blocks were there (None: it did not run).
+        What it raised is logged where it ran (``WorkerContext.track``)."""
+        fut = self._start_probe(spec, stop)
         if fut is None:
             return None
-        # (a probe ends within its timeout; the store's calls have deadlines of their own)
-        return fut.result(timeout=spec.timeout_s + 30)
+        try:
+            # (a probe ends within its timeout; the store's calls have deadlines of their own)
+            return fut.result(timeout=spec.timeout_s + 30)
+        except FutureTimeout:  # (no probe starts while it runs: ``ProbeReads.start``)
+            logger.warning(
+                "RedisConnector: an idle probe of the store is still running 30 s past its "
+                "time; the store's calls should have ended it -- check the store's timeouts"
+            )
+            return None
+        except Exception:
+            return True

@@ -46,6 +46,8 @@ logger = logging.getLogger("connector.scheduler")
 # splits whose forward pass ran layers without waiting for their bands (a full CUDA graph):
 # after this many, no split is chosen any more (each such split fails and is recomputed)
 UNWAITED_SPLITS_LIMIT = 2
+# the most steps a request waits for the samples of the workers' idle probes
+IDLE_WAIT_STEPS = 4
 
 
 class LoadChoices:
@@ -69,10 +71,13 @@ class LoadChoices:
         self.compute_rate = ComputeRate()
         self.weights = BusyWeights(decode=config.busy_decode_weight)
         self.probes = ProbePlanner()
-        # the idle probes the workers were last sent (``probes.ProbePlanner.idle_order``), and
-        # when a step was last scheduled or its output came in (``time.monotonic``)
+        # the idle probes the workers were last sent (``probes.ProbePlanner.idle_order``);
+        # when a step was last scheduled or its output came in (``time.monotonic``); and the
+        # steps scheduled and outputs taken so far
         self._idle_order: tuple[ProbeSpec, ...] = ()
         self._step_seen_at = time.monotonic()
+        self.steps_built = 0
+        self._outputs_seen = 0
         self._unwaited_splits = 0  # splits whose forward pass skipped their waits
         # what the engine runs besides a request being admitted (``_busy``): the pass just
         # scheduled, seen as the next one, and what this step's admissions added to it
@@ -193,6 +198,12 @@ class LoadChoices:
         next admissions run beside, and none of them is admitted yet."""
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
         self._step_seen_at = time.monotonic()
+        self.steps_built += 1
+
+    def output_seen(self) -> None:
+        """A step's output was taken (vLLM asks the scheduler side for its stats with each)."""
+        self._step_seen_at = time.monotonic()
+        self._outputs_seen += 1
 
     def step_probes(
         self, quiet_step: bool, splits_running: bool
@@ -219,15 +230,21 @@ class LoadChoices:
         return due, list(order)
 
     def idle_samples_may_wait(self) -> bool:
-        """Whether the workers may hold samples of idle probes this side has not seen: they
-        had probes to run, and no step has been scheduled, nor its output come in, for
-        ``IDLE_AFTER_S`` (``idle_probes.py``)."""
+        """Whether the workers may hold samples of idle probes this side has not seen, which
+        the next hit's choice hangs on: they had an order (only sent while a figure is missing
+        or an upper bound, or the store is under watch), and no step has been scheduled, nor
+        its output come in, for ``IDLE_AFTER_S`` (``idle_probes.py``)."""
         return bool(self._idle_order) and time.monotonic() - self._step_seen_at >= IDLE_AFTER_S
+
+    def output_pending(self, built: int) -> bool:
+        """Whether the output of the step scheduled after ``built`` steps has not come in yet
+        (with vLLM's async scheduling the next step is scheduled before it does), for at most
+        ``IDLE_WAIT_STEPS`` steps (an output vLLM did not hand over must not hold anyone)."""
+        return self._outputs_seen <= built and self.steps_built - built < IDLE_WAIT_STEPS
 
     def take_samples(self, stats: Any) -> None:
         """The workers' measurements, for the load policy's figures (``figures.py``): each
         kind as the workers send it (``worker.py``); anything else teaches nothing."""
-        self._step_seen_at = time.monotonic()  # (a step's output came in)
         data = getattr(stats, "data", None)
         if not isinstance(data, dict):
             return

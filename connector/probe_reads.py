@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
@@ -28,25 +29,31 @@ class ProbeReads:
         self._splits = splits  # a probe of splits reads their bands
         self._probing = False  # under ``ctx.lock``
 
-    def start(self, spec: ProbeSpec) -> Future[bool] | None:
+    def start(self, spec: ProbeSpec, stop: threading.Event | None = None) -> Future[bool] | None:
         """A probe of the store (``probes.py``), unless one is still running or there is
-        nothing to read with (asleep, or a layout without one group's movers): None. The
-        future says whether the blocks were there."""
+        nothing to read with (asleep, a layout without one group's movers, shut down): None.
+        The future says whether the blocks were there. Once ``stop`` is set the probe ends
+        with no sample (an idle probe, when a step begins)."""
         ctx = self._ctx
         with ctx.lock:
             if self._probing or ctx.asleep or not ctx.slices or not ctx.slices[0]:
                 return None
             self._probing = True
+        try:
+            fut = self._io.submit(self._probe, spec, stop)
+        except RuntimeError:  # (the worker shuts down)
+            with ctx.lock:
+                self._probing = False
+            return None
         ctx.stats.add(load_probes=1)
-        fut = self._io.submit(self._probe, spec)
         ctx.track(fut, "a probe")
         return fut
 
-    def _probe(self, spec: ProbeSpec) -> bool:
+    def _probe(self, spec: ProbeSpec, stop: threading.Event | None = None) -> bool:
         """Read ``spec``'s blocks into staging as a load of its kind would, writing nothing
         into the KV cache; the time is a sample of that kind's figure, an upper bound if it
         expired or failed. Values not there (evicted, or a handoff already deleted) are no
-        sample, and False."""
+        sample, and False; nor is a probe ``stop`` ended."""
         ctx = self._ctx
         names = spec.names  # (the first group's: the one group a split loads)
         ids = list(range(len(names)))  # (nothing is written: no block ids are needed)
@@ -67,6 +74,8 @@ class ProbeReads:
                             missing += len(chunk.values) - len(got)
                             nbytes += len(got) * (mover.header_bytes + mover.raw_bytes)
                             ctx.count_landed(len(got) * (mover.header_bytes + mover.raw_bytes))
+                            if stop is not None and stop.is_set():
+                                raise _Stopped
                             if time.monotonic() > deadline:
                                 raise TimeoutError("the probe ran past its time")
                     finally:
@@ -83,10 +92,14 @@ class ProbeReads:
                         ctx.count_landed(good * layers * mover.layer_raw_bytes)
                         if piece.last_of_band and mover is movers[-1]:
                             timeline.append(time.perf_counter() - t0)
+                        if stop is not None and stop.is_set():
+                            raise _Stopped
                         if time.monotonic() > deadline:
                             raise TimeoutError("the probe ran past its time")
                 finally:
                     pieces.close()
+        except _Stopped:
+            return True
         except StagingBusyError:
             return True  # users' loads hold the staging: the worker's own congestion
         except (KVStoreError, TimeoutError) as exc:
@@ -120,3 +133,7 @@ class ProbeReads:
         # the same stats by then
         ctx.stats.sample("probe_done", spec.probe_id)
         return True
+
+
+class _Stopped(Exception):
+    """An idle probe's step began: it ends, with no sample."""

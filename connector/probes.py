@@ -64,8 +64,6 @@ PROBE_TIMEOUT_S = 1.0
 BUSY_WAIT_S = 0.5
 # an engine that has run no step for this long is idle: its workers probe on their own
 IDLE_AFTER_S = 1.0
-# the ``probe_id`` of a probe a worker runs on its own (no hold counts it; ``idle_probes.py``)
-IDLE_PROBE_ID = -1
 # A consume-mode handoff recomputed because the store looked slow stays in Redis while the
 # probes read it (its blocks are the newest hit's): a consumer deletes every handoff it will
 # not load, so without it a store judged slow once was never measured again. It goes once the
@@ -113,6 +111,9 @@ class ProbePlanner:
         self._sent_at = -float("inf")
         self._sent = 0  # probes planned so far: the next one's ``probe_id``
         self._store_too_slow = False  # the last hit was recomputed because of the store
+        # the idle probes' order in force: what it reads, and its (negative) ``probe_id``
+        self._idle_key: tuple[object, ...] = ()
+        self._idle_id = 0
         self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
     def remember(self, names: list[BlockName], owner: str) -> None:
@@ -127,9 +128,13 @@ class ProbePlanner:
         """Probe ``probe_id`` found the blocks it read gone (evicted, or a consume-mode handoff
         deleted after its load): no more probes until a lookup finds blocks again -- unless it
         read an older hit's blocks (a report from before the newest lookup says nothing of
-        the newest hit's: it wiped them, and let their hold go)."""
+        the newest hit's: it wiped them, and let their hold go). An idle probe (a negative
+        id) of the order in force read the newest hit's blocks: its worker dropped the order,
+        and the next step's says so to every rank."""
         self.reported(probe_id)
-        if self._names_from <= probe_id < self._sent:
+        if self._names_from <= probe_id < self._sent or (
+            probe_id < 0 and probe_id == self._idle_id
+        ):
             self._names = []
 
     def reported(self, probe_id: int) -> None:
@@ -214,21 +219,26 @@ class ProbePlanner:
         block_bytes: int,
     ) -> tuple[ProbeSpec, ...]:
         """The probes an idle engine's workers run in turn while no step comes
-        (``idle_probes.py``): those ``due`` would plan now, each kind small then large; none
-        (empty) when the figures need no measuring or there is nothing to read."""
+        (``idle_probes.py``), each kind small then large: where the next hit's choice hangs on
+        them -- a figure missing or an upper bound, or the store under watch (the last hit
+        recomputed because of it); none (empty) otherwise, or with nothing to read. (A figure
+        that is only stale, or has few samples, is the steps' probes' to refresh: idle
+        engines sharing a store do not read it for that.) The order keeps its ``probe_id``, a
+        negative number, while what it reads is the same."""
         if not self._names or block_bytes <= 0:
             return ()
-        whole = _needs(loads) or self._store_too_slow
-        bands = splits_allowed and (_needs(splits) or self._store_too_slow)
+        whole = _urgent(loads) or self._store_too_slow
+        bands = splits_allowed and (_urgent(splits) or self._store_too_slow)
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
-        small = [ProbeSpec(k, self._names[:1], probe_id=IDLE_PROBE_ID) for k in kinds]
-        large = [
-            ProbeSpec(
-                k, self._names[: self._large(k, loads, splits, block_bytes)], probe_id=IDLE_PROBE_ID
-            )
-            for k in kinds
+        sizes = [(k, 1) for k in kinds] + [
+            (k, _power_of_two(self._large(k, loads, splits, block_bytes))) for k in kinds
         ]
-        return (*small, *large)
+        if not sizes:
+            return ()
+        key = (tuple(self._names), *sizes)
+        if key != self._idle_key:  # (sizes kept to powers of two: a fit moving a little
+            self._idle_key, self._idle_id = key, self._idle_id - 1  # sends nothing new)
+        return tuple(ProbeSpec(k, self._names[:n], probe_id=self._idle_id) for k, n in sizes)
 
     def _large(
         self, kind: ProbeKind, loads: LoadFit | None, splits: SplitFit | None, block_bytes: int
@@ -241,6 +251,15 @@ class ProbePlanner:
         nbytes = min(PROBE_MAX_BYTES, rate.bytes_per_s * PROBE_SECONDS)
         blocks = max(MIN_LARGE_BLOCKS, int(nbytes // block_bytes))
         return max(1, min(len(self._names), blocks))
+
+
+def _urgent(fit: LoadFit | SplitFit | None) -> bool:
+    """No figure, or an upper bound: the next hit's choice hangs on a probe."""
+    return fit is None or fit.bounded
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def _needs(fit: LoadFit | SplitFit | None) -> bool:

@@ -62,8 +62,9 @@ class RequestState:
     layered: bool = False  # the answer is a split (a synchronous, layer-by-layer load)
     decision: Decision | None = None  # how the load policy served the hit, and why
     pin: Way | None = None  # the way the request's own params pinned (request_load_policy)
-    # it waited a step for the samples of the workers' idle probes (``idle_probes.py``)
-    idle_samples_awaited: bool = False
+    # the steps scheduled when it began to wait for the samples of the workers' idle probes
+    # (``idle_probes.py``; None: it did not)
+    idle_wait_from: int | None = None
     answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)

@@ -321,12 +321,18 @@ class RedisConnectorScheduler:
         return not self.config.consume  # consume mode loads only what was handed off to it
 
     def _waits_for_idle_samples(self, st: RequestState) -> bool:
-        """Whether the request waits a step before its lookup is answered: the policy chooses
-        its way (nothing pinned), and the workers may hold samples of idle probes this side
-        has not seen (once a request)."""
-        if st.idle_samples_awaited or st.pin is not None or self.config.load_policy.pinned:
+        """Whether the request's lookup is not answered yet because the policy's choice for it
+        (nothing pinned) waits for samples the workers' idle probes may hold: from its first
+        ask after an idle spell until the output of the step scheduled next has come in
+        (``LoadChoices.output_pending``). Once a request."""
+        if st.pin is not None or self.config.load_policy.pinned:
             return False
-        return self.load_choices.idle_samples_may_wait()
+        choices = self.load_choices
+        if st.idle_wait_from is None:
+            if not choices.idle_samples_may_wait():
+                return False
+            st.idle_wait_from = choices.steps_built
+        return choices.output_pending(st.idle_wait_from)
 
     def _writes_back(self, st: RequestState) -> bool:
         """Share mode: its chain is the pool's, and what Redis lacks of it is written back."""
@@ -347,9 +353,8 @@ class RedisConnectorScheduler:
         present = 0
         if self.config.loads and end > start and self._lookupable(st):
             if self._waits_for_idle_samples(st):
-                # the first request after an idle spell: one step brings what the workers'
-                # idle probes measured (``idle_probes.py``); its lookup runs meanwhile
-                st.idle_samples_awaited = True
+                # the first request after an idle spell: a step's output brings what the
+                # workers' idle probes measured (``idle_probes.py``); its lookup runs meanwhile
                 if self.store.available:
                     self._polls.ask(st, start, end)
                 return None, False
@@ -648,6 +653,8 @@ class RedisConnectorScheduler:
         return self.events.take() if self.events is not None else []
 
     def take_stats(self) -> dict[str, Any]:
+        """vLLM asks for them with every step's output."""
+        self.load_choices.output_seen()
         data = self.stats.take()
         self.load_choices.report(data)
         is_open = not self.store.available

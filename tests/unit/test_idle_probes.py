@@ -12,9 +12,9 @@ from concurrent.futures import Future
 import pytest
 
 from connector import idle_probes
-from connector.figures import LoadRate
+from connector.figures import LoadFit, LoadRate
 from connector.idle_probes import IdleProbes
-from connector.probes import FEW_SAMPLES, IDLE_PROBE_ID, ProbeKind, ProbePlanner, ProbeSpec
+from connector.probes import FEW_SAMPLES, ProbeKind, ProbePlanner, ProbeSpec
 from connector.stats import StatsBuffer
 from tests.unit.test_load_policy import Clock
 
@@ -27,29 +27,38 @@ def short_idle(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 class Probes:
-    """``ProbeReads.start`` standing in: records each probe; ``found`` says whether its blocks
-    were there."""
+    """``ProbeReads.start`` standing in: records each probe and when it started; ``found``
+    says whether its blocks were there; ``hold`` keeps the next one running until set."""
 
     def __init__(self, found: bool = True) -> None:
         self.found = found
-        self.started: list[ProbeSpec] = []
+        self.started: list[tuple[ProbeSpec, float]] = []
+        self.missing_seen = threading.Event()
+        self.hold: threading.Event | None = None
         self.lock = threading.Lock()
 
-    def __call__(self, spec: ProbeSpec) -> Future[bool]:
+    def __call__(self, spec: ProbeSpec, stop: threading.Event) -> Future[bool]:
         with self.lock:
-            self.started.append(spec)
+            self.started.append((spec, time.monotonic()))
         fut: Future[bool] = Future()
-        fut.set_result(self.found)
+        found, hold = self.found, self.hold
+        if hold is None:
+            self._end(fut, found)
+        else:
+            self.hold = None
+            threading.Thread(target=lambda: (hold.wait(60), self._end(fut, found))).start()
         return fut
+
+    def _end(self, fut: Future[bool], found: bool) -> None:
+        if not found:
+            self.missing_seen.set()
+        fut.set_result(found)
 
 
 def order(names: int = 4) -> list[ProbeSpec]:
-    small = ProbeSpec(ProbeKind.WHOLE, ["a"], probe_id=IDLE_PROBE_ID)  # type: ignore[list-item]
-    large = ProbeSpec(
-        ProbeKind.WHOLE,
-        [chr(97 + i) for i in range(names)],  # type: ignore[misc]
-        probe_id=IDLE_PROBE_ID,
-    )
+    blocks: list = [chr(97 + i) for i in range(names)]
+    small = ProbeSpec(ProbeKind.WHOLE, blocks[:1], probe_id=-1)
+    large = ProbeSpec(ProbeKind.WHOLE, blocks, probe_id=-1)
     return [small, large]
 
 
@@ -63,14 +72,38 @@ def test_a_worker_probes_only_once_no_step_runs_and_stops_when_the_blocks_are_go
         idle.step_ended()
         assert idle.wait_completed(FEW_SAMPLES + 1, timeout_s=60)
         # small and large in turn
-        assert [len(s.names) for s in probes.started[:3]] == [1, 4, 1]
-        probes.found = False  # the blocks are evicted: the next probe finds them gone
-        done = idle.completed
-        assert idle.wait_completed(done + 1, timeout_s=60)
-        assert not idle.wait_completed(done + 2, timeout_s=0.5)  # no more until told
+        assert [len(spec.names) for spec, _ in probes.started[:3]] == [1, 4, 1]
+        probes.found = False  # the blocks are evicted: a probe finds them gone
+        assert probes.missing_seen.wait(60)
+        assert idle.wait_completed(len(probes.started), timeout_s=60)  # (it was counted)
+        assert not idle.wait_completed(len(probes.started) + 1, timeout_s=0.5)  # none until told
         idle.step_began(order())  # a new order
         idle.step_ended()
-        assert idle.wait_completed(done + 2, timeout_s=60)
+        assert idle.wait_completed(len(probes.started) + 1, timeout_s=60)
+    finally:
+        idle.stop()
+
+
+def test_a_probe_that_ends_after_a_step_began_does_not_start_the_next_at_once() -> None:
+    """Found in review: a probe still reading when a step began, ending after it, counted in
+    the next idle spell as one of its first few, so the next one started the moment the step
+    ended, and so on beside every step of a busy engine. The step stops it, it counts in no
+    spell, and every spell's first probe waits ``IDLE_AFTER_S``."""
+    probes = Probes()
+    idle = IdleProbes(probes)
+    try:
+        idle.step_began(order())
+        hold = probes.hold = threading.Event()
+        idle.step_ended()
+        while not probes.started:  # the first idle probe starts, and reads on
+            time.sleep(0.001)
+        idle.step_began(None)  # a step begins while it reads
+        idle.step_ended()
+        ended = time.monotonic()
+        hold.set()  # it ends now, in the next idle spell
+        assert idle.wait_completed(2, timeout_s=60)
+        (_, second_start) = probes.started[1]
+        assert second_start - ended >= idle_probes.IDLE_AFTER_S
     finally:
         idle.stop()
 
@@ -87,7 +120,9 @@ def test_an_empty_order_stops_the_probes() -> None:
         idle.stop()
 
 
-def test_the_idle_order_is_what_the_planner_would_probe() -> None:
+def test_idle_engines_probe_only_where_the_next_choice_hangs_on_it() -> None:
+    """Not to refresh a figure that is only stale or young: idle engines sharing a store do
+    not read it for that."""
     planner = ProbePlanner()
     assert planner.idle_order(None, None, False, 1 << 20) == ()  # nothing to read yet
     planner.remember(["a", "b", "c", "d", "e"], "r0")  # type: ignore[list-item]
@@ -98,7 +133,28 @@ def test_the_idle_order_is_what_the_planner_would_probe() -> None:
         (ProbeKind.WHOLE, 1),  # (an unknown store: one block, like a bounded one)
         (ProbeKind.BANDS, 1),
     ]
-    assert all(s.probe_id == IDLE_PROBE_ID for s in specs)
+    assert len({s.probe_id for s in specs}) == 1 and specs[0].probe_id < 0
+    fresh = LoadFit(0.001, 1e9, samples=2, age_s=40.0)  # young and stale, but a figure
+    assert planner.idle_order(fresh, None, False, 1 << 20) == ()
+    planner.note_choice(recomputed_for_the_store=True)  # under watch: it is probed
+    watched = planner.idle_order(fresh, None, False, 1 << 20)
+    assert [len(s.names) for s in watched] == [1, 4]  # (5 blocks fit: 4, a power of two)
+    assert planner.idle_order(fresh, None, False, 1 << 20) == watched  # the same order
+
+
+def test_an_idle_probe_that_found_its_blocks_gone_ends_the_order_on_every_rank() -> None:
+    """Found in review: the worker dropped its order, the scheduler side kept it, so every
+    first request after an idle spell waited a step for samples that never came."""
+    planner = ProbePlanner()
+    planner.remember(["a", "b"], "r0")  # type: ignore[list-item]
+    first = planner.idle_order(None, None, False, 1 << 20)
+    planner.remember(["c", "d"], "r1")  # type: ignore[list-item]
+    newer = planner.idle_order(None, None, False, 1 << 20)
+    assert newer and newer[0].probe_id != first[0].probe_id
+    planner.missing(first[0].probe_id)  # an older order's: the newest hit's blocks stay
+    assert planner.idle_order(None, None, False, 1 << 20) == newer
+    planner.missing(newer[0].probe_id)
+    assert planner.idle_order(None, None, False, 1 << 20) == ()
 
 
 def test_samples_carried_together_keep_the_order_they_were_measured_in() -> None:

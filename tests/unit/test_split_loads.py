@@ -644,6 +644,19 @@ def slow_reads(store: LookupBuffer, seconds: float) -> threading.Event:
     return slow
 
 
+def cold_reader_on_a_slow_store(engines: Any, first: list[int]) -> tuple[SimEngine, Any]:
+    """An auto reader whose computing costs 1 ms a token (loading pays), reading a store slower
+    than a probe's time (1 s) until the event returned is cleared, that recomputed its first
+    hit (``first``, saved): cold, nothing measured."""
+    reader = engines(load_policy="auto")
+    compute_costs_a_ms_a_token(reader.connector.scheduler.load_choices)
+    slow = slow_reads(reader.worker.store, 1.5)
+    reader.add("p0", first)
+    reader.run_until_idle()
+    assert reader.take_stats()["chose_recompute"] == 1  # cold: not loaded
+    return reader, slow
+
+
 def step_until(engine: SimEngine, done: Any, timeout_s: float = 60.0) -> None:
     """Step an idle engine (vLLM's loop keeps stepping while it has work; a test stands in
     for that) until ``done()``: probes run and report with the steps."""
@@ -663,15 +676,8 @@ def test_the_store_is_measured_by_probes_not_by_users_requests_and_trusted_again
     (Before: a store judged slow was measured again only by loading a user's request, after
     16 recomputed hits in a row, and an expired load taught nothing.)"""
     prompts = saved_prompts(engines, 3, seed=60)
-    reader = engines(load_policy="auto")
+    reader, slow = cold_reader_on_a_slow_store(engines, prompts["p0"])
     policy = reader.connector.scheduler.load_choices
-    for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
-        for _ in range(8):
-            policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), 0.001 * tokens)
-    slow = slow_reads(reader.worker.store, 1.5)  # past a probe's time (1 s)
-    reader.add("p0", prompts["p0"])
-    reader.run_until_idle()
-    assert reader.take_stats()["chose_recompute"] == 1  # cold: not loaded
     step_until(reader, lambda: (f := policy.figures().loads) is not None and f.bounded)
     reader.add("p1", prompts["p1"])
     reader.run_until_idle()
@@ -695,15 +701,7 @@ def test_an_idle_engine_measures_a_store_that_recovered_before_its_next_request(
     after the store got 30x faster). The workers probe on their own while no step runs, and
     the first request after an idle spell waits one step for what they measured."""
     prompts = saved_prompts(engines, 2, seed=300)
-    reader = engines(load_policy="auto")
-    policy = reader.connector.scheduler.load_choices
-    for tokens in (64, 128, 256, 512):  # computing costs 1 ms a token: loading pays
-        for _ in range(8):
-            policy.compute_rate.add(StepShape(tokens, tokens * tokens / 2), 0.001 * tokens)
-    slow = slow_reads(reader.worker.store, 1.5)  # past a probe's time (1 s)
-    reader.add("p0", prompts["p0"])
-    reader.run_until_idle()
-    assert reader.take_stats()["chose_recompute"] == 1  # cold: not loaded
+    reader, slow = cold_reader_on_a_slow_store(engines, prompts["p0"])
     # from here on the engine runs no step until p1 comes, as vLLM's would not
     idle = reader.worker.idle_probes
     assert idle.wait_completed(1, timeout_s=60)  # a probe of the slow store, with no step
