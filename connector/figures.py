@@ -220,7 +220,8 @@ class _RankSamples:
         return fresh or list(self.samples)[-RECENT_LOADS:]
 
     def newest(self) -> float:
-        return self.samples[-1][1] if self.samples else -math.inf
+        # (the newest by its time: a sample carried late may be older than one before it)
+        return max((at for _, at in self.samples), default=-math.inf)
 
     def bound_now(self, now: float) -> Bound | None:
         """The upper bound and when it came, unless it is too old."""

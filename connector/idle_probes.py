@@ -30,14 +30,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from connector.figures import MAX_AGE_S
-from connector.probes import FEW_SAMPLES, IDLE_AFTER_S, PROBE_INTERVAL_S, STALE_S, ProbeSpec
+from connector.probes import (
+    FEW_SAMPLES,
+    IDLE_AFTER_S,
+    IDLE_MAX_INTERVAL_S,
+    IDLE_PROBE_FOR_S,
+    PROBE_INTERVAL_S,
+    ProbeSpec,
+)
 
 logger = logging.getLogger("connector.worker")
-
-# the longest gap between idle probes, and how long an idle engine keeps probing (seconds)
-IDLE_MAX_INTERVAL_S = STALE_S / 2
-IDLE_PROBE_FOR_S = MAX_AGE_S
 
 
 class IdleProbes:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.config import RedisConnectorConfig
 from connector.figures import (
+    MAX_AGE_S,
     ComputeRate,
     LoadFit,
     LoadRate,
@@ -34,7 +35,7 @@ from connector.load_policy import (
     next_pass,
     pinned,
 )
-from connector.probes import IDLE_AFTER_S, ProbePlanner, ProbeSpec
+from connector.probes import IDLE_AFTER_S, IDLE_PROBE_FOR_S, ProbePlanner, ProbeSpec
 from connector.request_state import RequestState
 from connector.stats import StatsBuffer
 
@@ -46,8 +47,11 @@ logger = logging.getLogger("connector.scheduler")
 # splits whose forward pass ran layers without waiting for their bands (a full CUDA graph):
 # after this many, no split is chosen any more (each such split fails and is recomputed)
 UNWAITED_SPLITS_LIMIT = 2
-# the most steps a request waits for the samples of the workers' idle probes
+# the most steps a request waits for the samples of the workers' idle probes, and how long
+# after the last step they may still be worth waiting for (the workers probe for
+# ``IDLE_PROBE_FOR_S``, and samples are used for ``MAX_AGE_S``)
 IDLE_WAIT_STEPS = 4
+IDLE_SAMPLES_USABLE_S = IDLE_PROBE_FOR_S + MAX_AGE_S
 
 
 class LoadChoices:
@@ -221,9 +225,14 @@ class LoadChoices:
         due = self.probes.due(
             figures.loads, figures.splits, self.auto_splits, self.block_bytes, quiet
         )
-        order = self.probes.idle_order(
-            figures.loads, figures.splits, self.auto_splits, self.block_bytes
-        )
+        order: tuple[ProbeSpec, ...] = ()
+        if self.config.load_policy.pinned is None:
+            # (an instance whose every hit is served one fixed way decides nothing from
+            # them: on the bench's shared core, a recomputing server's idle probes slowed
+            # the auto server's prompts beside them by 5%)
+            order = self.probes.idle_order(
+                figures.loads, figures.splits, self.auto_splits, self.block_bytes
+            )
         if order == self._idle_order:
             return due, None
         self._idle_order = order
@@ -233,14 +242,22 @@ class LoadChoices:
         """Whether the workers may hold samples of idle probes this side has not seen, which
         the next hit's choice hangs on: they had an order (only sent while a figure is missing
         or an upper bound, or the store is under watch), and no step has been scheduled, nor
-        its output come in, for ``IDLE_AFTER_S`` (``idle_probes.py``)."""
-        return bool(self._idle_order) and time.monotonic() - self._step_seen_at >= IDLE_AFTER_S
+        its output come in, for ``IDLE_AFTER_S`` -- nor for so long that what they measured
+        is too old to use (``idle_probes.py``)."""
+        idle_s = time.monotonic() - self._step_seen_at
+        return bool(self._idle_order) and IDLE_AFTER_S <= idle_s <= IDLE_SAMPLES_USABLE_S
 
-    def output_pending(self, built: int) -> bool:
-        """Whether the output of the step scheduled after ``built`` steps has not come in yet
-        (with vLLM's async scheduling the next step is scheduled before it does), for at most
-        ``IDLE_WAIT_STEPS`` steps (an output vLLM did not hand over must not hold anyone)."""
-        return self._outputs_seen <= built and self.steps_built - built < IDLE_WAIT_STEPS
+    def wait_mark(self) -> tuple[int, int]:
+        """Where a wait for the next step's output begins: (steps scheduled, outputs taken)."""
+        return self.steps_built, self._outputs_seen
+
+    def output_pending(self, mark: tuple[int, int]) -> bool:
+        """Whether no step's output has come in since ``mark`` (``wait_mark``; after an idle
+        spell none is in flight, and with vLLM's async scheduling the next step is scheduled
+        before the first one's output comes), for at most ``IDLE_WAIT_STEPS`` steps: an
+        output vLLM did not hand over must not hold anyone."""
+        built, seen = mark
+        return self._outputs_seen <= seen and self.steps_built - built < IDLE_WAIT_STEPS
 
     def take_samples(self, stats: Any) -> None:
         """The workers' measurements, for the load policy's figures (``figures.py``): each

@@ -38,6 +38,8 @@ class ProbeReads:
         with ctx.lock:
             if self._probing or ctx.asleep or not ctx.slices or not ctx.slices[0]:
                 return None
+            if stop is not None and stop.is_set():
+                return None
             self._probing = True
         try:
             fut = self._io.submit(self._probe, spec, stop)
@@ -65,6 +67,8 @@ class ProbeReads:
         timeline: list[float] = []
         try:
             for mover in movers:
+                if stop is not None and stop.is_set():
+                    raise _Stopped  # (before its reads, not only between chunks)
                 left = max(0.0, deadline - time.monotonic())
                 if spec.kind is ProbeKind.WHOLE:
                     chunks = mover.receive(ids, names, timeout_s=left)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.figures import LoadFit, SplitFit
+from connector.figures import MAX_AGE_S, LoadFit, SplitFit
 from kvstore.values.keys import BlockName
 
 # at most one probe this often (seconds), while a figure is missing, and otherwise
@@ -63,7 +63,11 @@ PROBE_TIMEOUT_S = 1.0
 # how long a due probe waits for a quiet step before it runs beside a busy one (seconds)
 BUSY_WAIT_S = 0.5
 # an engine that has run no step for this long is idle: its workers probe on their own
+# (``idle_probes.py``), at most this far apart, for at most this long an idle spell (no
+# sample older than ``figures.MAX_AGE_S`` is used)
 IDLE_AFTER_S = 1.0
+IDLE_MAX_INTERVAL_S = STALE_S / 2
+IDLE_PROBE_FOR_S = MAX_AGE_S
 # A consume-mode handoff recomputed because the store looked slow stays in Redis while the
 # probes read it (its blocks are the newest hit's): a consumer deletes every handoff it will
 # not load, so without it a store judged slow once was never measured again. It goes once the
@@ -123,6 +127,7 @@ class ProbePlanner:
             self._names = list(names)
             self._owner = owner
             self._names_from = self._sent
+            self._retire_idle_order()  # (a late report of the old one says nothing of these)
 
     def missing(self, probe_id: int) -> None:
         """Probe ``probe_id`` found the blocks it read gone (evicted, or a consume-mode handoff
@@ -225,20 +230,24 @@ class ProbePlanner:
         that is only stale, or has few samples, is the steps' probes' to refresh: idle
         engines sharing a store do not read it for that.) The order keeps its ``probe_id``, a
         negative number, while what it reads is the same."""
-        if not self._names or block_bytes <= 0:
-            return ()
         whole = _urgent(loads) or self._store_too_slow
         bands = splits_allowed and (_urgent(splits) or self._store_too_slow)
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
+        if not self._names or block_bytes <= 0 or not kinds:
+            self._retire_idle_order()
+            return ()
         sizes = [(k, 1) for k in kinds] + [
             (k, _power_of_two(self._large(k, loads, splits, block_bytes))) for k in kinds
         ]
-        if not sizes:
-            return ()
         key = (tuple(self._names), *sizes)
         if key != self._idle_key:  # (sizes kept to powers of two: a fit moving a little
             self._idle_key, self._idle_id = key, self._idle_id - 1  # sends nothing new)
         return tuple(ProbeSpec(k, self._names[:n], probe_id=self._idle_id) for k, n in sizes)
+
+    def _retire_idle_order(self) -> None:
+        """No order is in force: a late report of the last one's probes wipes nothing."""
+        if self._idle_key:
+            self._idle_key, self._idle_id = (), self._idle_id - 1
 
     def _large(
         self, kind: ProbeKind, loads: LoadFit | None, splits: SplitFit | None, block_bytes: int

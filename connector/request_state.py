@@ -62,9 +62,9 @@ class RequestState:
     layered: bool = False  # the answer is a split (a synchronous, layer-by-layer load)
     decision: Decision | None = None  # how the load policy served the hit, and why
     pin: Way | None = None  # the way the request's own params pinned (request_load_policy)
-    # the steps scheduled when it began to wait for the samples of the workers' idle probes
-    # (``idle_probes.py``; None: it did not)
-    idle_wait_from: int | None = None
+    # where its wait for the samples of the workers' idle probes began (``idle_probes.py``,
+    # ``LoadChoices.wait_mark``; None: it did not wait)
+    idle_wait_from: tuple[int, int] | None = None
     answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)

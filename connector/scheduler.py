@@ -331,7 +331,7 @@ class RedisConnectorScheduler:
         if st.idle_wait_from is None:
             if not choices.idle_samples_may_wait():
                 return False
-            st.idle_wait_from = choices.steps_built
+            st.idle_wait_from = choices.wait_mark()
         return choices.output_pending(st.idle_wait_from)
 
     def _writes_back(self, st: RequestState) -> bool:

@@ -33,6 +33,7 @@ class Probes:
     def __init__(self, found: bool = True) -> None:
         self.found = found
         self.started: list[tuple[ProbeSpec, float]] = []
+        self.stops: list[threading.Event] = []  # what each was told to stop on
         self.missing_seen = threading.Event()
         self.hold: threading.Event | None = None
         self.lock = threading.Lock()
@@ -40,6 +41,7 @@ class Probes:
     def __call__(self, spec: ProbeSpec, stop: threading.Event) -> Future[bool]:
         with self.lock:
             self.started.append((spec, time.monotonic()))
+            self.stops.append(stop)
         fut: Future[bool] = Future()
         found, hold = self.found, self.hold
         if hold is None:
@@ -95,11 +97,15 @@ def test_a_probe_that_ends_after_a_step_began_does_not_start_the_next_at_once() 
         idle.step_began(order())
         hold = probes.hold = threading.Event()
         idle.step_ended()
+        deadline = time.monotonic() + 60
         while not probes.started:  # the first idle probe starts, and reads on
+            assert time.monotonic() < deadline, "no idle probe started"
             time.sleep(0.001)
-        idle.step_began(None)  # a step begins while it reads
+        assert not probes.stops[0].is_set()
+        idle.step_began(None)  # a step begins while it reads: told to stop
+        assert probes.stops[0].is_set()
+        ended = time.monotonic()  # (before the spell's start is taken)
         idle.step_ended()
-        ended = time.monotonic()
         hold.set()  # it ends now, in the next idle spell
         assert idle.wait_completed(2, timeout_s=60)
         (_, second_start) = probes.started[1]
@@ -193,7 +199,12 @@ def test_a_sample_that_waited_for_a_step_is_as_old_as_it_is() -> None:
     rate.add(nbytes, seconds, age_s=40.0)
     fit = rate.estimate()
     assert fit is not None and fit.age_s == pytest.approx(40.0)
-    # nonsense ages from a worker: a number within the samples' life, or new
-    for age in (float("nan"), float("inf"), -5.0, 1e12):
-        rate.add(nbytes, seconds, age_s=age)
-    assert rate.estimate() is not None
+    # nonsense ages from a worker: new (below zero), or too old to be used (not a number,
+    # or older than the samples' life)
+    for age in (float("nan"), float("inf"), 1e12):
+        rate.add(nbytes * 100, seconds, age_s=age)
+    fit = rate.estimate()
+    assert fit is not None and fit.age_s == pytest.approx(40.0)  # (none of them counts)
+    rate.add(nbytes, seconds, age_s=-5.0)
+    fit = rate.estimate()
+    assert fit is not None and fit.age_s == pytest.approx(0.0)

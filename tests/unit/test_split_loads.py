@@ -713,6 +713,25 @@ def test_an_idle_engine_measures_a_store_that_recovered_before_its_next_request(
     assert "chose_recompute" not in stats and stats["blocks_loaded"] >= 1
 
 
+def test_an_instance_that_serves_every_hit_one_way_sends_no_idle_probes(engines: Any) -> None:
+    """Its figures decide nothing, so its workers do not read the store in the background while
+    it is idle (on the bench's shared core, a recomputing server's idle probes slowed the auto
+    server's prompts beside them)."""
+    prompts = saved_prompts(engines, 1, seed=330)
+
+    def orders_sent(instance: SimEngine) -> list[Any]:
+        instance.add("p0", prompts["p0"])
+        orders = []
+        while instance.sched.has_requests():
+            orders.append(instance.step().output.kv_connector_metadata.idle_probes)
+        return orders
+
+    recomputing = engines(load_policy="recompute")
+    assert not any(orders_sent(recomputing))
+    assert recomputing.take_stats()["chose_recompute"] == 1
+    assert any(orders_sent(engines(load_policy="auto")))  # (the same hit, decided: an order)
+
+
 def test_a_probe_waits_for_a_step_that_computes_no_prompt(engines: Any) -> None:
     """A cold instance recomputes its first hit and probes the store, but not beside that
     prompt's pass: on a CPU engine the probe's reads share the pass's cores, and on this VM every
