@@ -80,7 +80,7 @@ class LoadChoices:
         # steps scheduled and outputs taken so far
         self._idle_order: tuple[ProbeSpec, ...] = ()
         self._step_seen_at = time.monotonic()
-        self.steps_built = 0
+        self._steps_built = 0
         self._outputs_seen = 0
         self._unwaited_splits = 0  # splits whose forward pass skipped their waits
         # what the engine runs besides a request being admitted (``_busy``): the pass just
@@ -202,7 +202,7 @@ class LoadChoices:
         next admissions run beside, and none of them is admitted yet."""
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
         self._step_seen_at = time.monotonic()
-        self.steps_built += 1
+        self._steps_built += 1
 
     def output_seen(self) -> None:
         """A step's output was taken (vLLM asks the scheduler side for its stats with each)."""
@@ -249,7 +249,7 @@ class LoadChoices:
 
     def wait_mark(self) -> tuple[int, int]:
         """Where a wait for the next step's output begins: (steps scheduled, outputs taken)."""
-        return self.steps_built, self._outputs_seen
+        return self._steps_built, self._outputs_seen
 
     def output_pending(self, mark: tuple[int, int]) -> bool:
         """Whether no step's output has come in since ``mark`` (``wait_mark``; after an idle
@@ -257,7 +257,7 @@ class LoadChoices:
         before the first one's output comes), for at most ``IDLE_WAIT_STEPS`` steps: an
         output vLLM did not hand over must not hold anyone."""
         built, seen = mark
-        return self._outputs_seen <= seen and self.steps_built - built < IDLE_WAIT_STEPS
+        return self._outputs_seen <= seen and self._steps_built - built < IDLE_WAIT_STEPS
 
     def take_samples(self, stats: Any) -> None:
         """The workers' measurements, for the load policy's figures (``figures.py``): each

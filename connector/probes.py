@@ -115,9 +115,12 @@ class ProbePlanner:
         self._sent_at = -float("inf")
         self._sent = 0  # probes planned so far: the next one's ``probe_id``
         self._store_too_slow = False  # the last hit was recomputed because of the store
-        # the idle probes' order in force: what it reads, and its (negative) ``probe_id``
-        self._idle_key: tuple[object, ...] = ()
+        # the idle probes' order in force: its sizes (empty: none in force; every change of
+        # ``_names`` retires it), its (negative) ``probe_id``, and the order itself, built
+        # once (it is asked for every step)
+        self._idle_key: tuple[tuple[ProbeKind, int], ...] = ()
         self._idle_id = 0
+        self._idle_specs: tuple[ProbeSpec, ...] = ()
         self._waiting_since: float | None = None  # a probe was due, and no step was quiet
 
     def remember(self, names: list[BlockName], owner: str) -> None:
@@ -234,15 +237,18 @@ class ProbePlanner:
         bands = splits_allowed and (_urgent(splits) or self._store_too_slow)
         kinds = [k for k, needed in ((ProbeKind.WHOLE, whole), (ProbeKind.BANDS, bands)) if needed]
         if not self._names or block_bytes <= 0 or not kinds:
-            self._retire_idle_order()
+            self._retire_idle_order()  # (also where ``missing`` wiped the names)
             return ()
         sizes = [(k, 1) for k in kinds] + [
             (k, _power_of_two(self._large(k, loads, splits, block_bytes))) for k in kinds
         ]
-        key = (tuple(self._names), *sizes)
+        key = tuple(sizes)
         if key != self._idle_key:  # (sizes kept to powers of two: a fit moving a little
             self._idle_key, self._idle_id = key, self._idle_id - 1  # sends nothing new)
-        return tuple(ProbeSpec(k, self._names[:n], probe_id=self._idle_id) for k, n in sizes)
+            self._idle_specs = tuple(
+                ProbeSpec(k, self._names[:n], probe_id=self._idle_id) for k, n in sizes
+            )
+        return self._idle_specs
 
     def _retire_idle_order(self) -> None:
         """No order is in force: a late report of the last one's probes wipes nothing."""

@@ -157,6 +157,7 @@ def test_an_idle_probe_that_found_its_blocks_gone_ends_the_order_on_every_rank()
     planner.remember(["c", "d"], "r1")  # type: ignore[list-item]
     newer = planner.idle_order(None, None, False, 1 << 20)
     assert newer and newer[0].probe_id != first[0].probe_id
+    assert [s.names for s in newer] == [["c"], ["c"]]  # (the newest hit's blocks; bounded: 1)
     planner.missing(first[0].probe_id)  # an older order's: the newest hit's blocks stay
     assert planner.idle_order(None, None, False, 1 << 20) == newer
     planner.missing(newer[0].probe_id)
