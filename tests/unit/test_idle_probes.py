@@ -114,6 +114,32 @@ def test_a_probe_that_ends_after_a_step_began_does_not_start_the_next_at_once() 
         idle.stop()
 
 
+def test_a_probe_that_raises_or_cannot_start_does_not_end_the_idle_probes() -> None:
+    """Whatever a probe raised (the worker logs it where it ran), and a probe that could not
+    start (another runs, the KV cache sleeps), the thread goes on with the order."""
+    calls: list[str] = []
+
+    def start(spec: ProbeSpec, stop: threading.Event) -> Future[bool] | None:
+        calls.append("x")
+        fut: Future[bool] = Future()
+        if len(calls) == 1:
+            return None  # could not start: tried again a probe interval later
+        if len(calls) == 2:
+            fut.set_exception(RuntimeError("a probe's own failure"))
+        else:
+            fut.set_result(True)
+        return fut
+
+    idle = IdleProbes(start)
+    try:
+        idle.step_began(order())
+        idle.step_ended()
+        assert idle.wait_completed(3, timeout_s=60)  # the raised one, and two after it
+        assert len(calls) >= 4
+    finally:
+        idle.stop()
+
+
 def test_an_empty_order_stops_the_probes() -> None:
     probes = Probes()
     idle = IdleProbes(probes)
