@@ -62,6 +62,7 @@ MIN_SPLITS = 1
 STEP_WINDOW = 64
 MIN_STEPS = 8
 MIN_PREFILLS = 2
+MIN_DECODE_PASSES = 4  # passes of decodes alone before they get a line of their own
 # a pass that computed at least this many prompt tokens is a prefill sample
 PREFILL_TOKENS = 64
 # no sample older than this is used (seconds): a store's speed from minutes ago is not a figure
@@ -140,6 +141,19 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class DecodeLine:
+    """Passes that compute no prompt token: memory-bound (each reads every weight, and each
+    decode its context), fitted on their own."""
+
+    step_s: float
+    row_s: float  # per decode
+    context_s: float  # per context token a decode reads
+
+    def seconds(self, shape: StepShape) -> float:
+        return self.step_s + self.row_s * shape.decode_rows + self.context_s * shape.decode_context
+
+
+@dataclass(frozen=True)
 class ComputeFit:
     step_s: float  # a forward pass's fixed cost
     token_s: float  # per prompt token computed
@@ -150,9 +164,13 @@ class ComputeFit:
     # no pass is faster than a pass of a few decodes: a GPU reads every weight in each, so a
     # pass computing a few tokens costs that, not what the line through larger passes says
     floor_s: float = 0.0
+    # passes of decodes alone, where enough were seen (None: the line above serves them)
+    decodes: DecodeLine | None = None
 
     def pass_seconds(self, shape: StepShape) -> float:
         """A forward pass holding ``shape`` (its fixed cost alone, if nothing)."""
+        if shape.prefill_tokens <= 0 and self.decodes is not None:
+            return max(self.floor_s, self.decodes.seconds(shape))
         return max(
             self.floor_s,
             self.step_s
@@ -550,6 +568,16 @@ def _fit_compute(
     # the floor: a pass of a few decodes (the median of those seen)
     few = [s for shape, s in others if shape.prefill_tokens == 0 and shape.decode_rows <= 16]
     floor = float(np.median(few)) if few else 0.0
+    # passes of decodes alone get their own line, and the prompts' line is drawn through the
+    # passes that computed prompt tokens: a GPU's decode pass is bound by reading the weights
+    # (an MoE's 61 GB: 18 ms on an H100), a prompt's pass by computing, and one line through
+    # both put the decode passes' cost into every prompt's fixed cost. The simulator's MoE
+    # beside 64 decodes: auto split every hit (its passes give no compute sample), the decode
+    # passes took over the window, and recomputing was predicted 10% slower than it ran
+    decode_only = [(shape, s) for shape, s in others if shape.prefill_tokens == 0]
+    decodes = _fit_decodes(decode_only) if len(decode_only) >= MIN_DECODE_PASSES else None
+    if decodes is not None:
+        samples = [(shape, s) for shape, s in samples if shape.prefill_tokens > 0]
     # the line through the passes above it (those at the floor say nothing of their tokens),
     # where enough prefills are
     above = [(shape, s) for shape, s in samples if s > 1.5 * floor]
@@ -560,7 +588,16 @@ def _fit_compute(
     step, token, attention, row, context = nonnegative_fit(x, y)
     if token <= 0 and attention <= 0:
         return None  # nothing grows with the prompt: not a usable fit yet
-    return ComputeFit(step, token, attention, row, context, len(samples), floor)
+    return ComputeFit(step, token, attention, row, context, len(samples), floor, decodes)
+
+
+def _fit_decodes(samples: list[tuple[StepShape, float]]) -> DecodeLine:
+    x = np.array(
+        [[1.0, float(shape.decode_rows), float(shape.decode_context)] for shape, _ in samples]
+    )
+    y = np.array([s for _, s in samples])
+    step, row, context = nonnegative_fit(x, y)
+    return DecodeLine(step, row, context)
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> list[float]:

@@ -465,6 +465,39 @@ def test_a_pass_full_of_decodes_is_not_a_prefill_sample() -> None:
         assert fit.seconds(0, n) == pytest.approx(want, rel=0.1)
 
 
+def test_a_gpus_decode_passes_do_not_set_the_cost_of_a_prompt() -> None:
+    """A GPU's pass of decodes alone reads every weight (an MoE's 61 GB: 18 ms on an H100)
+    while a prompt's pass is bound by its compute: one line through both put the decode
+    passes' cost into every prompt's fixed cost. In the simulator an MoE beside 64 decodes
+    split every 2k hit (its passes give no compute sample), decode passes filled the window,
+    recomputing was predicted 10% slower than it ran, and auto came 2% behind recomputing."""
+
+    def truth(shape: StepShape) -> float:
+        tokens = shape.prefill_tokens + shape.decode_rows
+        return (
+            0.003
+            + max(22e-6 * tokens, 0.018)
+            + 2.5e-9 * shape.prefill_attention
+            + 3e-11 * shape.decode_context
+        )
+
+    rate = ComputeRate()
+    rng = random.Random(3)
+    decodes = [(rng.randrange(2048, 2300), 1, False) for _ in range(64)]
+    for n in (1024, 1536, 2176, 2176):  # the cold start's recomputed prompts, then splits
+        shape = step_shape([(0, n, True)])
+        rate.add(shape, truth(shape))
+    for _ in range(64):  # the rest of the window: passes of the 64 decodes alone
+        shape = step_shape([(rng.randrange(2048, 2300), 1, False) for _ in range(64)])
+        rate.add(shape, truth(shape))
+    fit = rate.estimate()
+    assert fit is not None
+    prompt = step_shape([(0, 2176, True), *decodes])
+    assert fit.pass_seconds(prompt) == pytest.approx(truth(prompt), rel=0.05)
+    alone = step_shape(decodes)
+    assert fit.pass_seconds(alone) == pytest.approx(truth(alone), rel=0.05)
+
+
 # ---------------------------------------------------------------------- probes
 def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow() -> None:
     clock = Clock()
