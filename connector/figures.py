@@ -168,16 +168,24 @@ class ComputeFit:
     decodes: DecodeLine | None = None
 
     def pass_seconds(self, shape: StepShape) -> float:
-        """A forward pass holding ``shape`` (its fixed cost alone, if nothing)."""
-        if shape.prefill_tokens <= 0 and self.decodes is not None:
+        """A forward pass holding ``shape`` (its fixed cost alone, if nothing). Never less than
+        the pass of its decodes alone: what a pass computes only adds to what it reads, so
+        adding prompt tokens never makes a pass cheaper (a short prompt's line, fitted through
+        compute-bound passes, lies below a weight-bound decode pass)."""
+        if self.decodes is None:
+            return max(self.floor_s, self.line_seconds(shape))
+        if shape.prefill_tokens <= 0:
             return max(self.floor_s, self.decodes.seconds(shape))
-        return max(
-            self.floor_s,
+        return max(self.floor_s, self.decodes.seconds(shape), self.line_seconds(shape))
+
+    def line_seconds(self, shape: StepShape) -> float:
+        """The prompts' line at ``shape``, unbounded below: chunks after chunks add up on it."""
+        return (
             self.step_s
             + self.token_s * shape.prefill_tokens
             + self.attention_s * shape.prefill_attention
             + self.decode_row_s * shape.decode_rows
-            + self.decode_context_s * shape.decode_context,
+            + self.decode_context_s * shape.decode_context
         )
 
     def prefill_seconds(self, first: int, end: int) -> float:
@@ -188,7 +196,8 @@ class ComputeFit:
 
     def seconds(self, first: int, end: int) -> float:
         """A pass computing prompt tokens ``[first, end)`` and nothing else."""
-        return max(self.floor_s, self.step_s + self.prefill_seconds(first, end))
+        n = max(0, end - first)
+        return self.pass_seconds(StepShape(n, attention_work(n, first)))
 
 
 def attention_work(tokens: int, context_before: int) -> float:
@@ -574,10 +583,14 @@ def _fit_compute(
     # both put the decode passes' cost into every prompt's fixed cost. The simulator's MoE
     # beside 64 decodes: auto split every hit (its passes give no compute sample), the decode
     # passes took over the window, and recomputing was predicted 10% slower than it ran
+    # (only where the prompts' passes came in at least two sizes: one size alone does not
+    # tell their fixed cost from their per-token cost)
     decode_only = [(shape, s) for shape, s in others if shape.prefill_tokens == 0]
-    decodes = _fit_decodes(decode_only) if len(decode_only) >= MIN_DECODE_PASSES else None
-    if decodes is not None:
-        samples = [(shape, s) for shape, s in samples if shape.prefill_tokens > 0]
+    prompts = [(shape, s) for shape, s in samples if shape.prefill_tokens > 0]
+    sizes = {shape.prefill_tokens for shape, _ in prompts}
+    decodes = None
+    if len(decode_only) >= MIN_DECODE_PASSES and len(sizes) >= 2:
+        decodes, samples = _fit_decodes(decode_only), prompts
     # the line through the passes above it (those at the floor say nothing of their tokens),
     # where enough prefills are
     above = [(shape, s) for shape, s in samples if s > 1.5 * floor]

@@ -407,15 +407,20 @@ class _Model:
             # chunk i computes [ctx + i size, ctx + (i + 1) size): its attention grows with i
             work = size * (full * ctx + size * full * (full - 1) / 2 + full * size / 2)
             chunks = full * c.token_s * size + c.attention_s * work
-            added += chunks
-            t += full * base + chunks
+            # a chunk's pass is on the prompts' line (its fixed part: that line at the decodes
+            # alone), which may lie below the decodes' own pass: a weight-bound decode pass
+            # costs nothing more when a compute-bound chunk joins it
+            line_base = base if c.decodes is None else c.line_seconds(self.decodes)
+            passes_s = max(full * base, full * line_base + chunks)
+            added += passes_s - full * base
+            t += passes_s
             if size >= room:
                 # each chunk fills the budget: a request whose load lands meanwhile is
                 # scheduled only after the last of them (running requests go first), not
                 # after one pass (the simulator: async loads that landed in 1 s waited 3 s
                 # behind a 32k prompt recomputed beside them, which the policy had counted at
                 # half a pass)
-                longest = max(longest, full * base + chunks)
+                longest = max(longest, passes_s)
             else:
                 last_chunk = c.prefill_seconds(ctx + (full - 1) * size, ctx + full * size)
                 longest = max(longest, last_chunk)

@@ -496,6 +496,19 @@ def test_a_gpus_decode_passes_do_not_set_the_cost_of_a_prompt() -> None:
     assert fit.pass_seconds(prompt) == pytest.approx(truth(prompt), rel=0.05)
     alone = step_shape(decodes)
     assert fit.pass_seconds(alone) == pytest.approx(truth(alone), rel=0.05)
+    # a short prompt joining the decodes costs next to nothing more, never less (its line,
+    # drawn through compute-bound passes, lies far below a weight-bound pass: found in review)
+    question = step_shape([(2112, 64, True), *decodes])
+    assert fit.pass_seconds(alone) <= fit.pass_seconds(question) <= 1.1 * truth(question)
+    # and recomputing an 8k prompt beside them, chunk by chunk, costs what its passes do
+    chunked = choose(
+        Hit(0, 512, 8192 + 64, 16, 2 << 20, 32),
+        Figures(LoadFit(0.0, 1e6, samples=8), None, fit),  # (a store too slow to load from)
+        engine=Engine(token_budget=2048),
+        busy=Busy(batch=alone),
+    )
+    passes = [step_shape([(c, min(2048, 8256 - c), True), *decodes]) for c in range(0, 8256, 2048)]
+    assert chunked.predicted_s["recompute"] == pytest.approx(sum(map(truth, passes)), rel=0.1)
 
 
 # ---------------------------------------------------------------------- probes
