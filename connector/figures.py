@@ -178,6 +178,15 @@ class ComputeFit:
             return max(self.floor_s, self.decodes.seconds(shape))
         return max(self.floor_s, self.decodes.seconds(shape), self.line_seconds(shape))
 
+    def chunk_base_seconds(self, decodes: StepShape) -> float:
+        """The fixed part of a pass that computes a prompt chunk beside ``decodes``, which
+        its tokens add to: the prompts' line there where passes of decodes alone have their
+        own line (a weight-bound decode pass costs nothing more when a compute-bound chunk
+        joins it), else the pass of the decodes alone."""
+        if self.decodes is None:
+            return self.pass_seconds(decodes)
+        return self.line_seconds(decodes)
+
     def line_seconds(self, shape: StepShape) -> float:
         """The prompts' line at ``shape``, unbounded below: chunks after chunks add up on it."""
         return (
@@ -574,8 +583,9 @@ def _fit_compute(
     samples = prefills + others
     if len(samples) < MIN_STEPS or len(prefills) < MIN_PREFILLS:
         return None  # a prompt's cost is not predicted from decode steps alone
+    decode_only = [(shape, s) for shape, s in others if shape.prefill_tokens == 0]
     # the floor: a pass of a few decodes (the median of those seen)
-    few = [s for shape, s in others if shape.prefill_tokens == 0 and shape.decode_rows <= 16]
+    few = [s for shape, s in decode_only if shape.decode_rows <= 16]
     floor = float(np.median(few)) if few else 0.0
     # passes of decodes alone get their own line, and the prompts' line is drawn through the
     # passes that computed prompt tokens: a GPU's decode pass is bound by reading the weights
@@ -585,7 +595,6 @@ def _fit_compute(
     # passes took over the window, and recomputing was predicted 10% slower than it ran
     # (only where the prompts' passes came in at least two sizes: one size alone does not
     # tell their fixed cost from their per-token cost)
-    decode_only = [(shape, s) for shape, s in others if shape.prefill_tokens == 0]
     prompts = [(shape, s) for shape, s in samples if shape.prefill_tokens > 0]
     sizes = {shape.prefill_tokens for shape, _ in prompts}
     decodes = None

@@ -407,11 +407,8 @@ class _Model:
             # chunk i computes [ctx + i size, ctx + (i + 1) size): its attention grows with i
             work = size * (full * ctx + size * full * (full - 1) / 2 + full * size / 2)
             chunks = full * c.token_s * size + c.attention_s * work
-            # a chunk's pass is on the prompts' line (its fixed part: that line at the decodes
-            # alone), which may lie below the decodes' own pass: a weight-bound decode pass
-            # costs nothing more when a compute-bound chunk joins it
-            line_base = base if c.decodes is None else c.line_seconds(self.decodes)
-            passes_s = max(full * base, full * line_base + chunks)
+            # (each chunk's pass at least the decodes' own)
+            passes_s = max(full * base, full * c.chunk_base_seconds(self.decodes) + chunks)
             added += passes_s - full * base
             t += passes_s
             if size >= room:
