@@ -447,8 +447,13 @@ class _Model:
         # the prompts being computed now are done by then, but a busy engine admits others
         # meanwhile, which it serves before this one once it landed: as many, say
         p = self.passes(hit.end * hit.block_size, hit.prompt_tokens, busy.prefill_tokens_ahead)
-        on_store = own / loads.bytes_per_s  # what the others' loads wait for this one's bytes
-        return landed + p.seconds, self.w.load * busy.loads * on_store + self._compute_cost(p)
+        # what the loads in flight wait longer for this one's bytes: sharing the store with
+        # it, each is held back by this load's transfer at most, and by no more than its own
+        # rest (together, at most the backlog). Each was charged the whole transfer: three
+        # loads with 7 GB left lost 3 x 4.3 GB's time (1.6 s) to a 4.3 GB load, and auto split
+        # a 32k hit whose load was 0.2 s sooner (the simulator's 8B, 8 GB/s, 4 clients)
+        delay = min(busy.loads * own, busy.load_bytes_ahead) / loads.bytes_per_s
+        return landed + p.seconds, self.w.load * delay + self._compute_cost(p)
 
     def split(self, splits: SplitFit, j: int) -> tuple[float, float]:
         hit, busy, c, engine = self.hit, self.busy, self.c, self.engine
