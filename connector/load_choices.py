@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from connector.config import RedisConnectorConfig
@@ -87,6 +88,9 @@ class LoadChoices:
         # scheduled, seen as the next one, and what this step's admissions added to it
         self._running = Busy()
         self._admitted = Busy()
+        # this step's asynchronous admissions not yet started: request -> the bytes
+        # ``_admitted`` holds for it (a load that starts moves into ``loads_out``)
+        self._admitted_loads: dict[str, float] = {}
         self.loads_out = LoadsInFlight()  # requests loading asynchronously
         # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
         # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
@@ -110,8 +114,18 @@ class LoadChoices:
         return loads.bytes_per_s if loads is not None else None
 
     def load_started(self, req_id: str, nbytes: float, now: float) -> None:
-        """An asynchronous load of ``nbytes`` a rank starts now (``time.monotonic``)."""
+        """An asynchronous load of ``nbytes`` a rank starts now (``time.monotonic``): in the
+        loads in flight from now, and no longer among this step's admissions (vLLM starts it
+        before it asks about the next request of the step, which saw it twice)."""
         self.loads_out.started(req_id, nbytes, now, self._load_rate())
+        planned = self._admitted_loads.pop(req_id, None)
+        if planned is not None:
+            more = self._admitted
+            self._admitted = replace(
+                more,
+                loads=max(0, more.loads - 1),
+                load_bytes_ahead=max(0.0, more.load_bytes_ahead - planned),
+            )
 
     def load_ended(self, req_id: str) -> None:
         """The asynchronous load of ``req_id`` landed, failed or was given up."""
@@ -183,6 +197,8 @@ class LoadChoices:
                 self.stats.observe("predicted_gain_seconds", decision.gain_s)
         st.decided(decision, start + decision.blocks)
         self._admitted = admitted(self._admitted, hit, decision)
+        if decision.way is Way.ASYNC:
+            self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
         self.stats.add(**{f"chose_{decision.way.value}": 1})
         if decision.way is Way.RECOMPUTE:
             self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
@@ -201,6 +217,7 @@ class LoadChoices:
         """A step was scheduled (``rows``: see ``load_policy.next_pass``): it is the pass the
         next admissions run beside, and none of them is admitted yet."""
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
+        self._admitted_loads.clear()
         self._step_seen_at = time.monotonic()
         self._steps_built += 1
 

@@ -19,7 +19,9 @@ pytest.importorskip("vllm")
 
 from vllm.v1.request import RequestStatus
 
+from connector import load_choices
 from connector.figures import StepShape
+from connector.load_policy import Busy
 from kvstore import LookupBuffer
 from kvstore.values.keys import parse_key
 from testing.scheduler_harness import BS, LAYERS, prompt
@@ -457,6 +459,34 @@ def test_one_split_a_pass_however_many_hits_are_admitted_together(engines: Any) 
     reader.run_until_idle()
     stats = reader.take_stats()
     assert stats.get("chose_split") == 1, stats
+
+
+def test_a_load_started_in_a_step_is_seen_once_by_the_next_admission(
+    engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: vLLM starts an admitted request's load (``update_state_after_alloc``)
+    before it asks about the next request of the same step, so the next one's choice counted
+    that load twice -- among the step's admissions and among the loads in flight -- and
+    queued its own load behind twice the bytes there were."""
+    prompts = saved_prompts(engines, 2, seed=75)
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
+    # a store far faster than computing for whole loads, its bands too slow to split on
+    measured(reader, token_s=0.001, load_bytes_per_s=1e9, band_bytes_per_s=1e5)
+    seen: list[Busy] = []
+    real = load_choices.choose
+
+    def spy(hit: Any, figures: Any, **kw: Any) -> Any:
+        seen.append(kw["busy"])
+        return real(hit, figures, **kw)
+
+    monkeypatch.setattr(load_choices, "choose", spy)
+    for rid, tokens in prompts.items():  # admitted in one step
+        reader.add(rid, tokens)
+    reader.run_until_idle()
+    assert reader.take_stats().get("chose_async") == 2
+    first_load = 6 * reader.connector.scheduler.load_choices.block_bytes
+    assert [b.loads for b in seen] == [0, 1]
+    assert seen[1].load_bytes_ahead <= first_load  # (less what the store drained since)
 
 
 def test_hostile_figures_in_the_workers_stats_teach_nothing_and_stop_nothing(
