@@ -27,8 +27,9 @@ Each way's cost is the request's own time to first token plus what it adds to th
 (``BusyWeights``):
 - every request still computing its prompt loses the time the way adds to the passes it shares
   with it (a split stalls the whole pass while it waits for bands);
-- every request loading loses the time the store spends on this one's bytes, and, if its load
-  lands while this request's passes run, half a pass;
+- every request loading loses what it waits longer for this one's bytes on the store it
+  shares (at most this load's transfer each, and at most its own rest: in all, at most the
+  bytes still ahead), and, if its load lands while this request's passes run, half a pass;
 - decodes count at ``decode`` weight (0 by default: the policy never trades a request's first
   token for the others' inter-token gaps).
 An idle engine reduces this to the request's own time; on a busy one ``async`` (which takes
@@ -447,11 +448,14 @@ class _Model:
         # the prompts being computed now are done by then, but a busy engine admits others
         # meanwhile, which it serves before this one once it landed: as many, say
         p = self.passes(hit.end * hit.block_size, hit.prompt_tokens, busy.prefill_tokens_ahead)
-        # what the loads in flight wait longer for this one's bytes: sharing the store with
-        # it, each is held back by this load's transfer at most, and by no more than its own
-        # rest (together, at most the backlog). Each was charged the whole transfer: three
-        # loads with 7 GB left lost 3 x 4.3 GB's time (1.6 s) to a 4.3 GB load, and auto split
-        # a 32k hit whose load was 0.2 s sooner (the simulator's 8B, 8 GB/s, 4 clients)
+        # what the loads in flight wait longer for this one's bytes, at most: sharing the store,
+        # each is held back by this load's transfer and by no more than its own rest, so in all
+        # by at most the backlog (served first come first served, less: the bound stands in
+        # for the loads that will queue behind this one, which are not counted). Each was
+        # charged the whole transfer: three loads with 7 GB left lost 3 x 4.3 GB's time (1.6 s)
+        # to a 4.3 GB load, and auto split a 32k hit whose load was 0.2 s sooner (the
+        # simulator's 8B, 8 GB/s, 4 clients). Charging the loads to come by the rate loads
+        # began missed more cells (19 and 21 against 15 and 13 on two seeds): not kept
         delay = min(busy.loads * own, busy.load_bytes_ahead) / loads.bytes_per_s
         return landed + p.seconds, self.w.load * delay + self._compute_cost(p)
 
