@@ -384,16 +384,19 @@ def bench_size(
     entries, _ = plan_entries(["kv"], torch.bfloat16, [size // 2])
     pieces = [memoryview(t["kv"].view(torch.uint8).numpy()) for t in tensors]  # type: ignore[arg-type]
 
+    def framed() -> list[tuple[str, list[Any]]]:
+        """Each value framed (checksummed) around its staged bytes, as the data mover does."""
+        return [
+            (h, frame_parts(entries, [p], fingerprint=store.fingerprint, block_hash=h))
+            for h, p in zip(hashes[:batch], pieces, strict=True)
+        ]
+
     def kv_insert_parts(connections: int) -> Path_:
-        """What the data mover does: frame (checksum) each value around its staged bytes and
-        send it from there, over ``connections`` connections."""
+        """What the data mover does: frame each value and send it from where it lies, over
+        ``connections`` connections."""
 
         def run() -> None:
-            items = [
-                (h, frame_parts(entries, [p], fingerprint=store.fingerprint, block_hash=h))
-                for h, p in zip(hashes[:batch], pieces, strict=True)
-            ]
-            store.insert_parts(items, connections=connections)
+            store.insert_parts(framed(), connections=connections)
 
         return run
 
@@ -415,13 +418,9 @@ def bench_size(
     def kv_checksums_alone() -> None:
         """The framing of ``insert_parts x1`` without the send: the checksum of each value,
         read from memory (cold, as staged values are)."""
-        for h, p in zip(hashes[:batch], pieces, strict=True):
-            frame_parts(entries, [p], fingerprint=store.fingerprint, block_hash=h)
+        framed()
 
-    framed_before = [
-        (h, frame_parts(entries, [p], fingerprint=store.fingerprint, block_hash=h))
-        for h, p in zip(hashes[:batch], pieces, strict=True)
-    ]
+    framed_before = framed()
 
     def kv_send_framed() -> None:
         """The send of ``insert_parts x1`` without its framing: values framed beforehand."""
