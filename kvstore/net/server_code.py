@@ -170,6 +170,9 @@ class ServerCode:
         self.safe_url = safe_url  # (the URL without its password: for messages)
         self._mode: ScriptMode | None = ScriptMode.SCRIPTS if mode is ScriptMode.SCRIPTS else None
         self._server_has_functions = True  # until a server answers FCALL "unknown command"
+        # bumped by each forget(): an answer asked for before it is stale and settles nothing
+        # (a background call that asked before the operator's grant must not undo it)
+        self._asked_since = 0
         self._lock = threading.Lock()
 
     @property
@@ -192,6 +195,7 @@ class ServerCode:
         with self._lock:
             if self.wanted is not ScriptMode.SCRIPTS:
                 self._mode = None
+                self._asked_since += 1
 
     def mode(self, client: Any) -> ScriptMode:
         """FUNCTIONS or SCRIPTS for these servers, asked of them on the first call (a round
@@ -201,11 +205,12 @@ class ServerCode:
         mode = self._mode
         if mode is not None:
             return mode
+        asked_since = self._asked_since
         asked = self._ask(client)
         with self._lock:
-            if self._mode is None:
+            if self._mode is None and asked_since == self._asked_since:
                 self._mode = asked
-            return self._mode
+            return self._mode or asked
 
     def _ask(self, client: Any) -> ScriptMode:
         modes = {self._ask_one(server, name) for name, server in servers(client)}
@@ -295,6 +300,13 @@ class ServerCode:
         self.forget()
         return rex.NoPermissionError("this user has no permissions to run the 'fcall' command")
 
+    def granted_since(self, client: Any) -> bool:
+        """After :meth:`refused` forgot an EVALSHA's mode: whether the servers, asked again
+        now, run this role's FCALL -- it was granted ``+fcall`` after the scripts were settled
+        (by this call, or by a concurrent one that asked before the grant). Then the refused
+        call is sent once more, as FCALL: an operator's grant serves the very next call."""
+        return self.mode(client) is ScriptMode.FUNCTIONS
+
     def bind(self, script: ServerScript, client: Any) -> BoundScript:
         return BoundScript(self, script, client)
 
@@ -326,7 +338,10 @@ class BoundScript:
             try:
                 return self._eval(keys=keys, args=args, client=client)
             except rex.NoPermissionError as exc:
-                raise self._code.refused(exc) from None
+                error = self._code.refused(exc)
+                if error is exc or not self._code.granted_since(self._client):
+                    raise error from None
+                # (granted +fcall since: sent again below, as FCALL)
         target = client if client is not None else self._client
         try:
             return target.fcall(self.script.function, len(keys), *keys, *args)

@@ -482,7 +482,11 @@ class Claimer:
             try:
                 return read(self._claim_script.command_args(scripted, args), private)
             except rex.NoPermissionError as exc:
-                raise self._code.refused(exc) from None
+                error = self._code.refused(exc)
+                # an EVALSHA refused took nothing: once granted +fcall, the same again as FCALL
+                if error is exc or not self._code.granted_since(self._client):
+                    raise error from None
+                return read(self._claim_script.command_args(scripted, args), private)
             except rex.ResponseError as exc:
                 # the server lost its code (a restart, SCRIPT FLUSH): nothing ran, so the same
                 # again once it is back

@@ -224,7 +224,32 @@ def test_a_claim_refused_fcall_names_fcall_and_runs_once_it_is_granted(
         with pytest.raises(StorePermissionError) as info:
             buf.drop_select(HASHES[:1])
         assert "+fcall" in str(info.value) and "evalsha" not in str(info.value).lower()
+        # a call in flight (CI: the refused claim's give-back, in the background) settled
+        # scripts again before the grant, and the next claim after it was refused as well
+        role = redis.Redis.from_url(url)
+        assert buf.server_code.mode(role) is ScriptMode.SCRIPTS
+        role.close()
         acl_user(private_redis, "nofcall", acl_rule(ops, "acl"))  # the operator grants it
         (got,) = buf.drop_select(HASHES[:1])
         assert got is not None and got["kv"].tolist() == [1.0] * 4
+        assert buf.server_code.settled is ScriptMode.FUNCTIONS
+
+
+def test_a_handoff_claim_refused_fcall_runs_once_it_is_granted(
+    private_redis: RedisServer,
+) -> None:
+    """The same for a script sent alone (a handoff's claim): scripts settled before the
+    operator's grant, the first claim after it runs, as FCALL."""
+    ops = ["ping", "insert", "handoff_read", "handoff_claim"]
+    url = acl_user(private_redis, "nofcall2", without(acl_rule(ops, "acl"), "FCALL"))
+    with LookupBuffer.from_url(url, namespace="acl", fingerprint="fp", ttl_s=60) as buf:
+        buf.publish_handoff("h1", 3)
+        with pytest.raises(StorePermissionError) as info:
+            buf.claim_handoff("h1")
+        assert "+fcall" in str(info.value)
+        role = redis.Redis.from_url(url)
+        assert buf.server_code.mode(role) is ScriptMode.SCRIPTS
+        role.close()
+        acl_user(private_redis, "nofcall2", acl_rule(ops, "acl"))
+        assert buf.claim_handoff("h1") == Claim.WON
         assert buf.server_code.settled is ScriptMode.FUNCTIONS

@@ -164,3 +164,25 @@ def test_a_hung_first_call_holds_no_other_caller() -> None:
     assert hung.is_alive()
     release.set()
     hung.join(10)
+
+
+def test_an_answer_asked_for_before_the_mode_was_forgotten_settles_nothing() -> None:
+    """A call that asked before an operator's grant (refused FCALL: scripts) and whose answer
+    lands after a later call forgot the mode must not settle scripts over the grant: the
+    next call asks again."""
+    client = fakeredis.FakeRedis()
+    code = store(client).server_code
+    fcall, asked = client.fcall, threading.Event()
+
+    def refused_while_another_forgets(*args: object) -> object:
+        if not asked.is_set():
+            asked.set()
+            code.forget()  # another call, refused meanwhile, forgot the mode
+            raise rex.NoPermissionError("this user has no permissions to run the 'fcall' command")
+        return fcall(*args)
+
+    client.fcall = refused_while_another_forgets
+    assert code.mode(client) is ScriptMode.SCRIPTS  # this call's own answer
+    assert code.settled is None  # stale: settles nothing
+    assert code.mode(client) is ScriptMode.FUNCTIONS
+    assert code.settled is ScriptMode.FUNCTIONS
