@@ -357,10 +357,13 @@ class BoundScript:
             self._code.forget()  # the server lost it: settled again, then sent once more
             return self._call(keys, args, client, settle_again=False)
 
-    def command_args(self, keys: Sequence[Any], args: Sequence[Any]) -> tuple[Any, ...]:
-        """The command as a tuple, for a caller that sends it on a connection of its own
-        (settle the mode with :meth:`ServerCode.mode` first)."""
-        if self._code.settled is ScriptMode.SCRIPTS:
+    def command_args(
+        self, keys: Sequence[Any], args: Sequence[Any], mode: ScriptMode | None = None
+    ) -> tuple[Any, ...]:
+        """The command as a tuple, for a caller that sends it on a connection of its own, in
+        ``mode`` -- what :meth:`ServerCode.mode` answered it (an answer that came after a
+        forget is the caller's, not settled) -- or else as settled."""
+        if (mode or self._code.settled) is ScriptMode.SCRIPTS:
             return ("EVALSHA", self._eval.sha, len(keys), *keys, *args)
         return ("FCALL", self.script.function, len(keys), *keys, *args)
 

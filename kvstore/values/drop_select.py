@@ -56,7 +56,7 @@ from kvstore.errors import (
     StoreUnavailableError,
 )
 from kvstore.net.guard import Guard
-from kvstore.net.server_code import ServerCode, ServerScript
+from kvstore.net.server_code import ScriptMode, ServerCode, ServerScript
 from kvstore.net.transport import Transport
 from kvstore.values.keys import claim_key
 
@@ -477,16 +477,17 @@ class Claimer:
         scripted = [*keys, *private]
 
         def round_trip(mode: str) -> tuple[list[int] | int | None, list[Any]]:
-            self._code.mode(self._client)
+            lua = self._code.mode(self._client)
             args = (self._max_value_bytes, mode, self._late_ms())
             try:
-                return read(self._claim_script.command_args(scripted, args), private)
+                return read(self._claim_script.command_args(scripted, args, lua), private)
             except rex.NoPermissionError as exc:
                 error = self._code.refused(exc)
                 # an EVALSHA refused took nothing: once granted +fcall, the same again as FCALL
                 if error is exc or not self._code.granted_since(self._client):
                     raise error from None
-                return read(self._claim_script.command_args(scripted, args), private)
+                functions = ScriptMode.FUNCTIONS
+                return read(self._claim_script.command_args(scripted, args, functions), private)
             except rex.ResponseError as exc:
                 # the server lost its code (a restart, SCRIPT FLUSH): nothing ran, so the same
                 # again once it is back
