@@ -6,9 +6,13 @@ recompute's). The whole matrix is the script's to run (minutes); these take seco
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from scripts.sim_load_policy import DEPLOYMENTS, WORKLOADS, Cell, run_cell
+from scripts.sim_load_policy import main as sim_main
 
 LLAMA_8B, LLAMA_70B = DEPLOYMENTS[0], DEPLOYMENTS[2]
 IDLE, FOUR, SIXTEEN, DECODES = WORKLOADS
@@ -33,3 +37,19 @@ def test_auto_meets_the_targets_where_each_way_is_best(
     if best is not None:
         assert cell.best_fixed() == best  # (the cell is what it is chosen for)
     assert cell.passes(), cell.ratios()
+
+
+def test_the_simulator_runs_seeds_side_by_side_and_processes_change_nothing(
+    tmp_path: Path,
+) -> None:
+    """``--seeds`` runs every cell once per seed and says each seed's summary; ``--jobs``
+    runs cells in processes, with the very results of one process."""
+    args = ["--requests", "8", "--only", "8B, H200,8 GB/s,4 clients,8k", "--seeds", "1,2"]
+    sim_main([*args, "--json", str(tmp_path / "one.json")])
+    sim_main([*args, "--jobs", "2", "--json", str(tmp_path / "two.json")])
+    one, two = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert [c["seed"] for c in one["cells"]] == [1, 1, 2, 2]  # two split ratios, two seeds
+    assert set(one["per_seed"]) == {"1", "2"}
+    assert one["cells"] == two["cells"]
+    # the seeds draw different runs (arrivals, noise)
+    assert one["cells"][0]["ttft"] != one["cells"][2]["ttft"]
