@@ -193,6 +193,7 @@ class Request:
     state: str = "new"  # new, loading, loaded, recompute, running, done
     first_token: float | None = None
     decision: Decision | None = None
+    decided_at: float = 0.0
     background: bool = False  # a long decode beside the measured requests
 
 
@@ -312,6 +313,9 @@ class Cell:
     first: dict[str, float] = field(default_factory=dict)  # the cold instance's first request
     auto_chose: dict[str, int] = field(default_factory=dict)
     seed: int = 1
+    # auto's predicted time to first token over what each request got (from its admission),
+    # the median per way it chose: where the model is wrong, and which way
+    auto_predicted_over_got: dict[str, float] = field(default_factory=dict)
 
     def mean(self, way: str) -> float:
         return statistics.fmean(self.ttft[way])
@@ -377,6 +381,7 @@ class EngineSim:
         self.ttft: list[float] = []  # in the order requests got their first token
         self.first_ttft = math.nan  # the first request's
         self.chose: dict[str, int] = {}
+        self.predicted_over_got: dict[str, list[float]] = {}  # per way chosen
         self.sent = 0
         self.busy_next = Busy()
         self.deadline_s = 30.0
@@ -447,6 +452,7 @@ class EngineSim:
         else:
             decision = pinned(Way(self.way), hit, True, figures, self.engine, busy)
         self.probes.remember([BlockName(f"{r.rid}:{i}") for i in range(hit.blocks)], str(r.rid))
+        r.decided_at = self.t
         self.chose[decision.way.value] = self.chose.get(decision.way.value, 0) + 1
         return decision
 
@@ -541,6 +547,7 @@ class EngineSim:
                 continue
             if r.first_token is None:
                 r.first_token = self.t
+                self._note_outcome(r)
                 if not r.background:
                     self.ttft.append(self.t - r.arrival)
                     if r.rid == 1:
@@ -556,6 +563,15 @@ class EngineSim:
         self._loads_done(self.t)
         self._probe()
         return True
+
+    def _note_outcome(self, r: Request) -> None:
+        """``r``'s first token came now: its predicted time over what it got (auto's)."""
+        if r.decision is None or self.t <= r.decided_at:
+            return
+        way = r.decision.way.value
+        predicted = r.decision.predicted_s.get(way)
+        if predicted is not None:
+            self.predicted_over_got.setdefault(way, []).append(predicted / (self.t - r.decided_at))
 
     def _busy(self) -> Busy:
         """What the connector's scheduler side sees as a step's admissions begin."""
@@ -694,6 +710,9 @@ def run_cell(
         cell.first[way], cell.ttft[way] = sim.first_ttft, ttft[warm_up:]
         if way == "auto":
             cell.auto_chose = sim.chose
+            cell.auto_predicted_over_got = {
+                k: round(statistics.median(v), 3) for k, v in sorted(sim.predicted_over_got.items())
+            }
     return cell
 
 
@@ -841,6 +860,14 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         mine = [c for c in cells if c.seed == seed]
         print(f"{f'seed {seed}: ' if len(seeds) > 1 else ''}{summary(mine)}")
+    ratios: dict[str, list[float]] = {}
+    for c in cells:
+        for way, r in c.auto_predicted_over_got.items():
+            ratios.setdefault(way, []).append(r)
+    print(
+        "auto's predicted time to first token over what it got, median over cells: "
+        + ", ".join(f"{w} {statistics.median(v):.2f}" for w, v in sorted(ratios.items()))
+    )
     print(f"({time.monotonic() - t0:.0f} s)\n")
     print(table(cells, len(seeds) > 1))
     if args.json:

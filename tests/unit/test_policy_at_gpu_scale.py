@@ -53,3 +53,14 @@ def test_the_simulator_runs_seeds_side_by_side_and_processes_change_nothing(
     assert one["cells"] == two["cells"]
     # the seeds draw different runs (arrivals, noise)
     assert one["cells"][0]["ttft"] != one["cells"][2]["ttft"]
+
+
+def test_on_an_idle_engine_autos_predictions_are_what_its_requests_get() -> None:
+    """The simulator reports auto's predicted time to first token over what each request got,
+    per way it chose: on an idle engine, where nothing else shares the passes or the store,
+    the model has nothing to miss (busy cells are where it errs: docs/benchmarks.md)."""
+    cell = run_cell(LLAMA_8B, 0.94, 1.0, IDLE, 8192, 20, seed=1)
+    assert cell.auto_chose.get("split", 0) > 10  # (the cell is what it is chosen for)
+    assert "split" in cell.auto_predicted_over_got
+    for way, ratio in cell.auto_predicted_over_got.items():
+        assert 0.9 < ratio < 1.1, (way, ratio)
