@@ -856,10 +856,10 @@ def main(argv: list[str] | None = None) -> int:
         for cell in done:
             cells.append(cell)
             print(table([cell], len(seeds) > 1).splitlines()[-1], flush=True)
+    per_seed = {seed: summary([c for c in cells if c.seed == seed]) for seed in seeds}
     print()
-    for seed in seeds:
-        mine = [c for c in cells if c.seed == seed]
-        print(f"{f'seed {seed}: ' if len(seeds) > 1 else ''}{summary(mine)}")
+    for seed, said in per_seed.items():
+        print(f"{f'seed {seed}: ' if len(seeds) > 1 else ''}{said}")
     ratios: dict[str, list[float]] = {}
     for c in cells:
         for way, r in c.auto_predicted_over_got.items():
@@ -875,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "args": {k: str(v) for k, v in vars(args).items()},
             "summary": summary(cells),
-            "per_seed": {seed: summary([c for c in cells if c.seed == seed]) for seed in seeds},
+            "per_seed": per_seed,
             "deployments": [asdict(d) for d in deployments],
             "cells": [{**asdict(c), "ratios": c.ratios(), "passes": c.passes()} for c in cells],
         }, indent=1))  # fmt: skip

@@ -290,22 +290,20 @@ class ServerCode:
                        self.safe_url, why, advice)  # fmt: skip
         return ScriptMode.SCRIPTS
 
-    def refused(self, exc: rex.NoPermissionError) -> rex.NoPermissionError:
-        """What to raise for an EVALSHA refused: a role that was refused FCALL too lacks
-        +fcall (never steer it to the grant that runs any Lua), and is asked again at the next
-        call, in case it has been granted since."""
+    def refused(self, exc: rex.NoPermissionError, client: Any) -> rex.NoPermissionError | None:
+        """After an EVALSHA refused: what to raise, or None to send the call once more, as
+        FCALL. A role that was refused FCALL too lacks +fcall (never steer it to the grant that
+        runs any Lua); the servers are asked again at once, and where the role was granted
+        ``+fcall`` after the scripts were settled (by this call, or by a concurrent one that
+        asked before the grant), the refused call -- which ran nothing -- goes again: an
+        operator's grant serves the very next call."""
         text = str(exc).lower()
         if self.grant is ScriptMode.SCRIPTS or not ("evalsha" in text or "script" in text):
             return exc  # (a refusal of another command -- a GET read with the claim -- as is)
         self.forget()
+        if self.mode(client) is ScriptMode.FUNCTIONS:
+            return None
         return rex.NoPermissionError("this user has no permissions to run the 'fcall' command")
-
-    def granted_since(self, client: Any) -> bool:
-        """After :meth:`refused` forgot an EVALSHA's mode: whether the servers, asked again
-        now, run this role's FCALL -- it was granted ``+fcall`` after the scripts were settled
-        (by this call, or by a concurrent one that asked before the grant). Then the refused
-        call is sent once more, as FCALL: an operator's grant serves the very next call."""
-        return self.mode(client) is ScriptMode.FUNCTIONS
 
     def bind(self, script: ServerScript, client: Any) -> BoundScript:
         return BoundScript(self, script, client)
@@ -338,8 +336,8 @@ class BoundScript:
             try:
                 return self._eval(keys=keys, args=args, client=client)
             except rex.NoPermissionError as exc:
-                error = self._code.refused(exc)
-                if error is exc or not self._code.granted_since(self._client):
+                error = self._code.refused(exc, self._client)
+                if error is not None:
                     raise error from None
                 # (granted +fcall since: sent again below, as FCALL)
         target = client if client is not None else self._client

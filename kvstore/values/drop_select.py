@@ -482,10 +482,10 @@ class Claimer:
             try:
                 return read(self._claim_script.command_args(scripted, args, lua), private)
             except rex.NoPermissionError as exc:
-                error = self._code.refused(exc)
-                # an EVALSHA refused took nothing: once granted +fcall, the same again as FCALL
-                if error is exc or not self._code.granted_since(self._client):
+                error = self._code.refused(exc, self._client)
+                if error is not None:
                     raise error from None
+                # an EVALSHA refused took nothing: granted +fcall since, the same as FCALL
                 functions = ScriptMode.FUNCTIONS
                 return read(self._claim_script.command_args(scripted, args, functions), private)
             except rex.ResponseError as exc:
