@@ -25,7 +25,7 @@ import redis.exceptions as rex
 from redis._parsers.hiredis import _HiredisParser
 from redis.utils import SENTINEL
 
-from kvstore.net.wire import MIN_BYTES_PER_S
+from kvstore.net.wire import MIN_BYTES_PER_S, error_reply
 
 # The largest control reply taken: far above any record, lookup answer or slot map kvstore
 # reads (kilobytes), far below what a planted reply could cost a process
@@ -74,6 +74,12 @@ class BoundedHiredisParser(_HiredisParser):
         finally:
             if outer:
                 self._reply_started = None
+
+    @classmethod
+    def parse_error(cls, response: str) -> Exception:
+        """An error reply's exception (hiredis calls this): a malformed MOVED / ASK is a plain
+        ``ResponseError``, not redis-py's ``ValueError`` (``wire.error_reply``)."""
+        return error_reply(response)
 
     def read_from_socket(
         self, timeout: float | object = SENTINEL, raise_on_timeout: bool = True

@@ -195,18 +195,22 @@ class Transport:
         commands: Sequence[tuple[Any, ...]],
         dests: Sequence[Destination],
         each: Callable[[int, Any], Any] | None = None,
+        *,
+        script_items: int,
     ) -> tuple[list[int] | int | None, list[Any]]:
-        """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of numbers,
-        a number or ``false``), then ``commands`` received as :meth:`get_values` receives them. The
-        server runs the commands after the script, and the script costs no round trip of its
-        own. Returns the script's reply (None for its ``false``) and the commands' replies; an
-        error the script answered is raised after every reply was read. Not on a Cluster, where
-        the keys may live on several servers."""
+        """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of at most
+        ``script_items`` numbers, a number or ``false``), then ``commands`` received as
+        :meth:`get_values` receives them. The server runs the commands after the script, and
+        the script costs no round trip of its own. Returns the script's reply (None for its
+        ``false``) and the commands' replies; an error the script answered is raised after
+        every reply was read. Not on a Cluster, where the keys may live on several servers."""
         if self.cluster:
             raise TypeError("script_then_values serves one server, not a Cluster")
         work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
         first: list[list[int] | int | None] = []
-        got = self._get_on_one(self.client, work, each, script=script, script_reply=first)
+        got = self._get_on_one(
+            self.client, work, each, script=script, script_reply=first, script_items=script_items
+        )
         return first[0], got
 
     def _get_on_one(
@@ -217,6 +221,7 @@ class Transport:
         *,
         script: tuple[Any, ...] | None = None,
         script_reply: list[list[int] | int | None] | None = None,
+        script_items: int = 0,
     ) -> list[Any]:
         """``work``'s replies on one connection to ``server``; with ``script``, that command
         goes first, in the same send, and its reply is appended to ``script_reply``. A value
@@ -225,7 +230,7 @@ class Transport:
         reconnection, not its other values."""
         out: list[Any] = []
         while True:
-            got, work = self._read_on_one(server, work, each, script, script_reply)
+            got, work = self._read_on_one(server, work, each, script, script_reply, script_items)
             out += got
             if not work:
                 return out
@@ -238,6 +243,7 @@ class Transport:
         each: Callable[[int, Any], Any] | None,
         script: tuple[Any, ...] | None,
         script_reply: list[list[int] | int | None] | None,
+        script_items: int = 0,
     ) -> tuple[list[Any], list[tuple[int, tuple[Any, ...], Destination]]]:
         """As :meth:`_get_on_one`, on one connection; returns the replies read and the work
         left to read elsewhere (after a value too large to drain, whose reply ends it)."""
@@ -267,7 +273,7 @@ class Transport:
                             else [int(v) for v in answer]
                         )
                     else:
-                        reply_of_script = reader.read_int_array()
+                        reply_of_script = reader.read_int_array(script_items)
                 except redis.exceptions.ResponseError as exc:
                     refused, reply_of_script = exc, None  # read the rest, then say so
                 assert script_reply is not None

@@ -55,6 +55,19 @@ try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM,
 except ImportError:  # pragma: no cover - an older redis-py: the generic class
     _parse_error = rex.ResponseError
 
+
+def error_reply(message: str) -> rex.RedisError:
+    """The exception for an error reply's text: redis-py's class for its code (OOM, NOPERM,
+    MOVED, ...), or a plain ``ResponseError`` where the text does not parse as that class's
+    (redis-py splits a MOVED / ASK into slot and address, and a ``MOVED garbage`` raised its
+    ``ValueError``, past every typed handler: found by a review). A server's text makes no
+    other exception."""
+    try:
+        return _parse_error(message)
+    except (ValueError, IndexError, TypeError):
+        return rex.ResponseError(message)
+
+
 try:  # the compiled receiving core, where pip could build it (a C compiler was there)
     from kvstore.net import _wire_core as _core  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the install
@@ -220,7 +233,7 @@ class ReplyReader:
             self._native_at, self._native_budget = at, at - started
             return int(value)
         if kind == _core.ERROR_REPLY:
-            raise _parse_error(value.decode(errors="replace"))
+            raise error_reply(value.decode(errors="replace"))
         if kind == _core.INVALID and value[:1] == b"$":
             raise rex.InvalidResponse(f"bad bulk length {value!r}")
         if kind == _core.INVALID:
@@ -278,7 +291,7 @@ class ReplyReader:
             if line[:1] == b"_" and len(line) == 1:
                 return None
             if line[:1] == b"-":
-                raise _parse_error(line[1:].decode(errors="replace"))
+                raise error_reply(line[1:].decode(errors="replace"))
             raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
         digits = line[2:] if line[1:2] == b"-" else line[1:]
         if not 0 < len(digits) <= 18 or not digits.isdigit():  # (as the compiled core: no
@@ -306,28 +319,36 @@ class ReplyReader:
         if line[:1] == b"+":
             return line[1:]
         if line[:1] == b"-":
-            raise _parse_error(line[1:].decode(errors="replace"))
+            raise error_reply(line[1:].decode(errors="replace"))
         raise rex.InvalidResponse(f"expected a status reply, got {line[:40]!r}")
 
-    def read_int_array(self) -> list[int] | int | None:
-        """Read one reply that is an array of integers (a script's table of numbers), an
-        integer (a script's number) or a nil (its ``false``: RESP2 ``$-1`` / ``*-1``, RESP3
-        ``_``); an error reply raises redis-py's ``ResponseError`` (the stream stays usable)."""
+    def read_int_array(self, max_items: int) -> list[int] | int | None:
+        """Read one reply that is an array of at most ``max_items`` integers (a script's table
+        of numbers), an integer (a script's number) or a nil (its ``false``: RESP2 ``$-1`` /
+        ``*-1``, RESP3 ``_``); an error reply raises redis-py's ``ResponseError`` (the stream
+        stays usable). A longer array is refused before its elements are read: the count is
+        the server's, and an unbounded one grew a reader by 540 MiB within its deadline (a
+        review's)."""
         self._clock.start(0)
         try:
             line = self._line()
             if line in (b"$-1", b"*-1", b"_"):
                 return None
             if line[:1] == b"-":
-                raise _parse_error(line[1:].decode(errors="replace"))
+                raise error_reply(line[1:].decode(errors="replace"))
             if line[:1] == b":":
                 return _integer(line)
             if line[:1] != b"*":
                 raise rex.InvalidResponse(f"expected an array reply, got {line[:40]!r}")
-            try:
-                return [_integer(self._line()) for _ in range(int(line[1:]))]
-            except ValueError:
-                raise rex.InvalidResponse(f"bad array length {line[:40]!r}") from None
+            digits = line[1:]
+            if not 0 < len(digits) <= 18 or not digits.isdigit():  # (no sign, space, '_')
+                raise rex.InvalidResponse(f"bad array length {line[:40]!r}")
+            count = int(digits)
+            if count > max_items:
+                raise rex.InvalidResponse(
+                    f"an array of {count} elements where at most {max_items} were expected"
+                )
+            return [_integer(self._line()) for _ in range(count)]
         finally:
             self._clock.stop()
 
@@ -487,10 +508,10 @@ def _too_large(length: int, limit: int) -> str:
 def _integer(line: bytes) -> int:
     if line[:1] != b":":
         raise rex.InvalidResponse(f"expected an integer reply, got {line[:40]!r}")
-    try:
-        return int(line[1:])
-    except ValueError:
-        raise rex.InvalidResponse(f"bad integer {line[:40]!r}") from None
+    digits = line[2:] if line[1:2] == b"-" else line[1:]
+    if not 0 < len(digits) <= 19 or not digits.isdigit():  # a 64-bit integer, as Redis sends
+        raise rex.InvalidResponse(f"bad integer {line[:40]!r}")
+    return int(line[1:])
 
 
 def pack_set(key: bytes, parts: Sequence[Any], px_ms: int | None) -> list[Any]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -51,6 +52,7 @@ from kvstore.errors import (
     KVStoreError,
     StoreCircuitOpenError,
     StoreCodeError,
+    StoreCommandError,
     StorePermissionError,
     StoreTimeoutError,
     StoreUnavailableError,
@@ -182,6 +184,32 @@ def _pause(delay: float, deadline: float) -> float:
     """Sleep ``delay`` (never past ``deadline``); the next poll's delay."""
     time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
     return min(delay * 2, _MAX_POLL_S)
+
+
+# a claim's status of a key: 1 claimed, 0 missing, 2 oversize, 3 wrong type (CLAIM_LUA)
+_STATUSES = frozenset({0, 1, 2, 3})
+
+
+def claim_statuses(reply: object, keys: int, safe_url: str) -> tuple[list[int], list[int]]:
+    """A claim's table as (statuses, lengths): two integers per key, a known status and a
+    length that is not negative. Any other reply -- a server that is not Redis, or a script not
+    ours under its name -- fails the call typed (it was an ``AssertionError``, or ``zip``'s
+    ``ValueError``: a review's)."""
+    if (
+        not isinstance(reply, list)
+        or len(reply) != 2 * keys
+        or not all(type(v) is int for v in reply)
+        or not all(st in _STATUSES for st in reply[0::2])
+        or any(n < 0 for n in reply[1::2])
+    ):
+        shown = repr(reply)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise StoreCommandError(
+            f"{safe_url} answered a claim with {shown}, not a status and a length for each of "
+            f"its {keys} key(s): check that the URL names a Redis/Valkey server and that no "
+            "other script was loaded under kvstore's names"
+        )
+    return reply[0::2], reply[1::2]
 
 
 @dataclass(frozen=True)
@@ -514,9 +542,12 @@ class Claimer:
         if reply is None:  # waiting for keys not there yet (nothing was claimed): the polls
             # that follow carry the script alone, and what it takes is read as after claim()
             return self._claim(keys, deadline, suffix), None
-        assert isinstance(reply, list)
+        try:
+            statuses, lengths = claim_statuses(reply, len(keys), self._guard.safe_url)
+        except StoreCommandError:  # (whatever it may have taken goes back)
+            self.release_later(_everything(keys, suffix))
+            raise
         self.clock.accepted()
-        statuses, lengths = reply[0::2], reply[1::2]
         claimed = [r for r, st in zip(got, statuses, strict=True) if st == 1]
         return ClaimedBatch(keys, suffix, statuses, lengths), claimed
 
@@ -549,12 +580,24 @@ class Claimer:
 
     def _server_offset(self) -> float:
         t0 = time.time()
-        reply = self._client.time()
-        t1 = time.time()
-        if isinstance(reply, dict):  # a Cluster answers per node: any master's clock
-            reply = next(iter(reply.values()))
-        seconds, micros = reply
-        return float(seconds) + float(micros) / 1e6 - (t0 + t1) / 2
+        try:
+            # (redis-py converts the reply to two ints: a malformed one raises there)
+            reply = self._client.time()
+            t1 = time.time()
+            if isinstance(reply, dict):  # a Cluster answers per node: any master's clock
+                reply = next(iter(reply.values()))
+            seconds, micros = reply
+            offset = float(seconds) + float(micros) / 1e6 - (t0 + t1) / 2
+        except (TypeError, ValueError, IndexError, OverflowError, StopIteration):
+            offset = math.nan
+        if not math.isfinite(offset):
+            # (a KVStoreError: the clock keeps its last reading; it was a ValueError, which
+            # went up through a claim whose "too late" made it read the clock: a review's)
+            raise StoreCommandError(
+                f"{self._guard.safe_url} answered TIME with something other than two numbers: "
+                "check that the URL names a Redis/Valkey server"
+            )
+        return offset
 
     def _late_reply_in_time(self, sent: float) -> None:
         """A claim answered "too late": if it came back before its caller stopped waiting,
@@ -584,8 +627,9 @@ class Claimer:
                     raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
                 continue
             if reply is not None:
+                statuses = claim_statuses(reply, len(keys), self._guard.safe_url)
                 self.clock.accepted()
-                return [int(st) for st in reply[0::2]], [int(n) for n in reply[1::2]]
+                return statuses
             delay = _pause(delay, deadline)
 
     def _claim_per_slot(
@@ -635,7 +679,7 @@ class Claimer:
                 reply = self._claim_migrating(scripted(groups[n]), args, deadline)
             if isinstance(reply, Exception):
                 raise reply
-            return reply
+            return claim_statuses(reply, len(groups[n]), self._guard.safe_url)
 
         late_seen: list[bool] = []
 
@@ -647,9 +691,10 @@ class Claimer:
                     replies[n] = claim_group(n, reply, sent)
             except _StillMigrating:
                 # the migrating slot's script never ran (a Cluster answers ASK / TRYAGAIN
-                # first): only the slots that answered took anything, and go back
-                took = [k for g, r in zip(groups, replies, strict=True) if isinstance(r, list)
-                        for k in g]  # fmt: skip
+                # first): only the slots that answered took anything, and go back (a table
+                # not read yet, or read: its statuses and lengths)
+                took = [k for g, r in zip(groups, replies, strict=True)
+                        if isinstance(r, list | tuple) for k in g]  # fmt: skip
                 if took:
                     self.release_later(_everything(took, suffix))
                 raise
@@ -659,9 +704,9 @@ class Claimer:
 
         replies = self._guard.call(self._claim_script.command, claim_groups)
         statuses, lengths = [0] * len(keys), [0] * len(keys)
-        for idx, reply in zip(by_slot.values(), replies, strict=True):
+        for idx, (group_statuses, group_lengths) in zip(by_slot.values(), replies, strict=True):
             for j, i in enumerate(idx):
-                statuses[i], lengths[i] = int(reply[2 * j]), int(reply[2 * j + 1])
+                statuses[i], lengths[i] = group_statuses[j], group_lengths[j]
         return statuses, lengths
 
     def _claim_migrating(

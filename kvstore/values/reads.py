@@ -106,7 +106,10 @@ class Reader:
 
             def claim_and_get(script: tuple[Any, ...], private: list[str]) -> Any:
                 gets = [("GET", k) for k in private]
-                return self._transport.script_then_values(script, gets, dests, check_all)
+                # (the claim answers a status and a length per key)
+                return self._transport.script_then_values(
+                    script, gets, dests, check_all, script_items=2 * len(gets)
+                )
 
             batch, fetched = self._claims.claim_reading(keys, timeout_s, claim_and_get)
         else:

@@ -174,6 +174,22 @@ def test_a_dripped_control_reply_ends_within_its_deadline(serve: object) -> None
         client.close()
 
 
+@pytest.mark.parametrize("text", [b"MOVED garbage", b"ASK 12 nocolon", b"MOVED x 1.2.3.4:5"])
+def test_a_malformed_redirect_answering_a_control_call_is_a_typed_error(
+    serve: object, text: bytes
+) -> None:
+    # redis-py parses a MOVED / ASK into slot and address: garbage there was its ValueError,
+    # which went past every typed handler (a review's); the connection stays in step
+    server = serve(handshake_then(b"-" + text + b"\r\n"))  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        for _ in range(2):
+            with pytest.raises(StoreCommandError, match=text.decode()):
+                read_generation(client, server.port)
+    finally:
+        client.close()
+
+
 def test_a_malformed_handshake_reply_is_a_typed_protocol_error(serve: object) -> None:
     def answer(name: bytes) -> bytes:
         return b"+OK\r\n"  # HELLO answered with a string, not a map

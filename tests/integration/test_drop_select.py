@@ -16,6 +16,9 @@ import redis
 import torch
 
 from kvstore import LookupBuffer, StoreTimeoutError, StoreUnavailableError, chain_hashes
+from kvstore.errors import StoreCommandError
+from kvstore.fleet.functions import LIBRARY
+from kvstore.values.drop_select import CLAIM
 from testing.blocks import filled_block
 from testing.redis_server import ClusterServers, RedisServer
 from testing.relay import DelayRelay
@@ -151,6 +154,36 @@ def test_a_clock_read_wrong_costs_one_claim_not_the_call(
     assert_blocks(buf.drop_select(HASHES[:5]), 5)
     assert abs(buf._claims.clock.offset_s) < 5  # read again
     buf.close()
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_a_claim_answered_in_another_shape_fails_typed_and_gives_back(
+    private_redis: RedisServer, connections: int
+) -> None:
+    """Found by a fresh-eyes review: kvstore's library replaced under its name (its version
+    function kept) by one whose claim answers something else -- a number, too few entries, an
+    unknown status, a negative length, strings -- failed drop_select with an AssertionError or
+    zip's ValueError. Each is now a StoreCommandError, and nothing stays claimed."""
+    direct = redis.Redis(port=private_redis.port)
+    buf = LookupBuffer.from_url(
+        private_redis.url, namespace="claims", ttl_s=TTL_S, read_connections=connections
+    )
+    ours = LIBRARY.text()
+    claim_body = f"local function {CLAIM.name}(KEYS, ARGV)\n{CLAIM.lua}\nend"
+    assert claim_body in ours
+    try:
+        for answer in ("5", "{}", "{1}", "{7, 0, 7, 0}", "{1, -5, 1, -5}", "{'1', '9', '1', '9'}"):
+            fill(buf, 2)
+            hostile = f"local function {CLAIM.name}(KEYS, ARGV)\nreturn {answer}\nend"
+            direct.function_load(ours.replace(claim_body, hostile), replace=True)
+            with pytest.raises(StoreCommandError):
+                buf.drop_select(HASHES[:2])
+            direct.function_load(ours, replace=True)
+            assert buf.wait_given_back(30)
+            assert_blocks(buf.drop_select(HASHES[:2]), 2)  # nothing was kept claimed
+    finally:
+        buf.close()
+        direct.close()
 
 
 @pytest.mark.parametrize("lost", [1, 1000])

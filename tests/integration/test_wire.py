@@ -327,10 +327,10 @@ def test_claim_replies_read_as_hiredis_reads_them(seed: int) -> None:
         want = reference.gets()
         if isinstance(want, hiredis.ReplyError):
             with pytest.raises(ResponseError) as raised:
-                reader.read_int_array()
+                reader.read_int_array(40)
             assert str(want).endswith(str(raised.value))
         else:
-            assert reader.read_int_array() == want
+            assert reader.read_int_array(40) == want
         assert reference.gets() == b"ok"
         dest = memoryview(bytearray(2))
         assert reader.read_bulk_into(dest) == 2 and bytes(dest) == b"ok"
@@ -339,12 +339,59 @@ def test_claim_replies_read_as_hiredis_reads_them(seed: int) -> None:
 
 @pytest.mark.parametrize(
     "garbage",
-    [b"+OK\r\n", b"$3\r\nabc\r\n", b"*2\r\n:1\r\n$1\r\nx\r\n", b"*x\r\n", b"*1\r\n:z\r\n"],
+    [
+        b"+OK\r\n",
+        b"$3\r\nabc\r\n",
+        b"*2\r\n:1\r\n$1\r\nx\r\n",
+        b"*x\r\n",
+        b"*1\r\n:z\r\n",
+        # counts and integers Python's int() takes and Redis never sends
+        b"*-7\r\n",
+        b"* 2\r\n:1\r\n:1\r\n",
+        b"*+2\r\n:1\r\n:1\r\n",
+        b"*1_0\r\n",
+        b"*1\r\n: 5\r\n",
+        b"*1\r\n:1_0\r\n",
+        b"*1\r\n:" + b"9" * 30 + b"\r\n",
+    ],
 )
 def test_claim_replies_of_another_shape_are_refused(garbage: bytes) -> None:
     reader = ReplyReader(ChunkedSocket(garbage, random.Random(0)))  # type: ignore[arg-type]
     with pytest.raises(InvalidResponse):
-        reader.read_int_array()
+        reader.read_int_array(40)
+
+
+def test_a_claim_reply_longer_than_asked_for_is_refused_before_its_elements() -> None:
+    # a count of a trillion, then integers for as long as the server likes: refused on its
+    # header (the reader's memory grew with the count, up to its deadline, before)
+    stream = b"*999999999999\r\n" + b":1\r\n" * 1000
+    reader = ReplyReader(ChunkedSocket(stream, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse, match="at most 8"):
+        reader.read_int_array(8)
+    reader = ReplyReader(ChunkedSocket(b"*9\r\n" + b":1\r\n" * 9, random.Random(0)))  # type: ignore[arg-type]
+    with pytest.raises(InvalidResponse):
+        reader.read_int_array(8)
+    reader = ReplyReader(ChunkedSocket(b"*8\r\n" + b":1\r\n" * 8, random.Random(0)))  # type: ignore[arg-type]
+    assert reader.read_int_array(8) == [1] * 8
+
+
+@pytest.mark.parametrize(
+    "text", ["MOVED garbage", "ASK 12 nocolon", "MOVED x 1.2.3.4:5", "MOVED", "ASK "]
+)
+def test_a_malformed_redirect_is_a_plain_error_reply(text: str, core: WireCore) -> None:
+    # redis-py parses MOVED / ASK into slot and address: a server's garbage there raised its
+    # ValueError, which no typed handler caught
+    stream = f"-{text}\r\n".encode() * 3 + b"$2\r\nok\r\n"
+    with reading(stream, random.Random(0), core) as reader:
+        for read in (
+            lambda: reader.read_bulk_into(memoryview(bytearray(4))),
+            reader.read_status,
+            lambda: reader.read_int_array(4),
+        ):
+            with pytest.raises(ResponseError) as raised:
+                read()
+            assert type(raised.value) is ResponseError and str(raised.value) == text
+        assert reader.read_bulk_into(memoryview(bytearray(4))) == 2  # the stream in step
 
 
 # ---------------------------------------------------------------- dripping servers
@@ -494,7 +541,7 @@ def _connected(server: DripServer, timeout_s: float) -> socket.socket:
         # status and array replies too
         ((b"+O", True), lambda r: r.read_status()),
         ((b"", True, b"+OK\r\n"), lambda r: r.skip_ok(1000)),
-        ((b"*3\r\n:1\r\n", True), lambda r: r.read_int_array()),
+        ((b"*3\r\n:1\r\n", True), lambda r: r.read_int_array(6)),
     ],
     indirect=["drip_server"],
 )

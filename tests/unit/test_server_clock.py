@@ -99,3 +99,36 @@ def test_close_gives_up_on_a_reading_that_outlasts_its_wait_and_says_so(
     assert "a reading of the server's clock still runs after 0.1s" in caplog.text
     release.set()
     join_clock_threads()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [ValueError("invalid literal for int()"), (1,), ("x", "y"), None, (10**400, 0), {}],
+)
+def test_a_time_reply_of_another_shape_fails_typed_and_keeps_the_last_offset(
+    monkeypatch: pytest.MonkeyPatch, reply: object
+) -> None:
+    """Found by a review: a ``TIME`` answered with anything but two numbers (redis-py's
+    conversion raising ``ValueError``, or a reply that does not unpack) went up as a
+    ``ValueError`` through a claim whose "too late" made it read the clock."""
+    import fakeredis
+
+    from kvstore import LookupBuffer
+    from kvstore.errors import StoreCommandError
+
+    with LookupBuffer(fakeredis.FakeRedis(), namespace="d", fingerprint="f0", ttl_s=60) as buf:
+        claims = buf._claims
+        claims.clock.read_now()
+        known = claims.clock.offset_s
+        assert known is not None
+
+        def time() -> object:
+            if isinstance(reply, Exception):
+                raise reply
+            return reply
+
+        monkeypatch.setattr(claims._client, "time", time)
+        with pytest.raises(StoreCommandError, match="TIME"):
+            claims.server_offset()
+        claims.clock.read_now()  # (what a "too late" claim does: no exception escapes it)
+        assert claims.clock.offset_s == known
