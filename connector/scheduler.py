@@ -62,8 +62,10 @@ RUNNING: computing, after its load or with nothing to load.
       sending once it has taken the commit, every save staged -- else (False, params).
 Any state, after a preemption: -> LOOKING_UP with a fresh deadline (a handoff loaded or dropped
 is not waited for again). A callback not listed for a state is not made in it, or changes
-nothing. (A split never meets an abort or a preemption mid-load: both happen between steps, and
-the split ends with its step.)
+nothing. (A split never meets a preemption mid-load: that happens in scheduling, and the split
+ends with its step. An abort may come during the split's step -- vLLM's EngineCore takes it
+after the forward pass, before the step's output -- and then request_finished comes before the
+split's failed blocks: the split's state is kept until that output, so they are still tainted.)
 
 A model with several KV-cache groups (full attention, sliding window) keeps one chain of
 positions: each group's block at a position is its own key (``KVLayout.chain_names``), a hit
@@ -148,6 +150,10 @@ class RedisConnectorScheduler:
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
         self._splits_running: list[str] = []
+        # of those, requests finished while their split's step ran -- vLLM's EngineCore takes
+        # an abort that came during a forward pass after it and before its output -- kept
+        # until that output: its failed blocks are still theirs to taint
+        self._splits_finished: dict[str, RequestState] = {}
         # blocks vLLM's prefix cache holds with wrong KV after a failed split
         self._taints = TaintedBlocks(self.block_size, self.stats)
         # what a producer's kv_transfer_params must match here (transfer_params.py)
@@ -455,8 +461,9 @@ class RedisConnectorScheduler:
                 continue
             st = self._reqs.get(owner[0])
             if owner[0] in self._splits_running:  # (a failed async load was never cached)
-                if st is not None:
-                    self._taints.taint(st, owner[1])
+                split = st if st is not None else self._splits_finished.get(owner[0])
+                if split is not None:
+                    self._taints.taint(split, owner[1])
                 failed_split_blocks.add(block_id)
             if st is not None and st.same_chain:
                 # share mode: save the recomputed block again, so the bad value is replaced
@@ -487,11 +494,12 @@ class RedisConnectorScheduler:
         built (a step whose output carried nothing for the connector)."""
         for req_id in self._splits_running:
             self._loads.count(req_id)
-            st = self._reqs.get(req_id)
-            if st is not None:  # (else request_finished released it)
+            st = self._reqs.get(req_id) or self._splits_finished.get(req_id)
+            if st is not None:
                 self._loads.release(req_id, st)
             self._handoffs.loaded(req_id)
         self._splits_running = []
+        self._splits_finished.clear()
         self._taints.forget_step()
 
     # ------------------------------------------------------------------ steps and commits
@@ -591,7 +599,12 @@ class RedisConnectorScheduler:
         loading = st.phase is Phase.LOADING
         if not loading:
             self.load_choices.load_ended(request.request_id)
-        self._loads.release(request.request_id, st)
+        if request.request_id in self._splits_running:
+            # its step's output, with the split's failed blocks, comes after this: released
+            # then (``_finish_splits``), so what failed is still traced and tainted
+            self._splits_finished[request.request_id] = st
+        else:
+            self._loads.release(request.request_id, st)
         if not loading:
             # not loaded, and never will be: claim and delete it
             self._handoffs.drop_unloaded(request.request_id, st)

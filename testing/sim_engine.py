@@ -157,6 +157,9 @@ class SimEngine:
         self.value_violations: list[str] = []
         self.deadline_violations: list[str] = []
         self.aborted: set[str] = set()
+        # requests whose clients go away while the next step's forward pass runs: vLLM's
+        # EngineCore takes such aborts after the pass and before its output (``step``)
+        self.aborts_during_step: set[str] = set()
         self.finished_params: dict[str, dict | None] = {}
         self.finish_reasons: dict[str, str] = {}  # request -> vLLM's reason ("length", "error")
         # req id -> (latest moment its load may still run, the load's block ids)
@@ -377,6 +380,10 @@ class SimEngine:
         if failed:  # loads failed as a whole (several KV-cache groups, or a windowed one)
             assert runner.kv_connector_output is not None
             runner.kv_connector_output.failed_recving = failed
+        # (EngineCore.step: execute_model, _process_aborts_queue, then update_from_output)
+        for rid in sorted(self.aborts_during_step):
+            self.abort(rid)
+        self.aborts_during_step.clear()
         with self.world:
             outputs = self.sched.update_from_output(out, runner)
             self._refresh_owners()

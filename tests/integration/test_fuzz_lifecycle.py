@@ -428,16 +428,26 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.after_step(e, e.step())
             time.sleep(0.001)
 
-    @rule(data=st.data(), what=st.sampled_from(["abort", "abort", "preempt"]), ticks=TICKS)
+    @rule(
+        data=st.data(),
+        what=st.sampled_from(["abort", "abort", "abort during a step", "preempt"]),
+        ticks=TICKS,
+    )
     def disturb_a_request(self, data: Any, what: str, ticks: int) -> None:
-        """What vLLM does to requests: a client goes away; memory pressure preempts one."""
+        """What vLLM does to requests: a client goes away, between steps or while one runs
+        (EngineCore takes it after that step's forward pass, before its output); memory
+        pressure preempts one."""
         e = data.draw(st.sampled_from(self.engines))
-        if what == "abort":
+        if what.startswith("abort"):
             rid = pick(data, sorted(r for r in e.sched.requests if self.live(e, r)))
             if rid is not None:
-                count(f"aborted while {e.sched.requests[rid].status.name}")
-                self.note(rid, f"aborted while {e.sched.requests[rid].status.name} (rule)")
-                e.abort(rid)
+                when = "" if what == "abort" else " (during the next step)"
+                count(f"aborted while {e.sched.requests[rid].status.name}{when}")
+                self.note(rid, f"aborted while {e.sched.requests[rid].status.name}{when} (rule)")
+                if what == "abort":
+                    e.abort(rid)
+                else:
+                    e.aborts_during_step.add(rid)
         else:
             rid = pick(data, sorted(r.request_id for r in e.sched.running))
             if rid is not None and e.preempt(rid):

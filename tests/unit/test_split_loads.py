@@ -330,6 +330,33 @@ def test_a_failed_splits_blocks_never_serve_another_request_before_they_are_reco
     assert not reader.connector.scheduler._taints.blocks  # computed again: clean
 
 
+def test_a_split_whose_request_is_aborted_during_its_step_still_taints_what_failed(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Found by a fresh-eyes review: vLLM's EngineCore takes an abort that came during a
+    step's forward pass after the pass and before its output, so request_finished came before
+    the split's failed blocks, the connector had forgotten the split, and nothing was tainted:
+    the next request with the prompt ran on the block that never loaded (the stand-in model
+    samples a wrong token over it), and share mode saved it back to Redis for others."""
+    tokens = prompt(6 * BS + 3)
+    saved(engines, tokens)
+    reader = engines(**SPLIT)
+    evicting(reader.worker.store, fake_redis, 3)
+    reader.add("a", tokens)
+    reader.aborts_during_step.add("a")
+    res = first_step_of(reader, "a")
+    assert res.invalid  # its split failed at the fourth block ...
+    assert "a" in reader.aborted  # ... and it was aborted before vLLM heard of that
+    reader.add("b", tokens)  # the same prefix: vLLM's own cache has a's blocks
+    reader.run_until_idle()
+    assert reader.finish_reasons["b"] == "length"
+    assert reader.take_stats()["tainted_blocks_rejected"] >= 1  # b computed them again
+    other = engines(load_policy="async")  # (the fixture checks every engine's values)
+    other.add("c", tokens)
+    other.run_until_idle()
+    assert other.finish_reasons["c"] == "length"
+
+
 def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_another_request(
     engines: Any, fake_redis: fakeredis.FakeRedis
 ) -> None:
