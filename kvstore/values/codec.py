@@ -767,7 +767,10 @@ def _cached_layout(raw: bytes) -> tuple[_Layout, dict[str, bytes]] | None:
 def _split_tensor_checksums(text: bytes | str, tensors: int, width: int) -> tuple[str, ...] | None:
     """``tensor_checksums`` as one hex digest of ``width`` digits per tensor; None when it is
     not that."""
-    data = text.encode("ascii") if isinstance(text, str) else text
+    try:
+        data = text.encode("ascii") if isinstance(text, str) else text
+    except UnicodeEncodeError:  # (a server's text: anything)
+        return None
     if len(data) != width * tensors or data.translate(None, _HEX_BYTES):
         return None
     decoded = data.decode("ascii")
@@ -930,6 +933,34 @@ def _runs(entries: Sequence[TensorEntry]) -> tuple[_Run, ...]:
     return tuple(runs)
 
 
+# a tensor's dimensions at most (a KV block's have 2 to 6), and the largest dimension, offset or
+# count of elements a header may give (torch's strides are 64-bit): a shape of 6,000 dimensions
+# of 1e308 each, 36 KiB of header, took 19 s to multiply out before the MAC was checked, and a
+# megabyte of it would take hours (a review's)
+MAX_TENSOR_DIMS = 16
+_MAX_HEADER_INT = 1 << 56
+
+
+def _header_int(value: object) -> int:
+    """A shape's dimension or a data offset as safetensors writes it: a JSON integer (not a
+    float, bool or string), 0 to ``_MAX_HEADER_INT``."""
+    if type(value) is not int or not 0 <= value <= _MAX_HEADER_INT:
+        raise ValueError(f"{str(value)[:40]!r} is not a size")
+    return value
+
+
+def _header_shape(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_TENSOR_DIMS:
+        raise ValueError(f"a shape is a list of at most {MAX_TENSOR_DIMS} sizes")
+    shape = tuple(_header_int(s) for s in value)
+    extent = 1  # (its elements but for a zero dimension: torch's strides must fit)
+    for s in shape:
+        extent *= max(s, 1)
+        if extent > _MAX_HEADER_INT:
+            raise ValueError("a shape larger than any value")
+    return shape
+
+
 def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
     """Parse and validate a header's JSON (``raw``): everything that does not depend on the
     rest of the value."""
@@ -952,8 +983,11 @@ def _parse_header(raw: bytes, max_value_bytes: int | None) -> ValueHeader:
         for name, spec in doc.items():
             if name == "__metadata__":
                 continue
-            start, end = (int(x) for x in spec["data_offsets"])
-            shape = tuple(int(s) for s in spec["shape"])
+            offsets = spec["data_offsets"]
+            if not isinstance(offsets, list) or len(offsets) != 2:
+                raise ValueError("data_offsets is not [start, end]")
+            start, end = (_header_int(x) for x in offsets)
+            shape = _header_shape(spec["shape"])
             entries.append(TensorEntry(name, str(spec["dtype"]), shape, start, end))
         header = ValueHeader(
             format_version=str(meta["kvstore.format"]),

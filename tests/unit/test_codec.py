@@ -251,6 +251,56 @@ def test_shape_that_does_not_match_offsets_is_rejected() -> None:
     assert _reason(struct.pack("<Q", len(raw)) + raw + value[8 + n :]) == "not-kvstore"
 
 
+def _rewrite_tensor(value: bytes, name: str, **changes: object) -> bytes:
+    (n,) = struct.unpack_from("<Q", value)
+    doc = json.loads(value[8 : 8 + n])
+    doc[name].update(changes)
+    raw = json.dumps(doc).encode()
+    return struct.pack("<Q", len(raw)) + raw + value[8 + n :]
+
+
+@pytest.mark.parametrize(
+    ("shape", "why"),
+    [
+        # 6,000 dimensions of 1e308 (36 KiB of header) took 19 s to multiply out, before the
+        # MAC was checked; a megabyte of them, hours (a review's)
+        ([1e308] * 6000, "at most 16 sizes"),
+        ([1e308, 1e308], "not a size"),
+        ([4.0], "not a size"),
+        (["4"], "not a size"),
+        ([True, 4], "not a size"),
+        ([2] * 17, "at most 16 sizes"),
+        ([-1, -4], "not a size"),
+        ([1 << 60], "not a size"),
+        # zero elements, but strides past 64 bits: torch.empty raised a RuntimeError
+        ([0, 1 << 40, 1 << 40], "larger than any value"),
+        ("16", "at most 16 sizes"),
+    ],
+)
+def test_a_shape_kvstore_never_writes_is_refused_on_its_form(shape: object, why: str) -> None:
+    value = _rewrite_tensor(encode({"x": torch.zeros(4)}), "x", shape=shape)
+    with pytest.raises(CorruptValueError, match=why) as info:
+        decode(value)
+    assert info.value.reason == "not-kvstore"
+    with pytest.raises(CorruptValueError, match=why):
+        read_header(value)
+
+
+@pytest.mark.parametrize("offsets", [[0.0, 16.0], [0, 16, 32], [0, 1e308], "0,16", [0, -16]])
+def test_data_offsets_kvstore_never_writes_are_refused(offsets: object) -> None:
+    value = _rewrite_tensor(encode({"x": torch.zeros(4)}), "x", data_offsets=offsets)
+    assert _reason(value) == "not-kvstore"
+
+
+@pytest.mark.parametrize("field", ["kvstore.mac", "kvstore.tensor_checksums"])
+def test_a_checksum_field_that_is_not_ascii_is_a_corrupt_value(field: str) -> None:
+    # ``str.encode("ascii")`` raised its UnicodeEncodeError out of decode_value (a review's)
+    value = _rewrite_meta(encode({"x": torch.zeros(4)}), **{field: "\u00e9" * 16})
+    assert _reason(value) == "not-kvstore"
+    with pytest.raises(CorruptValueError):
+        read_header(value)
+
+
 def test_without_the_lz4_extra_lz4_is_refused_up_front_and_lz4_values_are_counted_misses(
     monkeypatch: pytest.MonkeyPatch, fake_client: object
 ) -> None:
