@@ -223,6 +223,10 @@ def _validate_tensors(tensors: Mapping[str, Any]) -> list[tuple[str, torch.Tenso
             raise InvalidValueError(f"value[{name!r}] has unsupported dtype {t.dtype}")
         if t.is_sparse or t.layout != torch.strided:
             raise InvalidValueError(f"value[{name!r}] must be a dense tensor, got {t.layout}")
+        if t.dim() > MAX_TENSOR_DIMS:  # (readers refuse more: see _header_shape)
+            raise InvalidValueError(
+                f"value[{name!r}] has {t.dim()} dimensions, more than {MAX_TENSOR_DIMS}: reshape it"
+            )
         items.append((name, t))
     return items
 
@@ -521,6 +525,8 @@ def plan_entries(
     themselves (the data mover) and frame them with :func:`frame_parts`."""
     if dtype not in _DTYPE_TO_ST:
         raise InvalidValueError(f"unsupported dtype {dtype}")
+    if len(shape) > MAX_TENSOR_DIMS:
+        raise InvalidValueError(f"a shape of {len(shape)} dimensions, more than {MAX_TENSOR_DIMS}")
     nbytes = dtype.itemsize
     for s in shape:
         nbytes *= int(s)

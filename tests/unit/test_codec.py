@@ -153,8 +153,9 @@ def test_zero_copy_decode_shares_the_value_buffer() -> None:
         {"x": 3},
         {"": torch.zeros(1)},
         {"x": torch.zeros(2, dtype=torch.complex64)},
+        {"x": torch.zeros([1] * 17)},  # (readers refuse more than 16 dimensions)
     ],
-    ids=["empty", "list", "int", "empty-name", "complex"],
+    ids=["empty", "list", "int", "empty-name", "complex", "17-dims"],
 )
 def test_bad_values_are_rejected_with_a_clear_error(bad: dict) -> None:
     with pytest.raises(InvalidValueError):
@@ -278,6 +279,7 @@ def _rewrite_tensor(value: bytes, name: str, **changes: object) -> bytes:
     ],
 )
 def test_a_shape_kvstore_never_writes_is_refused_on_its_form(shape: object, why: str) -> None:
+    assert decode(encode({"x": torch.zeros([1] * 15 + [4])}))["x"].shape == (1,) * 15 + (4,)
     value = _rewrite_tensor(encode({"x": torch.zeros(4)}), "x", shape=shape)
     with pytest.raises(CorruptValueError, match=why) as info:
         decode(value)
