@@ -62,6 +62,9 @@ class SavePlanner:
         self._state_groups = {g.index: i for i, g in enumerate(layout.groups) if g.is_state}
         self._groups = range(len(layout.groups))
         self._attention = any(not g.is_state for g in layout.groups)
+        # the requests of the last step planned whose saves wait for its output because they
+        # ran on a split's blocks (``plan``)
+        self.held_for_splits: set[str] = set()
 
     def plan(
         self,
@@ -76,42 +79,46 @@ class SavePlanner:
         prompt blocks the step completes and Redis lacks; and the states vLLM offers (state
         groups). ``loads``: the step's loads (a split's readers are held too,
         ``_reading_splits``)."""
-        held = held | self._reading_splits(progress, loads, requests)
+        reading_splits = self._reading_splits(progress, loads, requests)
+        # (not one that runs on tainted blocks: those are rejected, never finished)
+        self.held_for_splits = reading_splits - held
+        held = held | reading_splits
         saves: list[SaveSpec] = []
         for req_id, computed in progress:
             st = requests[req_id]
             if not st.running or req_id in held:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if not self._settle_presence(st, final=done >= st.num_tokens):
-                continue
-            full = min(
-                done // self.block_size,
-                len(st.save_names),
-                self._positional_blocks(st),
-            )
-            full = self._allowed(st, full)
-            if full > st.saved_blocks:
-                self._open_saves(st)
-                saves.append(
-                    SaveSpec(
-                        req_id=req_id,
-                        # a state group's blocks are saved only when vLLM offers them
-                        block_ids=[
-                            [NO_BLOCK] * (full - st.saved_blocks)
-                            if g.is_state
-                            else ids[st.saved_blocks : full]
-                            for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
-                        ],
-                        names=st.save_names.span(st.saved_blocks, full),
-                        first_position=st.saved_blocks,
-                        handoff=st.save_handoff,
-                    )
-                )
-                st.saved_up_to(full)
+            spec = self.plan_request(req_id, st, done)
+            if spec is not None:
+                saves.append(spec)
         if self._state_groups:
             saves += self._state_saves(scheduler_output, requests)
         return saves
+
+    def plan_request(self, req_id: str, st: RequestState, done: int) -> SaveSpec | None:
+        """The save of the prompt blocks a running request has completed with ``done``
+        tokens computed that Redis lacks and it has not saved (None: none to save yet)."""
+        if not self._settle_presence(st, final=done >= st.num_tokens):
+            return None
+        full = min(done // self.block_size, len(st.save_names), self._positional_blocks(st))
+        full = self._allowed(st, full)
+        if full <= st.saved_blocks:
+            return None
+        self._open_saves(st)
+        spec = SaveSpec(
+            req_id=req_id,
+            # a state group's blocks are saved only when vLLM offers them
+            block_ids=[
+                [NO_BLOCK] * (full - st.saved_blocks) if g.is_state else ids[st.saved_blocks : full]
+                for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
+            ],
+            names=st.save_names.span(st.saved_blocks, full),
+            first_position=st.saved_blocks,
+            handoff=st.save_handoff,
+        )
+        st.saved_up_to(full)
+        return spec
 
     def _allowed(self, st: RequestState, full: int) -> int:
         """``full`` blocks cut to what the save policy allows the request (``save_policy.py``),

@@ -101,7 +101,7 @@ from connector.load_tracking import LoadTracker
 from connector.logs import FailureCounts
 from connector.lookup_polls import LookupPolls
 from connector.lookups import LookupBatcher
-from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata
+from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
 from connector.request_state import Phase, RequestState
 from connector.resets import NamespaceResets
 from connector.save_plans import SavePlanner
@@ -164,6 +164,8 @@ class RedisConnectorScheduler:
         self._reqs: dict[str, RequestState] = {}
         self._pending_loads: list[LoadSpec] = []
         self._pending_commits: list[CommitSpec] = []
+        # saves of finished requests, planned as they finished (``request_finished``)
+        self._pending_saves: list[SaveSpec] = []
         # the loads planned until vLLM reports them finished, and what each delivered
         self._loads = LoadTracker(self.block_size, self.stats)
         self._lookups = LookupBatcher(
@@ -532,9 +534,10 @@ class RedisConnectorScheduler:
             meta.reject_blocks, held = self._taints.screen(rows_now, fresh, meta.loads)
         if not self.config.saves:
             return meta
-        meta.saves = self._save_planner.plan(
+        meta.saves = self._pending_saves + self._save_planner.plan(
             scheduler_output, self._reqs, progress, held, meta.loads
         )
+        self._pending_saves = []
         return meta
 
     def _scheduled_rows(self, out: SchedulerOutput) -> list[tuple[int, int, bool, int]]:
@@ -608,6 +611,23 @@ class RedisConnectorScheduler:
         if not loading:
             # not loaded, and never will be: claim and delete it
             self._handoffs.drop_unloaded(request.request_id, st)
+        if (
+            self.config.saves
+            and request.request_id in self._save_planner.held_for_splits
+            and st.running
+            and not _aborted(request)
+        ):
+            # its blocks of the step just run were held for that step's output (it ran on a
+            # split's blocks), and it finished with the step: vLLM handles
+            # the step's failed blocks before it finishes any request, and finishes none whose
+            # blocks failed, so what it computed stands -- saved now, with its commit (it was
+            # lost: a prompt finished in its split's step saved nothing past the split). Not
+            # an abort: that may come during the step, before the step's failures are known
+            spec = self._save_planner.plan_request(
+                request.request_id, st, request.num_computed_tokens
+            )
+            if spec is not None:
+                self._pending_saves.append(spec)
         if not self.config.saves or (st.saved_blocks == 0 and st.save_start is None):
             return False, None
         n = st.saved_blocks
@@ -700,3 +720,10 @@ class RedisConnectorScheduler:
         self._background_io.shutdown(wait=True)
         self._resets.close(limit)
         self.store.close()
+
+
+def _aborted(request: Request) -> bool:
+    """Whether vLLM finished ``request`` because its client went away."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ABORTED

@@ -22,7 +22,7 @@ from vllm.v1.request import RequestStatus
 from connector import load_choices
 from connector.figures import StepShape
 from connector.load_policy import Busy
-from kvstore import LookupBuffer
+from kvstore import LookupBuffer, chain_hashes
 from kvstore.values.keys import parse_key
 from testing.scheduler_harness import BS, LAYERS, prompt
 from testing.sim_engine import SimEngine, produce
@@ -355,6 +355,37 @@ def test_a_split_whose_request_is_aborted_during_its_step_still_taints_what_fail
     other.add("c", tokens)
     other.run_until_idle()
     assert other.finish_reasons["c"] == "length"
+
+
+def test_a_prompt_finished_in_its_splits_step_saves_what_it_computed(engines: Any) -> None:
+    """Found by a review: what a split's step computes is saved a step later, once its output
+    says the split landed; a request that finished in that very step (one output token) was
+    forgotten first, so nothing past the split reached Redis -- share mode lost those blocks,
+    and a consume-mode relay handed nothing on to the next hop."""
+    head = prompt(4 * BS, seed=31)
+    tokens = head + prompt(3 * BS + 1, seed=32)
+    writer = engines()
+    writer.add("w", [*head, 5])
+    writer.run_until_idle()
+    writer.settle()
+    reader = engines(**SPLIT)
+    reader.add("r", tokens, max_tokens=1)
+    reader.run_until_idle()
+    reader.settle()
+    assert reader.take_stats().get("chose_split") == 1
+    assert reader.worker.store.contains(chain_hashes(tokens, BS)) == [True] * 7
+
+    relayed = prompt(7 * BS + 1, seed=41)
+    producer = engines("kv_both", mode="consume")
+    producer.add("p", relayed, max_tokens=1)
+    producer.run_until_idle()
+    relay = engines("kv_both", mode="consume", **SPLIT)
+    relay.add(
+        "d", relayed + prompt(2 * BS, seed=42), params=producer.finished_params["p"], max_tokens=1
+    )
+    relay.run_until_idle()
+    assert relay.take_stats().get("chose_split") == 1
+    assert relay.finished_params.get("d") is not None  # its nine blocks, handed on
 
 
 def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_another_request(
