@@ -615,14 +615,16 @@ class RedisConnectorScheduler:
             self.config.saves
             and request.request_id in self._save_planner.held_for_splits
             and st.running
-            and not _aborted(request)
+            and _finished_its_output(request)
         ):
             # its blocks of the step just run were held for that step's output (it ran on a
-            # split's blocks), and it finished with the step: vLLM handles
-            # the step's failed blocks before it finishes any request, and finishes none whose
-            # blocks failed, so what it computed stands -- saved now, with its commit (it was
-            # lost: a prompt finished in its split's step saved nothing past the split). Not
-            # an abort: that may come during the step, before the step's failures are known
+            # split's blocks), and its output ended with the step: vLLM handles the step's
+            # failed blocks before it finishes any request, and ends no output over a failed
+            # block, so what it computed stands -- saved now, with its commit (it was lost: a
+            # prompt finished in its split's step saved nothing past the split). Not an abort
+            # (it may come during the step, before the step's failures are known), nor an
+            # error (kv_load_failure_policy=fail ends those on a failed load's blocks: a
+            # review found their KV saved)
             spec = self._save_planner.plan_request(
                 request.request_id, st, request.num_computed_tokens
             )
@@ -722,8 +724,12 @@ class RedisConnectorScheduler:
         self.store.close()
 
 
-def _aborted(request: Request) -> bool:
-    """Whether vLLM finished ``request`` because its client went away."""
+def _finished_its_output(request: Request) -> bool:
+    """Whether vLLM finished ``request`` because its output ended (a stop, its length, a
+    repetition) -- not aborted, not failed (kv_load_failure_policy=fail finishes the requests
+    on a failed load's blocks as errors, before the connector hears of the failure), not
+    ignored."""
     from vllm.v1.request import RequestStatus
 
-    return request.status == RequestStatus.FINISHED_ABORTED
+    ended = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
+    return request.status in {getattr(RequestStatus, name, None) for name in ended}

@@ -388,6 +388,42 @@ def test_a_prompt_finished_in_its_splits_step_saves_what_it_computed(engines: An
     assert relay.finished_params.get("d") is not None  # its nine blocks, handed on
 
 
+def test_under_the_fail_policy_a_failed_splits_readers_save_nothing_at_their_end(
+    engines: Any, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """kv_load_failure_policy=fail ends the requests on a failed split's blocks as errors,
+    before the connector hears of the failure: a review found the save-at-finish of the test
+    above saving a same-step reader's blocks -- computed over the failed one -- to Redis,
+    where a later instance loaded them. Only an output that ended saves at its end."""
+    head = prompt(4 * BS, seed=51)
+    mid = prompt(2 * BS, seed=52)
+    writer = engines()
+    writer.add("w", [*head, 5])
+    writer.run_until_idle()
+    writer.settle()
+    reader = engines(failure_policy="fail", **SPLIT)
+    evicting(reader.worker.store, fake_redis, 2)
+    owner = head + mid + prompt(3, seed=53)  # four blocks split, two computed beside them
+    reader.add("a", owner)
+    reader.add("b", head + mid + prompt(2 * BS + 5, seed=54))  # on a's six, as a local hit
+    assert first_step_of(reader, "a").invalid
+    reader.run_until_idle()
+    reader.settle()
+    assert reader.finish_reasons == {"a": "error", "b": "error"}
+    hashes = chain_hashes(owner, BS)
+    assert reader.worker.store.contains(hashes[4:6]) == [False, False]
+    # (the simulator flags b's context, which vLLM discarded with its error)
+    reader.value_violations.clear()
+    again = engines()  # the head written again: the chain is whole in Redis up to block 4
+    again.add("w2", [*head, 9])
+    again.run_until_idle()
+    again.settle()
+    later = engines(load_policy="async")
+    later.add("c", owner)
+    later.run_until_idle()
+    assert later.finish_reasons["c"] == "length"  # (the fixture checks its values)
+
+
 def test_what_a_same_step_reader_computed_over_a_failed_split_never_serves_another_request(
     engines: Any, fake_redis: fakeredis.FakeRedis
 ) -> None:
