@@ -435,8 +435,10 @@ class SimEngine:
         return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
 
     def _check_values(self, out: SchedulerOutput, invalid: set[int]) -> None:
-        """Every full block a scheduled request has computed holds that request's value (but
-        blocks whose load failed: vLLM recomputes them)."""
+        """Every full block a scheduled request has computed holds that request's value, up to
+        the first block whose load failed: vLLM rewinds the request to it and computes it and
+        every later one again for that request (what stays cached there is the taint screen's
+        to catch, when another request runs on it)."""
         for rid, computed, _ in self._scheduled(out):
             req = self.sched.requests.get(rid)
             if req is None:
@@ -446,7 +448,9 @@ class SimEngine:
             blocks = self._blocks(rid)
             for p in range(n):
                 if blocks[p] in invalid:
-                    continue
+                    # (a reader of blocks its split's own request computed over the failed one
+                    # was flagged here, though vLLM drops its step: a review's)
+                    break
                 for layer, cache in enumerate(self.layers):
                     if not torch.equal(cache[blocks[p]], block_value(ids[p], layer)):
                         first = float(cache[blocks[p]].flatten()[0].item()) - 7 * layer

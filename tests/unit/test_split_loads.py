@@ -388,20 +388,23 @@ def test_a_prompt_finished_in_its_splits_step_saves_what_it_computed(engines: An
     assert relay.finished_params.get("d") is not None  # its nine blocks, handed on
 
 
-def test_under_the_fail_policy_a_failed_splits_readers_save_nothing_at_their_end(
-    engines: Any, fake_redis: fakeredis.FakeRedis
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_failed_splits_same_step_readers_put_nothing_wrong_in_redis(
+    engines: Any, fake_redis: fakeredis.FakeRedis, policy: str
 ) -> None:
     """kv_load_failure_policy=fail ends the requests on a failed split's blocks as errors,
     before the connector hears of the failure: a review found the save-at-finish of the test
     above saving a same-step reader's blocks -- computed over the failed one -- to Redis,
-    where a later instance loaded them. Only an output that ended saves at its end."""
+    where a later instance loaded them. Only an output that ended saves at its end. Under
+    recompute vLLM rewinds both and they compute the blocks again (the simulator flagged the
+    reader's dropped step as a violation: a review's)."""
     head = prompt(4 * BS, seed=51)
     mid = prompt(2 * BS, seed=52)
     writer = engines()
     writer.add("w", [*head, 5])
     writer.run_until_idle()
     writer.settle()
-    reader = engines(failure_policy="fail", **SPLIT)
+    reader = engines(failure_policy=policy, **SPLIT)
     evicting(reader.worker.store, fake_redis, 2)
     owner = head + mid + prompt(3, seed=53)  # four blocks split, two computed beside them
     reader.add("a", owner)
@@ -409,11 +412,12 @@ def test_under_the_fail_policy_a_failed_splits_readers_save_nothing_at_their_end
     assert first_step_of(reader, "a").invalid
     reader.run_until_idle()
     reader.settle()
-    assert reader.finish_reasons == {"a": "error", "b": "error"}
-    hashes = chain_hashes(owner, BS)
-    assert reader.worker.store.contains(hashes[4:6]) == [False, False]
-    # (the simulator flags b's context, which vLLM discarded with its error)
-    reader.value_violations.clear()
+    if policy == "fail":
+        assert reader.finish_reasons == {"a": "error", "b": "error"}
+        hashes = chain_hashes(owner, BS)
+        assert reader.worker.store.contains(hashes[4:6]) == [False, False]
+    else:
+        assert reader.finish_reasons == {"a": "length", "b": "length"}
     again = engines()  # the head written again: the chain is whole in Redis up to block 4
     again.add("w2", [*head, 9])
     again.run_until_idle()
