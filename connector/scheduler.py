@@ -731,5 +731,8 @@ def _finished_its_output(request: Request) -> bool:
     ignored."""
     from vllm.v1.request import RequestStatus
 
-    ended = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION")
-    return request.status in {getattr(RequestStatus, name, None) for name in ended}
+    return request.status in (
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH_CAPPED,
+        RequestStatus.FINISHED_REPETITION,
+    )
