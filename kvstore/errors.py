@@ -15,6 +15,12 @@ class StoreUnavailableError(KVStoreError, ConnectionError):
     """The Redis/Valkey server cannot be reached (refused, DNS, TLS handshake, reset, loading)."""
 
 
+class StoreBusyError(KVStoreError):
+    """Every connection of this client's pool stayed in use for the pool's whole wait: the
+    client is short of connections (``max_connections``), not the server down -- so the circuit
+    breaker does not count it against the server."""
+
+
 class StoreCircuitOpenError(StoreUnavailableError):
     """Recent calls failed, so this one was not sent: the store is skipped until a background
     probe sees it answer again (see :class:`kvstore.net.breaker.CircuitBreaker`)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import re
 import threading
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from kvstore.errors import (
     InvalidURLError,
     KVStoreError,
     StoreAuthenticationError,
+    StoreBusyError,
     StoreCommandError,
     StoreOutOfMemoryError,
     StorePermissionError,
@@ -334,7 +336,7 @@ def make_client(
     if address.transport == "unix":
         kwargs["connection_class"] = BoundedUnixConnection
         kwargs["path"] = address.path
-        pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
+        pool = _BlockingPool(timeout=socket_timeout_s, **kwargs)
         return redis.Redis(connection_pool=pool)
     kwargs["host"] = address.host
     kwargs["port"] = address.port
@@ -358,8 +360,28 @@ def make_client(
         return _sentinel_client(address, kwargs)
     if address.topology == "cluster":
         return _cluster_client(address, kwargs)
-    pool = redis.BlockingConnectionPool(timeout=socket_timeout_s, **kwargs)
+    pool = _BlockingPool(timeout=socket_timeout_s, **kwargs)
     return redis.Redis(connection_pool=pool)
+
+
+class _BlockingPool(redis.BlockingConnectionPool):
+    """redis-py's blocking pool, whose wait for a free connection, run out, is a
+    :class:`StoreBusyError`: redis-py raises its ``ConnectionError`` there, which kvstore took
+    for the server down -- a review found eight threads on a pool of one, against a healthy
+    but slow server, opening the circuit breaker with "check that the server runs"."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)
+        except rex.ConnectionError as exc:
+            # (raised from redis-py's ``except Empty:``: the pool's queue stayed empty)
+            if isinstance(exc.__context__, queue.Empty):
+                raise StoreBusyError(
+                    f"all {self.max_connections} connections of this client stayed in use for "
+                    f"{self.timeout:g} s: raise max_connections (LookupBuffer.from_url), or "
+                    "run fewer calls at once"
+                ) from None
+            raise
 
 
 def _tls_kwargs(

@@ -14,6 +14,7 @@ import torch
 from kvstore import (
     Claim,
     LookupBuffer,
+    StoreBusyError,
     StoreCircuitOpenError,
     StoreCommandError,
     StoreOutOfMemoryError,
@@ -24,6 +25,7 @@ from kvstore import (
     chain_hashes,
 )
 from kvstore.fleet.access import ACCESS, acl_rule
+from kvstore.net.connection import make_client, parse_url
 from kvstore.net.server_code import ScriptMode
 from testing.blocks import filled_block
 from testing.redis_server import RedisServer, add_acl_user
@@ -151,6 +153,29 @@ def test_a_dead_server_opens_the_breaker_and_a_restart_closes_it(
     private_redis.start()
     assert buf.breaker.wait_closed(5)
     buf.insert(HASHES[0], filled_block(0))
+    assert buf.longest_prefix(HASHES) == 1
+    buf.close()
+
+
+def test_a_client_short_of_connections_is_busy_not_the_server_down(
+    private_redis: RedisServer,
+) -> None:
+    """Found by a review: redis-py's pool, its wait for a free connection run out, raises its
+    ConnectionError, which was taken for the server down -- "check that the server runs" --
+    and opened the circuit breaker in front of a healthy server. Every connection held here,
+    as busy threads hold them: a typed StoreBusyError naming max_connections, breaker closed."""
+    address = parse_url(private_redis.url)
+    client = make_client(address, socket_timeout_s=0.2, max_connections=1)
+    buf = LookupBuffer(client, namespace="busy", control_client=client, breaker_failures=2)
+    buf.insert(HASHES[0], filled_block(0))
+    held = client.connection_pool.get_connection()
+    try:
+        for _ in range(3):
+            with pytest.raises(StoreBusyError, match="max_connections"):
+                buf.longest_prefix(HASHES)
+        assert buf.available and buf.stats().breaker_opens == 0
+    finally:
+        client.connection_pool.release(held)
     assert buf.longest_prefix(HASHES) == 1
     buf.close()
 
