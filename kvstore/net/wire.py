@@ -293,10 +293,9 @@ class ReplyReader:
             if line[:1] == b"-":
                 raise error_reply(line[1:].decode(errors="replace"))
             raise rex.InvalidResponse(f"expected a bulk string reply, got {line[:40]!r}")
-        digits = line[2:] if line[1:2] == b"-" else line[1:]
-        if not 0 < len(digits) <= 18 or not digits.isdigit():  # (as the compiled core: no
-            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}")  # spaces, '+', '_')
-        length = int(line[1:])
+        length = _decimal(line[1:], 18)  # (as the compiled core)
+        if length is None:
+            raise rex.InvalidResponse(f"bad bulk length {line[:40]!r}")
         if length < 0:
             return None
         self._clock.extend(length + 2)
@@ -340,10 +339,9 @@ class ReplyReader:
                 return _integer(line)
             if line[:1] != b"*":
                 raise rex.InvalidResponse(f"expected an array reply, got {line[:40]!r}")
-            digits = line[1:]
-            if not 0 < len(digits) <= 18 or not digits.isdigit():  # (no sign, space, '_')
+            count = _decimal(line[1:], 18, signed=False)
+            if count is None:
                 raise rex.InvalidResponse(f"bad array length {line[:40]!r}")
-            count = int(digits)
             if count > max_items:
                 raise rex.InvalidResponse(
                     f"an array of {count} elements where at most {max_items} were expected"
@@ -508,10 +506,20 @@ def _too_large(length: int, limit: int) -> str:
 def _integer(line: bytes) -> int:
     if line[:1] != b":":
         raise rex.InvalidResponse(f"expected an integer reply, got {line[:40]!r}")
-    digits = line[2:] if line[1:2] == b"-" else line[1:]
-    if not 0 < len(digits) <= 19 or not digits.isdigit():  # a 64-bit integer, as Redis sends
+    value = _decimal(line[1:], 19)  # (a 64-bit integer)
+    if value is None:
         raise rex.InvalidResponse(f"bad integer {line[:40]!r}")
-    return int(line[1:])
+    return value
+
+
+def _decimal(text: bytes, max_digits: int, *, signed: bool = True) -> int | None:
+    """``text`` as a decimal integer written as Redis writes one -- an optional '-' (where
+    ``signed``), then 1 to ``max_digits`` digits; not the spaces, '+' or '_' Python's int()
+    also takes -- or None."""
+    digits = text[1:] if signed and text[:1] == b"-" else text
+    if not 0 < len(digits) <= max_digits or not digits.isdigit():
+        return None
+    return int(text)
 
 
 def pack_set(key: bytes, parts: Sequence[Any], px_ms: int | None) -> list[Any]:
