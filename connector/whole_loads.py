@@ -30,7 +30,12 @@ from connector.load_claims import claim_handoff
 from connector.metadata import LoadSpec
 from connector.worker_context import WorkerContext
 from datamover import LoadChunk, StagingBusyError
-from kvstore import KVStoreError, StoreTimeoutError, StoreUnavailableError
+from kvstore import (
+    DeadlinePassedError,
+    KVStoreError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from kvstore.values.keys import BlockName
 
 logger = logging.getLogger("connector.worker")
@@ -134,6 +139,8 @@ class WholeLoads:
                 if job.deadline - time.monotonic() < _RETRY_MIN_LEFT_S or not ctx.store.available:
                     raise
                 self._receive(job)
+        except DeadlinePassedError:
+            expired = True  # its replies still coming at its deadline: the load ends there
         except KVStoreError as exc:
             store_failed = True
             ctx.redis_error(

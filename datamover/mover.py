@@ -51,6 +51,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
@@ -346,7 +347,8 @@ class BlockMover:
         """Fetch blocks a chunk at a time into staging; each chunk's buffer is released when
         the caller asks for the next (or closes the generator). Raises
         :class:`StagingBusyError` when no buffer comes free within ``timeout_s``, and the
-        store's typed errors.
+        store's typed errors: ``DeadlinePassedError`` where a chunk's replies are still coming
+        when ``timeout_s`` has passed (no reply holds the load past it).
 
         With a ``prefetch`` executor, the next ``read_ahead`` chunks are received on it while the
         caller copies the current one in, each when a staging buffer is free and no load is
@@ -357,6 +359,7 @@ class BlockMover:
         executor cancelled it) gives its buffer back when it ends."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
+        deadline = _deadline(timeout_s)
         n = self.chunk_blocks
         starts = list(range(0, len(hashes), n))
         # chunks received while the caller uses this one (each with the buffer it fills), in
@@ -367,7 +370,7 @@ class BlockMover:
                 ids, part = list(block_ids[start : start + n]), hashes[start : start + n]
                 read = ahead.popleft() if ahead else None
                 chunk = self._read_ahead_or_now(
-                    read, timeout_s, functools.partial(self._fetch, ids, part)
+                    read, timeout_s, functools.partial(self._fetch, ids, part, deadline)
                 )
                 try:
                     while (
@@ -375,7 +378,7 @@ class BlockMover:
                         and len(ahead) < self.read_ahead
                         and (following := i + 1 + len(ahead)) < len(starts)
                     ):
-                        more = self._read_ahead(starts[following], block_ids, hashes)
+                        more = self._read_ahead(starts[following], block_ids, hashes, deadline)
                         if more is None:
                             break
                         ahead.append(more)
@@ -413,7 +416,7 @@ class BlockMover:
         return fetch(buf)
 
     def _read_ahead(
-        self, start: int, block_ids: Sequence[int], hashes: Sequence[str]
+        self, start: int, block_ids: Sequence[int], hashes: Sequence[str], deadline: float
     ) -> tuple[Future[LoadChunk], torch.Tensor] | None:
         """Start receiving the chunk at ``start`` on the prefetch executor, if a staging
         buffer is free and no load is waiting for one (reading ahead never delays a load)."""
@@ -424,7 +427,7 @@ class BlockMover:
         end = start + self.chunk_blocks
         try:
             fetched = self.prefetch.submit(
-                self._fetch, list(block_ids[start:end]), hashes[start:end], spare
+                self._fetch, list(block_ids[start:end]), hashes[start:end], deadline, spare
             )
         except RuntimeError:  # the executor was shut down: no reading ahead
             self._load_pool.release(spare)
@@ -465,12 +468,13 @@ class BlockMover:
         piece is received while the caller copies this one in (as :meth:`receive` does). Each
         piece's buffer is released when the caller asks for the next one (or closes the
         generator). Raises :class:`StagingBusyError` when no buffer comes free within
-        ``timeout_s``, and the store's typed errors."""
+        ``timeout_s``, and the store's typed errors (``DeadlinePassedError`` as
+        :meth:`receive`)."""
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         if not bands or bands[0][0] != 0 or bands[-1][1] != len(self.kv.names):
             raise ValueError(f"bands {list(bands)} do not cover the {len(self.kv.names)} layers")
-        plan = _BandPlan(self, list(block_ids), list(hashes), list(bands))
+        plan = _BandPlan(self, list(block_ids), list(hashes), list(bands), _deadline(timeout_s))
         spec = plan.next()
         ahead: tuple[Future[BandPiece], torch.Tensor] | None = None
         try:
@@ -493,7 +497,10 @@ class BlockMover:
                 finally:
                     self._load_pool.release(piece.buffer)
                 if whole:  # read whole, after this piece's buffer went back
-                    yield from self._whole_pieces(whole, spec, timeout_s)
+                    left = plan.deadline - time.monotonic()
+                    yield from self._whole_pieces(
+                        whole, spec, None if math.isinf(left) else max(0.0, left)
+                    )
                 spec = following
         finally:
             if ahead is not None:
@@ -508,9 +515,7 @@ class BlockMover:
             hashes = [plan.hashes[i] for i in part]
             first, end = spec.layers
             if spec.band == 0:
-                ok, offset = self._read_heads(
-                    part, hashes, plan.heads, rows, end, plan.headers, plan.whole
-                )
+                ok, offset = self._read_heads(plan, part, hashes, rows, end)
             else:
                 offset = 0
                 ok = self.store.select_tensors_into(
@@ -520,6 +525,7 @@ class BlockMover:
                     first,
                     end,
                     connections=self.connections,
+                    deadline=plan.deadline,
                 )
                 for i, good in zip(part, ok, strict=True):
                     if not good:
@@ -575,18 +581,13 @@ class BlockMover:
             chunks.close()
 
     def _read_heads(
-        self,
-        part: list[int],
-        hashes: list[str],
-        heads: list[int],
-        rows: torch.Tensor,
-        end: int,
-        headers: list[ValueHeader | None],
-        whole: list[int],
+        self, plan: _BandPlan, part: list[int], hashes: list[str], rows: torch.Tensor, end: int
     ) -> tuple[list[bool], int]:
-        """Band 0 of blocks ``part``: each header and its first layers. Fills ``headers`` for
-        the blocks whose later bands can be read by ranges, ``whole`` with those to read whole;
-        returns which blocks' first band arrived and where it lies in their rows."""
+        """Band 0 of blocks ``part``: each header and its first layers. Fills the plan's
+        ``headers`` for the blocks whose later bands can be read by ranges, its ``whole`` with
+        those to read whole; returns which blocks' first band arrived and where it lies in
+        their rows."""
+        heads, headers, whole = plan.heads, plan.headers, plan.whole
         header_bytes = heads[part[0]]
         same = [i for i, p in enumerate(part) if heads[p] == header_bytes]
         got: list[ValueHeader | HeadMiss] = [HeadMiss.WHOLE] * len(part)
@@ -598,6 +599,7 @@ class BlockMover:
                 entries=self.entries,
                 tensors=end,
                 connections=self.connections,
+                deadline=plan.deadline,
             )
             for i, r in zip(same, read, strict=True):
                 got[i] = r
@@ -610,12 +612,16 @@ class BlockMover:
             ok.append(isinstance(r, ValueHeader))
         return ok, header_bytes
 
-    def _fetch(self, ids: list[int], hashes: Sequence[str], buf: torch.Tensor) -> LoadChunk:
-        """Receive one chunk into ``buf``; on an error ``buf`` is released and the error
-        raised."""
+    def _fetch(
+        self, ids: list[int], hashes: Sequence[str], deadline: float, buf: torch.Tensor
+    ) -> LoadChunk:
+        """Receive one chunk into ``buf`` by ``deadline``; on an error ``buf`` is released and
+        the error raised."""
         try:
             rows = buf[: len(ids) * self.slot_bytes].view(len(ids), self.slot_bytes)
-            values = self.store.select_into(hashes, list(rows), connections=self.connections)
+            values = self.store.select_into(
+                hashes, list(rows), connections=self.connections, deadline=deadline
+            )
             return LoadChunk(self, ids, values, rows, buf)
         except BaseException:
             self._load_pool.release(buf)
@@ -776,6 +782,11 @@ class _PieceSpec:
     last_of_band: bool
 
 
+def _deadline(timeout_s: float | None) -> float:
+    """The ``time.monotonic()`` a load's replies are waited for until (none: ``inf``)."""
+    return math.inf if timeout_s is None else time.monotonic() + timeout_s
+
+
 class _BandPlan:
     """What a band load reads next, from what it found so far: band 0 of every block, then
     each later band of the blocks whose head was read by ranges and whose bands all arrived."""
@@ -786,8 +797,10 @@ class _BandPlan:
         block_ids: list[int],
         hashes: list[str],
         bands: list[tuple[int, int]],
+        deadline: float,
     ) -> None:
         self.block_ids, self.hashes, self.bands = block_ids, hashes, bands
+        self.deadline = deadline  # (time.monotonic()) no reply is waited for past it
         self.heads = [mover.value_header_bytes(h) for h in hashes]  # expected header lengths
         # per block: the header later bands are read by (None: failed, or read whole)
         self.headers: list[ValueHeader | None] = [None] * len(hashes)

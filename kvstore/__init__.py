@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import (
     CorruptValueError,
+    DeadlinePassedError,
     InvalidArgumentError,
     InvalidURLError,
     InvalidValueError,
@@ -74,6 +75,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Claim",
     "CorruptValueError",
+    "DeadlinePassedError",
     "HandoffState",
     "InvalidArgumentError",
     "InvalidURLError",

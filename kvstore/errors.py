@@ -21,6 +21,14 @@ class StoreBusyError(KVStoreError):
     breaker does not count it against the server."""
 
 
+class DeadlinePassedError(KVStoreError):
+    """The caller's deadline for a batch of replies (a load's own) passed before the batch was
+    read: it ends there, what it did not read is missing, and its connection is dropped (a
+    server that sends each reply just within the reply's own deadline no longer holds a reader
+    for the batch's length times that). The caller's deadline, not the server failing: the
+    circuit breaker does not count it."""
+
+
 class StoreCircuitOpenError(StoreUnavailableError):
     """Recent calls failed, so this one was not sent: the store is skipped until a background
     probe sees it answer again (see :class:`kvstore.net.breaker.CircuitBreaker`)."""

@@ -61,6 +61,7 @@ calls fail at once with :class:`StoreCircuitOpenError` until a background probe 
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -628,6 +629,7 @@ class LookupBuffer:
         consume: bool = False,
         timeout_s: float = 0.0,
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[dict[str, torch.Tensor] | None]:
         """Read blocks straight into ``buffers``: one CPU ``uint8`` tensor per key (pinned or
         not). Each reply is received from the socket into its buffer (``recv_into``): no
@@ -636,7 +638,9 @@ class LookupBuffer:
         None for a miss or a bad value. A value larger than its buffer is a counted miss and is
         never allocated. ``consume=True`` takes the blocks exactly once, as ``drop_select``
         (a consumed value too large for its buffer is lost). ``connections`` spreads the batch
-        over that many pooled connections, so socket reads overlap.
+        over that many pooled connections, so socket reads overlap. No value is waited for past
+        ``deadline`` (``time.monotonic()``: a load's own), however well each reply keeps to its
+        own: :class:`DeadlinePassedError`, the connection dropped.
         """
         views = self._views(hashes, buffers, connections)
         keys = self.keys.blocks(hashes)
@@ -647,6 +651,7 @@ class LookupBuffer:
             consume=consume,
             timeout_s=timeout_s,
             connections=connections,
+            deadline=deadline,
         )
 
     def select_head_into(
@@ -658,6 +663,7 @@ class LookupBuffer:
         entries: Sequence[TensorEntry],
         tensors: int,
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[ValueHeader | HeadMiss]:
         """The first part of each block's value, by ``GETRANGE``, straight into ``buffers``
         (CPU ``uint8`` tensors at least ``header_bytes`` + those tensors' bytes long): its
@@ -665,7 +671,8 @@ class LookupBuffer:
         ``entries`` (the layout expected, offsets included), verified against the header's
         per-tensor checksums. Per block: the header, to read later tensors with
         :meth:`select_tensors_into`, or why not (``HeadMiss``: a counted miss, or ``WHOLE``:
-        a value to read whole with :meth:`select_into`). See ``tensor_reads.py``."""
+        a value to read whole with :meth:`select_into`). See ``tensor_reads.py``. ``deadline``
+        as :meth:`select_into`'s."""
         views = self._views(hashes, buffers, connections)
         return self._tensor_reader.read_head(
             hashes,
@@ -675,6 +682,7 @@ class LookupBuffer:
             entries=entries,
             tensors=tensors,
             connections=connections,
+            deadline=deadline,
         )
 
     def select_tensors_into(
@@ -686,11 +694,13 @@ class LookupBuffer:
         end: int,
         *,
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[bool]:
         """Tensors ``[first, end)`` of each block, back to back at the start of its buffer,
         by ``GETRANGE`` where ``headers`` (from :meth:`select_head_into`) place them, each
         verified against its header's checksum. Per block: whether they arrived intact (a
-        value gone or replaced since its head was read does not)."""
+        value gone or replaced since its head was read does not). ``deadline`` as
+        :meth:`select_into`'s."""
         if len(headers) != len(hashes):
             raise InvalidArgumentError(f"{len(hashes)} keys but {len(headers)} headers")
         views = self._views(hashes, buffers, connections)
@@ -702,6 +712,7 @@ class LookupBuffer:
             first,
             end,
             connections=connections,
+            deadline=deadline,
         )
 
     @staticmethod

@@ -11,11 +11,12 @@
  * and wire.py raises its own exceptions for them, so both paths fail alike.
  *
  * read_bulk(fd, scratch, start, end, dest, limit, drain_max, recv_timeout_s, deadline_at,
- *           min_bytes_per_s, max_line) -> (kind, value, start, end, deadline_at)
+ *           min_bytes_per_s, max_line[, deadline_cap]) -> (kind, value, start, end, deadline_at)
  *   scratch: the reader's writable scratch buffer; its unread bytes are scratch[start:end].
  *   dest: a writable buffer for the value, or None to read the header only (read_bulk_new:
  *         the caller allocates exactly the length, then calls read_body).
- *   deadline_at: time.monotonic() seconds; returned extended by the reply's length.
+ *   deadline_at: time.monotonic() seconds; returned extended by the reply's length, never past
+ *         deadline_cap (the batch's deadline: the caller's; none by default).
  *   kind: BULK (value: its length, landed in dest), NIL, OVERSIZE (value: its length; drained),
  *         HEADER (value: its length; its bytes are next), ERROR_REPLY (value: the line after
  *         '-', bytes), or a failure: TIMEOUT_RECV, TIMEOUT_DEADLINE, CLOSED, OS_ERROR (value:
@@ -285,11 +286,14 @@ static PyObject *read_bulk(PyObject *self, PyObject *args) {
     int fd;
     PyObject *scratch_obj, *dest_obj;
     Py_ssize_t start, end, limit, drain_max, max_line;
-    double recv_timeout, deadline, min_rate;
+    double recv_timeout, deadline, min_rate, cap = Py_HUGE_VAL;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOnnOnnddd" "n", &fd, &scratch_obj, &start, &end, &dest_obj,
-                          &limit, &drain_max, &recv_timeout, &deadline, &min_rate, &max_line))
+    if (!PyArg_ParseTuple(args, "iOnnOnnddd" "n|d", &fd, &scratch_obj, &start, &end, &dest_obj,
+                          &limit, &drain_max, &recv_timeout, &deadline, &min_rate, &max_line,
+                          &cap))
         return NULL;
+    if (deadline > cap)
+        deadline = cap;
     Py_buffer scratch, dest;
     int have_dest;
     if (get_buffers(scratch_obj, dest_obj, start, end, &scratch, &dest, &have_dest) < 0)
@@ -314,6 +318,8 @@ static PyObject *read_bulk(PyObject *self, PyObject *args) {
             kind = K_NIL;
         } else {
             r.deadline += (double)(length + 2) / min_rate;
+            if (r.deadline > cap)
+                r.deadline = cap;
             if (length > limit) {
                 if (length > drain_max) {
                     kind = K_TOO_LARGE;

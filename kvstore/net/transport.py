@@ -16,6 +16,7 @@ client, which follows the redirection and relearns the slot map.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -140,6 +141,8 @@ class Transport:
         dests: Sequence[Destination],
         connections: int = 1,
         each: Callable[[int, Any], Any] | None = None,
+        *,
+        deadline: float = math.inf,
     ) -> list[Any]:
         """Send ``commands`` (each ``(name, key, ...)`` with a bulk-string reply) and receive
         each reply into its destination, at most ``read_depth`` replies in flight per
@@ -151,22 +154,26 @@ class Transport:
         ``each(index, reply)``, when given, is applied to every reply on the thread that
         received it, as soon as it is received, and its result is returned in the reply's
         place: the caller's check of one value (a checksum) runs while the value is still in
-        the CPU cache and while the server sends the next one. It must not raise."""
+        the CPU cache and while the server sends the next one. It must not raise.
+
+        ``deadline`` (``time.monotonic()``): no reply is waited for past it, however many are
+        left (``DeadlinePassedError``; each reply has its own deadline besides)."""
         work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
         got = self.shards.fan_out(
-            lambda server, part: self._get_on_one(server, part, each),
+            lambda server, part: self._get_on_one(server, part, each, deadline=deadline),
             work,
             key=lambda w: w[1][1],
             connections=connections,
         )
 
-        return self._read_redirected(got, work, each)
+        return self._read_redirected(got, work, each, deadline)
 
     def _read_redirected(
         self,
         got: list[Any],
         work: list[tuple[int, tuple[Any, ...], Destination]],
         each: Callable[[int, Any], Any] | None,
+        deadline: float = math.inf,
     ) -> list[Any]:
         """The values a Cluster node answered MOVED / ASK for, read again from the node the
         slot map names once relearnt, by this transport's bounded reader (redis-py's client
@@ -179,7 +186,7 @@ class Transport:
             self._on_redirect()
         self.shards.relearn()
         again = self.shards.fan_out(
-            lambda server, part: self._get_on_one(server, part, each),
+            lambda server, part: self._get_on_one(server, part, each, deadline=deadline),
             [work[i] for i in redirected],
             key=lambda w: w[1][1],
         )
@@ -197,6 +204,7 @@ class Transport:
         each: Callable[[int, Any], Any] | None = None,
         *,
         script_items: int,
+        deadline: float = math.inf,
     ) -> tuple[list[int] | int | None, list[Any]]:
         """One server's connection: ``script`` (an ``EVALSHA`` that answers a table of at most
         ``script_items`` numbers, a number or ``false``), then ``commands`` received as
@@ -209,7 +217,13 @@ class Transport:
         work = [(i, c, d) for i, (c, d) in enumerate(zip(commands, dests, strict=True))]
         first: list[list[int] | int | None] = []
         got = self._get_on_one(
-            self.client, work, each, script=script, script_reply=first, script_items=script_items
+            self.client,
+            work,
+            each,
+            script=script,
+            script_reply=first,
+            script_items=script_items,
+            deadline=deadline,
         )
         return first[0], got
 
@@ -222,6 +236,7 @@ class Transport:
         script: tuple[Any, ...] | None = None,
         script_reply: list[list[int] | int | None] | None = None,
         script_items: int = 0,
+        deadline: float = math.inf,
     ) -> list[Any]:
         """``work``'s replies on one connection to ``server``; with ``script``, that command
         goes first, in the same send, and its reply is appended to ``script_reply``. A value
@@ -230,7 +245,9 @@ class Transport:
         reconnection, not its other values."""
         out: list[Any] = []
         while True:
-            got, work = self._read_on_one(server, work, each, script, script_reply, script_items)
+            got, work = self._read_on_one(
+                server, work, each, script, script_reply, script_items, deadline
+            )
             out += got
             if not work:
                 return out
@@ -244,6 +261,7 @@ class Transport:
         script: tuple[Any, ...] | None,
         script_reply: list[list[int] | int | None] | None,
         script_items: int = 0,
+        deadline: float = math.inf,
     ) -> tuple[list[Any], list[tuple[int, tuple[Any, ...], Destination]]]:
         """As :meth:`_get_on_one`, on one connection; returns the replies read and the work
         left to read elsewhere (after a value too large to drain, whose reply ends it)."""
@@ -255,7 +273,7 @@ class Transport:
         with self._pooled_connection(server) as conn:
             conn.connect()
             sock = raw_socket(conn)
-            reader = ReplyReader(sock) if sock is not None else None
+            reader = ReplyReader(sock, deadline=deadline) if sock is not None else None
             sent = 0
             if script is not None:
                 sent = min(len(work), self._depth(value_bytes))

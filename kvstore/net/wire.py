@@ -29,7 +29,10 @@ A socket timeout bounds each ``recv``, not a reply: a server (or a path) that se
 just before each timeout would hold a read for ever. So every reply has a deadline -- the
 socket timeout plus its size at :data:`MIN_BYTES_PER_S` -- and so has every send; past it
 ``redis.exceptions.TimeoutError`` is raised (kvstore's ``StoreTimeoutError`` once translated)
-and the caller drops the connection, mid-reply as it is.
+and the caller drops the connection, mid-reply as it is. A batch may have a deadline of its own
+(a load's: ``ReplyReader``'s ``deadline``), which no reply's extends: past it,
+``DeadlinePassedError`` (a server that answers each reply just within its own deadline held a
+batch of 16 values for 16 times that).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from typing import Any
 
 import numpy as np
 import redis.exceptions as rex
+
+from kvstore.errors import DeadlinePassedError
 
 try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
     from redis._parsers.base import BaseParser
@@ -154,13 +159,17 @@ class ReplyReader:
     """Reads replies from one connected socket, in order. Not thread-safe: one per connection
     and thread."""
 
-    def __init__(self, sock: socket.socket, core: WireCore | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket, core: WireCore | None = None, *, deadline: float = math.inf
+    ) -> None:
+        """``deadline``: ``time.monotonic()`` past which no reply is waited for, whatever
+        its own deadline (:class:`DeadlinePassedError`)."""
         self._sock = sock
         self._buf = bytearray(_SCRATCH_BYTES)
         self._view = memoryview(self._buf)
         self._start = 0  # unread bytes are self._buf[self._start : self._end]
         self._end = 0
-        self._clock = _Deadline(sock)
+        self._clock = _Deadline(sock, cap=deadline)
         core = core if core is not None else wire_core()
         plain = type(sock) is socket.socket  # (not TLS: its fd carries records, not replies)
         if core is WireCore.NATIVE and _core is None:
@@ -218,10 +227,12 @@ class ReplyReader:
         without ``dest``, a fitting bulk string's length, its bytes next in the stream."""
         assert _core is not None
         started = time.monotonic()
-        budget = self._clock._base_s
+        budget, cap = self._clock._base_s, self._clock.cap
+        if started >= cap:  # (as the Python path: none begins past it)
+            raise self._clock.cap_error("before a reply")
         kind, value, self._start, self._end, at = _core.read_bulk(
             self._fileno(), self._buf, self._start, self._end, dest, limit, drain_limit(limit),
-            self._recv_timeout(), started + budget, float(MIN_BYTES_PER_S), _MAX_LINE,
+            self._recv_timeout(), started + budget, float(MIN_BYTES_PER_S), _MAX_LINE, cap,
         )  # fmt: skip
         if kind == _core.BULK:
             return int(value)
@@ -267,6 +278,8 @@ class ReplyReader:
 
     def _native_failure(self, kind: int, value: Any, budget_s: float) -> Exception:
         assert _core is not None
+        if kind in (_core.TIMEOUT_RECV, _core.TIMEOUT_DEADLINE) and self._clock.cap_passed():
+            return self._clock.cap_error("reading a reply")
         if kind == _core.TIMEOUT_RECV:
             return rex.TimeoutError("timed out reading a reply")
         if kind == _core.TIMEOUT_DEADLINE:
@@ -440,12 +453,13 @@ class ReplyReader:
 
 class _Deadline:
     """The deadline of one reply (or send) on ``sock``: the socket's timeout plus its bytes at
-    :data:`MIN_BYTES_PER_S`. The socket's timeout is shortened to what is left only once
-    that is less than the timeout (near the end), and put back by :meth:`stop`: no extra
-    system call per ``recv`` in the common case."""
+    :data:`MIN_BYTES_PER_S`, and never past ``cap`` (the batch's). The socket's timeout is
+    shortened to what is left only once that is less than the timeout (near the end), and put
+    back by :meth:`stop`: no extra system call per ``recv`` in the common case."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, cap: float = math.inf) -> None:
         self._sock = sock
+        self.cap = cap
         # duck-typed sockets (tests' fakes) may have no timeout to get or set
         timeout = sock.gettimeout() if hasattr(sock, "gettimeout") else None
         self._timeout: float | None = timeout
@@ -456,13 +470,27 @@ class _Deadline:
         self._at = math.inf
 
     def start(self, nbytes: int) -> None:
+        """A reply (or send) begins: none does past ``cap``, even with its bytes at hand."""
+        if self.cap_passed():
+            raise self.cap_error("before a reply")
         self._budget_s = self._base_s + nbytes / MIN_BYTES_PER_S
-        self._at = time.monotonic() + self._budget_s
+        self._at = min(self.cap, time.monotonic() + self._budget_s)
 
     def extend(self, nbytes: int) -> None:
         """The reply turned out to hold ``nbytes`` more (a bulk string's length, once read)."""
         self._budget_s += nbytes / MIN_BYTES_PER_S
-        self._at += nbytes / MIN_BYTES_PER_S
+        self._at = min(self.cap, self._at + nbytes / MIN_BYTES_PER_S)
+
+    def cap_passed(self) -> bool:
+        return time.monotonic() >= self.cap
+
+    @staticmethod
+    def cap_error(doing: str) -> DeadlinePassedError:
+        return DeadlinePassedError(
+            f"the batch's deadline passed {doing}: the rest of it is not read and the "
+            "connection is dropped (a load past its deadline; the server answers slower than "
+            "the load was given time for)"
+        )
 
     def before_io(self, doing: str) -> None:
         """Raise if the deadline has passed; else bound the next socket call by it."""
@@ -473,7 +501,9 @@ class _Deadline:
             self._sock.settimeout(left)
             self._shortened = True
 
-    def timed_out(self, doing: str) -> rex.TimeoutError:
+    def timed_out(self, doing: str) -> rex.TimeoutError | DeadlinePassedError:
+        if self.cap_passed():
+            return self.cap_error(doing)
         if not self._shortened and time.monotonic() < self._at:  # the socket's own timeout
             return rex.TimeoutError(f"timed out {doing}")
         return rex.TimeoutError(_stalled(doing, self._budget_s))

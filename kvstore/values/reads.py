@@ -4,6 +4,7 @@ all claim (when consuming), receive, verify and count here."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -79,11 +80,14 @@ class Reader:
         consume: bool,
         timeout_s: float = 0.0,
         connections: int | None = None,
+        deadline: float = math.inf,
     ) -> list[dict[str, torch.Tensor] | None]:
         """Claim (when consuming), receive each value into its view -- or, when ``views`` is
         None, into a new buffer of its own size -- verify, and delete the claims. The returned
         tensors are views on those buffers: no second copy. Each value is verified on the
-        thread that received it, as soon as it arrived (``Transport.get_values``' ``each``)."""
+        thread that received it, as soon as it arrived (``Transport.get_values``' ``each``).
+        No value is waited for past ``deadline`` (``time.monotonic()``; a consuming read's
+        claim runs as ever, and what it took is given back): ``DeadlinePassedError``."""
         dests: list[Destination] = (
             list(views) if views is not None else [self._max_value_bytes] * len(keys)
         )
@@ -92,7 +96,10 @@ class Reader:
             commands: list[tuple[Any, ...]] = [("GET", k) for k in keys]
             check = self._checker(hashes, dests)
             checked = self._guard.call(
-                "GET", lambda: self._transport.get_values(commands, dests, conns, check)
+                "GET",
+                lambda: self._transport.get_values(
+                    commands, dests, conns, check, deadline=deadline
+                ),
             )
             return self._tally(keys, checked)
         if len(set(keys)) != len(keys):
@@ -122,7 +129,9 @@ class Reader:
         def fetch() -> list[Any]:
             if not claimed:
                 return []
-            return self._transport.get_values(claimed, target_dests, conns, check_claimed)
+            return self._transport.get_values(
+                claimed, target_dests, conns, check_claimed, deadline=deadline
+            )
 
         try:
             if fetched is None:  # claimed alone (a Cluster, several connections, a lost reply)

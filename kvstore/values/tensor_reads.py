@@ -15,6 +15,7 @@ header read first -- a value replaced in between fails its next range.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,10 +74,12 @@ class TensorReader:
         entries: Sequence[TensorEntry],
         tensors: int,
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[ValueHeader | HeadMiss]:
         """Receive bytes ``[0, header_bytes + tensors' bytes)`` of each key into its view (at
         least that long): the header, then tensors ``[0, tensors)`` of ``entries`` (the layout
-        the caller expects, offsets included). Per key: the verified header, or why not."""
+        the caller expects, offsets included). Per key: the verified header, or why not. No
+        reply is waited for past ``deadline`` (``DeadlinePassedError``)."""
         if not 0 < tensors <= len(entries):
             raise ValueError(f"tensors must be in [1, {len(entries)}], got {tensors}")
         want = header_bytes + entries[tensors - 1].end
@@ -89,7 +92,9 @@ class TensorReader:
         dests = [v[:want] for v in views]
         checked = self._guard.call(
             "GETRANGE",
-            lambda: self._transport.get_values(commands, dests, connections, check),
+            lambda: self._transport.get_values(
+                commands, dests, connections, check, deadline=deadline
+            ),
         )
         out: list[ValueHeader | HeadMiss] = []
         bad: list[tuple[str, CorruptValueError]] = []
@@ -162,10 +167,12 @@ class TensorReader:
         end: int,
         *,
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[bool]:
         """Receive tensors ``[first, end)`` of each key (back to back, from the start of its
         view) as its ``header`` -- from :meth:`read_head` -- places them, and verify them
-        against the header's checksums. Per key: whether they arrived intact."""
+        against the header's checksums. Per key: whether they arrived intact. No reply is
+        waited for past ``deadline`` (``DeadlinePassedError``)."""
         spans = []
         for h in headers:
             if not 0 <= first < end <= len(h.tensors):
@@ -187,7 +194,9 @@ class TensorReader:
         dests = [v[: b - a] for v, (a, b) in zip(views, spans, strict=True)]
         checked = self._guard.call(
             "GETRANGE",
-            lambda: self._transport.get_values(commands, dests, connections, check),
+            lambda: self._transport.get_values(
+                commands, dests, connections, check, deadline=deadline
+            ),
         )
         bad = [(k, c) for k, c in zip(keys, checked, strict=True) if c is not None]
         nbytes = sum(b - a for (a, b), c in zip(spans, checked, strict=True) if c is None)

@@ -16,8 +16,10 @@ import redis
 import torch
 
 from datamover import BlockMover
-from kvstore import chain_hashes
+from kvstore import DeadlinePassedError, chain_hashes
 from testing.kv_caches import DEVICES, caches, load_all, save_all, staging_all_free, store_on
+from testing.redis_server import RedisServer
+from testing.relay import DelayRelay
 
 
 @pytest.mark.redis
@@ -90,3 +92,38 @@ def test_reading_ahead_never_takes_a_buffer_a_waiting_load_needs(redis_url: str)
         assert b_got == [[40]]
         assert list(chunk.copy_in()[0] for chunk in a) == [[32], [33]]
     assert staging_all_free(loader)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("by_bands", [False, True])
+def test_a_load_from_a_store_too_slow_for_its_deadline_ends_there(
+    redis_server: RedisServer, by_bands: bool
+) -> None:
+    """A store that answers every value well within the value's own deadline, but too slowly
+    for the load's: the load ends at its deadline, typed, its staging back -- not after the
+    chunk's 15 values had all come: a loader thread stayed in a chunk for up to 15 times a
+    value's deadline, long after vLLM had given up on the load."""
+    hashes = chain_hashes(list(range(16 * 16)), 16)
+    saver = BlockMover(
+        caches("cpu"), store_on(redis.Redis(port=redis_server.port)), max_inflight_bytes=16 << 20
+    )
+    save_all(saver, list(range(16)), hashes)
+    # 1.2 MB/s: each 256 KiB value in 0.2 s (its own deadline: 60 s + 0.25 s), the 15 of one
+    # chunk in 3.3 s
+    with DelayRelay("127.0.0.1", redis_server.port, 0.0, rate_bytes_per_s=1.2e6) as relay:
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            store_on(redis.Redis.from_url(relay.url)),
+            max_inflight_bytes=16 << 20,
+            chunk_bytes=4 << 20,
+        )
+        assert loader.chunk_blocks == 15  # (a value is its 256 KiB and a header)
+        ids = list(range(40, 56))
+        if by_bands:
+            pieces = loader.receive_bands(ids, hashes, loader.layer_bands(0), timeout_s=0.5)
+        else:
+            pieces = loader.receive(ids, hashes, timeout_s=0.5)
+        with pytest.raises(DeadlinePassedError):
+            for piece in pieces:
+                piece.copy_in()
+        assert staging_all_free(loader)

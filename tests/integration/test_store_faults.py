@@ -13,6 +13,7 @@ import torch
 
 from kvstore import (
     Claim,
+    DeadlinePassedError,
     LookupBuffer,
     StoreBusyError,
     StoreCircuitOpenError,
@@ -177,6 +178,26 @@ def test_a_client_short_of_connections_is_busy_not_the_server_down(
     finally:
         client.connection_pool.release(held)
     assert buf.longest_prefix(HASHES) == 1
+    buf.close()
+
+
+def test_a_load_past_its_own_deadline_is_typed_and_not_the_server_down(
+    private_redis: RedisServer,
+) -> None:
+    """A batch read past the deadline its caller gave (a load's) ends typed, its connection
+    dropped -- and the breaker does not count it: a load's deadline can be tens of
+    milliseconds (the load policy's wait), so a busy but healthy server must not be taken
+    for a dead one."""
+    buf = LookupBuffer.from_url(private_redis.url, namespace="late", breaker_failures=2)
+    block = filled_block(0)
+    buf.insert(HASHES[0], block)
+    rows = [torch.empty(1 << 20, dtype=torch.uint8)]  # (room for the value)
+    for _ in range(3):
+        with pytest.raises(DeadlinePassedError):
+            buf.select_into(HASHES[:1], rows, deadline=time.monotonic() - 1.0)
+    assert buf.available and buf.stats().breaker_opens == 0
+    got = buf.select_into(HASHES[:1], rows)[0]
+    assert got is not None and all(torch.equal(got[k], block[k]) for k in block)
     buf.close()
 
 

@@ -17,7 +17,7 @@ import pytest
 import redis
 from redis.exceptions import InvalidResponse, ResponseError
 
-from kvstore.errors import StoreCommandError, StoreTimeoutError
+from kvstore.errors import DeadlinePassedError, StoreCommandError, StoreTimeoutError
 from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.transport import Transport
 from kvstore.net.wire import (
@@ -612,6 +612,109 @@ def test_a_standalone_server_answering_moved_is_a_protocol_error_not_followed(
     got, all_closed = _one_get_through_a_transport(drip_server, 16)
     assert isinstance(got, StoreCommandError) and "standalone server answered" in str(got)
     assert all_closed
+
+
+class SlowRepliesServer:
+    """A loopback server that answers every GET or GETRANGE with ``value``, whole, after
+    ``every_s`` seconds: each reply well within its own deadline, a batch of them as long as
+    their number says. One connection at a time."""
+
+    def __init__(self, value: bytes, every_s: float) -> None:
+        self.reply = b"$%d\r\n%s\r\n" % (len(value), value)
+        self.every_s = every_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = threading.Event()
+        self.answered = 0
+        self.thread = threading.Thread(target=self._serve, name="slow-server", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):  # (the client hung up)
+                buf = bytearray()
+                while data := conn.recv(65536):
+                    buf += data
+                    for command in _commands(buf):
+                        name = command[0].upper()
+                        if name not in (b"GET", b"GETRANGE"):
+                            conn.sendall(_HANDSHAKE.get(name, b"+OK\r\n"))
+                            continue
+                        if self.stopped.wait(self.every_s):
+                            return
+                        conn.sendall(self.reply)
+                        self.answered += 1
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def slow_server() -> Iterator[SlowRepliesServer]:
+    server = SlowRepliesServer(b"v" * 4096, every_s=0.1)
+    yield server
+    server.close()
+
+
+_GETS = 40  # at 0.1 s a reply: 4 s for the batch, each reply in 0.1 s of its 1.0 s
+
+
+def test_a_batch_answered_slowly_ends_at_its_deadline_whatever_each_reply_keeps_to(
+    slow_server: SlowRepliesServer, core: WireCore
+) -> None:
+    """Each reply came within its own deadline (the socket timeout plus its size), so a batch
+    of them was not bounded at all: a load of 16 values from a server answering each just in
+    time held its loader thread for 16 times that, long after the load's own deadline (seen in
+    a review, left open a session). The batch's deadline ends it, typed, on both
+    paths."""
+    with _connected(slow_server, 1.0) as sock:
+        sock.sendall(b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n" * _GETS)
+        reader = ReplyReader(sock, core, deadline=time.monotonic() + 0.5)
+        read: list[object] = []
+
+        def batch() -> object:
+            for _ in range(_GETS):
+                read.append(reader.read_bulk_into(memoryview(bytearray(8192))))
+            return read
+
+        got = _ends(batch)
+        assert isinstance(got, DeadlinePassedError), got
+        assert 0 < len(read) < _GETS and all(n == 4096 for n in read)
+        assert sock.gettimeout() == 1.0  # its own timeout is back
+
+
+def test_a_batch_past_its_deadline_through_the_transport_drops_its_connection(
+    slow_server: SlowRepliesServer,
+) -> None:
+    address = parse_url(f"redis://127.0.0.1:{slow_server.port}/0")
+    client = make_client(address, socket_timeout_s=1.0, connect_timeout_s=5)
+    transport = Transport(client, threads=1)
+    transport.owns_clients = True
+    try:
+        dests = [memoryview(bytearray(8192)) for _ in range(_GETS)]
+        commands = [("GET", b"k%d" % i) for i in range(_GETS)]
+
+        def read() -> object:
+            with translated_errors(address.safe_url, "GET"):
+                return transport.get_values(commands, dests, deadline=time.monotonic() + 0.5)
+
+        got = _ends(read)
+        assert isinstance(got, DeadlinePassedError), got
+        assert slow_server.answered < _GETS
+        connections = client.connection_pool._connections  # type: ignore[attr-defined]
+        assert connections and all(c._sock is None for c in connections)  # not mid-reply
+        # and without one the batch is read whole, as before
+        whole = transport.get_values(commands[:3], dests[:3])
+        assert whole == [4096] * 3
+    finally:
+        transport.close()
 
 
 class SlowReadingSocket:
