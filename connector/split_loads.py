@@ -22,7 +22,7 @@ from connector.load_claims import claim_handoff
 from connector.metadata import LoadSpec
 from connector.worker_context import WorkerContext
 from datamover import LayeredLoad, StagingBusyError
-from kvstore import DeadlinePassedError, KVStoreError
+from kvstore import KVStoreError
 
 logger = logging.getLogger("connector.worker")
 
@@ -155,7 +155,7 @@ class SplitLoads:
             with ctx.lock:
                 ctx.failed_block_ids.update(failed)
             error = load.error
-            if isinstance(error, KVStoreError) and not isinstance(error, DeadlinePassedError):
+            if isinstance(error, KVStoreError):
                 ctx.redis_error(
                     error,
                     "request %(req)s: its split load from Redis failed (%(total)d so far): "

@@ -28,6 +28,7 @@ from itertools import pairwise
 from typing import Any
 
 from datamover.mover import BandPiece, BlockMover
+from kvstore import DeadlinePassedError
 
 
 class LayeredLoad:
@@ -162,6 +163,10 @@ class LayeredLoad:
             finally:
                 for generator in pieces:
                     generator.close()  # staging back at once
+        except DeadlinePassedError:
+            # its deadline passed with bands still to come: ended as a wait past it ends it,
+            # not an error (what landed by then still bounds the store: ``transfer_sample``)
+            self._end()
         except BaseException as exc:  # reported by whoever waits, never lost
             self.error = exc
             self._end()

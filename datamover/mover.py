@@ -357,9 +357,14 @@ class BlockMover:
         writes only into staging: the cache is written by ``copy_in`` alone, on the caller's
         thread. A prefetch the caller no longer wants (it closed the generator, or the
         executor cancelled it) gives its buffer back when it ends."""
+        # (the deadline runs from this call, not from the generator's first step)
+        return self._chunks(block_ids, hashes, _deadline(timeout_s))
+
+    def _chunks(
+        self, block_ids: Sequence[int], hashes: Sequence[str], deadline: float
+    ) -> Generator[LoadChunk, None, None]:
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
-        deadline = _deadline(timeout_s)
         n = self.chunk_blocks
         starts = list(range(0, len(hashes), n))
         # chunks received while the caller uses this one (each with the buffer it fills), in
@@ -370,7 +375,7 @@ class BlockMover:
                 ids, part = list(block_ids[start : start + n]), hashes[start : start + n]
                 read = ahead.popleft() if ahead else None
                 chunk = self._read_ahead_or_now(
-                    read, timeout_s, functools.partial(self._fetch, ids, part, deadline)
+                    read, _left(deadline), functools.partial(self._fetch, ids, part, deadline)
                 )
                 try:
                     while (
@@ -470,11 +475,20 @@ class BlockMover:
         generator). Raises :class:`StagingBusyError` when no buffer comes free within
         ``timeout_s``, and the store's typed errors (``DeadlinePassedError`` as
         :meth:`receive`)."""
+        return self._band_pieces(block_ids, hashes, bands, _deadline(timeout_s))
+
+    def _band_pieces(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[str],
+        bands: Sequence[tuple[int, int]],
+        deadline: float,
+    ) -> Generator[BandPiece, None, None]:
         if len(block_ids) != len(hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(hashes)} hashes")
         if not bands or bands[0][0] != 0 or bands[-1][1] != len(self.kv.names):
             raise ValueError(f"bands {list(bands)} do not cover the {len(self.kv.names)} layers")
-        plan = _BandPlan(self, list(block_ids), list(hashes), list(bands), _deadline(timeout_s))
+        plan = _BandPlan(self, list(block_ids), list(hashes), list(bands), deadline)
         spec = plan.next()
         ahead: tuple[Future[BandPiece], torch.Tensor] | None = None
         try:
@@ -485,7 +499,7 @@ class BlockMover:
                     continue
                 read, ahead = ahead, None
                 piece = self._read_ahead_or_now(
-                    read, timeout_s, functools.partial(self._fetch_piece, plan, spec)
+                    read, _left(deadline), functools.partial(self._fetch_piece, plan, spec)
                 )
                 whole = plan.whole
                 plan.whole = []
@@ -497,14 +511,12 @@ class BlockMover:
                 finally:
                     self._load_pool.release(piece.buffer)
                 if whole:  # read whole, after this piece's buffer went back
-                    left = plan.deadline - time.monotonic()
-                    yield from self._whole_pieces(
-                        whole, spec, None if math.isinf(left) else max(0.0, left)
-                    )
+                    yield from self._whole_pieces(whole, spec, _left(deadline))
                 spec = following
         finally:
             if ahead is not None:
                 fetched, spare = ahead
+                fetched.cancel()  # (not started: never read; under way: ends by the deadline)
                 fetched.add_done_callback(functools.partial(self._abandoned, spare))
 
     def _fetch_piece(self, plan: _BandPlan, spec: _PieceSpec, buf: torch.Tensor) -> BandPiece:
@@ -785,6 +797,12 @@ class _PieceSpec:
 def _deadline(timeout_s: float | None) -> float:
     """The ``time.monotonic()`` a load's replies are waited for until (none: ``inf``)."""
     return math.inf if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _left(deadline: float) -> float | None:
+    """The time left to ``deadline`` as a timeout (None: no deadline): what a wait for
+    staging may take of it, not a fresh ``timeout_s`` for every chunk."""
+    return None if math.isinf(deadline) else max(0.0, deadline - time.monotonic())
 
 
 class _BandPlan:

@@ -87,6 +87,9 @@ static int signalled(void) {
  * failure kind (negative). */
 static Py_ssize_t recv_some(Reader *r, char *p, Py_ssize_t len) {
     double recv_until = -1; /* when this receive's timeout ends (set at its first wait) */
+    /* none past the deadline, even of bytes already there (as wire.py's before_io) */
+    if (now_s() >= r->deadline)
+        return K_TIMEOUT_DEADLINE;
     for (;;) {
         ssize_t n = recv(r->fd, p, (size_t)len, MSG_DONTWAIT);
         if (n > 0)
@@ -414,6 +417,8 @@ PyMODINIT_FUNC PyInit__wire_core(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    /* wire.py's WIRE_CORE_VERSION: bumped whenever the arguments change (2: deadline_cap) */
+    PyModule_AddIntConstant(m, "VERSION", 2);
     PyModule_AddIntConstant(m, "BULK", K_BULK);
     PyModule_AddIntConstant(m, "NIL", K_NIL);
     PyModule_AddIntConstant(m, "OVERSIZE", K_OVERSIZE);

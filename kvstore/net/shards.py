@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, Final, TypeVar
 
 import redis
 import redis.exceptions as rex
 from redis.cluster import RedisCluster
+
+from kvstore.net.wire import deadline_passed
 
 logger = logging.getLogger("kvstore")
 
@@ -66,12 +71,16 @@ class Shards:
         *,
         key: Callable[[Any], str | bytes],
         connections: int = 1,
+        deadline: float = math.inf,
     ) -> list[T]:
         """``run(server, part)`` over ``work`` grouped by the server holding each item's
         ``key`` (one group unless this is a Cluster), each group split in up to
         ``connections`` contiguous parts, all in parallel (the first on this thread); results
         in ``work``'s order. Every part finishes before the first error is raised (the caller's
-        guard relearns the slot map after a failure: a replica may have taken over)."""
+        guard relearns the slot map after a failure: a replica may have taken over). A part
+        still queued for a thread at ``deadline`` (``time.monotonic()``; the executor is
+        shared with saves and other batches) never runs: ``DeadlinePassedError`` (one under
+        way is the caller's ``run`` to end by then)."""
         units: list[tuple[redis.Redis, list[int]]] = []
         for server, indexes in self.split([key(w) for w in work]):
             n = max(1, min(connections, len(indexes)))
@@ -88,7 +97,7 @@ class Shards:
         error: BaseException | None = None
         for unit, outcome in zip(units, [None, *futures], strict=True):
             try:
-                got = run_unit(unit) if outcome is None else outcome.result()
+                got = run_unit(unit) if outcome is None else _result_by(outcome, deadline)
             except BaseException as exc:  # re-raised below, once every part has finished
                 error = error or exc
                 continue
@@ -142,3 +151,16 @@ class Shards:
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 logger.debug("kvstore: could not relearn the cluster's slot map yet: %s", exc)
                 return
+
+
+def _result_by(outcome: Future[T], deadline: float) -> T:
+    """``outcome``'s result; one not started by ``deadline`` is cancelled (never runs), and one
+    under way is waited for (its part ends by the deadline itself)."""
+    if math.isinf(deadline):
+        return outcome.result()
+    try:
+        return outcome.result(timeout=max(0.0, deadline - time.monotonic()))
+    except FuturesTimeout:
+        if not outcome.done() and outcome.cancel():
+            raise deadline_passed("while its part waited for a thread") from None
+        return outcome.result()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -30,6 +31,8 @@ from kvstore.net.wire import (
     Oversize,
     ReplyReader,
     ReplyTooLarge,
+    connect_within,
+    deadline_passed,
     pack_set,
     parsed_reply_into,
     raw_socket,
@@ -164,6 +167,7 @@ class Transport:
             work,
             key=lambda w: w[1][1],
             connections=connections,
+            deadline=deadline,
         )
 
         return self._read_redirected(got, work, each, deadline)
@@ -189,6 +193,7 @@ class Transport:
             lambda server, part: self._get_on_one(server, part, each, deadline=deadline),
             [work[i] for i in redirected],
             key=lambda w: w[1][1],
+            deadline=deadline,
         )
         for i, reply in zip(redirected, again, strict=True):
             if reply is REDIRECTED:
@@ -270,8 +275,10 @@ class Transport:
         refused: Exception | None = None
         # a value's size: its destination's, else (a new buffer) the last reply's, once known
         value_bytes = len(work[0][2]) if work and isinstance(work[0][2], memoryview) else 0
+        if time.monotonic() >= deadline:  # (before a pooled connection is taken, and dropped)
+            raise deadline_passed("before connecting")
         with self._pooled_connection(server) as conn:
-            conn.connect()
+            connect_within(conn, deadline)
             sock = raw_socket(conn)
             reader = ReplyReader(sock, deadline=deadline) if sock is not None else None
             sent = 0
@@ -299,6 +306,8 @@ class Transport:
             for i, (index, _, dest) in enumerate(work):
                 upto = min(len(work), i + self._depth(value_bytes))  # replies kept in flight
                 if upto > sent:
+                    if time.monotonic() >= deadline:  # (what would answer is not read)
+                        raise deadline_passed("before sending more")
                     # redis-py checks a connection's health on a send (a PING, every 30 s):
                     # only on the first, while no reply of ours is in flight to be taken for
                     # the PONG

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import math
 import os
 import socket
@@ -73,10 +74,22 @@ def error_reply(message: str) -> rex.RedisError:
         return rex.ResponseError(message)
 
 
+# the compiled core's interface this module calls (its VERSION): a build from before a change
+# of its arguments -- an editable install not rebuilt after a pull -- is not used (every read
+# failed with a TypeError on a core one argument short)
+WIRE_CORE_VERSION = 2
+
 try:  # the compiled receiving core, where pip could build it (a C compiler was there)
     from kvstore.net import _wire_core as _core  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - depends on the install
     _core = None
+_STALE_CORE = _core is not None and getattr(_core, "VERSION", 1) != WIRE_CORE_VERSION
+if _STALE_CORE:  # pragma: no cover - depends on the install
+    _core = None
+    logging.getLogger(__name__).warning(
+        "kvstore's compiled core was built from an older source and is not used (reads take "
+        "the slower Python path): rebuild it (pip install -e .)"
+    )
 
 
 class WireCore(enum.Enum):
@@ -99,9 +112,10 @@ def wire_core() -> WireCore:
     except ValueError:
         raise ValueError(f"KVSTORE_WIRE_CORE={raw!r}: use auto, native or python") from None
     if chosen is WireCore.NATIVE and _core is None:
+        why = "was built from an older source" if _STALE_CORE else "was not built"
         raise WireCoreMissing(
-            "KVSTORE_WIRE_CORE=native, but kvstore's compiled core (kvstore/net/_wire_core.c) "
-            "was not built: install a C compiler and the Python headers, then reinstall "
+            f"KVSTORE_WIRE_CORE=native, but kvstore's compiled core (kvstore/net/_wire_core.c) "
+            f"{why}: install a C compiler and the Python headers, then reinstall "
             "(pip install -e .), or unset KVSTORE_WIRE_CORE"
         )
     return chosen
@@ -486,11 +500,7 @@ class _Deadline:
 
     @staticmethod
     def cap_error(doing: str) -> DeadlinePassedError:
-        return DeadlinePassedError(
-            f"the batch's deadline passed {doing}: the rest of it is not read and the "
-            "connection is dropped (a load past its deadline; the server answers slower than "
-            "the load was given time for)"
-        )
+        return deadline_passed(doing)
 
     def before_io(self, doing: str) -> None:
         """Raise if the deadline has passed; else bound the next socket call by it."""
@@ -606,6 +616,44 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Any]) -> None:
         raise rex.ConnectionError(f"error sending a command: {exc}") from None
     finally:
         clock.stop()
+
+
+def deadline_passed(doing: str) -> DeadlinePassedError:
+    """The error of a batch whose caller's deadline passed ``doing`` something."""
+    return DeadlinePassedError(
+        f"the batch's deadline passed {doing}: the rest of it is not read and the connection "
+        "is dropped (a load past its deadline: the server answers slower than the load was "
+        "given time for)"
+    )
+
+
+def connect_within(conn: Any, deadline: float) -> None:
+    """Connect redis-py's ``conn`` if it is not connected, its connect and handshake (HELLO,
+    AUTH, CLIENT SETINFO, ...) bounded by ``deadline`` (``time.monotonic()``) as well as by
+    its own timeouts: a connection dropped at a load's deadline is made again by the next
+    load, and a server answering each handshake reply just within the socket timeout held
+    that load 4.5 s past a 0.3 s deadline (a review). Past the deadline: its error."""
+    if time.monotonic() >= deadline:
+        raise deadline_passed("before connecting")
+    if getattr(conn, "_sock", None) is not None or math.isinf(deadline):
+        conn.connect()
+        return
+    saved = conn.socket_timeout, conn.socket_connect_timeout
+    left = deadline - time.monotonic()
+    conn.socket_timeout = min(saved[0] or math.inf, max(left, 1e-3))
+    conn.socket_connect_timeout = min(saved[1] or math.inf, max(left, 1e-3))
+    try:
+        conn.connect()
+    except (rex.TimeoutError, rex.ConnectionError):
+        if time.monotonic() >= deadline:
+            raise deadline_passed("connecting") from None
+        raise
+    finally:
+        conn.socket_timeout, conn.socket_connect_timeout = saved
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(saved[0])
 
 
 def raw_socket(conn: Any) -> socket.socket | None:

@@ -115,7 +115,7 @@ class Reader:
                 gets = [("GET", k) for k in private]
                 # (the claim answers a status and a length per key)
                 return self._transport.script_then_values(
-                    script, gets, dests, check_all, script_items=2 * len(gets)
+                    script, gets, dests, check_all, script_items=2 * len(gets), deadline=deadline
                 )
 
             batch, fetched = self._claims.claim_reading(keys, timeout_s, claim_and_get)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import redis
@@ -95,21 +96,22 @@ def test_reading_ahead_never_takes_a_buffer_a_waiting_load_needs(redis_url: str)
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("by_bands", [False, True])
+@pytest.mark.parametrize("read", ["chunks", "one band", "bands"])
 def test_a_load_from_a_store_too_slow_for_its_deadline_ends_there(
-    redis_server: RedisServer, by_bands: bool
+    redis_server: RedisServer, read: str
 ) -> None:
     """A store that answers every value well within the value's own deadline, but too slowly
     for the load's: the load ends at its deadline, typed, its staging back -- not after the
     chunk's 15 values had all come: a loader thread stayed in a chunk for up to 15 times a
-    value's deadline, long after vLLM had given up on the load."""
-    hashes = chain_hashes(list(range(16 * 16)), 16)
+    value's deadline, long after vLLM had given up on the load. Whole values (one chunk),
+    a split's first band read whole (heads), and its bands of layers."""
+    hashes = chain_hashes(list(range(15 * 16)), 16)
     saver = BlockMover(
         caches("cpu"), store_on(redis.Redis(port=redis_server.port)), max_inflight_bytes=16 << 20
     )
-    save_all(saver, list(range(16)), hashes)
-    # 1.2 MB/s: each 256 KiB value in 0.2 s (its own deadline: 60 s + 0.25 s), the 15 of one
-    # chunk in 3.3 s
+    save_all(saver, list(range(15)), hashes)
+    # 1.2 MB/s: each 256 KiB value in 0.2 s (its own deadline: 60 s + 0.25 s), the chunk's 15
+    # in 3.3 s, where the load has 0.5 s
     with DelayRelay("127.0.0.1", redis_server.port, 0.0, rate_bytes_per_s=1.2e6) as relay:
         loader = BlockMover(
             caches("cpu", seed=None),
@@ -118,12 +120,32 @@ def test_a_load_from_a_store_too_slow_for_its_deadline_ends_there(
             chunk_bytes=4 << 20,
         )
         assert loader.chunk_blocks == 15  # (a value is its 256 KiB and a header)
-        ids = list(range(40, 56))
-        if by_bands:
-            pieces = loader.receive_bands(ids, hashes, loader.layer_bands(0), timeout_s=0.5)
+        ids = list(range(40, 55))
+        if read == "chunks":
+            pieces: Any = loader.receive(ids, hashes, timeout_s=0.5)
         else:
-            pieces = loader.receive(ids, hashes, timeout_s=0.5)
+            bands = loader.layer_bands(1 << 40 if read == "one band" else 0)
+            assert len(bands) == (1 if read == "one band" else 4)
+            pieces = loader.receive_bands(ids, hashes, bands, timeout_s=0.5)
         with pytest.raises(DeadlinePassedError):
             for piece in pieces:
                 piece.copy_in()
         assert staging_all_free(loader)
+
+
+@pytest.mark.redis
+def test_a_loads_deadline_runs_from_its_call_not_from_its_first_chunk(redis_url: str) -> None:
+    """Found by a review: the deadline was taken when the generator first ran, and a split
+    over several head slices starts each slice's only once the slice before landed its first
+    band -- each later slice's deadline moved out by that much."""
+    client = redis.Redis.from_url(redis_url)
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    mover = BlockMover(caches("cpu"), store_on(client), max_inflight_bytes=16 << 20)
+    save_all(mover, [0, 1], hashes)
+    called = time.monotonic()
+    chunks = mover.receive([40, 41], hashes, timeout_s=0.05)
+    while time.monotonic() <= called + 0.05:  # its time runs out before it is first asked
+        time.sleep(0.01)
+    with pytest.raises(DeadlinePassedError):
+        next(chunks)
+    assert staging_all_free(mover)

@@ -30,6 +30,7 @@ from kvstore.net.connection import make_client, parse_url
 from kvstore.net.server_code import ScriptMode
 from testing.blocks import filled_block
 from testing.redis_server import RedisServer, add_acl_user
+from testing.relay import DelayRelay
 
 pytestmark = pytest.mark.redis
 
@@ -199,6 +200,38 @@ def test_a_load_past_its_own_deadline_is_typed_and_not_the_server_down(
     got = buf.select_into(HASHES[:1], rows)[0]
     assert got is not None and all(torch.equal(got[k], block[k]) for k in block)
     buf.close()
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+def test_a_consuming_read_past_its_deadline_gives_back_what_it_claimed(
+    private_redis: RedisServer, connections: int
+) -> None:
+    """Found by a review: on one connection the claim and its reads go in one round trip,
+    which did not take the deadline. Past it mid-read, typed, and every claimed value is back
+    under its key: nothing lost, nothing delivered."""
+    blocks = {h: filled_block(i, shape=(2, 16, 8, 512)) for i, h in enumerate(HASHES[:8])}
+    direct = LookupBuffer.from_url(private_redis.url, namespace="late")
+    direct.insert_many(list(blocks.items()))
+    # 0.6 MB/s: each 128 KiB value in 0.2 s, the eight in 1.7 s, where the read has 0.4 s
+    with DelayRelay("127.0.0.1", private_redis.port, 0.0, rate_bytes_per_s=6e5) as relay:
+        slow = LookupBuffer.from_url(relay.url, namespace="late")
+        rows = [torch.empty(1 << 20, dtype=torch.uint8) for _ in blocks]
+        with pytest.raises(DeadlinePassedError):
+            slow.select_into(
+                list(blocks),
+                rows,
+                consume=True,
+                connections=connections,
+                deadline=time.monotonic() + 0.4,
+            )
+        assert slow.wait_given_back(30)
+        slow.close()
+    got = direct.select(list(blocks))
+    assert all(
+        g is not None and all(torch.equal(g[k], b[k]) for k in b)
+        for g, b in zip(got, blocks.values(), strict=True)
+    )
+    direct.close()
 
 
 @pytest.mark.parametrize("hang", ["sigstop", "client-pause"])

@@ -623,6 +623,7 @@ class SlowRepliesServer:
         self.reply = b"$%d\r\n%s\r\n" % (len(value), value)
         self.every_s = every_s
         self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)  # (closing a listener does not end its accept)
         self.port = self.listener.getsockname()[1]
         self.stopped = threading.Event()
         self.answered = 0
@@ -633,11 +634,20 @@ class SlowRepliesServer:
         while not self.stopped.is_set():
             try:
                 conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 return
+            conn.settimeout(0.05)
             with conn, contextlib.suppress(OSError):  # (the client hung up)
                 buf = bytearray()
-                while data := conn.recv(65536):
+                while not self.stopped.is_set():
+                    try:
+                        data = conn.recv(65536)
+                    except TimeoutError:
+                        continue
+                    if not data:
+                        break
                     buf += data
                     for command in _commands(buf):
                         name = command[0].upper()
@@ -686,8 +696,41 @@ def test_a_batch_answered_slowly_ends_at_its_deadline_whatever_each_reply_keeps_
 
         got = _ends(batch)
         assert isinstance(got, DeadlinePassedError), got
-        assert 0 < len(read) < _GETS and all(n == 4096 for n in read)
+        assert len(read) < _GETS and all(n == 4096 for n in read)
         assert sock.gettimeout() == 1.0  # its own timeout is back
+
+
+@pytest.mark.parametrize("drip_server", [(b"$100000\r\n", True)], indirect=True)
+def test_a_reply_dripped_within_its_own_deadline_ends_at_the_batchs(
+    drip_server: DripServer, core: WireCore
+) -> None:
+    """Mid-reply: a byte every 50 ms keeps each recv within the 30 s socket timeout and the
+    reply within its own deadline for 30.1 s; the batch's deadline ends it at 0.3 s (in C
+    too, not only between replies), well within the 10 s the test waits."""
+    with _connected(drip_server, 30.0) as sock:
+        reader = ReplyReader(sock, core, deadline=time.monotonic() + 0.3)
+        got = _ends(lambda: reader.read_bulk_into(memoryview(bytearray(200_000))))
+        assert isinstance(got, DeadlinePassedError), got
+
+
+def test_the_batchs_deadline_passing_mid_reply_ends_both_paths_alike(core: WireCore) -> None:
+    """Found by a review: the deadline passing once a reply's header was read, its bytes all
+    at hand, ended the Python path (it checks before every recv) while the compiled core read
+    on (it checked only before a wait)."""
+    a, b = socket.socketpair()
+    with a, b:
+        b.settimeout(1.0)
+        a.sendall(b"$100000\r\n" + b"v" * 100_000 + b"\r\n")  # (more than one scratch fill)
+        deadline = time.monotonic() + 0.05
+        reader = ReplyReader(b, core, deadline=deadline)
+
+        def allocate(n: int) -> memoryview:
+            while time.monotonic() <= deadline:  # the header is read: now let it pass
+                time.sleep(0.01)
+            return memoryview(bytearray(n))
+
+        with pytest.raises(DeadlinePassedError):
+            reader.read_bulk_new(200_000, allocate)
 
 
 def test_a_batch_past_its_deadline_through_the_transport_drops_its_connection(

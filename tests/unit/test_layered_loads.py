@@ -4,6 +4,7 @@ checks on a GPU (``scripts/gpu_suite.sh``)."""
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from datamover import BlockMover, LayeredLoad
-from kvstore import LookupBuffer, StoreUnavailableError, chain_hashes
+from kvstore import DeadlinePassedError, LookupBuffer, StoreUnavailableError, chain_hashes
 from kvstore.values.codec import read_header
 from testing.blocks import without_tensor_checksums
 from testing.kv_caches import DEVICES, caches, own_fake_client, save_all, store_on
@@ -263,3 +264,29 @@ def test_a_failed_load_still_says_how_slow_the_store_was() -> None:
     nbytes, seconds = sample
     assert nbytes == load.band_bytes(0) + load.band_bytes(1)
     assert seconds >= 0.1
+
+
+def test_a_load_whose_reads_pass_its_deadline_is_ended_not_failed_and_still_says_how_slow() -> None:
+    """Found by a review: a store's reads past the load's deadline now raise
+    ``DeadlinePassedError``; kept as the load's error, the split was logged as an error once
+    per request and gave no bound on the store's bandwidth. It ends the load as a wait past
+    the deadline does."""
+    _, _, mover, hashes, store = saved("cpu")
+    real = store.select_tensors_into
+
+    def past_its_deadline(*a: Any, deadline: float = math.inf, **k: Any) -> Any:
+        while time.monotonic() < deadline:  # a store this slow: nothing came in time
+            time.sleep(0.01)
+        raise DeadlinePassedError("the batch's deadline passed")
+
+    store.select_tensors_into = past_its_deadline  # type: ignore[method-assign]
+    load = LayeredLoad([mover], list(range(20, 30)), hashes, BANDS, time.monotonic() + 0.1)
+    runner = threading.Thread(target=load.run)
+    runner.start()
+    assert load.wait(0)
+    runner.join(10)  # its reads ended, at the deadline
+    assert not runner.is_alive() and load.error is None
+    assert not load.wait(1)
+    sample = load.transfer_sample()
+    assert sample is not None and sample[0] == load.band_bytes(0) + load.band_bytes(1)
+    store.select_tensors_into = real  # type: ignore[method-assign]
