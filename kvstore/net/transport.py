@@ -31,7 +31,6 @@ from kvstore.net.wire import (
     Oversize,
     ReplyReader,
     ReplyTooLarge,
-    connect_within,
     deadline_passed,
     pack_set,
     parsed_reply_into,
@@ -275,10 +274,12 @@ class Transport:
         refused: Exception | None = None
         # a value's size: its destination's, else (a new buffer) the last reply's, once known
         value_bytes = len(work[0][2]) if work and isinstance(work[0][2], memoryview) else 0
-        if time.monotonic() >= deadline:  # (before a pooled connection is taken, and dropped)
+        # (checked before a pooled connection is taken, and dropped: redis-py's pool makes and
+        # connects one there, its handshake on the socket timeout alone -- not bounded here)
+        if time.monotonic() >= deadline:
             raise deadline_passed("before connecting")
         with self._pooled_connection(server) as conn:
-            connect_within(conn, deadline)
+            conn.connect()
             sock = raw_socket(conn)
             reader = ReplyReader(sock, deadline=deadline) if sock is not None else None
             sent = 0

@@ -627,35 +627,6 @@ def deadline_passed(doing: str) -> DeadlinePassedError:
     )
 
 
-def connect_within(conn: Any, deadline: float) -> None:
-    """Connect redis-py's ``conn`` if it is not connected, its connect and handshake (HELLO,
-    AUTH, CLIENT SETINFO, ...) bounded by ``deadline`` (``time.monotonic()``) as well as by
-    its own timeouts: a connection dropped at a load's deadline is made again by the next
-    load, and a server answering each handshake reply just within the socket timeout held
-    that load 4.5 s past a 0.3 s deadline (a review). Past the deadline: its error."""
-    if time.monotonic() >= deadline:
-        raise deadline_passed("before connecting")
-    if getattr(conn, "_sock", None) is not None or math.isinf(deadline):
-        conn.connect()
-        return
-    saved = conn.socket_timeout, conn.socket_connect_timeout
-    left = deadline - time.monotonic()
-    conn.socket_timeout = min(saved[0] or math.inf, max(left, 1e-3))
-    conn.socket_connect_timeout = min(saved[1] or math.inf, max(left, 1e-3))
-    try:
-        conn.connect()
-    except (rex.TimeoutError, rex.ConnectionError):
-        if time.monotonic() >= deadline:
-            raise deadline_passed("connecting") from None
-        raise
-    finally:
-        conn.socket_timeout, conn.socket_connect_timeout = saved
-        sock = getattr(conn, "_sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.settimeout(saved[0])
-
-
 def raw_socket(conn: Any) -> socket.socket | None:
     """A connected redis-py connection's socket; None for clients that have none (fakeredis)."""
     sock = getattr(conn, "_sock", None)

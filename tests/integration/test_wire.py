@@ -11,6 +11,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import hiredis
 import pytest
@@ -757,6 +758,41 @@ def test_a_batch_past_its_deadline_through_the_transport_drops_its_connection(
         whole = transport.get_values(commands[:3], dests[:3])
         assert whole == [4096] * 3
     finally:
+        transport.close()
+
+
+def _slow_transport(server: SlowRepliesServer, socket_timeout_s: float) -> tuple[Any, Transport]:
+    address = parse_url(f"redis://127.0.0.1:{server.port}/0")
+    client = make_client(address, socket_timeout_s=socket_timeout_s, connect_timeout_s=5)
+    transport = Transport(client, threads=2)
+    transport.owns_clients = True
+    return address, transport
+
+
+def test_parts_queued_behind_a_busy_executor_end_at_the_batchs_deadline(
+    slow_server: SlowRepliesServer,
+) -> None:
+    """Found by a review: a batch over several connections queues its parts on the executor
+    saves and other batches share; a part still queued was waited for without the deadline."""
+    address, transport = _slow_transport(slow_server, socket_timeout_s=1.0)
+    release = threading.Event()
+    busy = [transport.shards._pool().submit(release.wait, 30) for _ in range(2)]
+    try:
+        dests = [memoryview(bytearray(8192)) for _ in range(8)]
+        commands = [("GET", b"k%d" % i) for i in range(8)]
+
+        def read() -> object:
+            with translated_errors(address.safe_url, "GET"):
+                return transport.get_values(
+                    commands, dests, connections=4, deadline=time.monotonic() + 0.3
+                )
+
+        got = _ends(read)  # (the executor's threads are held for 30 s)
+        assert isinstance(got, DeadlinePassedError), got
+    finally:
+        release.set()
+        for f in busy:
+            f.result(10)
         transport.close()
 
 
