@@ -529,7 +529,7 @@ class EngineSim:
                 [b for r, b, n in rows if b >= r.prompt],
             )
         )
-        duration, failed = compute, False
+        duration, failed = compute, set[int]()
         if splits:
             duration, failed = self._split_step(splits, compute)
         self.t = t0 + duration
@@ -537,10 +537,9 @@ class EngineSim:
         if not splits:  # (a CUDA pass that waited for bands gives no sample)
             shape = step_shape([(b, n, b < r.prompt) for r, b, n in rows])
             self.compute_rate.add(shape, compute)
-        split_owners = {id(r) for r, _ in splits}
         for r, before, n in rows:
             r.computed = before + n
-            if failed and id(r) in split_owners:
+            if id(r) in failed:
                 r.computed = 0  # its split's blocks come back failed: computed again
         for r in list(self.running):
             if r.computed < r.prompt:
@@ -584,10 +583,13 @@ class EngineSim:
             load_bytes_ahead=self.loads_out.bytes_left(self.t, self._load_rate()),
         )
 
-    def _split_step(self, splits: list[tuple[Request, int]], compute: float) -> tuple[float, bool]:
+    def _split_step(
+        self, splits: list[tuple[Request, int]], compute: float
+    ) -> tuple[float, set[int]]:
         """A pass holding splits (each of its tokens loaded): each band of layers waits for
-        every split's band (they are read side by side); the splits fail if a band comes past
-        the policy's wait (the shortest of theirs)."""
+        every split's band (they are read side by side), each split's until its own wait (the
+        policy's), as a worker waits; a split whose last band comes past its wait fails.
+        Returns the pass's time and the failed splits' requests (``id``)."""
         s, b = self.store, self.bands
         rank_rates = [s.rank_bytes_per_s(k, self.d.gpus) for k in range(self.d.gpus)]
         slowest = min(rate / (1 + self.links.active(k)) for k, rate in enumerate(rank_rates))
@@ -599,10 +601,13 @@ class EngineSim:
         end = 0.0
         for i in range(b):
             end = max(end, lands[i]) + c
-        waits = [r.decision.wait_s for r, _ in splits if r.decision and r.decision.wait_s]
-        wait = min(waits) if waits else math.inf
-        landed = [t for t in lands if t <= wait]
-        if len(landed) == b:
+        waits = {
+            id(r): r.decision.wait_s if r.decision and r.decision.wait_s else math.inf
+            for r, _ in splits
+        }
+        failed = {rid for rid, w in waits.items() if lands[-1] > w}
+        wait = min(waits.values())
+        if not failed:
             gaps = [q - p for p, q in itertools.pairwise(lands)]
             between = statistics.median(gaps) if gaps else 0.0
             for rank in range(self.d.gpus):
@@ -610,11 +615,17 @@ class EngineSim:
                 shared = band_bytes * (1 + self.links.active(rank))
                 scale = rank_rates[rank] / rank_rates[-1] if self.d.gpus > 1 else 1.0
                 self.split_rate.add(shared, first + x / scale, between / scale, b, rank)
-            return end, False
-        # the pass waited up to the wait for the band it lacked, then ran on
-        nbytes = band_bytes * (len(landed) + 1)
-        self.split_rate.add_bound(nbytes, wait, self.d.gpus - 1)
-        return wait + c * (b - len(landed)), True
+            return end, failed
+        # the shortest wait ran out: what had landed by then bounds the store (a worker's
+        # split that ends sends its bound); the pass waited for each band until it landed or
+        # every split had run out of its wait, then ran on
+        landed = [t for t in lands if t <= wait]
+        self.split_rate.add_bound(band_bytes * (len(landed) + 1), wait, self.d.gpus - 1)
+        longest = max(waits.values())
+        end = 0.0
+        for i in range(b):
+            end = max(end, min(lands[i], longest)) + c
+        return end, failed
 
     def _noise(self, spread: float) -> float:
         return 1 + spread * (2 * self.store_rng.random() - 1)
