@@ -61,7 +61,8 @@ import torch
 
 from datamover.paged import PagedKV
 from datamover.staging import StagingPool
-from kvstore import LookupBuffer, ValueHeader
+from kvstore import DeadlinePassedError, LookupBuffer, ValueHeader
+from kvstore.net.shards import result_by
 from kvstore.values.codec import frame_parts, plan_entries
 from kvstore.values.tensor_reads import HeadMiss
 
@@ -375,7 +376,7 @@ class BlockMover:
                 ids, part = list(block_ids[start : start + n]), hashes[start : start + n]
                 read = ahead.popleft() if ahead else None
                 chunk = self._read_ahead_or_now(
-                    read, _left(deadline), functools.partial(self._fetch, ids, part, deadline)
+                    read, deadline, functools.partial(self._fetch, ids, part, deadline)
                 )
                 try:
                     while (
@@ -400,18 +401,26 @@ class BlockMover:
     def _read_ahead_or_now(
         self,
         ahead: tuple[Future[T], torch.Tensor] | None,
-        timeout_s: float | None,
+        deadline: float,
         fetch: Callable[[torch.Tensor], T],
     ) -> T:
-        """What was read ahead (raising what it raised); or, with nothing read ahead (or its
-        executor shut down before it ran), ``fetch`` now into a staging buffer that comes
-        free within ``timeout_s`` (:class:`StagingBusyError` when none does)."""
+        """What was read ahead (raising what it raised; one still queued for the prefetch
+        threads at ``deadline`` never runs: ``DeadlinePassedError``); or, with nothing read
+        ahead (or its executor shut down before it ran), ``fetch`` now into a staging buffer
+        that comes free by ``deadline`` (:class:`StagingBusyError` when none does)."""
         if ahead is not None:
             fetched, spare = ahead
             try:
-                return fetched.result()
+                # (the prefetch threads are every load's: a load must not wait past its own
+                # deadline for another's reads to end -- a review)
+                return result_by(fetched, deadline)
             except CancelledError:
                 self._load_pool.release(spare)
+            except DeadlinePassedError:
+                if fetched.cancelled():  # (never ran: its staging is still ours)
+                    self._load_pool.release(spare)
+                raise
+        timeout_s = _left(deadline)
         buf = self._load_pool.acquire(timeout_s)
         if buf is None:
             raise StagingBusyError(
@@ -499,7 +508,7 @@ class BlockMover:
                     continue
                 read, ahead = ahead, None
                 piece = self._read_ahead_or_now(
-                    read, _left(deadline), functools.partial(self._fetch_piece, plan, spec)
+                    read, deadline, functools.partial(self._fetch_piece, plan, spec)
                 )
                 whole = plan.whole
                 plan.whole = []

@@ -10,7 +10,9 @@ the relay runs.
 
 ``lose_replies(b"FCALL", 1)`` makes a reply go missing after the server ran the command: the
 connection that next sends an FCALL is muted (the server gets its requests, the client gets
-no reply again and times out).
+no reply again and times out). ``hold_requests(b"GET", 0.6)`` holds the next request holding
+that text 0.6 s on its way to the server (a slow path, a retransmission); ``held_sent`` is set
+once it went on.
 """
 
 from __future__ import annotations
@@ -48,12 +50,27 @@ class DelayRelay:
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._lose: dict[bytes, int] = {}  # request text -> connections left to mute
+        self._hold: tuple[bytes, float] | None = None  # request text, seconds: the next one
+        self.held_sent = threading.Event()
 
     def lose_replies(self, request: bytes, connections: int = 1) -> None:
         """Mute the next ``connections`` connections whose request contains ``request``, from
         that request on (see the module docstring)."""
         with self._lock:
             self._lose[request] = self._lose.get(request, 0) + connections
+
+    def hold_requests(self, request: bytes, seconds: float) -> None:
+        """Hold the next request holding ``request`` ``seconds`` before the server gets it."""
+        with self._lock:
+            self._hold = (request, seconds)
+            self.held_sent.clear()
+
+    def _holds(self, data: bytes) -> float:
+        with self._lock:
+            if self._hold is None or self._hold[0] not in data:
+                return 0.0
+            seconds, self._hold = self._hold[1], None
+            return seconds
 
     def keep_replies(self) -> None:
         """Mute no more connections (those muted stay muted)."""
@@ -109,7 +126,12 @@ class DelayRelay:
             while data := src.recv(1 << 20):
                 if not muted.is_set() and self._mutes(data):
                     muted.set()
+                held = self._holds(data)
+                if held:
+                    time.sleep(held)
                 dst.sendall(data)
+                if held:
+                    self.held_sent.set()
         for sock in (src, dst):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

@@ -97,7 +97,7 @@ class Shards:
         error: BaseException | None = None
         for unit, outcome in zip(units, [None, *futures], strict=True):
             try:
-                got = run_unit(unit) if outcome is None else _result_by(outcome, deadline)
+                got = run_unit(unit) if outcome is None else result_by(outcome, deadline)
             except BaseException as exc:  # re-raised below, once every part has finished
                 error = error or exc
                 continue
@@ -153,7 +153,7 @@ class Shards:
                 return
 
 
-def _result_by(outcome: Future[T], deadline: float) -> T:
+def result_by(outcome: Future[T], deadline: float) -> T:
     """``outcome``'s result; one not started by ``deadline`` is cancelled (never runs), and one
     under way is waited for (its part ends by the deadline itself)."""
     if math.isinf(deadline):

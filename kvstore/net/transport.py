@@ -24,6 +24,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
+from kvstore.errors import StoreBusyError
 from kvstore.net.buffer_pool import BufferPool
 from kvstore.net.connection import close_client, error_code
 from kvstore.net.shards import REDIRECTED, Shards, is_redirect
@@ -278,10 +279,18 @@ class Transport:
         # connects one there, its handshake on the socket timeout alone -- not bounded here)
         if time.monotonic() >= deadline:
             raise deadline_passed("before connecting")
-        with self._pooled_connection(server) as conn:
+        with self._pooled_connection(server, deadline) as conn:
             conn.connect()
             sock = raw_socket(conn)
-            reader = ReplyReader(sock, deadline=deadline) if sock is not None else None
+            # a script's own reply is waited for as ever, past the deadline: a claim the caller
+            # stopped waiting for could still run after what it took was given back (a review:
+            # values left under claim keys); it refuses to run late by itself, within the reply
+            # timeout (``values/drop_select.py``). The values after it keep the deadline.
+            reader = (
+                ReplyReader(sock, deadline=math.inf if script is not None else deadline)
+                if sock is not None
+                else None
+            )
             sent = 0
             if script is not None:
                 sent = min(len(work), self._depth(value_bytes))
@@ -304,6 +313,8 @@ class Transport:
                     refused, reply_of_script = exc, None  # read the rest, then say so
                 assert script_reply is not None
                 script_reply.append(reply_of_script)
+                if reader is not None:
+                    reader.limit_to(deadline)
             for i, (index, _, dest) in enumerate(work):
                 upto = min(len(work), i + self._depth(value_bytes))  # replies kept in flight
                 if upto > sent:
@@ -360,12 +371,21 @@ class Transport:
         return max(READ_DEPTH, READ_BYTES_IN_FLIGHT // value_bytes) if value_bytes else READ_DEPTH
 
     @contextlib.contextmanager
-    def _pooled_connection(self, server: redis.Redis) -> Iterator[Any]:
+    def _pooled_connection(self, server: redis.Redis, deadline: float = math.inf) -> Iterator[Any]:
         """A connection of ``server``'s pool, for reading replies ourselves. If the body raises
         before every reply was read, the connection's place in the reply stream is lost: it is
-        dropped, not returned to the pool as it is."""
+        dropped, not returned to the pool as it is. The pool's wait for a free connection is
+        its own (the socket timeout); one that ends past ``deadline`` is the deadline's."""
         pool = server.connection_pool
-        conn = pool.get_connection()
+        try:
+            conn = pool.get_connection()
+        except StoreBusyError:
+            if time.monotonic() >= deadline:  # (a load past its deadline, not a short pool)
+                raise deadline_passed("waiting for a free connection") from None
+            raise
+        if time.monotonic() >= deadline:
+            pool.release(conn)
+            raise deadline_passed("waiting for a free connection")
         try:
             yield conn
         except BaseException:

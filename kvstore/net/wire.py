@@ -192,6 +192,10 @@ class ReplyReader:
         # the deadline and budget of the reply whose header the core just read
         self._native_at, self._native_budget = 0.0, 0.0
 
+    def limit_to(self, deadline: float) -> None:
+        """From now on no reply is waited for past ``deadline`` either."""
+        self._clock.cap = min(self._clock.cap, deadline)
+
     def read_bulk_into(self, dest: memoryview) -> int | Oversize | None:
         """Read one reply. A bulk string's bytes land in ``dest[:length]`` and its length is
         returned; a nil returns None; one longer than ``dest`` is drained (never allocated) and

@@ -149,3 +149,45 @@ def test_a_loads_deadline_runs_from_its_call_not_from_its_first_chunk(redis_url:
     with pytest.raises(DeadlinePassedError):
         next(chunks)
     assert staging_all_free(mover)
+
+
+@pytest.mark.redis
+def test_a_read_ahead_queued_behind_other_loads_ends_at_this_loads_deadline(
+    redis_url: str,
+) -> None:
+    """Found by a review: the prefetch threads are every load's, and a load waited for its
+    chunk read ahead there -- queued behind another load's reads -- without its deadline."""
+    client = redis.Redis.from_url(redis_url)
+    hashes = chain_hashes(list(range(2 * 16)), 16)
+    save_all(
+        BlockMover(caches("cpu"), store_on(client), max_inflight_bytes=16 << 20), [0, 1], hashes
+    )
+    release = threading.Event()
+    with ThreadPoolExecutor(1) as prefetch:
+        busy = prefetch.submit(release.wait, 30)  # another load's reads, for 30 s
+        loader = BlockMover(
+            caches("cpu", seed=None),
+            store_on(client),
+            max_inflight_bytes=16 << 20,
+            chunk_bytes=1,  # a block a chunk: the second is read ahead
+            prefetch=prefetch,
+        )
+        outcome: list[BaseException | None] = []
+
+        def load() -> None:
+            try:
+                for chunk in loader.receive([40, 41], hashes, timeout_s=0.3):
+                    chunk.copy_in()
+                outcome.append(None)
+            except BaseException as exc:  # the outcome under test
+                outcome.append(exc)
+
+        runner = threading.Thread(target=load)
+        runner.start()
+        runner.join(10)  # (the busy thread holds for 30 s)
+        ended = not runner.is_alive()
+        release.set()
+        busy.result(10)
+        runner.join(10)
+        assert ended and isinstance(outcome[0], DeadlinePassedError), outcome
+    assert staging_all_free(loader)

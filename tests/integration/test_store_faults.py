@@ -234,6 +234,57 @@ def test_a_consuming_read_past_its_deadline_gives_back_what_it_claimed(
     direct.close()
 
 
+def test_a_claim_that_reaches_the_server_after_the_deadline_strands_nothing(
+    private_redis: RedisServer,
+) -> None:
+    """Found by a review: a consuming read on one connection sends its claim and its GETs at
+    once; with the claim's own reply under the deadline, the caller gave back what the claim
+    had taken -- nothing yet -- and a claim held on its way ran afterwards, its values left
+    under claim keys. The claim's reply is waited for (it refuses to run late by itself); the
+    values after it keep the deadline."""
+    blocks = {h: filled_block(i) for i, h in enumerate(HASHES[:8])}
+    direct = LookupBuffer.from_url(private_redis.url, namespace="held")
+    direct.insert_many(list(blocks.items()))
+    with DelayRelay("127.0.0.1", private_redis.port, 0.0) as relay:
+        slow = LookupBuffer.from_url(relay.url, namespace="held")
+        rows = [torch.empty(1 << 20, dtype=torch.uint8) for _ in blocks]
+        absent = chain_hashes(list(range(1000, 1016)), 16)
+        slow.select_into(absent, rows[:1], consume=True)  # (its code loaded first)
+        relay.hold_requests(b"_claim", 0.6)  # the next claim, with its GETs
+        with pytest.raises(DeadlinePassedError):
+            slow.select_into(list(blocks), rows, consume=True, deadline=time.monotonic() + 0.2)
+        assert relay.held_sent.wait(10)  # the claim reached the server
+        assert slow.wait_given_back(30)
+        slow.close()
+    got = direct.select(list(blocks))
+    assert all(
+        g is not None and all(torch.equal(g[k], b[k]) for k in b)
+        for g, b in zip(got, blocks.values(), strict=True)
+    )
+    direct.close()
+
+
+def test_a_load_that_waited_past_its_deadline_for_a_connection_is_late_not_busy(
+    private_redis: RedisServer,
+) -> None:
+    """Found by a review: the pool's wait for a free connection ran out past the load's
+    deadline as StoreBusyError, which a load logs as a Redis failure, not as its expiry."""
+    address = parse_url(private_redis.url)
+    client = make_client(address, socket_timeout_s=0.2, max_connections=1)
+    buf = LookupBuffer(client, namespace="busy", control_client=client)
+    block = filled_block(0)
+    buf.insert(HASHES[0], block)
+    rows = [torch.empty(1 << 20, dtype=torch.uint8)]
+    held = client.connection_pool.get_connection()
+    try:
+        with pytest.raises(DeadlinePassedError, match="free connection"):
+            buf.select_into(HASHES[:1], rows, deadline=time.monotonic() + 0.05)
+    finally:
+        client.connection_pool.release(held)
+    assert buf.select_into(HASHES[:1], rows)[0] is not None
+    buf.close()
+
+
 @pytest.mark.parametrize("hang", ["sigstop", "client-pause"])
 def test_a_hung_server_costs_one_control_timeout_then_nothing(
     private_redis: RedisServer, hang: str
