@@ -247,7 +247,7 @@ class ReplyReader:
         started = time.monotonic()
         budget, cap = self._clock._base_s, self._clock.cap
         if started >= cap:  # (as the Python path: none begins past it)
-            raise self._clock.cap_error("before a reply")
+            raise deadline_passed("before a reply")
         kind, value, self._start, self._end, at = _core.read_bulk(
             self._fileno(), self._buf, self._start, self._end, dest, limit, drain_limit(limit),
             self._recv_timeout(), started + budget, float(MIN_BYTES_PER_S), _MAX_LINE, cap,
@@ -297,7 +297,7 @@ class ReplyReader:
     def _native_failure(self, kind: int, value: Any, budget_s: float) -> Exception:
         assert _core is not None
         if kind in (_core.TIMEOUT_RECV, _core.TIMEOUT_DEADLINE) and self._clock.cap_passed():
-            return self._clock.cap_error("reading a reply")
+            return deadline_passed("reading a reply")
         if kind == _core.TIMEOUT_RECV:
             return rex.TimeoutError("timed out reading a reply")
         if kind == _core.TIMEOUT_DEADLINE:
@@ -490,7 +490,7 @@ class _Deadline:
     def start(self, nbytes: int) -> None:
         """A reply (or send) begins: none does past ``cap``, even with its bytes at hand."""
         if self.cap_passed():
-            raise self.cap_error("before a reply")
+            raise deadline_passed("before a reply")
         self._budget_s = self._base_s + nbytes / MIN_BYTES_PER_S
         self._at = min(self.cap, time.monotonic() + self._budget_s)
 
@@ -501,10 +501,6 @@ class _Deadline:
 
     def cap_passed(self) -> bool:
         return time.monotonic() >= self.cap
-
-    @staticmethod
-    def cap_error(doing: str) -> DeadlinePassedError:
-        return deadline_passed(doing)
 
     def before_io(self, doing: str) -> None:
         """Raise if the deadline has passed; else bound the next socket call by it."""
@@ -517,7 +513,7 @@ class _Deadline:
 
     def timed_out(self, doing: str) -> rex.TimeoutError | DeadlinePassedError:
         if self.cap_passed():
-            return self.cap_error(doing)
+            return deadline_passed(doing)
         if not self._shortened and time.monotonic() < self._at:  # the socket's own timeout
             return rex.TimeoutError(f"timed out {doing}")
         return rex.TimeoutError(_stalled(doing, self._budget_s))
