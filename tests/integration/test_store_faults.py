@@ -202,6 +202,15 @@ def test_a_load_past_its_own_deadline_is_typed_and_not_the_server_down(
     buf.close()
 
 
+def all_stored(buf: LookupBuffer, blocks: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """Whether every one of ``blocks`` is under its key, as it was stored."""
+    got = buf.select(list(blocks))
+    return all(
+        g is not None and all(torch.equal(g[k], b[k]) for k in b)
+        for g, b in zip(got, blocks.values(), strict=True)
+    )
+
+
 @pytest.mark.parametrize("connections", [1, 2])
 def test_a_consuming_read_past_its_deadline_gives_back_what_it_claimed(
     private_redis: RedisServer, connections: int
@@ -226,11 +235,7 @@ def test_a_consuming_read_past_its_deadline_gives_back_what_it_claimed(
             )
         assert slow.wait_given_back(30)
         slow.close()
-    got = direct.select(list(blocks))
-    assert all(
-        g is not None and all(torch.equal(g[k], b[k]) for k in b)
-        for g, b in zip(got, blocks.values(), strict=True)
-    )
+    assert all_stored(direct, blocks)
     direct.close()
 
 
@@ -256,11 +261,7 @@ def test_a_claim_that_reaches_the_server_after_the_deadline_strands_nothing(
         assert relay.held_sent.wait(10)  # the claim reached the server
         assert slow.wait_given_back(30)
         slow.close()
-    got = direct.select(list(blocks))
-    assert all(
-        g is not None and all(torch.equal(g[k], b[k]) for k in b)
-        for g, b in zip(got, blocks.values(), strict=True)
-    )
+    assert all_stored(direct, blocks)
     direct.close()
 
 

@@ -29,6 +29,7 @@ from kvstore.net.wire import (
     pack_set,
     send_buffers,
 )
+from testing.scripted_server import ScriptedServer
 
 CORES = [
     WireCore.PYTHON,
@@ -618,53 +619,24 @@ def test_a_standalone_server_answering_moved_is_a_protocol_error_not_followed(
 class SlowRepliesServer:
     """A loopback server that answers every GET or GETRANGE with ``value``, whole, after
     ``every_s`` seconds: each reply well within its own deadline, a batch of them as long as
-    their number says. One connection at a time."""
+    their number says. One connection at a time (``ScriptedServer``)."""
 
     def __init__(self, value: bytes, every_s: float) -> None:
         self.reply = b"$%d\r\n%s\r\n" % (len(value), value)
         self.every_s = every_s
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.05)  # (closing a listener does not end its accept)
-        self.port = self.listener.getsockname()[1]
-        self.stopped = threading.Event()
         self.answered = 0
-        self.thread = threading.Thread(target=self._serve, name="slow-server", daemon=True)
-        self.thread.start()
+        self.server = ScriptedServer(self._answer)
+        self.port = self.server.port
 
-    def _serve(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.settimeout(0.05)
-            with conn, contextlib.suppress(OSError):  # (the client hung up)
-                buf = bytearray()
-                while not self.stopped.is_set():
-                    try:
-                        data = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    if not data:
-                        break
-                    buf += data
-                    for command in _commands(buf):
-                        name = command[0].upper()
-                        if name not in (b"GET", b"GETRANGE"):
-                            conn.sendall(_HANDSHAKE.get(name, b"+OK\r\n"))
-                            continue
-                        if self.stopped.wait(self.every_s):
-                            return
-                        conn.sendall(self.reply)
-                        self.answered += 1
+    def _answer(self, name: bytes) -> bytes:
+        if name not in (b"GET", b"GETRANGE"):
+            return _HANDSHAKE.get(name, b"+OK\r\n")
+        time.sleep(self.every_s)
+        self.answered += 1
+        return self.reply
 
     def close(self) -> None:
-        self.stopped.set()
-        self.listener.close()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
+        self.server.close()
 
 
 @pytest.fixture
