@@ -85,7 +85,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         return limit_refusal(exceeded)
 
     backends = Backends(cfg, prefill, decode, credentials_of, metrics, indexes)
-    completion_proxy = CompletionProxy(backends, guards, refusal, indexes, cfg.timeout_s)
+    completion_proxy = CompletionProxy(backends, guards, refusal, indexes)
     presence = PresenceQueries(cfg, backends, guards, refusal)
 
     @asynccontextmanager
@@ -104,6 +104,7 @@ def build_app(cfg: ProxyConfig) -> FastAPI:
         openapi_url=None,
     )  # fmt: skip
     app.state.pools = {"prefill": prefill, "decode": decode}
+    app.state.backends = backends
     app.state.guards = guards
 
     # inside ApiKeyGuard (added after it, so nearer the app): a caller without the key takes

@@ -12,9 +12,11 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response
 
@@ -32,6 +34,58 @@ _USERINFO_IN_TEXT = re.compile(r"(?<=://)[^/\s@]+@")
 # connection, usually one the server closed a moment ago. Worth one retry on a fresh one.
 _STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 _NO_AUTH = httpx.Auth()  # sends the request as it is
+# a backend's error answer is passed on, this much of it at most (vLLM's are a few hundred bytes)
+MAX_ERROR_BODY_BYTES = 64 * 1024
+# what the proxy's own questions (/health, the prober, /v1/models) may hold of connections: a
+# client of their own, so requests in flight never starve them (a review: at 512 streams
+# /health said every server was down)
+CONTROL_CONNECTIONS = 16
+# the longest a request waits for a free connection to a backend (seconds; at most half its
+# --timeout-s): with a connection per request allowed in flight, a wait means connections were
+# lost, and the client hears so rather than a timeout blamed on a server
+POOL_WAIT_S = 10.0
+# the decode servers' streams are relayed byte for byte (``aiter_raw``): a backend asked for
+# compressed bytes would send the client a stream it cannot read (no Content-Encoding is passed)
+_IDENTITY = {"Accept-Encoding": "identity"}
+
+
+class AnswerTooLarge(Exception):
+    """A backend's answer is longer than the proxy takes whole."""
+
+
+@dataclass
+class BackendAnswer:
+    """A backend's 200 answer: its response, its body (read whole for a request sent without
+    ``stream``; None for a stream, relayed as it comes) and its ``finish``."""
+
+    response: httpx.Response
+    body: bytes | None
+    finish: Callable[[], Awaitable[None]]
+
+
+async def read_at_most(resp: httpx.Response, limit: int) -> bytes:
+    """``resp``'s body; :class:`AnswerTooLarge` past ``limit`` bytes, read no further."""
+    declared = resp.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise AnswerTooLarge(f"{declared} bytes")
+    parts, size = [], 0
+    async for chunk in resp.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"more than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_head(resp: httpx.Response, limit: int) -> bytes:
+    """The first ``limit`` bytes of ``resp``'s body (an error answer: what is passed on)."""
+    parts, size = [], 0
+    async for chunk in resp.aiter_bytes():
+        parts.append(chunk[: limit - size])
+        size += len(parts[-1])
+        if size >= limit:
+            break
+    return b"".join(parts)
 
 
 def scrub_credentials(text: str) -> str:
@@ -109,9 +163,20 @@ class Backends:
         self._timeout_s = cfg.timeout_s
         self._connect_timeout_s = cfg.connect_timeout_s
         self._probe_interval_s = cfg.probe_interval_s
-        self._timeout = httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s)
+        # (a wait for a free connection is the proxy's own limit: it ends before the deadline,
+        # with its own error)
+        self._timeout = httpx.Timeout(
+            cfg.timeout_s, connect=cfg.connect_timeout_s, pool=min(cfg.timeout_s / 2, POOL_WAIT_S)
+        )
+        self._max_answer_bytes = cfg.max_answer_bytes
+        # a request holds one backend connection at a time (its prefill leg ends before its
+        # decode leg starts), so as many as requests may be in flight, and a few spare
+        self.connections = cfg.max_concurrent_requests + CONTROL_CONNECTIONS
         self._client: httpx.AsyncClient | None = None
+        self._control: httpx.AsyncClient | None = None
         self._prober: asyncio.Future[None] | None = None
+        # one /health round at a time: callers meanwhile share its answer (anyone may ask)
+        self._health_round: asyncio.Future[dict[str, dict[str, bool]]] | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -119,10 +184,24 @@ class Backends:
             raise RuntimeError("the proxy's HTTP client is not open (the app has not started)")
         return self._client
 
+    @property
+    def control(self) -> httpx.AsyncClient:
+        """The client of the proxy's own questions (/health, probes, /v1/models)."""
+        if self._control is None:
+            raise RuntimeError("the proxy's HTTP client is not open (the app has not started)")
+        return self._control
+
     def open(self) -> None:
-        """The HTTP client, and the prober of servers marked down (on the running loop)."""
+        """The HTTP clients, and the prober of servers marked down (on the running loop)."""
         self._client = httpx.AsyncClient(
-            timeout=self._timeout, limits=httpx.Limits(max_connections=512)
+            timeout=self._timeout,
+            limits=httpx.Limits(max_connections=self.connections),
+            headers=_IDENTITY,
+        )
+        self._control = httpx.AsyncClient(
+            timeout=self._timeout,
+            limits=httpx.Limits(max_connections=CONTROL_CONNECTIONS),
+            headers=_IDENTITY,
         )
         self._prober = asyncio.ensure_future(self.probe_down_servers())
 
@@ -131,8 +210,9 @@ class Backends:
             self._prober.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._prober
-        if self._client is not None:
-            await self._client.aclose()
+        for client in (self._client, self._control):
+            if client is not None:
+                await client.aclose()
 
     def auth(self, url: str) -> httpx.Auth:
         return self._credentials_of.get(url) or _NO_AUTH
@@ -161,7 +241,7 @@ class Backends:
             for pool in (self.prefill, self.decode):
                 for url in sorted(pool.down):
                     try:
-                        answer = await self.client.get(
+                        answer = await self.control.get(
                             url + "/health", timeout=self._connect_timeout_s, auth=self.auth(url)
                         )
                     except httpx.HTTPError:
@@ -180,15 +260,17 @@ class Backends:
         req_id: str,
         stream: bool,
         token_ids: list[int] | None = None,
-    ) -> tuple[httpx.Response, Callable[[], Awaitable[None]]]:
+    ) -> BackendAnswer:
         """POST to the first server of the pool that answers. A refused connection falls
         through to the next server; a pooled keep-alive connection the server had closed
         (no response at all) is retried once on a fresh one; a timeout or an HTTP error is
-        final. Returns the response and its ``finish``: the server counts as busy (for
-        least_loaded) until ``finish`` is awaited, which also closes the response -- after
-        the last byte of a stream. Whatever happens, cancellation included, the count is
-        given back exactly once."""
-        client = self.client
+        final. Without ``stream`` the whole answer comes within ``timeout_s`` (a server that
+        drips it byte by byte does not hold the request longer) and no longer than
+        ``max_answer_bytes``; a stream's headers come within ``timeout_s``, its bytes then
+        each within it. The server counts as busy (for least_loaded) until the answer's
+        ``finish`` is awaited, which also closes the response -- after the last byte of a
+        stream. Whatever happens, cancellation included, the count is given back exactly
+        once."""
         metrics = self._metrics
         try:  # once, whatever the retries (as httpx's json=, which this replaces)
             payload = json.dumps(body, ensure_ascii=False, separators=(",", ":"),
@@ -204,23 +286,13 @@ class Backends:
         for url in pool.order(token_ids):
             for attempt in (1, 2):
                 pool.in_flight[url] += 1
-                handed_off = False
+                answer: BackendAnswer | None = None
                 try:
-                    req = client.build_request("POST", url + path, content=payload,
-                                               headers=headers)  # fmt: skip
-                    resp = await client.send(req, stream=stream, auth=self.auth(url))
-                    if resp.status_code != 200:
-                        content = await resp.aread()
-                        await resp.aclose()
-                        metrics.count(pool.role, url, "answered")  # (its error passed on)
-                        raise BackendError(
-                            passthrough_error(resp.status_code, content, pool.role, url)
-                        )
-                    metrics.count(pool.role, url, "answered")
-                    handed_off = True
+                    with anyio.fail_after(self._timeout_s):
+                        answer = await self._post(pool, url, path, payload, headers, stream)
                     if url in pool.down:  # tried as a last resort, and it answered
                         self.mark_up(pool, url)
-                    return resp, _finisher(pool, url, resp)
+                    return answer
                 except _STALE_CONNECTION as exc:
                     metrics.count(pool.role, url, "failed")
                     last_error = (
@@ -235,13 +307,36 @@ class Backends:
                     last_error = f"{pool.role} server {url} is unreachable ({safe_repr(exc)})"
                     self.mark_down(pool, url, last_error)
                     break
-                except httpx.TimeoutException:
+                except httpx.PoolTimeout:
+                    # every connection is in use: the proxy's limit, not the server's fault
+                    raise BackendError(
+                        openai_error(
+                            503,
+                            f"the proxy had no free connection to the {pool.role} servers "
+                            f"({self.connections} in use); retry later, and report it: each "
+                            "request in flight has one",
+                            "proxy_busy",
+                        )
+                    ) from None
+                except (httpx.TimeoutException, TimeoutError):
                     metrics.count(pool.role, url, "failed")
+                    what = "its answer" if stream else "its whole answer"
                     raise BackendError(
                         openai_error(
                             504,
-                            f"{pool.role} server {url} timed out after {self._timeout_s}s",
+                            f"{pool.role} server {url} timed out: {what} did not come within "
+                            f"{self._timeout_s}s",
                             "timeout",
+                        )
+                    ) from None
+                except AnswerTooLarge as exc:
+                    metrics.count(pool.role, url, "failed")
+                    raise BackendError(
+                        openai_error(
+                            502,
+                            f"{pool.role} server {url} answered with {exc}, over the proxy's "
+                            f"--max-answer-bytes ({self._max_answer_bytes})",
+                            "backend_error",
                         )
                     ) from None
                 except httpx.HTTPError as exc:
@@ -254,13 +349,33 @@ class Backends:
                         )
                     ) from None
                 finally:
-                    if not handed_off:
+                    if answer is None:
                         pool.in_flight[url] -= 1
         raise BackendError(
             openai_error(
                 502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
             )
         )
+
+    async def _post(
+        self, pool: Pool, url: str, path: str, payload: bytes, headers: dict, stream: bool
+    ) -> BackendAnswer:
+        """One POST of ``send``'s: its 200 answer (the response closed on any way out but
+        that one), or BackendError with the server's own error answer."""
+        client = self.client
+        req = client.build_request("POST", url + path, content=payload, headers=headers)
+        resp = await client.send(req, stream=True, auth=self.auth(url))
+        try:
+            if resp.status_code != 200:
+                content = await read_head(resp, MAX_ERROR_BODY_BYTES)
+                self._metrics.count(pool.role, url, "answered")  # (its error passed on)
+                raise BackendError(passthrough_error(resp.status_code, content, pool.role, url))
+            body = None if stream else await read_at_most(resp, self._max_answer_bytes)
+        except BaseException:
+            await resp.aclose()  # (httpcore shields its close)
+            raise
+        self._metrics.count(pool.role, url, "answered")
+        return BackendAnswer(resp, body, _finisher(pool, url, resp))
 
     async def relay(
         self, resp: httpx.Response, finish: Callable[[], Awaitable[None]], url: str
@@ -286,25 +401,45 @@ class Backends:
         finally:
             await finish()
 
+    async def _get_whole(
+        self,
+        client: httpx.AsyncClient,
+        method: str,
+        url: str,
+        path: str,
+        timeout: float,
+        **kw: Any,
+    ) -> tuple[int, bytes]:
+        """(status, body) of one request the proxy asks on its own: the whole answer within
+        ``timeout`` and ``max_answer_bytes`` (an error answer: its head). Raises httpx's errors,
+        TimeoutError and :class:`AnswerTooLarge`."""
+        with anyio.fail_after(timeout):
+            auth = self.auth(url)
+            async with client.stream(method, url + path, timeout=timeout, auth=auth, **kw) as r:
+                if r.status_code != 200:
+                    return r.status_code, await read_head(r, MAX_ERROR_BODY_BYTES)
+                return 200, await read_at_most(r, self._max_answer_bytes)
+
     async def tokenize(self, payload: dict[str, Any]) -> list[int] | Response:
         """A decode server's ``/tokenize`` of ``payload``: the token ids, or the error answer."""
         role = self.decode.role
         for url in self.decode.order():
             try:
-                r = await self.client.post(url + "/tokenize", json=payload, timeout=30,
-                                           auth=self.auth(url))  # fmt: skip
-            except httpx.HTTPError:
+                status, content = await self._get_whole(
+                    self.client, "POST", url, "/tokenize", 30, json=payload
+                )
+            except (httpx.HTTPError, TimeoutError, AnswerTooLarge):
                 continue
-            if r.status_code == 200:
+            if status == 200:
                 try:
-                    tokens = json.loads(r.content, parse_constant=refuse_constant).get("tokens")
+                    tokens = json.loads(content, parse_constant=refuse_constant).get("tokens")
                 except (ValueError, AttributeError, RecursionError):  # not JSON, not an object
                     tokens = None
                 if valid_token_ids(tokens):
                     return tokens
                 return openai_error(502, f"{role} server {url} answered /tokenize oddly",
                                     "backend_error")  # fmt: skip
-            return passthrough_error(r.status_code, r.content, role, url)
+            return passthrough_error(status, content, role, url)
         return openai_error(502, f"no {role} server available to tokenize", "backend_unavailable")
 
     async def models(self) -> Response:
@@ -312,21 +447,29 @@ class Backends:
         role = self.decode.role
         for url in self.decode.order():
             try:
-                r = await self.client.get(url + "/v1/models", timeout=10, auth=self.auth(url))
-            except httpx.HTTPError:
+                status, content = await self._get_whole(self.control, "GET", url, "/v1/models", 10)
+            except (httpx.HTTPError, TimeoutError, AnswerTooLarge):
                 continue
-            if r.status_code != 200:
-                return passthrough_error(r.status_code, r.content, role, url)
-            return Response(r.content, status_code=200, media_type="application/json")
+            if status != 200:
+                return passthrough_error(status, content, role, url)
+            return Response(content, status_code=200, media_type="application/json")
         return openai_error(502, f"no {role} server available", "backend_unavailable")
 
     async def health(self, show_servers: bool) -> JSONResponse:
         """Each server asked for /health now: up and down counts per role, 503 when a role has
-        none up; with ``show_servers``, each server's URL and state too."""
+        none up; with ``show_servers``, each server's URL and state too. Callers while a round
+        of questions is out share its answer: anyone may ask for /health, as often as they
+        like, and the servers are asked once a round."""
+        shared = self._health_round
+        if shared is None or shared.done():
+            shared = self._health_round = asyncio.ensure_future(self._ask_health())
+        results = await asyncio.shield(shared)
+        return self._health_answer(results, show_servers)
 
+    async def _ask_health(self) -> dict[str, dict[str, bool]]:
         async def answers(url: str) -> bool:
             try:
-                r = await self.client.get(url + "/health", timeout=3, auth=self.auth(url))
+                r = await self.control.get(url + "/health", timeout=3, auth=self.auth(url))
                 return r.status_code == 200
             except httpx.HTTPError:
                 return False
@@ -337,10 +480,15 @@ class Backends:
             if prefill.urls
             else {"pool": decode.urls}
         )
-        results = {
+        return {
             role: dict(zip(urls, await asyncio.gather(*(answers(u) for u in urls)), strict=True))
             for role, urls in pools.items()
         }
+
+    def _health_answer(
+        self, results: dict[str, dict[str, bool]], show_servers: bool
+    ) -> JSONResponse:
+        prefill, decode = self.prefill, self.decode
         ok = all(any(r.values()) for r in results.values())
         doc: dict[str, Any] = {"status": "ok" if ok else "degraded"}
         pool_of = {"prefill": prefill, "decode": decode, "pool": decode}

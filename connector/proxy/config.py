@@ -16,6 +16,9 @@ from connector.proxy.guards import (
 # A 1M-token prompt sent as token ids is ~7 MiB of JSON, a few base64 images some MiB more;
 # prompt_embeds or many images need more (raise --max-body-bytes).
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# the most of a backend's answer the proxy reads whole (a prefill answer, a decode answer
+# without stream, /tokenize): bounded, since each request in flight may hold one
+DEFAULT_MAX_ANSWER_BYTES = 64 * 1024 * 1024
 DEFAULT_KV_PRESENCE_MAX_TOKENS = 131072
 DEFAULT_KV_PRESENCE_RATE = 10.0  # per client address, per second
 DEFAULT_KV_PRESENCE_BURST = 20
@@ -37,6 +40,7 @@ class ProxyConfig:
     api_key: str | None = field(default=None, repr=False)
     kv_api_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
     # what clients' requests may hold at once, and for how long (``guards.py``); None: the
     # budget of body bytes is DEFAULT_IN_FLIGHT_BODIES bodies of max_body_bytes
     max_in_flight_body_bytes: int | None = None

@@ -52,6 +52,7 @@ from connector.proxy.config import (
     DEFAULT_KV_PRESENCE_BURST,
     DEFAULT_KV_PRESENCE_MAX_TOKENS,
     DEFAULT_KV_PRESENCE_RATE,
+    DEFAULT_MAX_ANSWER_BYTES,
     DEFAULT_MAX_BODY_BYTES,
     ProxyConfig,
 )
@@ -135,7 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         help="cache_aware: a server's KV-event publisher, e.g. "
         "http://127.0.0.1:8200=tcp://127.0.0.1:5557 (vLLM's --kv-events-config endpoint)",
     )
-    ap.add_argument("--timeout-s", type=float, default=600.0)
+    ap.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="seconds a backend has for a whole answer (a prefill's, one without stream) or "
+        "for a stream's headers and then for each of its reads; past it the client gets 504 "
+        "(default %(default)s)",
+    )
     ap.add_argument("--log-level", default="info")
     ap.add_argument("--redis-url", help="the store, for POST /kv/presence")
     ap.add_argument(
@@ -156,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are refused with 413, unread (default %(default)s: 16 MiB)",
+    )
+    ap.add_argument(
+        "--max-answer-bytes",
+        type=int,
+        default=DEFAULT_MAX_ANSWER_BYTES,
+        help="a backend answer the proxy reads whole (prefill, no stream, /tokenize) may be "
+        "this long, else the client gets 502 (default %(default)s: 64 MiB)",
     )
     ap.add_argument(
         "--max-in-flight-body-bytes",
@@ -230,8 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--pool servers answer requests whole: give either --pool or --prefill/--decode")
     if not args.pool and not (args.prefill and args.decode):
         ap.error("give --prefill and --decode servers (disaggregated), or --pool servers")
-    if args.max_body_bytes < 1 or args.kv_presence_max_tokens < 1 or args.kv_presence_burst < 1:
-        ap.error("--max-body-bytes, --kv-presence-max-tokens and --kv-presence-burst must be >= 1")
+    if min(args.max_body_bytes, args.max_answer_bytes, args.kv_presence_max_tokens,
+           args.kv_presence_burst) < 1:  # fmt: skip
+        ap.error(
+            "--max-body-bytes, --max-answer-bytes, --kv-presence-max-tokens and "
+            "--kv-presence-burst must be >= 1"
+        )
+    if args.timeout_s <= 0:
+        ap.error("--timeout-s must be > 0")
     if args.kv_presence_rate < 0:
         ap.error("--kv-presence-rate must be >= 0 (0: no limit)")
     logging.basicConfig(
@@ -256,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         kv_api_key=kv_api_key,
         max_body_bytes=args.max_body_bytes,
+        max_answer_bytes=args.max_answer_bytes,
         enable_kv_presence=args.enable_kv_presence,
         kv_presence_rate=args.kv_presence_rate,
         kv_presence_burst=args.kv_presence_burst,
