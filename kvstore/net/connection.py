@@ -526,6 +526,23 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
             sentinel_kwargs[key] = kwargs[key]
     max_connections = kwargs.pop("max_connections")
     sentinel = Sentinel(list(address.nodes), sentinel_kwargs=sentinel_kwargs, **kwargs)
+    # the sentinels' own connections, as bounded as the master's: redis-py makes them with its
+    # own parser (a 300 MiB reply was read whole, then crashed untyped) and its default retry
+    # (three more tries with backoff on a timeout: a hung sentinel cost 30 socket timeouts).
+    # Redis() takes no connection class, so their clients are made here on our pools
+    sentinel.sentinels = [
+        redis.Redis(
+            connection_pool=redis.ConnectionPool(
+                host=host,
+                port=port,
+                connection_class=BoundedSSLConnection if ssl else BoundedConnection,
+                parser_class=BoundedHiredisParser,
+                retry=kwargs["retry"],
+                **{k: v for k, v in sentinel_kwargs.items() if k != "ssl"},
+            )
+        )
+        for host, port in address.nodes
+    ]
     pool = SentinelConnectionPool(
         address.service, sentinel, max_connections=max_connections, **kwargs
     )

@@ -15,7 +15,7 @@ import pytest
 import redis
 import redis.exceptions as rex
 
-from kvstore.errors import StoreCommandError, StoreTimeoutError
+from kvstore.errors import StoreCommandError, StoreTimeoutError, StoreUnavailableError
 from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES, BoundedConnection
 from kvstore.net.connection import make_client, parse_url, translated_errors
 from testing.redis_server import RedisServer, SentinelServer
@@ -238,3 +238,48 @@ def test_a_sentinel_client_never_reads_the_rest_of_a_refused_reply_as_the_next_o
         finally:
             client.close()
         assert not wrong, wrong
+
+
+def _never(conn: socket.socket) -> None:
+    """No reply at all (the client gives up; its hang-up ends the wait)."""
+    with contextlib.suppress(OSError):
+        conn.recv(1)
+
+
+def test_a_sentinels_huge_reply_costs_bounded_memory_and_fails_typed(serve: object) -> None:
+    """The sentinels' connections were redis-py's own, unbounded: a 300 MiB reply to the
+    master's address was read whole (888 MiB peak) and then crashed untyped (a review)."""
+    sentinel = serve(  # type: ignore[operator]
+        lambda name: HELLO if name == b"HELLO" else _huge_generation
+    )
+    address = parse_url(f"redis-sentinel://127.0.0.1:{sentinel.port}/kvs")
+    client = make_client(address, socket_timeout_s=5.0)
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreCommandError), translated_errors(address.safe_url, "GET"):
+            client.get("kv:vllm:generation")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        client.close()
+    assert peak < 3 * MAX_CONTROL_REPLY_BYTES, f"peak {peak >> 20} MiB"
+
+
+def test_a_hung_sentinel_is_asked_twice_at_most_not_retried_with_backoff(serve: object) -> None:
+    """redis-py's default retry (three more tries, with backoff) made a sentinel that never
+    answers cost 30 s at a 1 s socket timeout (a review)."""
+    asked: list[bytes] = []
+
+    def answer(name: bytes) -> object:
+        asked.append(name)
+        return _never
+
+    sentinel = serve(answer)  # type: ignore[operator]
+    address = parse_url(f"redis-sentinel://127.0.0.1:{sentinel.port}/kvs")
+    client = make_client(address, socket_timeout_s=0.5, connect_timeout_s=0.5)
+    try:
+        with pytest.raises(StoreUnavailableError), translated_errors(address.safe_url, "GET"):
+            client.get("kv:vllm:generation")
+    finally:
+        client.close()
+    assert len(asked) <= 2, asked  # (one immediate retry of a broken connection)
