@@ -63,7 +63,16 @@ _URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_
 # a "password=" query value ends where one of these parameters begins ("&name="), else at the
 # URL's end: a raw "&" or "#" in the password must not leave its tail in a log
 _QUERY_NAMES = (*_TLS_QUERY, *_URL_PARTS, *redis.connection.URL_QUERY_ARGUMENT_PARSERS)
-_QUERY_PASSWORD = re.compile(r"[?&;]password=", re.IGNORECASE)
+# (each letter as written or percent-encoded: redis-py decodes parameter names, so
+# "?pass%77ord=" sets the password too)
+_QUERY_PASSWORD = re.compile(
+    "[?&;]"
+    + "".join(f"(?:{c}|%{ord(c):02x}|%{ord(c.upper()):02x})" for c in "password")
+    + "=",
+    re.IGNORECASE,
+)
+# the query parameters whose values are shown (the others' may be tokens)
+_SHOWN_QUERY_VALUES = frozenset(n.lower() for n in _QUERY_NAMES) - {"password"}
 _NEXT_QUERY_NAME = re.compile(
     "&(?:" + "|".join(re.escape(n) for n in sorted(set(_QUERY_NAMES))) + ")=", re.IGNORECASE
 )
@@ -149,11 +158,23 @@ def _redacted(url: str) -> tuple[str, list[str]]:
         colon = userinfo.find(":")
         if colon >= 0:  # the user name is kept: ACL errors name it
             spans.append((base + colon + 1, base + len(userinfo)))
-        elif not sep:  # no scheme: no telling a user name from a password
+        else:  # a lone user name may be a password (redis://TOKEN@host, as Lettuce reads it)
             spans.append((base, base + len(userinfo)))
     for m in _QUERY_PASSWORD.finditer(url, base):
         following = _NEXT_QUERY_NAME.search(url, m.end())
         spans.append((m.end(), following.start() if following else len(url)))
+    # any other parameter's value but the known ones' (``?token=``), and the fragment
+    after = base + len(userinfo) + len(at)
+    query_at, fragment_at = url.find("?", after), url.find("#", after)
+    if fragment_at >= 0:
+        spans.append((fragment_at + 1, len(url)))
+    if query_at >= 0 and (fragment_at < 0 or query_at < fragment_at):
+        start = query_at + 1
+        for pair in re.split("[&;]", url[start : fragment_at if fragment_at >= 0 else None]):
+            name, eq, value = pair.partition("=")
+            if eq and value and unquote(name).lower() not in _SHOWN_QUERY_VALUES:
+                spans.append((start + len(name) + 1, start + len(pair)))
+            start += len(pair) + 1
     merged: list[list[int]] = []
     for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:  # overlapping: their union is masked

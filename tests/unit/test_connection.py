@@ -230,3 +230,33 @@ def test_sentinels_and_the_master_get_the_same_tls_settings(verify: str) -> None
             "/client.pem",
             "/client.key",
         )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://pwA1pwB2@h:6379/0",  # a lone user name: Lettuce's password-only form
+        "redis-sentinel://pwA1pwB2@h1:1/svc",
+        "redis-cluster://pwA1pwB2@h1:1",
+        "redis://h:6379/0?pass%77ord=pwA1pwB2",  # redis-py decodes parameter names
+        "redis://h:6379/0?%50ASSWORD=pwA1pwB2&db=1",
+        "redis://h:6379/0?token=pwA1pwB2",  # not a parameter of ours: refused, value unshown
+        "redis://alice:pw@h:6379/0#pwA1pwB2",
+    ],
+)
+def test_what_may_be_a_secret_is_never_shown_in_any_form(url: str) -> None:
+    """Found by a review: each of these printed pwA1pwB2 in every CLI message, log line and
+    repr (``safe_url`` masked only a ``user:password`` and a literal ``password=``)."""
+    shown = [redact_url(url)]
+    try:
+        a = parse_url(url)
+    except InvalidURLError as exc:
+        shown.append(str(exc))
+    else:
+        shown += [repr(a), a.safe_url]
+    assert not any("pwA1pwB2" in text for text in shown), shown
+
+
+def test_the_values_of_known_options_and_a_user_with_a_password_are_still_shown() -> None:
+    a = parse_url("rediss://alice:pw@h:6379/2?tls_ca_file=/ca.pem&tls_verify=false")
+    assert a.safe_url == "rediss://alice:***@h:6379/2?tls_ca_file=/ca.pem&tls_verify=false"
