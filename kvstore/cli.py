@@ -55,6 +55,7 @@ from kvstore.net.connection import (
     parse_url,
     translated_errors,
 )
+from kvstore.net.key_scan import scan_keys
 from kvstore.text import printable as _printable
 from kvstore.text import shown as _shown
 from kvstore.values.keys import DEFAULT_KEY_PREFIX, ParsedKey, generation_key, parse_key
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
 
     from kvstore.values.codec import ValueHeader
 
-_SCAN_COUNT = 1000
+_SCAN_COUNT = 1000  # keys per pipeline of reads (SCAN pages: key_scan.SCAN_COUNT)
 
 
 class ExitStatus(IntEnum):
@@ -127,8 +128,7 @@ def _scan(client: redis.Redis, pattern: str) -> Iterator[tuple[str, bytes]]:
     """Keys as (name to show and parse, the key's own bytes to send back). A key need not be
     UTF-8: its other bytes are shown as ``\\xNN`` and it is addressed by its bytes."""
     # a pattern from the command line may hold bytes that were not UTF-8: sent as they were
-    for key in client.scan_iter(match=os.fsencode(pattern), count=_SCAN_COUNT):
-        raw = key if isinstance(key, bytes) else str(key).encode()
+    for raw in scan_keys(client, os.fsencode(pattern)):
         yield raw.decode(errors="backslashreplace"), raw
 
 

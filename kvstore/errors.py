@@ -62,6 +62,11 @@ class StoreCommandError(KVStoreError, RuntimeError):
     """The server answered a command with an error, or sent a reply that could not be parsed."""
 
 
+class StoreReplyTooLargeError(StoreCommandError):
+    """A control reply (not a value) was over kvstore's bound on them; its connection was
+    dropped. A SCAN page of planted long key names, or a URL that names another service."""
+
+
 class StoreOutOfMemoryError(StoreCommandError):
     """The server refused a write because it reached ``maxmemory`` (OOM)."""
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES
 from kvstore.net.connection import error_code
+from kvstore.net.key_scan import scan_keys
 from kvstore.values.keys import BLOCK_NAME_RE, NAME_RE
 
 if TYPE_CHECKING:
     from kvstore.lookup_buffer import BlockInfo, LookupBuffer
 
 RECORD_EXTRA_TTL_MS = 60_000
-_SCAN_COUNT = 1000
 
 
 @dataclass
@@ -193,7 +193,7 @@ def read_records(
     def scan() -> list[tuple[bytes, Any]]:
         """(key, what it holds): its bytes (a record's at most, plus one), an int (its size,
         too large to read), an exception (another type), or None (gone since SCAN)."""
-        keys = [_as_bytes(k) for k in buf.client.scan_iter(match=pattern, count=_SCAN_COUNT)]
+        keys = list(scan_keys(buf.client, pattern))
         if not keys:
             return []
         pipe = buf.client.pipeline(transaction=False)

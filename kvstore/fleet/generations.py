@@ -33,13 +33,14 @@ from typing import Any
 
 from kvstore.errors import KVStoreError, StorePermissionError
 from kvstore.net.guard import Guard
+from kvstore.net.key_scan import scan_keys
 from kvstore.net.server_code import ServerCode, ServerScript
 from kvstore.net.transport import Transport
 from kvstore.values.keys import KeySpace, parse_key
 
 logger = logging.getLogger("kvstore")
 
-SWEEP_BATCH = 1000  # keys per SCAN page and per UNLINK
+SWEEP_BATCH = 1000  # keys per UNLINK
 
 MAX_GENERATION = 2**53
 _MAX_DIGITS = str(MAX_GENERATION).encode()  # 16 digits
@@ -283,15 +284,16 @@ class Generations:
 
     def sweep(self, below: int, stop: Callable[[], bool] = lambda: False) -> int:
         """UNLINK this namespace's blocks (and claimed blocks) of generations before ``below``,
-        every fingerprint's, a SCAN page at a time; stops early when ``stop()`` says so.
-        Returns how many keys it unlinked."""
+        every fingerprint's, a SCAN page at a time (``key_scan``); stops early when ``stop()``
+        says so. Returns how many keys it unlinked."""
         pattern = self._keys.namespace_pattern()
         prefix = self._keys.prefix
         unlinked = 0
         batch: list[str] = []
-        scan = self._transport.control.scan_iter(match=pattern, count=SWEEP_BATCH)
-        for raw in scan:
-            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+        # each page through the guard (typed errors, the breaker); a key that is not UTF-8 is
+        # none of kvstore's (a planted one stopped every sweep of its namespace: a review)
+        for raw in scan_keys(self._transport.control, pattern, call=self._guard.call):
+            key = raw.decode(errors="backslashreplace")
             parsed = parse_key(key, prefix)
             if parsed and parsed.kind in ("block", "claim") and parsed.generation < below:
                 batch.append(key)

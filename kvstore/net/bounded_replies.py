@@ -33,6 +33,11 @@ MAX_CONTROL_REPLY_BYTES = 4 << 20
 _NO_TIMEOUT_S = 60.0  # a reply's base budget on a socket without a timeout
 
 
+class ReplyTooLarge(rex.InvalidResponse):
+    """A control reply over ``MAX_CONTROL_REPLY_BYTES``: its connection was dropped. (An
+    ``InvalidResponse``, so redis-py and ``translated_errors`` take it as they did.)"""
+
+
 class BoundedHiredisParser(_HiredisParser):
     """redis-py's hiredis parser, with a reply's size and time bounded (module docstring).
 
@@ -94,7 +99,7 @@ class BoundedHiredisParser(_HiredisParser):
         self._received += max(0, int(reader.len()) - before)
         if self._received > self.max_reply_bytes:
             raise self._broken(
-                rex.InvalidResponse(
+                ReplyTooLarge(
                     f"a reply of over {self.max_reply_bytes} bytes where kvstore reads small "
                     "control replies: not what a Redis server of kvstore's sends, so the "
                     "connection is dropped; check that the URL names the right server"

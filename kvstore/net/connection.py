@@ -42,6 +42,7 @@ from kvstore.errors import (
     StoreCommandError,
     StoreOutOfMemoryError,
     StorePermissionError,
+    StoreReplyTooLargeError,
     StoreTimeoutError,
     StoreTopologyError,
     StoreUnavailableError,
@@ -51,6 +52,7 @@ from kvstore.net.bounded_replies import (
     BoundedHiredisParser,
     BoundedSSLConnection,
     BoundedUnixConnection,
+    ReplyTooLarge,
 )
 from kvstore.values.keys import DEFAULT_KEY_PREFIX, NAME_RE
 
@@ -66,9 +68,7 @@ _QUERY_NAMES = (*_TLS_QUERY, *_URL_PARTS, *redis.connection.URL_QUERY_ARGUMENT_P
 # (each letter as written or percent-encoded: redis-py decodes parameter names, so
 # "?pass%77ord=" sets the password too)
 _QUERY_PASSWORD = re.compile(
-    "[?&;]"
-    + "".join(f"(?:{c}|%{ord(c):02x}|%{ord(c.upper()):02x})" for c in "password")
-    + "=",
+    "[?&;]" + "".join(f"(?:{c}|%{ord(c):02x}|%{ord(c.upper()):02x})" for c in "password") + "=",
     re.IGNORECASE,
 )
 # the query parameters whose values are shown (the others' may be tokens)
@@ -650,6 +650,8 @@ def translated_errors(
             f"cannot reach {safe_url} ({_strip(exc)}): check that the server runs and the "
             "host, port, socket path and TLS settings are right"
         ) from None
+    except ReplyTooLarge as exc:
+        raise StoreReplyTooLargeError(f"{safe_url}: {_strip(exc)}") from None
     except rex.RedisError as exc:  # InvalidResponse, DataError, ...: a reply we cannot use
         raise StoreCommandError(
             f"{safe_url}: {type(exc).__name__}: {_strip(exc)} (a protocol or client error; "

@@ -301,3 +301,36 @@ def test_a_signed_namespace_never_reads_a_missing_counter_as_generation_0(
     with LookupBuffer.from_url(private_redis.url, namespace="open", fingerprint="fp") as plain:
         plain.insert("h1", value())
         assert plain.survey([["h1"]]).presences == [[True]] and plain.generation == 0
+
+
+@pytest.mark.redis
+def test_planted_key_names_neither_stop_a_sweep_nor_the_cli_and_one_too_long_is_typed(
+    private_redis: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A writer of the namespace chooses its key names (a review): 600 names of 8 KiB made
+    every SCAN page of 1,000 a reply over the 4 MiB bound on control replies, and one name
+    that is not UTF-8 stopped every sweep of its namespace -- the reset bumped the generation
+    and left every old block behind. Pages shrink to fit; a name the bound cannot hold at all
+    stops the walk with a typed error saying how to remove it."""
+    import kvstore.cli
+    from kvstore.errors import StoreReplyTooLargeError
+
+    admin = redis.Redis.from_url(private_redis.url)
+    with LookupBuffer.from_url(private_redis.url, namespace="ns", fingerprint="fp") as buf:
+        buf.insert_many([(f"h{i}", value()) for i in range(5)])
+        pipe = admin.pipeline(transaction=False)
+        for i in range(600):
+            pipe.set(f"kv:ns:fp:{i:04d}" + "x" * (8 << 10), b"planted")
+        pipe.set(b"kv:ns:fp:\xff\xfe", b"planted")
+        pipe.execute()
+        assert kvstore.cli.main(["--url", private_redis.url, "ls"]) == 0
+        assert "ns" in capsys.readouterr().out
+        buf.reset()
+        buf.sweep()  # (the long names look like old blocks of the namespace: swept too)
+        left = admin.keys("kv:ns:fp:*")
+        assert left == [b"kv:ns:fp:\xff\xfe"]  # every old block gone; that one is not ours
+        admin.set(b"kv:ns:fp:" + b"y" * (5 << 20), b"planted")  # one name over the bound
+        with pytest.raises(StoreReplyTooLargeError, match="UNLINK it"):
+            buf.sweep()
+    assert kvstore.cli.main(["--url", private_redis.url, "ls"]) == 2
+    assert "UNLINK it" in capsys.readouterr().err
