@@ -11,6 +11,7 @@ from connector.cpu_cores import usable_cores
 from connector.load_policy import LoadPolicy
 from connector.save_policy import SavePolicy
 from kvstore import InvalidArgumentError, parse_url
+from kvstore.net.connection import MAX_TIMEOUT_S
 from kvstore.net.server_code import ScriptMode
 from kvstore.values.value_auth import check_epoch, load_secret
 
@@ -37,6 +38,10 @@ _AT_LEAST_ONE = (
     "breaker_failures",
     "store_tp_size",
 )
+
+
+# the socket timeouts (``kvstore.net.connection.check_timeouts`` holds every client to them)
+_TIMEOUTS = ("socket_timeout_s", "control_timeout_s", "connect_timeout_s")
 
 
 def _number(key: str, value: Any, *, whole: bool) -> int | float:
@@ -276,6 +281,11 @@ class RedisConnectorConfig:
                     raise InvalidArgumentError(f"{key} must be >= {least}, got {extra[key]}")
             elif kind == "bool" and not isinstance(extra[key], bool):
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
+        for key in _TIMEOUTS:  # each bounds a wait on Redis: above 0, at most an hour
+            if key in extra and not 0 < extra[key] <= MAX_TIMEOUT_S:
+                raise InvalidArgumentError(
+                    f"{key} must be above 0 and at most {MAX_TIMEOUT_S:g} seconds, got {extra[key]}"
+                )
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
         given = {name: extra.pop(key) for key, name in _DEADLINE_SETTINGS.items() if key in extra}

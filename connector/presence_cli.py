@@ -55,7 +55,9 @@ def present(
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="vllm-redis-presence", description=__doc__.splitlines()[0] if __doc__ else None
+        prog="vllm-redis-presence",
+        # the docstring's first paragraph (its first line ended mid-sentence)
+        description=" ".join(__doc__.split("\n\n")[0].split()) if __doc__ else None,
     )
     ap.add_argument(
         "--url",

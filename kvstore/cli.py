@@ -663,7 +663,9 @@ def main(argv: list[str] | None = None) -> int:
     # --json is accepted before or after the subcommand
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(
+        dest="cmd", required=True, metavar="{ls,inspect,stats,flush,reset,functions}"
+    )
     p_ls = sub.add_parser("ls", parents=[common], help="cached prefixes by namespace/fingerprint")
     p_ls.add_argument("--namespace")
     p_in = sub.add_parser(
@@ -716,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     p_fn.add_argument("action", choices=["load", "show"])
     p_fn.add_argument("--replace", action="store_true", help="replace a library of this version")
     # moved to vllm-redis-presence: whatever follows is taken, and the user told where it went
-    p_moved = sub.add_parser("present", add_help=False, prefix_chars="\0", help=argparse.SUPPRESS)
+    # (no help=: a subcommand's help=SUPPRESS is listed as "==SUPPRESS==", and the metavar
+    # above names only the others)
+    p_moved = sub.add_parser("present", add_help=False, prefix_chars="\0")
     p_moved.add_argument("rest", nargs="*")
     args = ap.parse_args(argv)
     if args.cmd == "present":

@@ -79,7 +79,13 @@ from kvstore.fleet.generations import Generations
 from kvstore.fleet.handoff import Claim, HandoffRecords, HandoffState
 from kvstore.fleet.inventory import BlockInfo, Inventory
 from kvstore.fleet.survey import Survey, survey
-from kvstore.net.connection import AclScope, StoreAddress, make_client, parse_url
+from kvstore.net.connection import (
+    AclScope,
+    StoreAddress,
+    check_timeouts,
+    make_client,
+    parse_url,
+)
 from kvstore.net.guard import Guard
 from kvstore.net.server_code import ScriptMode, ServerCode
 from kvstore.net.transport import READ_DEPTH, Transport
@@ -331,6 +337,13 @@ class LookupBuffer:
         small calls (lookups, handoff records, deletes, pings), which never move values.
         """
         address: StoreAddress = parse_url(url)
+        if control_timeout_s is None:
+            control_timeout_s = socket_timeout_s
+        check_timeouts(
+            socket_timeout_s=socket_timeout_s,
+            control_timeout_s=control_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+        )
         common: dict[str, Any] = {
             "connect_timeout_s": connect_timeout_s,
             "tls_ca_file": tls_ca_file,
@@ -346,7 +359,7 @@ class LookupBuffer:
         )
         control = make_client(
             address,
-            socket_timeout_s=control_timeout_s or socket_timeout_s,
+            socket_timeout_s=control_timeout_s,
             max_connections=max_connections,
             **common,
         )
@@ -372,9 +385,7 @@ class LookupBuffer:
         )
         buf.address = address
         buf._transport.owns_clients = True
-        buf.close_wait_s = max(
-            CLOSE_WAIT_S, connect_timeout_s + (control_timeout_s or socket_timeout_s) + 1.0
-        )
+        buf.close_wait_s = max(CLOSE_WAIT_S, connect_timeout_s + (control_timeout_s) + 1.0)
         if check:
             buf.ping()
             buf.check_topology()

@@ -35,6 +35,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.errors import (
+    InvalidArgumentError,
     InvalidURLError,
     KVStoreError,
     StoreAuthenticationError,
@@ -336,6 +337,7 @@ def make_client(
     username: str | None = None,
 ) -> redis.Redis:
     """A redis-py client (hiredis parser when installed) with a bounded, thread-safe pool."""
+    check_timeouts(socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
     kwargs: dict[str, Any] = {
         # One immediate retry on a broken connection (a pooled one the server dropped, e.g.
         # after a restart), none on a timeout: redis-py's default -- 10 retries with backoff on
@@ -383,6 +385,21 @@ def make_client(
         return _cluster_client(address, kwargs)
     pool = _BlockingPool(timeout=socket_timeout_s, **kwargs)
     return redis.Redis(connection_pool=pool)
+
+
+# the longest socket or connect timeout taken (seconds): every wait in kvstore is bounded by
+# one, and 1e300 made redis-py's settimeout raise OverflowError at start-up (a review)
+MAX_TIMEOUT_S = 3600.0
+
+
+def check_timeouts(**timeouts: float) -> None:
+    for name, value in timeouts.items():
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not 0 < value <= MAX_TIMEOUT_S:  # (NaN fails both comparisons)
+            raise InvalidArgumentError(
+                f"{name} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, "
+                f"got {value!r}: every wait on Redis is bounded by it"
+            )
 
 
 class _BlockingPool(redis.BlockingConnectionPool):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import redis
+from redis.cluster import RedisCluster
 
 from kvstore.errors import StoreReplyTooLargeError
 from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES, ReplyTooLarge
@@ -36,18 +37,28 @@ def scan_keys(
     call: Callable[[str, Callable[[], Any]], Any] = _direct,
 ) -> Iterator[bytes]:
     """Each key matching ``match`` (its bytes), as SCAN finds them (a key may come twice, as
-    SCAN promises). ``call(command, fn)`` runs each page's round trip (a ``Guard``'s, for typed
-    errors and the circuit breaker). Raises :class:`StoreReplyTooLargeError` for a key name longer
-    than the bound."""
+    SCAN promises), on every master of a Cluster. ``call(command, fn)`` runs each page's round
+    trip (a ``Guard``'s, for typed errors and the circuit breaker). Raises
+    :class:`StoreReplyTooLargeError` for a key name longer than the bound."""
+    nodes = client.get_primaries() if isinstance(client, RedisCluster) else [None]
+    for node in nodes:
+        yield from _scan_node(client, node, match, count, call)
+
+
+def _scan_node(
+    client: redis.Redis,
+    node: Any,
+    match: str | bytes,
+    count: int,
+    call: Callable[[str, Callable[[], Any]], Any],
+) -> Iterator[bytes]:
     cursor, page = 0, count
     while True:
         try:
-            cursor, keys = call("SCAN", functools.partial(_page, client, cursor, match, page))
+            cursor, keys = call("SCAN", functools.partial(_page, client, node, cursor, match, page))
         except (ReplyTooLarge, StoreReplyTooLargeError):
             if page == 1:
-                shown = (
-                    match.decode(errors="backslashreplace") if isinstance(match, bytes) else match
-                )
+                shown = match if isinstance(match, str) else match.decode(errors="replace")
                 raise StoreReplyTooLargeError(
                     f"a key name matching {shown!r} is longer than {MAX_CONTROL_REPLY_BYTES} "
                     "bytes (not one kvstore writes: someone with write access planted it), so "
@@ -63,5 +74,12 @@ def scan_keys(
             return
 
 
-def _page(client: redis.Redis, cursor: int, match: str | bytes, count: int) -> tuple[int, list]:
-    return client.scan(cursor, match=match, count=count)
+def _page(
+    client: redis.Redis, node: Any, cursor: int, match: str | bytes, count: int
+) -> tuple[int, list]:
+    if node is None:
+        return client.scan(cursor, match=match, count=count)
+    # (a Cluster answers with each node's cursor by name: one node here)
+    cursors, keys = client.scan(cursor, match=match, count=count, target_nodes=node)
+    named: dict[str, int] = cursors  # type: ignore[assignment]
+    return next(iter(named.values())), keys

@@ -139,3 +139,29 @@ def test_a_rule_that_cannot_read_the_counter_is_named_with_the_whole_rule(
     ):
         buf.check_access(cfg.operations("scheduler"))
     assert "%R~kv:vllm:generation" in str(info.value) and "pw" not in str(info.value)
+
+
+def test_the_readmes_drop_select_rule_works_and_a_failed_checks_hint_is_enough(
+    private_redis: RedisServer,
+) -> None:
+    """Found by a review: the documented rule had no +ping, so ``from_url`` (which pings)
+    refused it; and ``check_access(["drop_select"])`` asked for +set (its probe key) while
+    the rule its message named had none -- following the hint looped back to the error."""
+    rule = documented_rule("kvstore's `drop_select`")
+    assert rule == acl_rule(["ping", "drop_select"], "vllm")
+    admin = redis.Redis.from_url(private_redis.url)
+    add_acl_user(admin, "dropper", rule)
+    owner = LookupBuffer.from_url(private_redis.url, namespace="vllm", fingerprint="fp")
+    owner.insert("a" * 32, {"kv": torch.ones(4)})
+    url = f"redis://dropper:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="vllm", fingerprint="fp") as buf:
+        got = buf.drop_select(["a" * 32])[0]
+        assert got is not None and torch.equal(got["kv"], torch.ones(4))
+        with pytest.raises(StorePermissionError, match="SET") as info:
+            buf.check_access(["drop_select"])
+    hinted = str(info.value).split("ACL SETUSER <user> ")[-1].split(" (")[0]
+    add_acl_user(admin, "hinted", hinted)
+    url = f"redis://hinted:pw@127.0.0.1:{private_redis.port}/0"
+    with LookupBuffer.from_url(url, namespace="vllm", fingerprint="fp") as buf:
+        buf.check_access(["drop_select"])
+    owner.close()

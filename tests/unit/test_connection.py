@@ -8,7 +8,7 @@ from urllib.parse import unquote
 import pytest
 import redis
 
-from kvstore import InvalidURLError, LookupBuffer, parse_url, redact_url
+from kvstore import InvalidArgumentError, InvalidURLError, LookupBuffer, parse_url, redact_url
 from kvstore.net.connection import make_client
 
 
@@ -260,3 +260,12 @@ def test_what_may_be_a_secret_is_never_shown_in_any_form(url: str) -> None:
 def test_the_values_of_known_options_and_a_user_with_a_password_are_still_shown() -> None:
     a = parse_url("rediss://alice:pw@h:6379/2?tls_ca_file=/ca.pem&tls_verify=false")
     assert a.safe_url == "rediss://alice:***@h:6379/2?tls_ca_file=/ca.pem&tls_verify=false"
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), 1e300, 3601, True, "5"])
+@pytest.mark.parametrize("name", ["socket_timeout_s", "control_timeout_s", "connect_timeout_s"])
+def test_a_timeout_out_of_range_is_refused_naming_it(name: str, bad: object) -> None:
+    """A review: 1e300 made redis-py's settimeout raise OverflowError at start-up, NaN a
+    ValueError; both untyped."""
+    with pytest.raises(InvalidArgumentError, match=name):
+        LookupBuffer.from_url("redis://127.0.0.1:1/0", check=False, **{name: bad})

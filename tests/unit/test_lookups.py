@@ -131,7 +131,7 @@ def test_only_time_redis_has_a_lookup_counts_it_as_hung(
         url="redis://fake:6379/0",
         lookup_wait_s=0.001,
         lookup_threads=1,
-        control_timeout_s=0.0,  # a lookup out for 0.25 s counts as hung
+        control_timeout_s=0.01,  # a lookup out for 0.26 s counts as hung
         breaker_failures=2,
         deadline_s=30,
     )
