@@ -19,6 +19,7 @@ from connector.proxy.server import ProxyConfig, build_app
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.values.keys import block_name
 from testing.proxy_servers import run_server
+from testing.redis_server import free_port
 
 pytestmark = pytest.mark.redis
 BS = 16
@@ -158,6 +159,18 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
             assert r.status_code == 500 and "not a connector layout" in r.json()["error"]["message"]
     finally:
         next(misconfigured, None)
+    # Redis down: the caller is told so, not where Redis is or as whom the proxy logs in
+    gone = f"redis://router:pw@127.0.0.1:{free_port()}/0"
+    cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=gone,
+                      layout_file=str(layout_file), enable_kv_presence=True)  # fmt: skip
+    unreachable = run_server(build_app(cfg))
+    try:
+        with httpx.Client(base_url=next(unreachable), timeout=30) as c:
+            r = c.post("/kv/presence", json={"token_ids": TOKENS})
+            assert r.status_code == 503 and "log" in r.json()["error"]["message"]
+            assert "127.0.0.1" not in r.text and "router" not in r.text
+    finally:
+        next(unreachable, None)
     bare = run_server(build_app(ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"],
                                             enable_kv_presence=True)))  # fmt: skip
     try:
