@@ -282,7 +282,9 @@ class RedisConnectorConfig:
             elif kind == "bool" and not isinstance(extra[key], bool):
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         for key in _TIMEOUTS:  # each bounds a wait on Redis: above 0, at most an hour
-            if key in extra and not 0 < extra[key] <= MAX_TIMEOUT_S:
+            if key in extra and extra[key] is None:
+                del extra[key]  # null keeps its default (a review: a TypeError at start-up)
+            elif key in extra and not 0 < extra[key] <= MAX_TIMEOUT_S:
                 raise InvalidArgumentError(
                     f"{key} must be above 0 and at most {MAX_TIMEOUT_S:g} seconds, got {extra[key]}"
                 )

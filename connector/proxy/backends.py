@@ -49,8 +49,20 @@ POOL_WAIT_S = 10.0
 _IDENTITY = {"Accept-Encoding": "identity"}
 
 
-class AnswerTooLarge(Exception):
+class UnusableAnswer(Exception):
+    """A backend's answer the proxy does not read on."""
+
+
+class AnswerTooLarge(UnusableAnswer):
     """A backend's answer is longer than the proxy takes whole."""
+
+
+class AnswerCompressed(UnusableAnswer):
+    """A backend's answer, read whole, came compressed although the proxy asked for none."""
+
+
+class AnswerBroken(Exception):
+    """A backend's answer broke off after its status came: final (the request ran there)."""
 
 
 @dataclass
@@ -63,13 +75,25 @@ class BackendAnswer:
     finish: Callable[[], Awaitable[None]]
 
 
+def _compressed(resp: httpx.Response) -> str | None:
+    """The answer's content coding, where it has one (the proxy asks for none)."""
+    coding = resp.headers.get("content-encoding", "").strip().lower()
+    return coding if coding not in ("", "identity") else None
+
+
 async def read_at_most(resp: httpx.Response, limit: int) -> bytes:
-    """``resp``'s body; :class:`AnswerTooLarge` past ``limit`` bytes, read no further."""
+    """``resp``'s body; :class:`AnswerTooLarge` past ``limit`` bytes, read no further. The
+    bytes are counted as they come, never inflated: an answer compressed although the proxy
+    asked for none is refused (:class:`AnswerCompressed`), since 510 KiB of gzip inflated to
+    512 MiB and httpx inflates each network chunk whole (a review: 142 MiB for a 1 MiB limit)."""
+    coding = _compressed(resp)
+    if coding is not None:
+        raise AnswerCompressed(coding)
     declared = resp.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise AnswerTooLarge(f"{declared} bytes")
     parts, size = [], 0
-    async for chunk in resp.aiter_bytes():
+    async for chunk in resp.aiter_raw():
         size += len(chunk)
         if size > limit:
             raise AnswerTooLarge(f"more than {limit} bytes")
@@ -78,9 +102,13 @@ async def read_at_most(resp: httpx.Response, limit: int) -> bytes:
 
 
 async def read_head(resp: httpx.Response, limit: int) -> bytes:
-    """The first ``limit`` bytes of ``resp``'s body (an error answer: what is passed on)."""
+    """The first ``limit`` bytes of ``resp``'s body (an error answer: what is passed on); of a
+    compressed one, only that it was."""
+    coding = _compressed(resp)
+    if coding is not None:
+        return f"(an answer compressed with {coding[:40]}, not read)".encode()
     parts, size = [], 0
-    async for chunk in resp.aiter_bytes():
+    async for chunk in resp.aiter_raw():
         parts.append(chunk[: limit - size])
         size += len(parts[-1])
         if size >= limit:
@@ -177,6 +205,7 @@ class Backends:
         self._prober: asyncio.Future[None] | None = None
         # one /health round at a time: callers meanwhile share its answer (anyone may ask)
         self._health_round: asyncio.Future[dict[str, dict[str, bool]]] | None = None
+        self._models_call: asyncio.Future[tuple[int, bytes]] | None = None  # (the same)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -241,15 +270,15 @@ class Backends:
             for pool in (self.prefill, self.decode):
                 for url in sorted(pool.down):
                     try:
-                        answer = await self.control.get(
-                            url + "/health", timeout=self._connect_timeout_s, auth=self.auth(url)
+                        status, _ = await self._get_whole(
+                            self.control, "GET", url, "/health", self._connect_timeout_s
                         )
-                    except httpx.HTTPError:
+                    except (httpx.HTTPError, TimeoutError, UnusableAnswer):
                         continue
                     except Exception:  # never let the prober die: servers would stay down
                         logger.exception("probing %s server %s failed", pool.role, url)
                         continue
-                    if answer.status_code == 200:
+                    if status == 200:
                         self.mark_up(pool, url)
 
     async def send(
@@ -329,6 +358,25 @@ class Backends:
                             "timeout",
                         )
                     ) from None
+                except AnswerCompressed as exc:
+                    metrics.count(pool.role, url, "failed")
+                    raise BackendError(
+                        openai_error(
+                            502,
+                            f"{pool.role} server {url} answered compressed ({exc}) although "
+                            "asked for no content coding",
+                            "backend_error",
+                        )
+                    ) from None
+                except AnswerBroken as exc:
+                    metrics.count(pool.role, url, "failed")
+                    raise BackendError(
+                        openai_error(
+                            502,
+                            f"{pool.role} server {url} broke off its answer: {exc}",
+                            "backend_error",
+                        )
+                    ) from None
                 except AnswerTooLarge as exc:
                     metrics.count(pool.role, url, "failed")
                     raise BackendError(
@@ -370,7 +418,12 @@ class Backends:
                 content = await read_head(resp, MAX_ERROR_BODY_BYTES)
                 self._metrics.count(pool.role, url, "answered")  # (its error passed on)
                 raise BackendError(passthrough_error(resp.status_code, content, pool.role, url))
-            body = None if stream else await read_at_most(resp, self._max_answer_bytes)
+            try:
+                body = None if stream else await read_at_most(resp, self._max_answer_bytes)
+            except (httpx.TransportError, httpx.DecodingError) as exc:
+                # (after its status: not a stale keep-alive connection to retry -- a retry
+                # ran the request twice on every server of the pool, a review found)
+                raise AnswerBroken(safe_repr(exc)) from None
         except BaseException:
             await resp.aclose()  # (httpcore shields its close)
             raise
@@ -428,7 +481,7 @@ class Backends:
                 status, content = await self._get_whole(
                     self.client, "POST", url, "/tokenize", 30, json=payload
                 )
-            except (httpx.HTTPError, TimeoutError, AnswerTooLarge):
+            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
                 continue
             if status == 200:
                 try:
@@ -443,12 +496,25 @@ class Backends:
         return openai_error(502, f"no {role} server available to tokenize", "backend_unavailable")
 
     async def models(self) -> Response:
-        """The first decode server's ``/v1/models``, passed on."""
+        """The first decode server's ``/v1/models``, passed on. Callers while one is out share
+        its answer: anyone may ask, and 64 callers of a slow server held every connection of
+        the proxy's own questions, so /health said every server was down (a review)."""
+        shared = self._models_call
+        if shared is None or shared.done():
+            shared = self._models_call = asyncio.ensure_future(self._ask_models())
+        status, content = await asyncio.shield(shared)
+        return Response(content, status_code=status, media_type="application/json")
+
+    async def _ask_models(self) -> tuple[int, bytes]:
+        answer = await self._models()
+        return answer.status_code, bytes(answer.body)
+
+    async def _models(self) -> Response:
         role = self.decode.role
         for url in self.decode.order():
             try:
                 status, content = await self._get_whole(self.control, "GET", url, "/v1/models", 10)
-            except (httpx.HTTPError, TimeoutError, AnswerTooLarge):
+            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
                 continue
             if status != 200:
                 return passthrough_error(status, content, role, url)
@@ -468,11 +534,12 @@ class Backends:
 
     async def _ask_health(self) -> dict[str, dict[str, bool]]:
         async def answers(url: str) -> bool:
+            # (whole within its time: a /health that trickled held every caller's round)
             try:
-                r = await self.control.get(url + "/health", timeout=3, auth=self.auth(url))
-                return r.status_code == 200
-            except httpx.HTTPError:
+                status, _ = await self._get_whole(self.control, "GET", url, "/health", 3)
+            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
                 return False
+            return status == 200
 
         prefill, decode = self.prefill, self.decode
         pools = (

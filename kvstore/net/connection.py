@@ -124,7 +124,8 @@ def redact_url(url: str) -> str:
     whole userinfo becomes ``***@`` -- a lone user name may be a token -- and the query and
     fragment are dropped (``?token=``). As in :func:`_redacted`, the userinfo ends at the
     URL's LAST ``@``. A URL that does not split at all is not shown. (``StoreAddress.safe_url``
-    keeps the user name, which ACL errors name, and the query.)"""
+    keeps a user name given with a password, which ACL errors name, and the known query
+    options' values.)"""
     if not isinstance(url, str):
         return "<not a URL>"
     try:

@@ -157,6 +157,17 @@ def test_times_take_numbers_given_as_strings_and_refuse_negative_ones() -> None:
         RedisConnectorConfig.from_extra({**URL, "deadline_s": -0.1}, "kv_both")
 
 
+@pytest.mark.parametrize("key", ["socket_timeout_s", "control_timeout_s", "connect_timeout_s"])
+def test_socket_timeouts_are_bounded_and_null_keeps_the_default(key: str) -> None:
+    """Each bounds a wait on Redis: 1e300 made redis-py raise OverflowError at start-up, and
+    null (once checked) a TypeError (two reviews)."""
+    default = getattr(RedisConnectorConfig.from_extra(URL, "kv_both"), key)
+    assert getattr(RedisConnectorConfig.from_extra({**URL, key: None}, "kv_both"), key) == default
+    for bad in (0, 1e300, 3601):
+        with pytest.raises(InvalidArgumentError, match=key):
+            RedisConnectorConfig.from_extra({**URL, key: bad}, "kv_both")
+
+
 def test_the_store_url_may_come_from_the_environment_and_is_never_printed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -5,6 +5,7 @@ proxy closes a backend's answer. Each backend is a small real HTTP server on loo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import socket
@@ -290,3 +291,50 @@ def test_health_is_answered_while_requests_hold_every_connection(
         busy = httpx.post(proxy + "/v1/completions", json={"prompt": "x"}, timeout=5)
         assert_openai_error(busy, 503)  # the guard's limit, at once: not a hang
         release.set()
+
+
+def test_an_answer_compressed_anyway_is_refused_not_inflated(
+    backends: Callable[..., Backend], proxies: Callable[..., tuple[str, Any]]
+) -> None:
+    """httpx inflates each network chunk whole before anything counts it: 510 KiB of gzip
+    that inflates to 512 MiB cost 142 MiB under a 1 MiB limit (a review). An answer read whole
+    that comes compressed -- the proxy asks for none -- is a 502, read no further."""
+    bomb = gzip.compress(b"{" + b" " * (64 << 20) + b"}")
+
+    def compressed(body: dict) -> Response:
+        return Response(bomb, media_type="application/json", headers={"Content-Encoding": "gzip"})
+
+    backend = backends(prefill=compressed)
+    proxy, _ = proxies(ProxyConfig([backend.url], [backend.url], max_answer_bytes=1 << 20))
+    err = assert_openai_error(httpx.post(proxy + "/v1/completions", json={"prompt": "x"}), 502)
+    assert "compressed" in err["message"] and backend.decoded == []
+
+
+def test_an_answer_that_breaks_off_after_its_status_is_not_sent_again(
+    proxies: Callable[..., tuple[str, Any]],
+) -> None:
+    """A broken-off body was taken for a stale keep-alive connection: the request ran twice on
+    the server, then on every other server of the pool (a review)."""
+    asked: list[int] = []
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    asked.append(1)
+                    conn.sendall(
+                        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                        b'content-length: 100\r\n\r\n{"choices": '
+                    )
+
+    threading.Thread(target=serve, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    proxy, _ = proxies(ProxyConfig([], [url, url]))
+    try:
+        err = assert_openai_error(httpx.post(proxy + "/v1/completions", json={"prompt": "x"}), 502)
+    finally:
+        listener.close()
+    assert "broke off" in err["message"] and len(asked) == 1
