@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -117,8 +118,9 @@ class CompletionProxy:
             # relayed byte for byte: a server that compressed them anyway (it is asked not
             # to) says so to the client, which then can read them
             encoding = resp.headers.get("content-encoding")
-            answer = StreamingResponse(
+            answer = RelayedStream(
                 self._backends.relay(resp, answer.finish, str(resp.request.url)),
+                answer.finish,
                 media_type=resp.headers.get("content-type", "text/event-stream"),
                 headers={"content-encoding": encoding} if encoding else None,
             )
@@ -288,6 +290,28 @@ def handoff_params_problem(ours: Any) -> str | None:
         elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
             return f"field {key[:40]!r} is out of range"
     return None
+
+
+class RelayedStream(StreamingResponse):
+    """A decode server's stream relayed to the client; the server is given back however the
+    response ends. (The relay's own ``finally`` runs only once its generator has started: a
+    server speaking ASGI 2.4 never starts the generator of a stream whose client left before
+    its first byte -- a review -- and the backend's connection and slot would stay held.)"""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        finish: Callable[[], Awaitable[None]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._finish()  # (once: the relay's finally may have given it back)
 
 
 async def _client_disconnected(request: Request) -> None:

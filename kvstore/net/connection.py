@@ -544,6 +544,19 @@ class _BoundedNodePool(redis.ConnectionPool):
         super().__init__(connection_class=bounded, **kwargs)
 
 
+class _SentinelClient(redis.Redis):
+    """A sentinel's client: a reply it cannot use (over the bound, malformed) makes redis-py's
+    discovery ask the next sentinel, as a dead one does -- it moves on only past connection
+    errors and timeouts, so one sentinel watching thousands of masters (or a hostile one)
+    stopped the search for the master."""
+
+    def sentinel_masters(self) -> Any:
+        try:
+            return super().sentinel_masters()
+        except rex.InvalidResponse as exc:
+            raise rex.ConnectionError(f"an unusable answer ({_strip(exc)})") from None
+
+
 def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:
     """A client of the service's current master, found through the sentinels on connect and
     again whenever a connection fails (a failover): redis-py's ``SentinelConnectionPool``."""
@@ -570,7 +583,7 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
     # (three more tries with backoff on a timeout: a hung sentinel cost 30 socket timeouts).
     # Redis() takes no connection class, so their clients are made here on our pools
     sentinel.sentinels = [
-        redis.Redis(
+        _SentinelClient(
             connection_pool=redis.ConnectionPool(
                 host=host,
                 port=port,

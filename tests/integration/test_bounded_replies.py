@@ -246,22 +246,27 @@ def _never(conn: socket.socket) -> None:
         conn.recv(1)
 
 
-def test_a_sentinels_huge_reply_costs_bounded_memory_and_fails_typed(serve: object) -> None:
+def test_a_sentinels_huge_reply_costs_bounded_memory_and_the_next_sentinel_is_asked(
+    serve: object,
+) -> None:
     """The sentinels' connections were redis-py's own, unbounded: a 300 MiB reply to the
-    master's address was read whole (888 MiB peak) and then crashed untyped (a review)."""
-    sentinel = serve(  # type: ignore[operator]
+    master's address was read whole (888 MiB peak) and then crashed untyped (a review); and
+    bounded, a reply over the bound stopped the search instead of asking the next sentinel."""
+    huge = serve(  # type: ignore[operator]
         lambda name: HELLO if name == b"HELLO" else _huge_generation
     )
-    address = parse_url(f"redis-sentinel://127.0.0.1:{sentinel.port}/kvs")
-    client = make_client(address, socket_timeout_s=5.0)
-    tracemalloc.start()
-    try:
-        with pytest.raises(StoreCommandError), translated_errors(address.safe_url, "GET"):
-            client.get("kv:vllm:generation")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-        client.close()
+    with RedisServer() as master, SentinelServer("kvs", master.port) as sentinel:
+        redis.Redis(port=master.port).set("kv:vllm:generation", b"7")
+        address = parse_url(f"redis-sentinel://127.0.0.1:{huge.port},127.0.0.1:{sentinel.port}/kvs")
+        client = make_client(address, socket_timeout_s=5.0)
+        tracemalloc.start()
+        try:
+            with translated_errors(address.safe_url, "GET"):
+                assert client.get("kv:vllm:generation") == b"7"
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            client.close()
     assert peak < 3 * MAX_CONTROL_REPLY_BYTES, f"peak {peak >> 20} MiB"
 
 

@@ -338,3 +338,30 @@ def test_an_answer_that_breaks_off_after_its_status_is_not_sent_again(
     finally:
         listener.close()
     assert "broke off" in err["message"] and len(asked) == 1
+
+
+def test_a_relayed_stream_gives_its_server_back_even_if_it_never_starts() -> None:
+    """The relay's ``finally`` gave the server back only once its generator had started:
+    Starlette under an ASGI 2.4 server never starts it when the client is gone before the
+    first byte (a review), and the backend's connection and slot stayed held."""
+    from connector.proxy.completions import RelayedStream
+
+    finished = []
+
+    async def relay() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+
+    async def finish() -> None:
+        finished.append(1)
+
+    async def gone() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        raise OSError("the client hung up")
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    stream = RelayedStream(relay(), finish, media_type="text/event-stream")
+    with contextlib.suppress(Exception):
+        asyncio.run(stream(scope, gone, send))
+    assert finished == [1], "the backend was never given back"
