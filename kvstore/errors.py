@@ -15,6 +15,11 @@ class StoreUnavailableError(KVStoreError, ConnectionError):
     """The Redis/Valkey server cannot be reached (refused, DNS, TLS handshake, reset, loading)."""
 
 
+class StoreClosedError(StoreUnavailableError):
+    """The ``LookupBuffer`` was closed: it makes no new connection (make a new one). Not
+    counted against the server by the circuit breaker."""
+
+
 class StoreBusyError(KVStoreError):
     """Every connection of this client's pool stayed in use for the pool's whole wait: the
     client is short of connections (``max_connections``), not the server down -- so the circuit

@@ -415,6 +415,7 @@ class LookupBuffer:
         if executor is not None:
             executor.shutdown(wait=True)
         self._clock.close(self.close_wait_s)  # a reading under way ends before its connection
+        self.guard.closed = True  # (after what close itself sends: claims given back)
         self._transport.close()
 
     @property

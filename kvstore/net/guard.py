@@ -6,7 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from kvstore.errors import StoreCircuitOpenError, StoreTimeoutError, StoreUnavailableError
+from kvstore.errors import (
+    StoreCircuitOpenError,
+    StoreClosedError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from kvstore.net.breaker import CircuitBreaker
 from kvstore.net.connection import AclScope, translated_errors
 
@@ -25,6 +30,9 @@ class Guard:
         scope: AclScope | None = None,
     ) -> None:
         self.safe_url = safe_url
+        # set by ``LookupBuffer.close``: no round trip after it (redis-py would quietly open
+        # new connections, and the fan-out threads were gone: a RuntimeError)
+        self.closed = False
         # whose keys a permission error's hint grants: the namespace this guard's calls serve
         self.scope = scope
         self._on_unavailable = on_unavailable
@@ -53,6 +61,11 @@ class Guard:
         recorded (it must not close a breaker the regular calls opened): for the rare calls
         that put things right (giving claimed values back), which must not be skipped because
         the failure they repair opened the breaker."""
+        if self.closed:
+            raise StoreClosedError(
+                f"the store of {self.safe_url} was closed (LookupBuffer.close): nothing more is "
+                f"sent through it ({command}); open a new one"
+            )
         try:
             with translated_errors(self.safe_url, command, self.scope):
                 result = fn()

@@ -384,3 +384,32 @@ def test_a_handoff_claim_refused_fcall_runs_once_it_is_granted(
         acl_user(private_redis, "nofcall2", acl_rule(ops, "acl"))
         assert buf.claim_handoff("h1") == Claim.WON
         assert buf.server_code.settled is ScriptMode.FUNCTIONS
+
+
+@pytest.mark.redis
+def test_a_closed_store_sends_nothing_and_says_so(private_redis: RedisServer) -> None:
+    """After ``close`` a call quietly opened new connections through redis-py's pool, or
+    failed untyped where the fan-out threads were gone. Every round trip now raises
+    ``StoreClosedError`` (a ``StoreUnavailableError``: callers that recompute on one do so),
+    and no connection is made."""
+    from kvstore import StoreClosedError
+
+    admin = redis.Redis.from_url(private_redis.url)
+    buf = LookupBuffer.from_url(private_redis.url, namespace="ns", fingerprint="fp")
+    view = buf.for_fingerprint("fp2")
+    buf.insert("h1", {"k": torch.ones(4)})
+    buf.close()
+    clients = admin.client_list()
+    calls = [
+        lambda: buf.select(["h1"]),
+        lambda: buf.insert("h2", {"k": torch.ones(4)}),
+        lambda: buf.contains(["h1"]),
+        lambda: buf.drop_select(["h1"]),
+        lambda: view.select(["h1"]),
+    ]
+    for call in calls:
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()
+    assert len(admin.client_list()) == len(clients)  # (the admin's own connection only)
+    assert not buf.breaker.is_open  # not the server's fault
+    admin.close()
