@@ -13,7 +13,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio
@@ -28,6 +28,7 @@ from connector.proxy.routing import Pool, PrefixIndex
 from kvstore.net.connection import redact_url
 
 logger = logging.getLogger("vllm_redis_proxy")
+T = TypeVar("T")
 
 _USERINFO_IN_TEXT = re.compile(r"(?<=://)[^/\s@]+@")
 # Errors where the server sent no response at all on a connection: on a pooled keep-alive
@@ -59,6 +60,10 @@ class AnswerTooLarge(UnusableAnswer):
 
 class AnswerCompressed(UnusableAnswer):
     """A backend's answer, read whole, came compressed although the proxy asked for none."""
+
+
+# what ``_get_whole`` raises when a server gives no answer the proxy can use
+_NO_ANSWER = (httpx.HTTPError, TimeoutError, UnusableAnswer)
 
 
 class AnswerBroken(Exception):
@@ -203,9 +208,10 @@ class Backends:
         self._client: httpx.AsyncClient | None = None
         self._control: httpx.AsyncClient | None = None
         self._prober: asyncio.Future[None] | None = None
-        # one /health round at a time: callers meanwhile share its answer (anyone may ask)
-        self._health_round: asyncio.Future[dict[str, dict[str, bool]]] | None = None
-        self._models_call: asyncio.Future[tuple[int, bytes]] | None = None  # (the same)
+        # one /health round and one /v1/models call at a time: callers meanwhile share its
+        # answer (anyone may ask, as often as they like)
+        self._health_round = SharedCall(self._ask_health)
+        self._models_call = SharedCall(self._ask_models)
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -273,7 +279,7 @@ class Backends:
                         status, _ = await self._get_whole(
                             self.control, "GET", url, "/health", self._connect_timeout_s
                         )
-                    except (httpx.HTTPError, TimeoutError, UnusableAnswer):
+                    except _NO_ANSWER:
                         continue
                     except Exception:  # never let the prober die: servers would stay down
                         logger.exception("probing %s server %s failed", pool.role, url)
@@ -348,54 +354,25 @@ class Backends:
                         )
                     ) from None
                 except (httpx.TimeoutException, TimeoutError):
-                    metrics.count(pool.role, url, "failed")
                     what = "its answer" if stream else "its whole answer"
-                    raise BackendError(
-                        openai_error(
-                            504,
-                            f"{pool.role} server {url} timed out: {what} did not come within "
-                            f"{self._timeout_s}s",
-                            "timeout",
-                        )
-                    ) from None
+                    raise self._failed(
+                        pool, url, 504, f"timed out: {what} did not come within "
+                        f"{self._timeout_s}s", "timeout",
+                    ) from None  # fmt: skip
                 except AnswerCompressed as exc:
-                    metrics.count(pool.role, url, "failed")
-                    raise BackendError(
-                        openai_error(
-                            502,
-                            f"{pool.role} server {url} answered compressed ({exc}) although "
-                            "asked for no content coding",
-                            "backend_error",
-                        )
-                    ) from None
+                    raise self._failed(
+                        pool, url, 502,
+                        f"answered compressed ({exc}) although asked for no content coding",
+                    ) from None  # fmt: skip
                 except AnswerBroken as exc:
-                    metrics.count(pool.role, url, "failed")
-                    raise BackendError(
-                        openai_error(
-                            502,
-                            f"{pool.role} server {url} broke off its answer: {exc}",
-                            "backend_error",
-                        )
-                    ) from None
+                    raise self._failed(pool, url, 502, f"broke off its answer: {exc}") from None
                 except AnswerTooLarge as exc:
-                    metrics.count(pool.role, url, "failed")
-                    raise BackendError(
-                        openai_error(
-                            502,
-                            f"{pool.role} server {url} answered with {exc}, over the proxy's "
-                            f"--max-answer-bytes ({self._max_answer_bytes})",
-                            "backend_error",
-                        )
-                    ) from None
+                    raise self._failed(
+                        pool, url, 502, f"answered with {exc}, over the proxy's "
+                        f"--max-answer-bytes ({self._max_answer_bytes})",
+                    ) from None  # fmt: skip
                 except httpx.HTTPError as exc:
-                    metrics.count(pool.role, url, "failed")
-                    raise BackendError(
-                        openai_error(
-                            502,
-                            f"{pool.role} server {url} failed: {safe_repr(exc)}",
-                            "backend_error",
-                        )
-                    ) from None
+                    raise self._failed(pool, url, 502, f"failed: {safe_repr(exc)}") from None
                 finally:
                     if answer is None:
                         pool.in_flight[url] -= 1
@@ -404,6 +381,14 @@ class Backends:
                 502, f"no {pool.role} server available: {last_error}", "backend_unavailable"
             )
         )
+
+    def _failed(
+        self, pool: Pool, url: str, status: int, what: str, type_: str = "backend_error"
+    ) -> BackendError:
+        """A request to ``url`` that failed: counted, and the client's answer ("<role> server
+        <url> <what>")."""
+        self._metrics.count(pool.role, url, "failed")
+        return BackendError(openai_error(status, f"{pool.role} server {url} {what}", type_))
 
     async def _post(
         self, pool: Pool, url: str, path: str, payload: bytes, headers: dict, stream: bool
@@ -481,7 +466,7 @@ class Backends:
                 status, content = await self._get_whole(
                     self.client, "POST", url, "/tokenize", 30, json=payload
                 )
-            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
+            except _NO_ANSWER:
                 continue
             if status == 200:
                 try:
@@ -499,10 +484,7 @@ class Backends:
         """The first decode server's ``/v1/models``, passed on. Callers while one is out share
         its answer: anyone may ask, and 64 callers of a slow server held every connection of
         the proxy's own questions, so /health said every server was down (a review)."""
-        shared = self._models_call
-        if shared is None or shared.done():
-            shared = self._models_call = asyncio.ensure_future(self._ask_models())
-        status, content = await asyncio.shield(shared)
+        status, content = await self._models_call()
         return Response(content, status_code=status, media_type="application/json")
 
     async def _ask_models(self) -> tuple[int, bytes]:
@@ -514,7 +496,7 @@ class Backends:
         for url in self.decode.order():
             try:
                 status, content = await self._get_whole(self.control, "GET", url, "/v1/models", 10)
-            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
+            except _NO_ANSWER:
                 continue
             if status != 200:
                 return passthrough_error(status, content, role, url)
@@ -526,10 +508,7 @@ class Backends:
         none up; with ``show_servers``, each server's URL and state too. Callers while a round
         of questions is out share its answer: anyone may ask for /health, as often as they
         like, and the servers are asked once a round."""
-        shared = self._health_round
-        if shared is None or shared.done():
-            shared = self._health_round = asyncio.ensure_future(self._ask_health())
-        results = await asyncio.shield(shared)
+        results = await self._health_round()
         return self._health_answer(results, show_servers)
 
     async def _ask_health(self) -> dict[str, dict[str, bool]]:
@@ -537,7 +516,7 @@ class Backends:
             # (whole within its time: a /health that trickled held every caller's round)
             try:
                 status, _ = await self._get_whole(self.control, "GET", url, "/health", 3)
-            except (httpx.HTTPError, TimeoutError, UnusableAnswer):
+            except _NO_ANSWER:
                 return False
             return status == 200
 
@@ -567,6 +546,20 @@ class Backends:
             doc["servers"] = results
             doc["marked_down"] = sorted({*prefill.down, *decode.down})
         return JSONResponse(doc, status_code=200 if ok else 503)
+
+
+class SharedCall(Generic[T]):
+    """``fn()`` run once for every caller that comes while it runs: they share its outcome. A
+    caller that leaves does not cancel it for the others."""
+
+    def __init__(self, fn: Callable[[], Awaitable[T]]) -> None:
+        self._fn = fn
+        self._running: asyncio.Future[T] | None = None
+
+    async def __call__(self) -> T:
+        if self._running is None or self._running.done():
+            self._running = asyncio.ensure_future(self._fn())
+        return await asyncio.shield(self._running)
 
 
 def _finisher(pool: Pool, url: str, resp: httpx.Response) -> Callable[[], Awaitable[None]]:

@@ -150,35 +150,27 @@ def test_the_proxy_answers_presence_and_says_what_is_missing(
         next(gen, None)
     broken = tmp_path / "broken.json"
     broken.write_text("{}")
-    cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
-                      layout_file=str(broken), enable_kv_presence=True)  # fmt: skip
-    misconfigured = run_server(build_app(cfg))
-    try:
-        with httpx.Client(base_url=next(misconfigured), timeout=30) as c:
-            r = c.post("/kv/presence", json={"token_ids": TOKENS})
-            assert r.status_code == 500 and "not a connector layout" in r.json()["error"]["message"]
-    finally:
-        next(misconfigured, None)
+    r = presence_through_a_proxy(redis_url, str(broken))
+    assert r.status_code == 500 and "not a connector layout" in r.json()["error"]["message"]
     # Redis down: the caller is told so, not where Redis is or as whom the proxy logs in
     gone = f"redis://router:pw@127.0.0.1:{free_port()}/0"
-    cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=gone,
-                      layout_file=str(layout_file), enable_kv_presence=True)  # fmt: skip
-    unreachable = run_server(build_app(cfg))
+    r = presence_through_a_proxy(gone, str(layout_file))
+    assert r.status_code == 503 and "log" in r.json()["error"]["message"]
+    assert "127.0.0.1" not in r.text and "router" not in r.text
+    r = presence_through_a_proxy(None, None)
+    assert r.status_code == 501 and "--redis-url" in r.json()["error"]["message"]
+
+
+def presence_through_a_proxy(redis_url: str | None, layout_file: str | None) -> httpx.Response:
+    """``POST /kv/presence`` of TOKENS to a proxy of that store and layout (backends down)."""
+    cfg = ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], redis_url=redis_url,
+                      layout_file=layout_file, enable_kv_presence=True)  # fmt: skip
+    gen = run_server(build_app(cfg))
     try:
-        with httpx.Client(base_url=next(unreachable), timeout=30) as c:
-            r = c.post("/kv/presence", json={"token_ids": TOKENS})
-            assert r.status_code == 503 and "log" in r.json()["error"]["message"]
-            assert "127.0.0.1" not in r.text and "router" not in r.text
+        with httpx.Client(base_url=next(gen), timeout=30) as c:
+            return c.post("/kv/presence", json={"token_ids": TOKENS})
     finally:
-        next(unreachable, None)
-    bare = run_server(build_app(ProxyConfig(["http://127.0.0.1:9"], ["http://127.0.0.1:9"],
-                                            enable_kv_presence=True)))  # fmt: skip
-    try:
-        with httpx.Client(base_url=next(bare), timeout=30) as c:
-            r = c.post("/kv/presence", json={"token_ids": TOKENS})
-            assert r.status_code == 501 and "--redis-url" in r.json()["error"]["message"]
-    finally:
-        next(bare, None)
+        next(gen, None)
 
 
 def test_a_salted_prompt_is_found_with_the_salt_the_connector_gives_its_request(
