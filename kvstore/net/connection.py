@@ -22,6 +22,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -391,6 +392,8 @@ def make_client(
 # the longest socket or connect timeout taken (seconds): every wait in kvstore is bounded by
 # one, and 1e300 made redis-py's settimeout raise OverflowError at start-up (a review)
 MAX_TIMEOUT_S = 3600.0
+# how long a caller waits for a free pooled connection where no socket timeout says
+DEFAULT_POOL_WAIT_S = 10.0
 
 
 def check_timeouts(**timeouts: float) -> None:
@@ -500,8 +503,8 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
         seed_host = f"[{seed_host}]"
     seed_url = f"{'rediss' if address.tls else 'redis'}://{seed_host}:{seed_port}/0"
     try:
-        # per node a plain pool of max_connections (redis-py builds node pools itself):
-        # more than that at once is a typed error, never a wait
+        # per node a pool of max_connections (redis-py builds node pools itself): past
+        # that a caller waits for one, then fails busy (``_WaitsForAConnection``)
         client = RedisCluster(
             url=seed_url,
             connection_pool_class=_BoundedNodePool,
@@ -534,7 +537,44 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
     return client  # type: ignore[return-value]
 
 
-class _BoundedNodePool(redis.ConnectionPool):
+class _WaitsForAConnection(redis.ConnectionPool):
+    """A redis-py pool that makes no more than ``max_connections``, whose caller past that
+    waits for one to be given back -- for up to its socket timeout, as the standalone pool
+    (``_BlockingPool``) -- then gets :class:`StoreBusyError`. redis-py's plain pools (a
+    Cluster node's, Sentinel's) raise ``MaxConnectionsError`` at once instead, a
+    ``ConnectionError`` that kvstore took for the server down: a review's eight lookups on a
+    pool of two against a slow Cluster failed six "cannot reach ... check that the server runs"
+    and opened the circuit breaker."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._given_back = threading.Condition()
+        timeout = kwargs.get("socket_timeout")
+        self.wait_s = float(timeout) if timeout else DEFAULT_POOL_WAIT_S
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        until = time.monotonic() + self.wait_s
+        while True:
+            try:
+                return super().get_connection(*args, **kwargs)
+            except rex.MaxConnectionsError:
+                left = until - time.monotonic()
+                if left <= 0:
+                    raise StoreBusyError(
+                        f"all {self.max_connections} connections of this client to one server "
+                        f"stayed in use for {self.wait_s:g} s: raise max_connections "
+                        "(LookupBuffer.from_url), or run fewer calls at once"
+                    ) from None
+                with self._given_back:  # (woken by a release; polled besides, as a reset
+                    self._given_back.wait(min(left, 0.05))  # or a disconnect frees one too)
+
+    def release(self, connection: Any) -> None:
+        super().release(connection)
+        with self._given_back:
+            self._given_back.notify()
+
+
+class _BoundedNodePool(_WaitsForAConnection):
     """A Cluster node's pool, as redis-py's URL mode builds one per node: its connections are
     the bounded ones (``bounded_replies``), TLS or not as the URL said."""
 
@@ -595,9 +635,11 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
         )
         for host, port in address.nodes
     ]
-    pool = SentinelConnectionPool(
-        address.service, sentinel, max_connections=max_connections, **kwargs
-    )
+
+    class _SentinelPool(_WaitsForAConnection, SentinelConnectionPool):
+        pass
+
+    pool = _SentinelPool(address.service, sentinel, max_connections=max_connections, **kwargs)
     return redis.Redis(connection_pool=pool)
 
 
@@ -676,6 +718,11 @@ def translated_errors(
         ) from None
     except rex.ResponseError as exc:
         raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None
+    except rex.MaxConnectionsError:  # (a pool not ours: ours wait, then say so themselves)
+        raise StoreBusyError(
+            f"every connection of this client to {safe_url} is in use: raise max_connections "
+            "(LookupBuffer.from_url), or run fewer calls at once"
+        ) from None
     except rex.ConnectionError as exc:
         raise StoreUnavailableError(
             f"cannot reach {safe_url} ({_strip(exc)}): check that the server runs and the "

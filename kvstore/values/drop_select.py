@@ -230,6 +230,19 @@ class ClaimedBatch:
             if st == 1
         ]
 
+    def only(self, kept: Sequence[bool]) -> ClaimedBatch:
+        """The same claim holding only the claimed keys ``kept`` names (one flag per claimed
+        key, in order): what to finish, or to give back, of it."""
+        flags = iter(kept)
+        chosen = [
+            (k, n)
+            for k, st, n in zip(self.keys, self.statuses, self.lengths, strict=True)
+            if st == 1 and next(flags)
+        ]
+        return ClaimedBatch(
+            [k for k, _ in chosen], self.suffix, [1] * len(chosen), [n for _, n in chosen]
+        )
+
     def raw_values(self, fetched: Sequence[Any]) -> list[Any]:
         """Per key, what the decoder takes: a claimed key's fetched value, a length (oversize),
         -1 (wrong type) or None (missing)."""

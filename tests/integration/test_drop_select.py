@@ -334,6 +334,39 @@ def test_a_claim_the_migration_outlasts_changes_nothing(cluster: ClusterServers)
     buf.close()
 
 
+def test_a_claimed_value_whose_slot_migrates_before_its_read_goes_back_not_away(
+    cluster: ClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reshard reaches a block's slot between its claim and the read of its private key
+    (which is MIGRATEd): the read is redirected twice, a miss this time, and the value must be
+    given back for the next caller -- it reached nobody. (It was deleted through the ASK.)"""
+    from kvstore.values import drop_select
+
+    buf = LookupBuffer.from_url(cluster.url, namespace="lost", ttl_s=TTL_S)
+    fill(buf, 4)
+    move = SlotMove(cluster, buf.redis_key(HASHES[0]))
+    claim = drop_select.Claimer.claim
+
+    def claim_then_the_reshard_arrives(self, keys, timeout_s=0.0):  # type: ignore[no-untyped-def]
+        batch = claim(self, keys, timeout_s)
+        move.start()
+        for key in move.src.execute_command("CLUSTER GETKEYSINSLOT", move.slot, 1000):
+            move.src.execute_command("MIGRATE", "127.0.0.1", move.target.port, key, 0, 5000)
+        return batch
+
+    monkeypatch.setattr(drop_select.Claimer, "claim", claim_then_the_reshard_arrives)
+    got = buf.drop_select(HASHES[:4])
+    monkeypatch.undo()
+    assert got[0] is None and all(g is not None for g in got[1:])
+    move.finish()
+    assert buf.wait_given_back(30)
+    assert buf.stats().claims_stranded == 0
+    assert_blocks(buf.drop_select(HASHES[:1]), 1)  # the next caller gets it, once
+    for node in cluster.master_nodes():
+        assert cluster.client(node).keys("kv:*") == []
+    buf.close()
+
+
 def test_control_calls_follow_a_slot_that_moved(cluster: ClusterServers) -> None:
     """Lookups, handoff records, TTL reads and deletes go to each master's own connection (not
     redis-py's cluster pipeline): a slot that moved since the map was learned answers MOVED,

@@ -4,6 +4,7 @@ behind Redis Sentinel -- including a failover -- against real servers."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -15,13 +16,15 @@ import torch
 from kvstore import (
     InvalidURLError,
     LookupBuffer,
+    StoreBusyError,
     StoreTopologyError,
     StoreUnavailableError,
     chain_hashes,
     parse_url,
 )
+from kvstore.net.connection import make_client
 from testing.blocks import filled_block
-from testing.redis_server import RedisServer, SentinelServer, free_cluster_port
+from testing.redis_server import ClusterServers, RedisServer, SentinelServer, free_cluster_port
 
 HASHES = chain_hashes(list(range(16 * 8)), 16)
 
@@ -175,3 +178,43 @@ def test_every_operation_through_sentinel_and_recovery_after_a_failover(
     store.insert(HASHES[5], bf16_block(5))  # the new master takes writes
     assert redis.Redis(port=replica.port).exists(store.redis_key(HASHES[5]))
     store.close()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topology", ["cluster", "sentinel"])
+def test_a_client_short_of_connections_waits_then_is_busy_not_the_server_down(
+    topology: str, request: pytest.FixtureRequest
+) -> None:
+    """Found by a review: a Cluster node's pool and Sentinel's raised redis-py's
+    MaxConnectionsError at once, a ConnectionError taken for the server down -- eight lookups
+    on a pool of two against a slow but healthy Cluster: six "cannot reach ... check that the
+    server runs", and the breaker opened. Now as the standalone pool: the caller waits for a
+    connection given back, and past its socket timeout gets StoreBusyError, breaker closed."""
+    cluster = ClusterServers(masters=3, replicas=0).start() if topology == "cluster" else None
+    try:
+        if cluster is not None:
+            url = cluster.url
+        else:
+            url = request.getfixturevalue("sentinel_setup")[2].url()
+        client = make_client(parse_url(url), socket_timeout_s=0.3, max_connections=1)
+        buf = LookupBuffer(client, namespace="busy", control_client=client, breaker_failures=2)
+        buf.insert_many([(h, filled_block(i)) for i, h in enumerate(HASHES[:2])])
+        nodes = client.get_nodes() if cluster is not None else [client]  # type: ignore[attr-defined]
+        pools = [getattr(n, "redis_connection", n).connection_pool for n in nodes]
+        held = [(pool, pool.get_connection()) for pool in pools]
+        for _ in range(3):
+            with pytest.raises(StoreBusyError, match="max_connections"):
+                buf.longest_prefix(HASHES[:2])
+        assert buf.available and buf.stats().breaker_opens == 0
+        # a connection given back while a caller waits is the caller's
+        waiting = threading.Thread(target=lambda: got.append(buf.longest_prefix(HASHES[:2])))
+        got: list[int] = []
+        waiting.start()
+        for pool, conn in held:
+            pool.release(conn)
+        waiting.join()
+        assert got == [2]
+        buf.close()
+    finally:
+        if cluster is not None:
+            cluster.cleanup()
