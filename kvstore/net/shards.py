@@ -63,6 +63,7 @@ class Shards:
         self._name = name  # the threads' name prefix
         self._executor: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._relearning: threading.Event | None = None  # set when the relearn under way ends
 
     def fan_out(
         self,
@@ -151,6 +152,29 @@ class Shards:
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
                 logger.debug("kvstore: could not relearn the cluster's slot map yet: %s", exc)
                 return
+
+    def relearn_by(self, deadline: float) -> bool:
+        """:meth:`relearn`, waited for until ``deadline`` (``time.monotonic()``) at most: True
+        once it ended. It runs on a thread of its own, one at a time (callers share it): redis-py
+        asks the nodes in a random order, so a hung master -- even one holding none of the
+        caller's keys -- costs a socket timeout per client (a review's loads with 0.5 s left
+        took 3 s). Past the deadline it goes on for the next caller."""
+        if not self.cluster or math.isinf(deadline):
+            self.relearn()
+            return True
+        with self._lock:
+            done = self._relearning
+            if done is None or done.is_set():
+                done = self._relearning = threading.Event()
+
+                def run(ended: threading.Event = done) -> None:
+                    try:
+                        self.relearn()
+                    finally:
+                        ended.set()
+
+                threading.Thread(target=run, name=f"{self._name}-relearn", daemon=True).start()
+        return done.wait(max(0.0, deadline - time.monotonic()))
 
 
 def result_by(outcome: Future[T], deadline: float) -> T:

@@ -188,7 +188,8 @@ class Transport:
             return got
         for _ in redirected:
             self._on_redirect()
-        self.shards.relearn()
+        if not self.shards.relearn_by(deadline):
+            raise deadline_passed("while the Cluster's slot map was learnt again")
         again = self.shards.fan_out(
             lambda server, part: self._get_on_one(server, part, each, deadline=deadline),
             [work[i] for i in redirected],

@@ -25,6 +25,7 @@ from kvstore import (
 from kvstore.fleet.functions import LIBRARY
 from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.server_code import server_digest
+from testing.blocks import filled_block
 from testing.redis_server import ClusterServers
 
 pytestmark = pytest.mark.redis
@@ -176,3 +177,52 @@ def test_a_clusters_control_replies_are_bounded_like_every_other_topologys(
                 assert client.get(key) == f"value of {key}".encode()
     finally:
         client.close()
+
+
+def test_a_read_redirected_keeps_its_deadline_while_the_slot_map_is_relearnt(
+    cluster: ClusterServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a redirect makes the read learn the slot map again, which redis-py
+    does by asking the nodes in a random order -- a hung master holding none of the read's
+    keys held a load with 0.5 s left for 3 s. The relearn here hangs until released: the
+    read must end typed at its own deadline, and the relearn goes on for the next caller."""
+    import time
+
+    from kvstore.errors import DeadlinePassedError
+    from kvstore.net.shards import Shards
+
+    buf = LookupBuffer.from_url(cluster.url, namespace="late")
+    buf.insert(HASHES[0], filled_block(0))
+    key = buf.redis_key(HASHES[0])
+    source = cluster.node_of(key)
+    target = next(n for n in cluster.master_nodes() if n.port != source.port)
+    src, dst = cluster.client(source), cluster.client(target)
+    slot = int(src.execute_command("CLUSTER KEYSLOT", key))
+    dst_id = dst.execute_command("CLUSTER MYID")
+    dst.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src.execute_command("CLUSTER MYID"))
+    src.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+    src.execute_command("MIGRATE", "127.0.0.1", target.port, key, 0, 5000)
+    for client in (dst, src):
+        client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)  # buf's map is stale
+    hung, relearn = threading.Event(), Shards.relearn
+    monkeypatch.setattr(Shards, "relearn", lambda self: (hung.wait(), relearn(self)))
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
+                            deadline=time.monotonic() + 0.3)  # fmt: skip
+        except Exception as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(30)  # (it waited for the relearn, which hangs until released, before)
+    ended_first = not reader.is_alive()
+    hung.set()
+    reader.join()
+    assert ended_first, "the read waited for the relearn past its deadline"
+    assert outcome and isinstance(outcome[0], DeadlinePassedError), outcome
+    monkeypatch.undo()
+    assert buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)])[0] is not None
+    buf.close()
