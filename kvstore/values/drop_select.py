@@ -379,7 +379,14 @@ class ClaimReleaser:
             try:
                 self._give_back(release, keys, until)
             except Exception:  # never lose the thread: the next batches still go back
-                logger.exception("kvstore: giving claimed blocks back failed")
+                # (and what this batch held is counted: a reply that is not a number raised
+                # ValueError here, and the blocks were neither given back nor stranded)
+                self._on_given_back(0, keys)
+                logger.exception(
+                    "kvstore: giving %d claimed block(s) back failed; any there stay under "
+                    "claim keys and expire with their TTLs",
+                    keys,
+                )
             finally:
                 with self._idle:
                     self._pending -= 1
@@ -688,13 +695,18 @@ class Claimer:
                     raise _TooLate(f"{self._guard.safe_url}: the claim ran too late")
             if isinstance(reply, Exception) and isinstance(reply, _MIGRATING):
                 # the slot moved or is moving: the whole group again, through redis-py's
-                # cluster client (it follows MOVED / ASK), until the migration ends
-                reply = self._claim_migrating(scripted(groups[n]), args, deadline)
+                # cluster client (it follows MOVED / ASK), until the migration ends -- one
+                # bound for the call, however many of its slots move (a review's four
+                # migrating slots waited four bounds: 6.8 s for 3)
+                if not migrating_until:
+                    migrating_until.append(max(deadline, time.monotonic() + MIGRATION_WAIT_S))
+                reply = self._claim_migrating(scripted(groups[n]), args, migrating_until[0])
             if isinstance(reply, Exception):
                 raise reply
             return claim_statuses(reply, len(groups[n]), self._guard.safe_url)
 
         late_seen: list[bool] = []
+        migrating_until: list[float] = []  # (set by the first slot found moving)
 
         def claim_groups() -> list[Any]:
             sent = time.monotonic()
@@ -723,9 +735,8 @@ class Claimer:
         return statuses, lengths
 
     def _claim_migrating(
-        self, scripted: list[str], args: Callable[[], list[Any]], deadline: float
+        self, scripted: list[str], args: Callable[[], list[Any]], until: float
     ) -> Any:
-        until = max(deadline, time.monotonic() + MIGRATION_WAIT_S)
         delay = _FIRST_POLL_S
         while True:
             self._on_retry()

@@ -309,3 +309,16 @@ def test_a_consuming_read_refuses_repeated_hashes_and_takes_nothing(
         fake_buffer.drop_select(["a" * 32, "a" * 32])
     got = fake_buffer.drop_select(["a" * 32])[0]  # still there: nothing was claimed
     assert got is not None and torch.equal(got["model"], torch.ones(2))
+
+
+def test_a_give_back_that_fails_untyped_counts_its_blocks_stranded() -> None:
+    """Found by a review: a release whose reply is not a number (``int()``'s ValueError) was
+    logged and counted nowhere -- neither given back nor stranded."""
+    from kvstore.values.drop_select import ClaimReleaser
+
+    counted: list[tuple[int, int]] = []
+    releaser = ClaimReleaser(lambda given, stranded: counted.append((given, stranded)))
+    releaser.submit(lambda: int(b"not a number"), 5)
+    assert releaser.wait(30)
+    releaser.close(1)
+    assert counted == [(0, 5)]
