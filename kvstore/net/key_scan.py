@@ -24,6 +24,8 @@ T = TypeVar("T")
 
 # keys a SCAN page asks for: 100 names of up to ~40 KiB each fit the bound
 SCAN_COUNT = 100
+# how often a Cluster walk looks again for masters it has not walked (one added meanwhile)
+_MAP_ROUNDS = 3
 
 
 def _direct(command: str, fn: Callable[[], T]) -> T:
@@ -40,9 +42,21 @@ def scan_keys(
     SCAN promises), on every master of a Cluster. ``call(command, fn)`` runs each page's round
     trip (a ``Guard``'s, for typed errors and the circuit breaker). Raises
     :class:`StoreReplyTooLargeError` for a key name longer than the bound."""
-    nodes = client.get_primaries() if isinstance(client, RedisCluster) else [None]
-    for node in nodes:
-        yield from _scan_node(client, node, match, count, call)
+    if not isinstance(client, RedisCluster):
+        yield from _scan_node(client, None, match, count, call)
+        return
+    # the masters as they are now, not as the client learned them: a master added since
+    # (scale-out) was never walked -- a review's reset sweep left its old generation there --
+    # and again after the walk, for one added meanwhile
+    walked: set[str] = set()
+    for _ in range(_MAP_ROUNDS):
+        call("CLUSTER SLOTS", client.nodes_manager.initialize)
+        nodes = [node for node in client.get_primaries() if node.name not in walked]
+        if not nodes:
+            return
+        for node in nodes:
+            walked.add(node.name)
+            yield from _scan_node(client, node, match, count, call)
 
 
 def _scan_node(

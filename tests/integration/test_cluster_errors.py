@@ -226,3 +226,42 @@ def test_a_read_redirected_keeps_its_deadline_while_the_slot_map_is_relearnt(
     monkeypatch.undo()
     assert buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)])[0] is not None
     buf.close()
+
+
+def test_a_sweep_reaches_a_master_added_since_the_buffer_started(cluster: ClusterServers) -> None:
+    """Found by a review: key walks (the generations sweep, ``ls``, warm records) took the
+    masters from the slot map the client learned at start; a master added since -- scale-out
+    -- kept its older-generation blocks for ever (with no TTL)."""
+    import time
+
+    from testing.redis_server import RedisServer, free_cluster_port
+
+    buf = LookupBuffer.from_url(cluster.url, namespace="grow")
+    buf.insert_many([(h, filled_block(i)) for i, h in enumerate(MANY[:16])])
+    extra = RedisServer(
+        free_cluster_port(),
+        extra_args=["--cluster-enabled", "yes", "--cluster-node-timeout", "1000"],
+    ).start()
+    try:
+        added = cluster.client(extra)
+        added.execute_command("CLUSTER MEET", "127.0.0.1", cluster.nodes[0].port)
+        while added.cluster("info").get("cluster_state") != "ok":  # (it joins in a second)
+            time.sleep(0.05)
+        added_id = added.execute_command("CLUSTER MYID")
+        for h in MANY[:4]:  # the added master takes four blocks' slots
+            key = buf.redis_key(h)
+            source = cluster.client(cluster.node_of(key))
+            slot = int(source.execute_command("CLUSTER KEYSLOT", key))
+            added.execute_command(
+                "CLUSTER SETSLOT", slot, "IMPORTING", source.execute_command("CLUSTER MYID")
+            )
+            source.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", added_id)
+            source.execute_command("MIGRATE", "127.0.0.1", extra.port, key, 0, 5000)
+            for node in [extra, *cluster.master_nodes()]:
+                cluster.client(node).execute_command("CLUSTER SETSLOT", slot, "NODE", added_id)
+        assert added.dbsize() == 4
+        buf.sweep(buf.reset())
+        assert added.dbsize() == 0, "the added master's older blocks were not swept"
+        buf.close()
+    finally:
+        extra.cleanup()
