@@ -45,6 +45,19 @@ class GroupKind:
             return cls(Family.STATE, detail=arg)
         return cls(Family.OTHER, detail=text)
 
+    def freed_before(self, computed: int, block_size: int) -> int:
+        """How many leading blocks vLLM may have freed (given back to its pool: another
+        request may own them) once ``computed`` tokens were computed: those its attention no
+        longer sees. At least vLLM's own count (``get_num_skipped_tokens`` of the tokens it
+        has processed, which are never more than ``computed``)."""
+        if self.family is Family.SLIDING_WINDOW and self.tokens > 0:
+            skipped = max(0, computed - self.tokens + 1)
+        elif self.family is Family.CHUNKED_LOCAL and self.tokens > 0:
+            skipped = computed // self.tokens * self.tokens
+        else:
+            return 0
+        return skipped // block_size
+
     def __str__(self) -> str:
         if self.family is Family.FULL:
             return Family.FULL.value

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVLayout
+from connector.layout import NO_BLOCK, NULL_BLOCK_ID, KVGroup, KVLayout
 from connector.metadata import LoadSpec, SaveSpec
 from connector.request_state import RequestState
 from connector.save_policy import SaveAllowance
@@ -84,21 +84,33 @@ class SavePlanner:
         self.held_for_splits = reading_splits - held
         held = held | reading_splits
         saves: list[SaveSpec] = []
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         for req_id, computed in progress:
             st = requests[req_id]
             if not st.running or req_id in held:
                 continue
             done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            spec = self.plan_request(req_id, st, done)
+            live = block_state.get_block_ids(req_id) if block_state is not None else None
+            spec = self.plan_request(req_id, st, done, computed=computed, live=live)
             if spec is not None:
                 saves.append(spec)
         if self._state_groups:
             saves += self._state_saves(scheduler_output, requests)
         return saves
 
-    def plan_request(self, req_id: str, st: RequestState, done: int) -> SaveSpec | None:
+    def plan_request(
+        self,
+        req_id: str,
+        st: RequestState,
+        done: int,
+        *,
+        computed: int = 0,
+        live: Sequence[Sequence[int]] | None = None,
+    ) -> SaveSpec | None:
         """The save of the prompt blocks a running request has completed with ``done``
-        tokens computed that Redis lacks and it has not saved (None: none to save yet)."""
+        tokens computed (``computed`` before this step) that Redis lacks and it has not saved
+        (None: none to save yet). ``live``: vLLM's block table of the request now, where it
+        offers it (``kv_connector_block_state``)."""
         if not self._settle_presence(st, final=done >= st.num_tokens):
             return None
         full = min(done // self.block_size, len(st.save_names), self._positional_blocks(st))
@@ -110,7 +122,9 @@ class SavePlanner:
             req_id=req_id,
             # a state group's blocks are saved only when vLLM offers them
             block_ids=[
-                [NO_BLOCK] * (full - st.saved_blocks) if g.is_state else ids[st.saved_blocks : full]
+                [NO_BLOCK] * (full - st.saved_blocks)
+                if g.is_state
+                else self._still_held(g, ids, live, computed)[st.saved_blocks : full]
                 for g, ids in zip(self.layout.groups, st.block_ids, strict=True)
             ],
             names=st.save_names.span(st.saved_blocks, full),
@@ -119,6 +133,28 @@ class SavePlanner:
         )
         st.saved_up_to(full)
         return spec
+
+    def _still_held(
+        self,
+        group: KVGroup,
+        ids: list[int],
+        live: Sequence[Sequence[int]] | None,
+        computed: int,
+    ) -> list[int]:
+        """``ids`` (the request's blocks of ``group`` as the connector tracked them) with vLLM's
+        null block wherever vLLM may have freed the block since: a windowed group's blocks
+        that left the window. vLLM's table only grows in the connector's copy, but vLLM frees
+        those blocks -- and may give them to another request in the same step -- so a save
+        planned late (held for the presence lookup) read another request's KV under this
+        one's key (a review's, sliding window + full attention). vLLM's own table where it
+        offers it, else every block the window has passed by ``computed`` tokens."""
+        if not group.windowed:
+            return ids
+        if live is not None and group.index < len(live):
+            now = list(live[group.index])
+            return [b if i < len(now) and now[i] == b else NULL_BLOCK_ID for i, b in enumerate(ids)]
+        freed = min(len(ids), group.kind.freed_before(computed, self.block_size))
+        return [NULL_BLOCK_ID] * freed + ids[freed:]
 
     def _allowed(self, st: RequestState, full: int) -> int:
         """``full`` blocks cut to what the save policy allows the request (``save_policy.py``),

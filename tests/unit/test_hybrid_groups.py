@@ -327,3 +327,80 @@ def test_a_producer_with_a_local_hit_commits_what_a_consumer_can_load(
     store.close()
     sched.connector.shutdown()  # type: ignore[union-attr]
     conn.shutdown()
+
+
+@pytest.mark.parametrize("table", ["vLLM's own", "the window's rule"])
+def test_a_late_save_never_reads_a_window_block_vllm_gave_to_another_request(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch, table: str
+) -> None:
+    """Found by a review. A prompt that is a local hit up to its last block has its saves held
+    until its presence lookup answers (here: never, Redis is slow) or its last prompt step.
+    Meanwhile vLLM frees the sliding-window block that left the window and gives it to a new
+    request in the same step; the connector's copy of the block table only grows, so the late
+    save gathered that request's KV under this one's key. A save reads only blocks the request
+    still holds: vLLM's table where it offers it (``kv_connector_block_state``), else the
+    window's rule."""
+    import threading
+
+    from vllm.v1.core.sched import output as sched_output
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from testing.scheduler_harness import model_output
+
+    if table != "vLLM's own":  # (vLLM releases without the offer)
+        monkeypatch.setattr(sched_output.KVConnectorBlockState, "get_block_ids", lambda *a: None)
+    url, window = "redis://fake:6379/0", 40  # at 48 tokens computed block 0 is in the window
+    sched = make_scheduler(tiny_model, "kv_both", url=url, sliding_window=window, max_batched=8,
+                           max_num_seqs=8, num_blocks=22, lookup_wait_s=0.01)  # fmt: skip
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    tokens = prompt(4 * BS, seed=3)
+    first = make_request("a", tokens, max_tokens=1)  # its blocks land in vLLM's prefix cache
+    sched.add_request(first)
+    while not first.is_finished():
+        out = sched.schedule()
+        sched.update_from_output(out, model_output([first]))
+    out = sched.schedule()
+    staged = model_output([])
+    staged.kv_connector_output = KVConnectorOutput(finished_sending={"a"})
+    sched.update_from_output(out, staged)
+    slow = threading.Event()  # Redis is slow from now on: a presence lookup never answers
+    survey = conn.store.survey
+    monkeypatch.setattr(conn.store, "survey", lambda *a, **k: (slow.wait(30), survey(*a, **k))[1])
+    try:
+        r = make_request("r", tokens, max_tokens=1)  # 48 tokens a local hit, 16 to compute
+        sched.add_request(r)
+        out = sched.schedule()  # 8 of them; its saves wait for the lookup
+        assert out.num_scheduled_tokens == {"r": 8}
+        sched.update_from_output(out, model_output([r]))
+        sched.scheduler_config.long_prefill_token_threshold = 8  # more come, 8 tokens a step
+        sched.max_num_scheduled_tokens = sched.scheduler_config.max_num_batched_tokens = 64
+        free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        others = [make_request(f"q{i}", prompt(8, seed=20 + i), max_tokens=1) for i in range(free)]
+        for q in others:
+            sched.add_request(q)
+        out = sched.schedule()  # r's last 8 tokens: its held saves are planned now
+        (save,) = [s for s in out.kv_connector_metadata.saves if s.req_id == "r"]
+        now = sched.kv_cache_manager.get_block_ids("r")
+        taken = {b for q in others if q.request_id in out.num_scheduled_tokens
+                 for b in sched.kv_cache_manager.get_block_ids(q.request_id)[1]}  # fmt: skip
+        assert taken & set(sched.connector.scheduler._reqs["r"].block_ids[1])  # type: ignore[union-attr]
+        for g, ids in enumerate(save.block_ids):
+            for i, b in enumerate(ids):
+                assert b in (0, now[g][save.first_position + i]), (g, i, b, now[g])
+        # the worker runs the step: the others' forward pass writes their window blocks, then
+        # the save is gathered -- none of their KV goes under r's names
+        worker, caches = make_worker_connector(tiny_model, url, 22, sliding_window=window)
+        for b in taken:
+            caches[LAYERS[1]][b].fill_(6.0)
+        run_worker_step(worker, RedisConnectorMetadata(saves=[save]))
+        assert worker.worker.shutdown_pending(timeout_s=30) == 0
+        store = LookupBuffer.from_url(
+            url, namespace="vllm", fingerprint=worker.layout.fingerprint(0)
+        )
+        for value in store.select([n for names in save.names for n in names]):
+            assert value is None or not any(bool((t == 6.0).all()) for t in value.values())
+        store.close()
+        worker.shutdown()
+    finally:
+        slow.set()
+        sched.connector.shutdown()  # type: ignore[union-attr]
