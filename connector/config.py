@@ -42,6 +42,8 @@ _AT_LEAST_ONE = (
 
 # the socket timeouts (``kvstore.net.connection.check_timeouts`` holds every client to them)
 _TIMEOUTS = ("socket_timeout_s", "control_timeout_s", "connect_timeout_s")
+# the shortest expiry Redis takes: it counts in whole milliseconds
+MIN_TTL_S = 0.001
 
 
 def _number(key: str, value: Any, *, whole: bool) -> int | float:
@@ -214,6 +216,12 @@ class RedisConnectorConfig:
             )
         url = extra.pop("url", None)
         url_env = extra.get("url_env")
+        for key, value in (("url", url), ("url_env", url_env)):
+            if value is not None and not isinstance(value, str):
+                raise InvalidArgumentError(
+                    f"kv_connector_extra_config.{key} must be a string, got "
+                    f"{type(value).__name__}"  # (not the value: it may hold a password)
+                )
         if url and url_env:
             raise InvalidArgumentError("give url or url_env, not both")
         if url_env:
@@ -253,6 +261,11 @@ class RedisConnectorConfig:
                 f"unknown kv_connector_extra_config key(s) {sorted(unknown)}; "
                 f"known: url, {', '.join(sorted(known))}"
             )
+        for key, f in fields.items():
+            # null keeps a setting's default where null means nothing else (a review: null
+            # io_threads was a TypeError at start-up, null check_access skipped the ACL check)
+            if key in extra and extra[key] is None and "None" not in str(f.type):
+                del extra[key]
         # A producer/consumer pair hands each request over once (consume); instances that
         # both save and load share a pool of prefixes (share).
         extra.setdefault("mode", "share" if role == "kv_both" else "consume")
@@ -290,6 +303,15 @@ class RedisConnectorConfig:
                 )
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
+        elif extra.get("ttl_s") is not None and extra["ttl_s"] < MIN_TTL_S:
+            raise InvalidArgumentError(  # (Redis expires in whole milliseconds: 0 is refused)
+                f"ttl_s must be 0 (no expiry) or at least {MIN_TTL_S} s, got {extra['ttl_s']}"
+            )
+        if extra.get("breaker_probe_s") is not None and not extra["breaker_probe_s"] > 0:
+            raise InvalidArgumentError(
+                "breaker_probe_s must be above 0 seconds (how often an open circuit breaker "
+                f"probes the store), got {extra['breaker_probe_s']}"
+            )
         given = {name: extra.pop(key) for key, name in _DEADLINE_SETTINGS.items() if key in extra}
         # (a deadline given as null keeps its default: a Deadlines field is never None)
         deadlines = Deadlines(**{name: v for name, v in given.items() if v is not None})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,34 @@ def test_the_store_url_may_come_from_the_environment_and_is_never_printed(
         RedisConnectorConfig.from_extra({"url_env": "KV_URL_UNSET"}, "kv_both")
     with pytest.raises(InvalidArgumentError, match="not both"):
         RedisConnectorConfig.from_extra({"url": "redis://h:1/0", "url_env": "KV_URL"}, "kv_both")
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["io_threads", "check_access", "namespace", "mode", "max_inflight_bytes", "breaker_failures",
+     "split_band_bytes", "lookup_threads", "request_load_policy", "busy_decode_weight"],
+)  # fmt: skip
+def test_null_keeps_a_settings_default_where_null_means_nothing_else(key: str) -> None:
+    """Found by a review: null passed the checks and then was a TypeError at start-up
+    (io_threads) or turned a check off (check_access: null skipped the ACL check)."""
+    default = getattr(RedisConnectorConfig.from_extra(URL, "kv_both"), key)
+    assert getattr(RedisConnectorConfig.from_extra({**URL, key: None}, "kv_both"), key) == default
+    assert RedisConnectorConfig.from_extra({**URL, "ttl_s": None}, "kv_both").ttl_s is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"breaker_probe_s": 0}, "breaker_probe_s must be above 0"),
+        ({"ttl_s": 0.0001}, "ttl_s must be 0 (no expiry) or at least 0.001"),
+        ({"url": 5}, "url must be a string, got int"),
+        ({"url": None, "url_env": 5}, "url_env must be a string, got int"),
+    ],
+)
+def test_settings_that_fail_later_are_refused_at_start_saying_which(
+    extra: dict[str, object], says: str
+) -> None:
+    """Each passed the checks and failed later: the breaker with a message naming none of
+    our settings; every save ("invalid expire time"); a URL "empty" or "not set"."""
+    with pytest.raises(InvalidArgumentError, match=re.escape(says)):
+        RedisConnectorConfig.from_extra({**URL, **extra}, "kv_both")
