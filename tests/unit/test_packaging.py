@@ -120,3 +120,16 @@ def test_the_design_page_layout_table_matches_the_tree() -> None:
             row = path.parent.relative_to(ROOT).as_posix() + "/"
             assert row in rows, f"no row for {row} ({path.name})"
             assert f"`{path.name}`" in rows[row], f"{row}{path.name} is not in docs/design.md"
+
+
+def test_every_metric_the_connector_exports_is_in_the_metrics_page() -> None:
+    """A review found two counters (blocks_save_skipped, resets) exported and missing from
+    docs/metrics.md, the page users read to build dashboards."""
+    pytest.importorskip("vllm")
+    from connector.stats import COUNTERS, GAUGES, HISTOGRAMS
+
+    page = (ROOT / "docs" / "metrics.md").read_text()
+    names = [n for n, *_ in [*COUNTERS.values(), *HISTOGRAMS.values(), *GAUGES.values()]]
+    # (the page may shorten a row's second name to "..._<rest>")
+    missing = [n for n in names if n.removeprefix("vllm:redis_kv") not in page]
+    assert not missing, f"not in docs/metrics.md: {missing}"
