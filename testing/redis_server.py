@@ -225,9 +225,18 @@ class RedisServer:
 class SentinelServer:
     """A Redis Sentinel on 127.0.0.1:<port> watching one master (quorum 1, fast failover)."""
 
-    def __init__(self, service: str, master_port: int, *, down_after_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        service: str,
+        master_port: int,
+        *,
+        down_after_ms: int = 1000,
+        password: str | None = None,
+    ) -> None:
+        """``password``: the sentinel's own (``requirepass``), and the master's it uses."""
         self.port = free_port()
         self.service = service
+        self.password = password
         self.dir = Path(tempfile.mkdtemp(prefix=f"kvstore-sentinel-{self.port}-"))
         self.conf = self.dir / "sentinel.conf"
         self.conf.write_text(
@@ -237,6 +246,11 @@ class SentinelServer:
             f"sentinel down-after-milliseconds {service} {down_after_ms}\n"
             f"sentinel failover-timeout {service} 10000\n"
             f"sentinel parallel-syncs {service} 1\n"
+            + (
+                f"requirepass {password}\nsentinel auth-pass {service} {password}\n"
+                if password
+                else ""
+            )
         )
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -253,7 +267,7 @@ class SentinelServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                redis.Redis(port=self.port, socket_timeout=1).ping()
+                redis.Redis(port=self.port, socket_timeout=1, password=self.password).ping()
                 return self
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
                 time.sleep(0.05)
@@ -261,7 +275,7 @@ class SentinelServer:
         raise StoreUnavailableError(f"redis-sentinel did not answer on port {self.port} in time")
 
     def master_port(self) -> int:
-        client = redis.Redis(port=self.port, socket_timeout=1)
+        client = redis.Redis(port=self.port, socket_timeout=1, password=self.password)
         addr = client.sentinel_get_master_addr_by_name(self.service)
         if not isinstance(addr, tuple):
             raise StoreUnavailableError(f"the sentinel knows no master {self.service!r}")

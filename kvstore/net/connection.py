@@ -10,7 +10,8 @@ end cannot be told apart from its host's. A password may also come as ``?passwor
 
 Topologies, spelled as LMCache spells them so users can move over:
 ``redis-sentinel://[user:password@]host1:port1[,host2:port2...]/<service>[/db]`` (the
-credentials are the master's; the sentinels are asked without them) and
+credentials are the master's; the sentinels are asked without them, or with the same ones given
+``?sentinel_auth=url``: sentinels with ``requirepass``, set as most charts set it) and
 ``redis-cluster://[user:password@]host1:port1[,host2:port2...]`` (seed nodes); ``rediss-*`` for
 TLS and ``valkey-*`` / ``valkeys-*`` as aliases.
 """
@@ -34,6 +35,7 @@ import redis.connection
 import redis.exceptions as rex
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError
 
 from kvstore.errors import (
     InvalidArgumentError,
@@ -63,10 +65,18 @@ logger = logging.getLogger("kvstore")
 # our aliases -> the scheme redis-py parses
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
+# a Sentinel URL's own parameter: whether the sentinels take the URL's credentials too
+SENTINEL_AUTH = "sentinel_auth"
+_SENTINEL_AUTH_VALUES = ("none", "url")
 _URL_PARTS = {"host", "port", "db", "username", "password", "path", "connection_class"}
 # a "password=" query value ends where one of these parameters begins ("&name="), else at the
 # URL's end: a raw "&" or "#" in the password must not leave its tail in a log
-_QUERY_NAMES = (*_TLS_QUERY, *_URL_PARTS, *redis.connection.URL_QUERY_ARGUMENT_PARSERS)
+_QUERY_NAMES = (
+    *_TLS_QUERY,
+    SENTINEL_AUTH,
+    *_URL_PARTS,
+    *redis.connection.URL_QUERY_ARGUMENT_PARSERS,
+)
 # (each letter as written or percent-encoded: redis-py decodes parameter names, so
 # "?pass%77ord=" sets the password too)
 _QUERY_PASSWORD = re.compile(
@@ -290,11 +300,18 @@ def _parse_topology_url(scheme: str, rest: str, safe: str, secrets: list[str]) -
             raise _bad(safe, f"bad host:port {item.strip()!r}")
         nodes.append((host, int(port)))
     options = {}
+    allowed = (*_TLS_QUERY, SENTINEL_AUTH) if topology == "sentinel" else _TLS_QUERY
     for pair in filter(None, query.split("&")):
         key, _, value = pair.partition("=")
-        if key not in _TLS_QUERY:
+        if key not in allowed:
             raise _bad(safe, f"unknown query parameter(s) {_shown_names({key}, secrets)}")
         options[key] = unquote(value)
+    if options.get(SENTINEL_AUTH, "none") not in _SENTINEL_AUTH_VALUES:
+        raise _bad(
+            safe,
+            f"{SENTINEL_AUTH} must be one of {', '.join(_SENTINEL_AUTH_VALUES)} (url: the "
+            "sentinels take the URL's user name and password too)",
+        )
     parts = [unquote(p) for p in tail.split("/") if p]
     service, db = "", 0
     if topology == "sentinel":
@@ -609,6 +626,9 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
         "socket_timeout": kwargs["socket_timeout"],
         "socket_connect_timeout": kwargs["socket_connect_timeout"],
     }
+    if address.options.get(SENTINEL_AUTH) == "url":  # sentinels with requirepass / ACL users
+        sentinel_kwargs["username"] = kwargs.get("username")
+        sentinel_kwargs["password"] = kwargs.get("password")
     if ssl:
         # the sentinels are checked as the master is: the same CA, client certificate, verify
         # mode and host name check, each set here rather than left to redis-py's defaults
@@ -718,6 +738,14 @@ def translated_errors(
         ) from None
     except rex.ResponseError as exc:
         raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None
+    except MasterNotFoundError as exc:
+        # (redis-py's text is the repr of every sentinel client: no help, and long)
+        said = "asked for a password" if "Authentication" in str(exc) else "named none"
+        raise StoreUnavailableError(
+            f"{safe_url}: the sentinels {said} for the service's master: check that they run, "
+            "watch the service named in the URL, and -- where they have requirepass -- add "
+            f"?{SENTINEL_AUTH}=url (the sentinels then take the URL's credentials)"
+        ) from None
     except rex.MaxConnectionsError:  # (a pool not ours: ours wait, then say so themselves)
         raise StoreBusyError(
             f"every connection of this client to {safe_url} is in use: raise max_connections "

@@ -218,3 +218,28 @@ def test_a_client_short_of_connections_waits_then_is_busy_not_the_server_down(
     finally:
         if cluster is not None:
             cluster.cleanup()
+
+
+@pytest.mark.redis
+def test_sentinels_with_a_password_are_asked_with_the_urls_credentials_when_told() -> None:
+    """Found by a review: sentinels with requirepass (as most charts set them) could not be
+    used, and the error was redis-py's repr of every sentinel client. ``?sentinel_auth=url``
+    gives them the URL's credentials; without it the error says so, and never the password."""
+    password = "sentinel-and-master-pw"
+    master = RedisServer(password=password).start()
+    sentinel = SentinelServer("kvauth", master.port, password=password).start()
+    try:
+        url = f"redis-sentinel://:{password}@127.0.0.1:{sentinel.port}/kvauth"
+        with pytest.raises(StoreUnavailableError, match="sentinel_auth=url") as refused:
+            LookupBuffer.from_url(url, namespace="auth").ping()
+        assert password not in str(refused.value) and "object at 0x" not in str(refused.value)
+        buf = LookupBuffer.from_url(f"{url}?sentinel_auth=url", namespace="auth")
+        buf.insert(HASHES[0], filled_block(0))
+        assert buf.select([HASHES[0]])[0] is not None
+        assert password not in buf.safe_url
+        buf.close()
+        with pytest.raises(InvalidURLError, match="sentinel_auth must be one of"):
+            parse_url(f"{url}?sentinel_auth=yes")
+    finally:
+        sentinel.cleanup()
+        master.cleanup()
