@@ -408,6 +408,11 @@ def _checked(
 READ_PIECE_BYTES = 1 << 20
 
 
+def _key_type(client: redis.Redis, key: bytes) -> str:
+    kind = client.type(key)
+    return kind.decode(errors="replace") if isinstance(kind, bytes) else str(kind)
+
+
 def read_value(client: redis.Redis, key: bytes) -> bytes | None:
     """A string value whole, read by ``GETRANGE`` a MiB at a time (``STRLEN`` first); None
     when there is no such key. A key of another type raises redis-py's ``ResponseError``."""
@@ -453,7 +458,21 @@ def inspect_key(
             )
         # as the connector derives it (with its epoch: the weights' version, value_auth.py)
         value_key = ValueKey(secret, parsed.namespace, epoch)
-    value = read_value(client, raw)
+    try:
+        value = read_value(client, raw)
+    except redis.exceptions.ResponseError as exc:
+        if "WRONGTYPE" not in str(exc):
+            raise
+        # a list, a hash...: no value of ours (``ls`` counts it among "keys that do not hold
+        # a string"); was a server error and exit 2, "could not run" (a review's)
+        return {
+            "key": name,
+            "exists": True,
+            "valid": False,
+            "verdict": Verdict.INVALID.value,
+            "reason": "wrong-type",
+            "detail": f"the key holds a {_key_type(client, raw)}, not a string: no kvstore value",
+        }
     if not isinstance(value, bytes):
         return {"key": name, "exists": False, "valid": False, "verdict": Verdict.MISSING.value}
     out: dict[str, Any] = {
@@ -978,7 +997,7 @@ def reset_namespace(url: str, prefix: str, namespace: str, sweep: bool = True) -
             # may: the refused command's own hint cannot say so
             rule = acl_rule(["ping", "generation", "reset", "sweep"], namespace, prefix)
             raise StorePermissionError(
-                f"{exc}\nResetting namespace {namespace!r} takes the admin's rule: "
+                f"{exc}. Resetting namespace {namespace!r} takes the admin's rule: "
                 f"ACL SETUSER <user> {rule}",
                 command=exc.command,
             ) from None

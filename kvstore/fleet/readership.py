@@ -52,7 +52,10 @@ def readership(
     when a restart did not keep them; None: always)."""
     if not isinstance(idle_s, int) or isinstance(idle_s, bool) or age_s is None:
         return Readership.UNKNOWN
-    if kept_since_s is not None and age_s > kept_since_s:
+    # (the uptime is whole seconds and the age the writer's clock: a block written within a
+    # second of the start was taken for one written before it -- a review's -- so the same
+    # slack as below)
+    if kept_since_s is not None and age_s > kept_since_s + LRU_SLACK_S:
         return Readership.UNKNOWN  # written before a restart that reset its idle time
     return Readership.READ if idle_s < age_s - LRU_SLACK_S else Readership.UNREAD
 

@@ -64,6 +64,10 @@ logger = logging.getLogger("kvstore")
 
 # our aliases -> the scheme redis-py parses
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
+# URL schemes that speak TLS
+_TLS_SCHEMES = frozenset(
+    f"{name}s{topology}" for name in ("redis", "valkey") for topology in ("", "-sentinel", "-cluster")
+)
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
 # a Sentinel URL's own parameter: whether the sentinels take the URL's credentials too
 SENTINEL_AUTH = "sentinel_auth"
@@ -732,9 +736,16 @@ def translated_errors(
             f"{safe_url} is loading its dataset into memory: retry when it has finished"
         ) from None
     except rex.TimeoutError:
+        tls = urlsplit(safe_url).scheme.lower() in _TLS_SCHEMES
         raise StoreTimeoutError(
             f"{safe_url} did not answer in time: check the server's load and the network, "
             "or raise socket_timeout_s"
+            + (
+                " -- or, if that port does not speak TLS, use the plain scheme (a TLS "
+                "handshake with a plain server waits out the timeout)"
+                if tls
+                else ""
+            )
         ) from None
     except rex.ResponseError as exc:
         raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None

@@ -317,6 +317,12 @@ def test_ls_and_inspect_survive_hostile_keys_on_a_real_server(redis_url, capsys,
         )
         out = capsys.readouterr().out
         assert rc == 1 and "\\xff\\xfe-not-utf8" in out  # found: its fingerprint is not "fp"
+        # a key of another type is no value of ours: INVALID, exit 1 -- it was the server's
+        # WRONGTYPE and exit 2, "could not run" (a review's)
+        rc = kvstore.cli.main(["--url", redis_url, "--json", "inspect", "kv:odd:fp:list"])
+        info = json.loads(capsys.readouterr().out)
+        assert rc == 1 and info["verdict"] == "INVALID" and info["reason"] == "wrong-type"
+        assert "list" in info["detail"]
     finally:
         real.close()
 

@@ -49,3 +49,12 @@ def test_errors_are_typed_by_class(raised: Exception, expected: type, advice: st
     with pytest.raises(expected) as info, translated_errors("redis://h:6379/0", "STRLEN"):
         raise raised
     assert advice in str(info.value)
+
+
+@pytest.mark.parametrize("url", ["rediss://h:6379/0", "valkeys-cluster://h:1", "redis://h:6379/0"])
+def test_a_tls_url_that_times_out_says_the_port_may_not_speak_tls(url: str) -> None:
+    """Found by a review: rediss:// at a plain server waits out the timeout in the handshake,
+    and the message said only to raise socket_timeout_s."""
+    with pytest.raises(StoreTimeoutError) as info, translated_errors(url):
+        raise rex.TimeoutError("Timeout connecting to server")
+    assert ("plain scheme" in str(info.value)) is (not url.startswith("redis://"))

@@ -20,3 +20,11 @@ def test_what_cannot_be_told_is_unknown_not_unread() -> None:
     # written before a restart that reset idle times (every block would look freshly read)
     assert readership(0, 100.0, kept_since_s=50.0) is Readership.UNKNOWN
     assert readership(0, 40.0, kept_since_s=50.0) is Readership.READ
+
+
+def test_a_block_written_just_after_the_start_is_not_taken_for_one_written_before() -> None:
+    """Found by a review: the uptime comes in whole seconds and the age from the writer's
+    clock, so blocks written within a second of the server's start read "unknown", and
+    ``ls`` said they were written before the server's last restart."""
+    assert readership(30, 30.6, kept_since_s=30.0) is Readership.UNREAD
+    assert readership(30, 30.0 + LRU_SLACK_S + 0.5, kept_since_s=30.0) is Readership.UNKNOWN
