@@ -66,7 +66,9 @@ logger = logging.getLogger("kvstore")
 _ALIASES = {"valkey": "redis", "valkeys": "rediss", "redis+unix": "unix", "valkey+unix": "unix"}
 # URL schemes that speak TLS
 _TLS_SCHEMES = frozenset(
-    f"{name}s{topology}" for name in ("redis", "valkey") for topology in ("", "-sentinel", "-cluster")
+    f"{name}s{topology}"
+    for name in ("redis", "valkey")
+    for topology in ("", "-sentinel", "-cluster")
 )
 _TLS_QUERY = ("tls_ca_file", "tls_cert_file", "tls_key_file", "tls_verify")
 # a Sentinel URL's own parameter: whether the sentinels take the URL's credentials too
