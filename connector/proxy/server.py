@@ -145,7 +145,12 @@ def main(argv: list[str] | None = None) -> int:
         "(default %(default)s)",
     )
     ap.add_argument("--log-level", default="info")
-    ap.add_argument("--redis-url", help="the store, for POST /kv/presence")
+    ap.add_argument(
+        "--redis-url",
+        default=os.environ.get("KVSTORE_URL"),
+        help="the store, for POST /kv/presence (default: $KVSTORE_URL, which keeps a password "
+        "out of the process list)",
+    )
     ap.add_argument(
         "--layout-file", help="the connector's layout JSON ($REDIS_KV_CONNECTOR_LAYOUT_FILE)"
     )

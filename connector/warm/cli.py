@@ -91,7 +91,11 @@ class Row:
 def _own_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("connector.warm")
     g.add_argument("documents", nargs="*", metavar="DOC", help="files, directories, globs, .jsonl")
-    g.add_argument("--url", help="the store URL the serving instances use")
+    g.add_argument(
+        "--url",
+        help="the store URL the serving instances use (default: the one in their "
+        "--kv-transfer-config, else $KVSTORE_URL, which keeps a password out of the process list)",
+    )
     g.add_argument("--namespace", help="the serving instances' namespace (default: vllm)")
     g.add_argument(
         "--ttl",
@@ -145,7 +149,7 @@ def connector_config(args: argparse.Namespace, engine: dict[str, Any]) -> dict[s
     ``--kv-transfer-config`` is given), with our URL, namespace and TTL."""
     served = engine.pop("kv_transfer_config", None)
     extra = dict(getattr(served, "kv_connector_extra_config", None) or {})
-    extra["url"] = args.url or extra.get("url")
+    extra["url"] = args.url or extra.get("url") or os.environ.get("KVSTORE_URL")
     extra["namespace"] = args.namespace or extra.get("namespace", "vllm")
     extra["ttl_s"] = args.ttl or None
     extra.pop("mode", None)
@@ -160,7 +164,7 @@ def warm(args: argparse.Namespace, engine_kwargs: dict[str, Any], out: Console) 
         raise NothingDone("--model is required (the serving instances' model)")
     config = connector_config(args, engine_kwargs)
     if not config["url"]:
-        raise NothingDone("--url is required (the serving instances' store URL)")
+        raise NothingDone("--url (or $KVSTORE_URL) is required: the serving instances' store URL")
     style = PromptStyle(
         args.prefix,
         args.suffix,
@@ -422,11 +426,12 @@ def _settle(store: LookupBuffer, layout: StoreLayout, row: Row, committed: int) 
 def check(args: argparse.Namespace, out: Console) -> int:
     """Per warmed document (all in the namespace, or those named), the share of its blocks in
     the pool now, the usable prefix and the TTL left. No model is loaded."""
-    if not args.url:
-        raise NothingDone("--url is required")
+    url = args.url or os.environ.get("KVSTORE_URL")
+    if not url:
+        raise NothingDone("--url (or $KVSTORE_URL) is required")
     namespace = args.namespace or "vllm"
     try:
-        store = LookupBuffer.from_url(args.url, namespace=namespace, fingerprint=_ANY_FINGERPRINT)
+        store = LookupBuffer.from_url(url, namespace=namespace, fingerprint=_ANY_FINGERPRINT)
     except KVStoreError as exc:
         raise NothingDone(f"{exc}") from None
     try:

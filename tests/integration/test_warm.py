@@ -271,7 +271,9 @@ def test_check_prints_a_table_people_can_read(
     buf.insert_many([(h, small_block(i)) for i, h in enumerate(CHAINS[0])])
     save_record(buf, _record("manual.txt", CHAINS[0], ["f"]))
     buf.close()
-    assert cli.main(["--url", redis_url, "--namespace", "w", "--check"]) == 0
+    # (the URL from the environment, as kvstore's: a password stays out of the process list)
+    monkeypatch.setenv("KVSTORE_URL", redis_url)
+    assert cli.main(["--namespace", "w", "--check"]) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "manual.txt" in ln)
     assert "100%" in line and "complete" in line and "KiB" in line and "4" in line
@@ -414,6 +416,11 @@ def test_engine_options_pass_through_and_the_servers_connector_config_is_the_bas
     )
     config = cli.connector_config(args, engine)
     assert "kv_transfer_config" not in engine  # the warm engine sets its own
+    # the URL: --url, else the servers' config (as here), else $KVSTORE_URL
+    args_alone, _ = cli.parse_args(["--model", "/m", "doc.txt"])
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVSTORE_URL", "redis://from-env:6379/0")
+        assert cli.connector_config(args_alone, {})["url"] == "redis://from-env:6379/0"
     assert config == {
         "url": "redis://served:6379/0",
         "namespace": "team",
