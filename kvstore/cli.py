@@ -661,7 +661,7 @@ def _unread(row: dict[str, Any]) -> str:
         return ""
     if row["unknown_blocks"] == row["blocks"]:
         return "-"
-    return f"{_share(row['unread_blocks'], row['blocks'])}, {human_size(row['unread_bytes'])}"
+    return f"{_share(row['unread_blocks'], row['blocks'])},\n{human_size(row['unread_bytes'])}"
 
 
 def _range(lo: float | None, hi: float | None) -> str:
@@ -810,13 +810,22 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
         if args.json:
             _json(rows)
             return ExitStatus.OK
+        from rich import box
+
         table = Table(
-            title=_shown(f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)")
+            title=_shown(f"cached KV blocks ({args.prefix}:<namespace>:<fingerprint>:<hash>)"),
+            box=box.SIMPLE_HEAD,  # (no column rules: eight columns fit 80)
+            pad_edge=False,
+            collapse_padding=True,
         )
-        columns = ("namespace", "fingerprint", "blocks", "bytes", "TTL", "age", "read",
-                   "unread", "pattern")  # fmt: skip
-        for col in columns:
-            table.add_column(col)
+        # what ls exists to show -- the namespace, the fingerprint, the pattern to paste into
+        # redis-cli -- is never cut to "…": at 80 columns (a pipe's default) the table showed
+        # "namesp…", "3e37d7…" and no usable pattern (a review's). The names fold; the
+        # patterns go below the table, one line each
+        table.add_column("namespace", overflow="fold")
+        table.add_column("fingerprint", overflow="fold", min_width=16)
+        for col in ("blocks", "bytes", "TTL", "age", "read", "unread"):
+            table.add_column(col, overflow="fold")
         for r in rows:
             table.add_row(
                 _shown(r["namespace"]),
@@ -827,7 +836,6 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 _range(r.get("age_min_s"), r.get("age_max_s")),
                 _read(r),
                 _unread(r),
-                _shown(r.get("pattern", "")),
             )
         console.print(table if rows else "no kvstore keys found")
         if rows:
@@ -835,6 +843,10 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 "read: blocks read since written, by any instance (a load, a probe, a warm "
                 "renewal); unread: blocks nobody read, and the memory they hold"
             )
+            console.print("each row's keys: redis-cli --scan --pattern")
+            for r in rows:
+                console.print(Text.assemble("  '", _shown(r.get("pattern", ""), limit=None), "'"),
+                              soft_wrap=True)  # fmt: skip
         return ExitStatus.OK
     if args.cmd == "inspect":
         info = inspect_key(client, args.key, args.secret, args.prefix, args.epoch)

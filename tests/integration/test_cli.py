@@ -351,3 +351,16 @@ def test_inspect_reads_a_value_larger_than_any_control_reply(redis_url, capsys) 
     rc = kvstore.cli.main(["--url", redis_url, "inspect", key, "--json"])
     info = json.loads(capsys.readouterr().out)
     assert rc == 0 and info["verdict"] == "valid" and info["bytes"] > 12 << 20
+
+
+def test_ls_at_80_columns_shows_each_fingerprint_and_pattern_whole(
+    client, capsys, monkeypatch
+) -> None:
+    """Found by a review: at 80 columns (a pipe's default) ls cut what it exists to show:
+    "namesp…", "3e37d7…", and a redis-cli pattern nobody could paste."""
+    monkeypatch.setenv("COLUMNS", "80")
+    rc, out = run(capsys, "ls")
+    rows = json.loads(run(capsys, "ls", "--json")[1])
+    assert rc == 0 and rows and "…" not in out
+    for r in rows:
+        assert r["fingerprint"] in out and f"'{r['pattern']}'" in out
