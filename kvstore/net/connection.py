@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
+import math
 import re
 import threading
 import time
@@ -384,7 +384,7 @@ def make_client(
     if address.transport == "unix":
         kwargs["connection_class"] = BoundedUnixConnection
         kwargs["path"] = address.path
-        pool = _BlockingPool(timeout=socket_timeout_s, **kwargs)
+        pool = _WaitsForAConnection(**kwargs)
         return redis.Redis(connection_pool=pool)
     kwargs["host"] = address.host
     kwargs["port"] = address.port
@@ -408,7 +408,7 @@ def make_client(
         return _sentinel_client(address, kwargs)
     if address.topology == "cluster":
         return _cluster_client(address, kwargs)
-    pool = _BlockingPool(timeout=socket_timeout_s, **kwargs)
+    pool = _WaitsForAConnection(**kwargs)
     return redis.Redis(connection_pool=pool)
 
 
@@ -427,26 +427,6 @@ def check_timeouts(**timeouts: float) -> None:
                 f"{name} must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, "
                 f"got {value!r}: every wait on Redis is bounded by it"
             )
-
-
-class _BlockingPool(redis.BlockingConnectionPool):
-    """redis-py's blocking pool, whose wait for a free connection, run out, is a
-    :class:`StoreBusyError`: redis-py raises its ``ConnectionError`` there, which kvstore took
-    for the server down -- a review found eight threads on a pool of one, against a healthy
-    but slow server, opening the circuit breaker with "check that the server runs"."""
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().get_connection(*args, **kwargs)
-        except rex.ConnectionError as exc:
-            # (raised from redis-py's ``except Empty:``: the pool's queue stayed empty)
-            if isinstance(exc.__context__, queue.Empty):
-                raise StoreBusyError(
-                    f"all {self.max_connections} connections of this client stayed in use for "
-                    f"{self.timeout:g} s: raise max_connections (LookupBuffer.from_url), or "
-                    "run fewer calls at once"
-                ) from None
-            raise
 
 
 def _tls_kwargs(
@@ -561,13 +541,14 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
 
 
 class _WaitsForAConnection(redis.ConnectionPool):
-    """A redis-py pool that makes no more than ``max_connections``, whose caller past that
-    waits for one to be given back -- for up to its socket timeout, as the standalone pool
-    (``_BlockingPool``) -- then gets :class:`StoreBusyError`. redis-py's plain pools (a
-    Cluster node's, Sentinel's) raise ``MaxConnectionsError`` at once instead, a
+    """Every client's pool (standalone, a Cluster node's, Sentinel's): no more than
+    ``max_connections``, and a caller past that waits for one to be given back -- up to its
+    socket timeout, or its own deadline where sooner (``get_connection_by``) -- then gets
+    :class:`StoreBusyError`. redis-py's pools either raise ``MaxConnectionsError`` at once (a
     ``ConnectionError`` that kvstore took for the server down: a review's eight lookups on a
-    pool of two against a slow Cluster failed six "cannot reach ... check that the server runs"
-    and opened the circuit breaker."""
+    pool of two against a slow Cluster failed six "cannot reach ... check that the server
+    runs" and opened the circuit breaker) or, blocking, wait their whole timeout whatever a
+    load's deadline (a read with 0.2 s left waited 2 s for a connection, a review's)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -576,7 +557,12 @@ class _WaitsForAConnection(redis.ConnectionPool):
         self.wait_s = float(timeout) if timeout else DEFAULT_POOL_WAIT_S
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        until = time.monotonic() + self.wait_s
+        return self.get_connection_by(math.inf, *args, **kwargs)
+
+    def get_connection_by(self, deadline: float, *args: Any, **kwargs: Any) -> Any:
+        """A connection, waited for until ``deadline`` (``time.monotonic()``) at most, and no
+        longer than the pool's wait."""
+        until = min(time.monotonic() + self.wait_s, deadline)
         while True:
             try:
                 return super().get_connection(*args, **kwargs)

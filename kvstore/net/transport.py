@@ -376,10 +376,11 @@ class Transport:
         """A connection of ``server``'s pool, for reading replies ourselves. If the body raises
         before every reply was read, the connection's place in the reply stream is lost: it is
         dropped, not returned to the pool as it is. The pool's wait for a free connection is
-        its own (the socket timeout); one that ends past ``deadline`` is the deadline's."""
+        its own (the socket timeout), cut short at ``deadline``: then the deadline's error."""
         pool = server.connection_pool
+        by = getattr(pool, "get_connection_by", None)  # (ours: the wait ends by the deadline)
         try:
-            conn = pool.get_connection()
+            conn = by(deadline) if by is not None else pool.get_connection()
         except StoreBusyError:
             if time.monotonic() >= deadline:  # (a load past its deadline, not a short pool)
                 raise deadline_passed("waiting for a free connection") from None

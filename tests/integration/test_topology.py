@@ -243,3 +243,45 @@ def test_sentinels_with_a_password_are_asked_with_the_urls_credentials_when_told
     finally:
         sentinel.cleanup()
         master.cleanup()
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("topology", ["standalone", "cluster"])
+def test_a_read_waits_for_a_free_connection_until_its_deadline_not_the_pools(
+    topology: str,
+) -> None:
+    """Found by a review: a read with 0.2 s left waited the pool's whole wait (its socket
+    timeout, 60 s here) for a connection before failing. It must end typed at its deadline."""
+    from kvstore.errors import DeadlinePassedError
+
+    servers = ClusterServers(masters=3, replicas=0) if topology == "cluster" else RedisServer()
+    servers.start()
+    try:
+        client = make_client(parse_url(servers.url), socket_timeout_s=60, max_connections=1)
+        control = make_client(parse_url(servers.url), socket_timeout_s=60, max_connections=4)
+        buf = LookupBuffer(client, namespace="late", control_client=control)
+        buf.insert(HASHES[0], filled_block(0))
+        nodes = client.get_nodes() if topology == "cluster" else [client]  # type: ignore[attr-defined]
+        pools = [getattr(n, "redis_connection", n).connection_pool for n in nodes]
+        held = [(pool, pool.get_connection()) for pool in pools]
+        outcome: list[object] = []
+
+        def read() -> None:
+            try:
+                buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
+                                deadline=time.monotonic() + 0.2)  # fmt: skip
+            except Exception as exc:
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(30)  # (the pool's own wait is 60 s)
+        ended_first = not reader.is_alive()
+        for pool, conn in held:
+            pool.release(conn)
+        reader.join()
+        assert ended_first, "the read waited for a connection past its deadline"
+        assert outcome and isinstance(outcome[0], DeadlinePassedError), outcome
+        buf.close()
+    finally:
+        servers.cleanup()
