@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 import time
@@ -303,7 +304,8 @@ def list_blocks(client: redis.Redis, prefix: str, namespace: str | None) -> List
                 # not told either way: the notes say why (an LFU policy, a refused command, a
                 # restart, a header without its creation time)
                 "unknown_blocks": g.blocks - g.read - g.unread,
-                "pattern": f"{prefix}:{ns}:{fp}:*",
+                # (literal: a namespace or fingerprint holding *, ? or [ matches only itself)
+                "pattern": f"{_glob_literal(prefix)}:{_glob_literal(ns)}:{_glob_literal(fp)}:*",
             }
         )
     labels = {
@@ -843,10 +845,13 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 "read: blocks read since written, by any instance (a load, a probe, a warm "
                 "renewal); unread: blocks nobody read, and the memory they hold"
             )
-            console.print("each row's keys: redis-cli --scan --pattern")
+            console.print("each row's keys: redis-cli --scan --pattern <pattern>")
             for r in rows:
-                console.print(Text.assemble("  '", _shown(r.get("pattern", ""), limit=None), "'"),
-                              soft_wrap=True)  # fmt: skip
+                # quoted for a shell (anyone who may write a key names a namespace: a quote in
+                # it closed a naive quoting and ran what followed, a review's), then shown
+                # escaped as every other name
+                quoted = shlex.quote(str(r.get("pattern", "")))
+                console.print(Text.assemble("  ", _shown(quoted, limit=None)), soft_wrap=True)
         return ExitStatus.OK
     if args.cmd == "inspect":
         info = inspect_key(client, args.key, args.secret, args.prefix, args.epoch)

@@ -364,3 +364,21 @@ def test_ls_at_80_columns_shows_each_fingerprint_and_pattern_whole(
     assert rc == 0 and rows and "…" not in out
     for r in rows:
         assert r["fingerprint"] in out and f"'{r['pattern']}'" in out
+
+
+def test_ls_prints_each_pattern_quoted_for_a_shell_and_literal_for_scan(client, capsys) -> None:
+    """Found by a review: a namespace holding a quote (anyone who may write a key names one)
+    closed ls's naive quoting, and pasting the line ran what followed; a namespace holding a
+    glob character matched other namespaces' keys."""
+    import shlex
+
+    client.set("kv:x';touch /tmp/PWNED;echo ':3e37d709d305466b:" + "a" * 32, b"junk")
+    client.set("kv:a*:3e37d709d305466b:" + "b" * 32, b"junk")
+    rows = json.loads(run(capsys, "ls", "--json")[1])
+    rc, out = run(capsys, "ls")
+    printed = [ln.strip() for ln in out.splitlines()[out.splitlines().index(
+        "each row's keys: redis-cli --scan --pattern <pattern>") + 1:] if ln.strip()]  # fmt: skip
+    assert rc == 0 and len(printed) == len(rows)
+    for line, r in zip(printed, rows, strict=True):
+        assert shlex.split(line) == [r["pattern"]]  # one word: nothing runs after it
+    assert "kv:a\\*:3e37d709d305466b:*" in [r["pattern"] for r in rows]
