@@ -42,8 +42,12 @@ _AT_LEAST_ONE = (
 
 # the socket timeouts (``kvstore.net.connection.check_timeouts`` holds every client to them)
 _TIMEOUTS = ("socket_timeout_s", "control_timeout_s", "connect_timeout_s")
-# the shortest expiry Redis takes: it counts in whole milliseconds
+# the shortest expiry Redis takes (it counts in whole milliseconds), and a longest far inside
+# its 64-bit count of them (31 years: longer is "no expiry", 0)
 MIN_TTL_S = 0.001
+MAX_TTL_S = 1e9
+# an open breaker's probes at most this often (1e-6 s made 4,163 connection attempts a second)
+MIN_PROBE_S = 0.01
 
 
 def _number(key: str, value: Any, *, whole: bool) -> int | float:
@@ -243,7 +247,7 @@ class RedisConnectorConfig:
         secret = load_secret(
             secret_file=extra.get("secret_file"), secret_env=extra.get("secret_env")
         )
-        check_epoch(extra.get("epoch", ""))
+        check_epoch(extra.get("epoch") or "")  # (null: none, as every null below)
         if extra.get("epoch") and secret is None:
             raise InvalidArgumentError(
                 "kv_connector_extra_config.epoch needs the namespace's secret (secret_file or "
@@ -303,14 +307,17 @@ class RedisConnectorConfig:
                 )
         if extra.get("ttl_s") == 0:
             extra["ttl_s"] = None  # 0 means: no expiry
-        elif extra.get("ttl_s") is not None and extra["ttl_s"] < MIN_TTL_S:
-            raise InvalidArgumentError(  # (Redis expires in whole milliseconds: 0 is refused)
-                f"ttl_s must be 0 (no expiry) or at least {MIN_TTL_S} s, got {extra['ttl_s']}"
+        elif extra.get("ttl_s") is not None and not MIN_TTL_S <= extra["ttl_s"] <= MAX_TTL_S:
+            raise InvalidArgumentError(  # (Redis expires in whole milliseconds of a 64-bit
+                # count: 0 and 1e17 s are refused on every save)
+                f"ttl_s must be 0 (no expiry) or from {MIN_TTL_S} to {MAX_TTL_S:g} s, got "
+                f"{extra['ttl_s']}"
             )
-        if extra.get("breaker_probe_s") is not None and not extra["breaker_probe_s"] > 0:
+        probe = extra.get("breaker_probe_s")
+        if probe is not None and not MIN_PROBE_S <= probe <= MAX_TIMEOUT_S:
             raise InvalidArgumentError(
-                "breaker_probe_s must be above 0 seconds (how often an open circuit breaker "
-                f"probes the store), got {extra['breaker_probe_s']}"
+                f"breaker_probe_s must be from {MIN_PROBE_S} to {MAX_TIMEOUT_S:g} seconds (how "
+                f"often an open circuit breaker probes the store), got {probe}"
             )
         given = {name: extra.pop(key) for key, name in _DEADLINE_SETTINGS.items() if key in extra}
         # (a deadline given as null keeps its default: a Deadlines field is never None)

@@ -191,7 +191,10 @@ def _redacted(url: str) -> tuple[str, list[str]]:
         start = query_at + 1
         for pair in re.split("[&;]", url[start : fragment_at if fragment_at >= 0 else None]):
             name, eq, value = pair.partition("=")
-            if eq and value and unquote(name).lower() not in _SHOWN_QUERY_VALUES:
+            shown = unquote(name).lower() in _SHOWN_QUERY_VALUES
+            if shown and unquote(name).lower() == SENTINEL_AUTH:  # (a password put there by
+                shown = unquote(value).lower() in _SENTINEL_AUTH_VALUES  # mistake: a review's)
+            if eq and value and not shown:
                 spans.append((start + len(name) + 1, start + len(pair)))
             start += len(pair) + 1
     merged: list[list[int]] = []
@@ -739,7 +742,14 @@ def translated_errors(
         raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None
     except MasterNotFoundError as exc:
         # (redis-py's text is the repr of every sentinel client: no help, and long)
-        said = "asked for a password" if "Authentication" in str(exc) else "named none"
+        refused = "Authentication" in str(exc)
+        if refused and f"{SENTINEL_AUTH}=url" in safe_url:
+            raise StoreAuthenticationError(
+                f"{safe_url}: the sentinels refused the URL's credentials: with "
+                f"{SENTINEL_AUTH}=url their requirepass (or ACL user) must be the URL's; a "
+                "password of the sentinels' own is not supported"
+            ) from None
+        said = "asked for a password" if refused else "named none"
         raise StoreUnavailableError(
             f"{safe_url}: the sentinels {said} for the service's master: check that they run, "
             "watch the service named in the URL, and -- where they have requirepass -- add "

@@ -16,6 +16,7 @@ import torch
 from kvstore import (
     InvalidURLError,
     LookupBuffer,
+    StoreAuthenticationError,
     StoreBusyError,
     StoreTopologyError,
     StoreUnavailableError,
@@ -238,8 +239,14 @@ def test_sentinels_with_a_password_are_asked_with_the_urls_credentials_when_told
         assert buf.select([HASHES[0]])[0] is not None
         assert password not in buf.safe_url
         buf.close()
-        with pytest.raises(InvalidURLError, match="sentinel_auth must be one of"):
-            parse_url(f"{url}?sentinel_auth=yes")
+        with pytest.raises(InvalidURLError, match="sentinel_auth must be one of") as wrong:
+            parse_url(f"{url}?sentinel_auth=the-sentinels-password")  # (a natural mistake)
+        assert "the-sentinels-password" not in str(wrong.value)
+        # told, and still refused: the sentinels' password is not the URL's
+        other = f"redis-sentinel://:another-pw@127.0.0.1:{sentinel.port}/kvauth?sentinel_auth=url"
+        with pytest.raises(StoreAuthenticationError, match="must be the URL's") as refused:
+            LookupBuffer.from_url(other, namespace="auth").ping()
+        assert "another-pw" not in str(refused.value)
     finally:
         sentinel.cleanup()
         master.cleanup()

@@ -193,13 +193,16 @@ def test_null_keeps_a_settings_default_where_null_means_nothing_else(key: str) -
     default = getattr(RedisConnectorConfig.from_extra(URL, "kv_both"), key)
     assert getattr(RedisConnectorConfig.from_extra({**URL, key: None}, "kv_both"), key) == default
     assert RedisConnectorConfig.from_extra({**URL, "ttl_s": None}, "kv_both").ttl_s is None
+    assert RedisConnectorConfig.from_extra({**URL, "epoch": None}, "kv_both").epoch == ""
 
 
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ({"breaker_probe_s": 0}, "breaker_probe_s must be above 0"),
-        ({"ttl_s": 0.0001}, "ttl_s must be 0 (no expiry) or at least 0.001"),
+        ({"breaker_probe_s": 0}, "breaker_probe_s must be from 0.01"),
+        ({"breaker_probe_s": 1e-6}, "breaker_probe_s must be from 0.01"),
+        ({"ttl_s": 0.0001}, "ttl_s must be 0 (no expiry) or from 0.001"),
+        ({"ttl_s": 1e17}, "ttl_s must be 0 (no expiry) or from 0.001"),
         ({"url": 5}, "url must be a string, got int"),
         ({"url": None, "url_env": 5}, "url_env must be a string, got int"),
     ],
