@@ -742,14 +742,14 @@ def translated_errors(
         raise StoreCommandError(f"{safe_url} answered an error: {_strip(exc)}") from None
     except MasterNotFoundError as exc:
         # (redis-py's text is the repr of every sentinel client: no help, and long)
-        refused = "Authentication" in str(exc)
-        if refused and f"{SENTINEL_AUTH}=url" in safe_url:
+        asked_auth = "Authentication" in str(exc)
+        if asked_auth and f"{SENTINEL_AUTH}=url" in safe_url:
             raise StoreAuthenticationError(
                 f"{safe_url}: the sentinels refused the URL's credentials: with "
                 f"{SENTINEL_AUTH}=url their requirepass (or ACL user) must be the URL's; a "
                 "password of the sentinels' own is not supported"
             ) from None
-        said = "asked for a password" if refused else "named none"
+        said = "asked for a password" if asked_auth else "named none"
         raise StoreUnavailableError(
             f"{safe_url}: the sentinels {said} for the service's master: check that they run, "
             "watch the service named in the URL, and -- where they have requirepass -- add "
