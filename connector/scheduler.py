@@ -625,8 +625,13 @@ class RedisConnectorScheduler:
             # (it may come during the step, before the step's failures are known), nor an
             # error (kv_load_failure_policy=fail ends those on a failed load's blocks: a
             # review found their KV saved)
+            # (the window's rule at every token computed: it may skip a block vLLM still
+            # holds, never read one it gave away -- no table of vLLM's comes with this call)
             spec = self._save_planner.plan_request(
-                request.request_id, st, request.num_computed_tokens
+                request.request_id,
+                st,
+                request.num_computed_tokens,
+                computed=request.num_computed_tokens,
             )
             if spec is not None:
                 self._pending_saves.append(spec)

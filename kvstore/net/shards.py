@@ -173,7 +173,11 @@ class Shards:
                     finally:
                         ended.set()
 
-                threading.Thread(target=run, name=f"{self._name}-relearn", daemon=True).start()
+                try:
+                    threading.Thread(target=run, name=f"{self._name}-relearn", daemon=True).start()
+                except BaseException:  # (no thread: no relearn is under way for the next one)
+                    done.set()
+                    raise
         return done.wait(max(0.0, deadline - time.monotonic()))
 
 
