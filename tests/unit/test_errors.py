@@ -8,6 +8,7 @@ import redis.exceptions as rex
 
 from kvstore import (
     StoreAuthenticationError,
+    StoreBusyError,
     StoreCommandError,
     StoreOutOfMemoryError,
     StorePermissionError,
@@ -38,6 +39,8 @@ CASES = [
      StoreUnavailableError, "loading"),
     (rex.TimeoutError("Timeout reading from socket"), StoreTimeoutError, ""),
     (rex.ConnectionError("Error 111 connecting"), StoreUnavailableError, "cannot reach"),
+    # a pool run out is a busy client, not the server down (it opened the breaker: a review's)
+    (rex.MaxConnectionsError("Too many connections"), StoreBusyError, "max_connections"),
     (rex.ResponseError("WRONGTYPE Operation against a key"), StoreCommandError, "WRONGTYPE"),
     (rex.InvalidResponse("Protocol Error: b'H'"), StoreCommandError, "Redis/Valkey"),
     (ConnectionResetError(104, "Connection reset by peer"), StoreUnavailableError, ""),
