@@ -247,7 +247,8 @@ class RedisConnectorConfig:
         secret = load_secret(
             secret_file=extra.get("secret_file"), secret_env=extra.get("secret_env")
         )
-        check_epoch(extra.get("epoch") or "")  # (null: none, as every null below)
+        # (null: none, as every null below; any other value not a string is refused)
+        check_epoch("" if extra.get("epoch") is None else extra["epoch"])
         if extra.get("epoch") and secret is None:
             raise InvalidArgumentError(
                 "kv_connector_extra_config.epoch needs the namespace's secret (secret_file or "

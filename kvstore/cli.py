@@ -851,7 +851,10 @@ def _run(args: argparse.Namespace, client: redis.Redis, console: Console, err: C
                 # it closed a naive quoting and ran what followed, a review's), then shown
                 # escaped as every other name
                 quoted = shlex.quote(str(r.get("pattern", "")))
-                console.print(Text.assemble("  ", _shown(quoted, limit=None)), soft_wrap=True)
+                line = _shown(quoted, limit=None)
+                if line.plain != quoted:  # shown escaped, it would name another namespace
+                    line = Text("  (its namespace holds bytes a terminal cannot show: no pattern)")
+                console.print(Text.assemble("  ", line), soft_wrap=True)
         return ExitStatus.OK
     if args.cmd == "inspect":
         info = inspect_key(client, args.key, args.secret, args.prefix, args.epoch)

@@ -314,7 +314,8 @@ def _parse_topology_url(scheme: str, rest: str, safe: str, secrets: list[str]) -
         key, _, value = pair.partition("=")
         if key not in allowed:
             raise _bad(safe, f"unknown query parameter(s) {_shown_names({key}, secrets)}")
-        options[key] = unquote(value)
+        # (sentinel_auth as written: its errors read it from the URL's shown form)
+        options[key] = value if key == SENTINEL_AUTH else unquote(value)
     if options.get(SENTINEL_AUTH, "none") not in _SENTINEL_AUTH_VALUES:
         raise _bad(
             safe,
@@ -556,6 +557,7 @@ class _WaitsForAConnection(redis.ConnectionPool):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._given_back = threading.Condition()
+        self._releases = 0  # (counted: one that lands before a waiter waits is not missed)
         timeout = kwargs.get("socket_timeout")
         self.wait_s = float(timeout) if timeout else DEFAULT_POOL_WAIT_S
 
@@ -567,6 +569,8 @@ class _WaitsForAConnection(redis.ConnectionPool):
         longer than the pool's wait."""
         until = min(time.monotonic() + self.wait_s, deadline)
         while True:
+            with self._given_back:
+                seen = self._releases
             try:
                 return super().get_connection(*args, **kwargs)
             except rex.MaxConnectionsError:
@@ -577,13 +581,21 @@ class _WaitsForAConnection(redis.ConnectionPool):
                         f"stayed in use for {self.wait_s:g} s: raise max_connections "
                         "(LookupBuffer.from_url), or run fewer calls at once"
                     ) from None
-                with self._given_back:  # (woken by a release; polled besides, as a reset
-                    self._given_back.wait(min(left, 0.05))  # or a disconnect frees one too)
+                with self._given_back:  # (polled besides: a reset after a fork frees all)
+                    if self._releases == seen:
+                        self._given_back.wait(min(left, 0.05))
 
     def release(self, connection: Any) -> None:
         super().release(connection)
         with self._given_back:
+            self._releases += 1
             self._given_back.notify()
+
+    def made(self) -> list[Any]:
+        """Every connection this pool made and keeps, free or in use (for tests and
+        debugging: whether they are connected)."""
+        with self._lock:
+            return [*self._available_connections, *self._in_use_connections]
 
 
 class _BoundedNodePool(_WaitsForAConnection):

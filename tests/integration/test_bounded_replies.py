@@ -153,7 +153,7 @@ def test_the_bound_is_an_exception_redis_py_types(serve: object) -> None:
         with pytest.raises(rex.InvalidResponse):
             client.get("kv:vllm:generation")
         pool = client.connection_pool
-        assert all(c._sock is None for c in pool._connections)  # type: ignore[attr-defined]
+        assert all(c._sock is None for c in pool.made())  # type: ignore[attr-defined]
     finally:
         client.close()
 

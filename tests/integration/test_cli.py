@@ -374,11 +374,15 @@ def test_ls_prints_each_pattern_quoted_for_a_shell_and_literal_for_scan(client, 
 
     client.set("kv:x';touch /tmp/PWNED;echo ':3e37d709d305466b:" + "a" * 32, b"junk")
     client.set("kv:a*:3e37d709d305466b:" + "b" * 32, b"junk")
+    client.set("kv:a\x1bb:3e37d709d305466b:" + "c" * 32, b"junk")  # (shown escaped: "ax1bb")
     rows = json.loads(run(capsys, "ls", "--json")[1])
     rc, out = run(capsys, "ls")
     printed = [ln.strip() for ln in out.splitlines()[out.splitlines().index(
         "each row's keys: redis-cli --scan --pattern <pattern>") + 1:] if ln.strip()]  # fmt: skip
     assert rc == 0 and len(printed) == len(rows)
     for line, r in zip(printed, rows, strict=True):
-        assert shlex.split(line) == [r["pattern"]]  # one word: nothing runs after it
+        if "\x1b" in r["namespace"]:
+            assert "no pattern" in line  # none that would name namespace "ax1bb"
+        else:
+            assert shlex.split(line) == [r["pattern"]]  # one word: nothing runs after it
     assert "kv:a\\*:3e37d709d305466b:*" in [r["pattern"] for r in rows]

@@ -172,7 +172,7 @@ def test_a_health_check_never_pings_in_the_middle_of_a_pipelined_read(
         reader.select(hashes[:1])  # a pooled connection exists
         pool = reader._transport.client.connection_pool
         pool.connection_kwargs["health_check_interval"] = 0.05
-        for conn in pool._connections:  # type: ignore[attr-defined]
+        for conn in pool.made():  # type: ignore[attr-defined]
             if conn is not None:
                 conn.health_check_interval = 0.05
                 conn.next_health_check = time.monotonic() + 0.05

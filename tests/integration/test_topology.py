@@ -242,6 +242,8 @@ def test_sentinels_with_a_password_are_asked_with_the_urls_credentials_when_told
         with pytest.raises(InvalidURLError, match="sentinel_auth must be one of") as wrong:
             parse_url(f"{url}?sentinel_auth=the-sentinels-password")  # (a natural mistake)
         assert "the-sentinels-password" not in str(wrong.value)
+        with pytest.raises(InvalidURLError, match="sentinel_auth must be one of"):
+            parse_url(f"{url}?sentinel_auth=%75rl")  # (as written: errors read it so)
         # told, and still refused: the sentinels' password is not the URL's
         other = f"redis-sentinel://:another-pw@127.0.0.1:{sentinel.port}/kvauth?sentinel_auth=url"
         with pytest.raises(StoreAuthenticationError, match="must be the URL's") as refused:

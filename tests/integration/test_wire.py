@@ -585,7 +585,7 @@ def _one_get_through_a_transport(drip_server: DripServer, dest: int) -> tuple[ob
     try:
         got = _ends(read)
         pool = client.connection_pool
-        connections = pool._connections  # type: ignore[attr-defined]
+        connections = pool.made()  # type: ignore[attr-defined]
         return got, bool(connections) and all(c._sock is None for c in connections)
     finally:
         transport.close()
@@ -724,7 +724,7 @@ def test_a_batch_past_its_deadline_through_the_transport_drops_its_connection(
         got = _ends(read)
         assert isinstance(got, DeadlinePassedError), got
         assert slow_server.answered < _GETS
-        connections = client.connection_pool._connections  # type: ignore[attr-defined]
+        connections = client.connection_pool.made()  # type: ignore[attr-defined]
         assert connections and all(c._sock is None for c in connections)  # not mid-reply
         # and without one the batch is read whole, as before
         whole = transport.get_values(commands[:3], dests[:3])

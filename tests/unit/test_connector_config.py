@@ -204,6 +204,7 @@ def test_null_keeps_a_settings_default_where_null_means_nothing_else(key: str) -
         ({"ttl_s": 0.0001}, "ttl_s must be 0 (no expiry) or from 0.001"),
         ({"ttl_s": 1e17}, "ttl_s must be 0 (no expiry) or from 0.001"),
         ({"url": 5}, "url must be a string, got int"),
+        ({"epoch": 0}, "an epoch must be a string, got int"),  # (only null means none)
         ({"url": None, "url_env": 5}, "url_env must be a string, got int"),
     ],
 )
