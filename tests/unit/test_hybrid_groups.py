@@ -347,8 +347,11 @@ def test_a_late_save_never_reads_a_window_block_vllm_gave_to_another_request(
 
     from testing.scheduler_harness import model_output
 
-    if table != "vLLM's own":  # (vLLM releases without the offer)
-        monkeypatch.setattr(sched_output.KVConnectorBlockState, "get_block_ids", lambda *a: None)
+    offer = getattr(sched_output, "KVConnectorBlockState", None)  # (vLLM >= 0.32)
+    if table == "vLLM's own" and offer is None:
+        pytest.skip("this vLLM offers connectors no block table")
+    if table != "vLLM's own" and offer is not None:  # as releases without the offer
+        monkeypatch.setattr(offer, "get_block_ids", lambda *a: None)
     url, window = "redis://fake:6379/0", 40  # at 48 tokens computed block 0 is in the window
     sched = make_scheduler(tiny_model, "kv_both", url=url, sliding_window=window, max_batched=8,
                            max_num_seqs=8, num_blocks=22, lookup_wait_s=0.01)  # fmt: skip
