@@ -26,3 +26,28 @@ def until(pred: Callable[[], object], timeout_s: float = 30) -> None:
     while not pred():
         assert time.monotonic() < deadline, "never happened"
         time.sleep(0.01)
+
+
+def ends_before_release(
+    call: Callable[[], object], release: Callable[[], object], within_s: float = 30
+) -> BaseException | None:
+    """``call``, run on a thread while something it waits for is held, ends on its own (its
+    deadline) within ``within_s`` -- generous, for a busy machine, and far inside what it
+    waits for -- then ``release()`` runs either way. Returns what ``call`` raised (None: it
+    returned)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # (what it raised is the outcome)
+            raised.append(exc)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    waiter.join(within_s)
+    ended_first = not waiter.is_alive()
+    release()
+    waiter.join()
+    assert ended_first, "it waited past its deadline for what was held"
+    return raised[0] if raised else None

@@ -27,6 +27,7 @@ from kvstore.net.connection import make_client, parse_url, translated_errors
 from kvstore.net.server_code import server_digest
 from testing.blocks import filled_block
 from testing.redis_server import ClusterServers
+from testing.threads import ends_before_release
 
 pytestmark = pytest.mark.redis
 
@@ -206,23 +207,12 @@ def test_a_read_redirected_keeps_its_deadline_while_the_slot_map_is_relearnt(
         client.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)  # buf's map is stale
     hung, relearn = threading.Event(), Shards.relearn
     monkeypatch.setattr(Shards, "relearn", lambda self: (hung.wait(), relearn(self)))
-    outcome: list[object] = []
-
-    def read() -> None:
-        try:
-            buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
-                            deadline=time.monotonic() + 0.3)  # fmt: skip
-        except Exception as exc:
-            outcome.append(exc)
-
-    reader = threading.Thread(target=read)
-    reader.start()
-    reader.join(30)  # (it waited for the relearn, which hangs until released, before)
-    ended_first = not reader.is_alive()
-    hung.set()
-    reader.join()
-    assert ended_first, "the read waited for the relearn past its deadline"
-    assert outcome and isinstance(outcome[0], DeadlinePassedError), outcome
+    raised = ends_before_release(  # (it waited for the relearn, which hangs until released)
+        lambda: buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
+                                deadline=time.monotonic() + 0.3),
+        hung.set,
+    )  # fmt: skip
+    assert isinstance(raised, DeadlinePassedError), raised
     monkeypatch.undo()
     assert buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)])[0] is not None
     buf.close()

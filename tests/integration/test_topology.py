@@ -8,10 +8,12 @@ import threading
 import time
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 import redis
 import torch
+from redis.cluster import RedisCluster
 
 from kvstore import (
     InvalidURLError,
@@ -26,6 +28,7 @@ from kvstore import (
 from kvstore.net.connection import make_client
 from testing.blocks import filled_block
 from testing.redis_server import ClusterServers, RedisServer, SentinelServer, free_cluster_port
+from testing.threads import ends_before_release
 
 HASHES = chain_hashes(list(range(16 * 8)), 16)
 
@@ -181,6 +184,12 @@ def test_every_operation_through_sentinel_and_recovery_after_a_failover(
     store.close()
 
 
+def every_pool(client: redis.Redis) -> list[Any]:
+    """The client's connection pools: a Cluster client's, one per node."""
+    nodes = client.get_nodes() if isinstance(client, RedisCluster) else [client]
+    return [getattr(n, "redis_connection", n).connection_pool for n in nodes]
+
+
 @pytest.mark.redis
 @pytest.mark.parametrize("topology", ["cluster", "sentinel"])
 def test_a_client_short_of_connections_waits_then_is_busy_not_the_server_down(
@@ -200,8 +209,7 @@ def test_a_client_short_of_connections_waits_then_is_busy_not_the_server_down(
         client = make_client(parse_url(url), socket_timeout_s=0.3, max_connections=1)
         buf = LookupBuffer(client, namespace="busy", control_client=client, breaker_failures=2)
         buf.insert_many([(h, filled_block(i)) for i, h in enumerate(HASHES[:2])])
-        nodes = client.get_nodes() if cluster is not None else [client]  # type: ignore[attr-defined]
-        pools = [getattr(n, "redis_connection", n).connection_pool for n in nodes]
+        pools = every_pool(client)
         held = [(pool, pool.get_connection()) for pool in pools]
         for _ in range(3):
             with pytest.raises(StoreBusyError, match="max_connections"):
@@ -270,27 +278,14 @@ def test_a_read_waits_for_a_free_connection_until_its_deadline_not_the_pools(
         control = make_client(parse_url(servers.url), socket_timeout_s=60, max_connections=4)
         buf = LookupBuffer(client, namespace="late", control_client=control)
         buf.insert(HASHES[0], filled_block(0))
-        nodes = client.get_nodes() if topology == "cluster" else [client]  # type: ignore[attr-defined]
-        pools = [getattr(n, "redis_connection", n).connection_pool for n in nodes]
+        pools = every_pool(client)
         held = [(pool, pool.get_connection()) for pool in pools]
-        outcome: list[object] = []
-
-        def read() -> None:
-            try:
-                buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
-                                deadline=time.monotonic() + 0.2)  # fmt: skip
-            except Exception as exc:
-                outcome.append(exc)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        reader.join(30)  # (the pool's own wait is 60 s)
-        ended_first = not reader.is_alive()
-        for pool, conn in held:
-            pool.release(conn)
-        reader.join()
-        assert ended_first, "the read waited for a connection past its deadline"
-        assert outcome and isinstance(outcome[0], DeadlinePassedError), outcome
+        raised = ends_before_release(  # (the pool's own wait is 60 s)
+            lambda: buf.select_into([HASHES[0]], [torch.zeros(1 << 16, dtype=torch.uint8)],
+                                    deadline=time.monotonic() + 0.2),
+            lambda: [pool.release(conn) for pool, conn in held],
+        )  # fmt: skip
+        assert isinstance(raised, DeadlinePassedError), raised
         buf.close()
     finally:
         servers.cleanup()
