@@ -285,7 +285,7 @@ class RedisConnectorConfig:
             raise InvalidArgumentError(str(exc)) from None
         if "lua" in extra:
             extra["lua"] = ScriptMode.parse(extra["lua"])
-        if "connections" in extra and extra["connections"] in (None, "auto"):
+        if extra.get("connections") == "auto":
             del extra["connections"]  # the default: from this host's cores
         types = {key: str(f.type) for key, f in fields.items()}
         types.update(dict.fromkeys(_DEADLINE_SETTINGS, "float"))
@@ -300,9 +300,7 @@ class RedisConnectorConfig:
             elif kind == "bool" and not isinstance(extra[key], bool):
                 raise InvalidArgumentError(f"{key} must be true or false, got {extra[key]!r}")
         for key in _TIMEOUTS:  # each bounds a wait on Redis: above 0, at most an hour
-            if key in extra and extra[key] is None:
-                del extra[key]  # null keeps its default (a review: a TypeError at start-up)
-            elif key in extra and not 0 < extra[key] <= MAX_TIMEOUT_S:
+            if key in extra and not 0 < extra[key] <= MAX_TIMEOUT_S:
                 raise InvalidArgumentError(
                     f"{key} must be above 0 and at most {MAX_TIMEOUT_S:g} seconds, got {extra[key]}"
                 )
