@@ -54,6 +54,18 @@ return olds
 CLAIM_RECORDS = ServerScript("claim_records", CLAIM_RECORDS_LUA, ("allow-oom",))
 
 
+# a commit record's count: decimal digits, no more than a block count takes
+_COUNT_DIGITS = 16
+
+
+def _count(record: object) -> int | None:
+    """A commit record's block count (``publish`` writes it as decimal digits), or None: not
+    a record we can read (``int()`` took " -5 ", "1_0" and a planted count of -1 blocks)."""
+    if not isinstance(record, bytes) or not 0 < len(record) <= _COUNT_DIGITS:
+        return None
+    return int(record) if record.isdigit() else None
+
+
 @dataclass(frozen=True)
 class HandoffState:
     """What a consumer learns of a handoff in one round trip.
@@ -95,10 +107,11 @@ class Records:
             elif isinstance(r, bytes) and r.startswith(HANDOFF_TAKEN):
                 self.taken = True
             else:
-                try:
-                    counts.append(int(r))
-                except (TypeError, ValueError):
+                count = _count(r)
+                if count is None:
                     self.taken = True  # not a record we can read: never wait on it
+                else:
+                    counts.append(count)
         complete = len(counts) == len(replies) and not self.taken
         self.committed: int | None = min(counts) if complete else None
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.fleet.handoff import presence
+from kvstore.net.bounded_replies import integer_reply
 from kvstore.net.guard import Guard
 from kvstore.net.transport import Transport
 from kvstore.values.keys import KeySpace
@@ -38,7 +39,8 @@ class Inventory:
             for k in keys:
                 pipe.exists(k)
 
-        return [int(x) for x in self._guard.call("EXISTS", lambda: self._transport.pipeline(fill))]
+        replies = self._guard.call("EXISTS", lambda: self._transport.pipeline(fill))
+        return [integer_reply(x, "EXISTS") for x in replies]
 
     def longest_prefixes(
         self, chains: Sequence[Sequence[str]], fingerprints: Sequence[str] | None = None
@@ -77,7 +79,8 @@ class Inventory:
         out = []
         for i in range(len(hashes)):
             span = replies[2 * i * len(fps) : 2 * (i + 1) * len(fps)]
-            sizes, pttls = [int(x) for x in span[0::2]], [int(x) for x in span[1::2]]
+            sizes = [integer_reply(x, "STRLEN") for x in span[0::2]]
+            pttls = [integer_reply(x, "PTTL") for x in span[1::2]]
             present = all(p != -2 for p in pttls)  # -2: no such key (an empty value is -1/>=0)
             ttls = [p / 1000 for p in pttls if p >= 0]
             out.append(BlockInfo(present, sum(sizes), min(ttls) if ttls else None))

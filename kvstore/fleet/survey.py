@@ -11,6 +11,7 @@ from typing import Any
 from kvstore.fleet.generations import Generations
 from kvstore.fleet.handoff import HandoffRecords, HandoffState
 from kvstore.fleet.inventory import Inventory, split_presences
+from kvstore.net.bounded_replies import integer_reply
 from kvstore.net.guard import Guard
 from kvstore.net.transport import Transport
 from kvstore.values.keys import KeySpace
@@ -44,7 +45,8 @@ def survey(
 
     replies = guard.call("EXISTS", lambda: transport.pipeline(fill))
     at = len(block_keys)
-    presences = split_presences([int(x) for x in replies[:at]], chains, len(fps))
+    exists = [integer_reply(x, "EXISTS") for x in replies[:at]]
+    presences = split_presences(exists, chains, len(fps))
     states, used = records.parse_read(replies[at:], handoffs, len(fps))
     generation = generations.observe(replies[at + used])
     if generations.unknown:  # a signed namespace lost its counter: no block name is safe

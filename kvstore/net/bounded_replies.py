@@ -7,8 +7,12 @@ redis-py's parsers take a reply whole however large, and a socket timeout bounds
 or a byte every second, held a reader's memory or its call without limit. Here each reply is
 at most ``MAX_CONTROL_REPLY_BYTES`` and is done within the socket timeout plus its size at
 ``wire.MIN_BYTES_PER_S``, as values are; past either, the connection is dropped and the call
-fails typed. A handshake reply of the wrong shape (a HELLO answered with a string) is a
-protocol error, not redis-py's ``AttributeError``.
+fails typed. A pipeline's replies are bounded together too (``reply_batch``): each within its
+own bound, 512 replies of 4 MiB held 2 GiB for one lookup, and 50 replies each sent just
+within the socket timeout held it for 20 s (a review's hostile server). A handshake reply of
+the wrong shape (a HELLO answered with a string) is a protocol error, not redis-py's
+``AttributeError``; an integer reply that is not an integer is a typed error
+(``integer_reply``), not ``int()``'s ``ValueError``.
 
 It keeps hiredis (redis-py's fast parser) and only watches what it is fed.
 """
@@ -17,7 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -25,12 +32,53 @@ import redis.exceptions as rex
 from redis._parsers.hiredis import _HiredisParser
 from redis.utils import SENTINEL
 
+from kvstore.errors import StoreCommandError
 from kvstore.net.wire import MIN_BYTES_PER_S, error_reply
+from kvstore.text import printable
 
 # The largest control reply taken: far above any record, lookup answer or slot map kvstore
 # reads (kilobytes), far below what a planted reply could cost a process
 MAX_CONTROL_REPLY_BYTES = 4 << 20
 _NO_TIMEOUT_S = 60.0  # a reply's base budget on a socket without a timeout
+
+
+@dataclass
+class _Batch:
+    """The replies of one pipeline read so far on this thread (``reply_batch``)."""
+
+    started: float
+    received: int = 0
+
+
+_batches = threading.local()
+
+
+@contextlib.contextmanager
+def reply_batch() -> Iterator[None]:
+    """Bound the replies read on this thread meanwhile as one: at most
+    ``MAX_CONTROL_REPLY_BYTES`` in all, and done within the socket timeout plus their size at
+    ``MIN_BYTES_PER_S`` from now -- the bounds of one reply, for a pipeline's. Past either the
+    connection is dropped and the call fails typed, as for one reply. (A lookup's replies are
+    a few bytes each: 8,192 EXISTS answer in 32 KiB and milliseconds.)"""
+    before = getattr(_batches, "batch", None)
+    _batches.batch = _Batch(time.monotonic())
+    try:
+        yield
+    finally:
+        _batches.batch = before
+
+
+def integer_reply(reply: object, command: str) -> int:
+    """``reply`` where ``command`` answers an integer; anything else a server of kvstore's
+    never sends (a string of digits included: ``int()`` also takes " -5 " and "1_0", and
+    raised an untyped ``ValueError`` on "abc"), and the call fails typed."""
+    if isinstance(reply, int) and not isinstance(reply, bool):
+        return reply
+    raise StoreCommandError(
+        f"the server answered {command} with {printable(type(reply).__name__)} "
+        f"{printable(reply, 40)} where an integer is due: not what a Redis or Valkey server "
+        "sends; check that the URL names the right server"
+    )
 
 
 class ReplyTooLarge(rex.InvalidResponse):
@@ -96,26 +144,36 @@ class BoundedHiredisParser(_HiredisParser):
         if reader is None or self._reply_started is None:
             return bool(got)
         # (nothing took a reply from the buffer in between: the growth is what came)
-        self._received += max(0, int(reader.len()) - before)
-        if self._received > self.max_reply_bytes:
+        came = max(0, int(reader.len()) - before)
+        self._received += came
+        batch: _Batch | None = getattr(_batches, "batch", None)
+        if batch is not None:
+            batch.received += came
+            self._check(batch.received, batch.started, "a pipeline's replies")
+        self._check(self._received, self._reply_started, "a reply")
+        return bool(got)
+
+    def _check(self, received: int, started: float, what: str) -> None:
+        """Past the size or the time ``received`` bytes since ``started`` may take: the
+        connection dropped, and the error raised."""
+        if received > self.max_reply_bytes:
             raise self._broken(
                 ReplyTooLarge(
-                    f"a reply of over {self.max_reply_bytes} bytes where kvstore reads small "
+                    f"{what} of over {self.max_reply_bytes} bytes where kvstore reads small "
                     "control replies: not what a Redis server of kvstore's sends, so the "
                     "connection is dropped; check that the URL names the right server"
                 )
             )
         base = self._socket_timeout if self._socket_timeout else _NO_TIMEOUT_S
-        budget = base + self._received / MIN_BYTES_PER_S
-        if time.monotonic() - self._reply_started > budget:
+        budget = base + received / MIN_BYTES_PER_S
+        if time.monotonic() - started > budget:
             raise self._broken(
                 rex.TimeoutError(
-                    f"timed out reading a reply: not done within {budget:.1f} s (the socket "
+                    f"timed out reading {what}: not done within {budget:.1f} s (the socket "
                     f"timeout plus {MIN_BYTES_PER_S >> 20} s per MiB); the server stalls or "
                     "sends a few bytes at a time, and the connection is dropped"
                 )
             )
-        return bool(got)
 
     def _broken(self, error: Exception) -> Exception:
         """``error``, after the connection's socket is shut down: whatever redis-py does with

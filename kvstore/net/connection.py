@@ -58,6 +58,7 @@ from kvstore.net.bounded_replies import (
     BoundedUnixConnection,
     ReplyTooLarge,
 )
+from kvstore.text import printable
 from kvstore.values.keys import DEFAULT_KEY_PREFIX, NAME_RE
 
 logger = logging.getLogger("kvstore")
@@ -951,4 +952,6 @@ def error_code(exc: BaseException) -> str | None:
 
 
 def _strip(exc: BaseException) -> str:
-    return str(exc).strip().rstrip(".") or type(exc).__name__
+    """An exception's text for a message of ours: printable and cut (a server's error reply
+    is in it, and redis-py's own words about the pipeline around it)."""
+    return printable(str(exc).strip().rstrip(".")) or type(exc).__name__

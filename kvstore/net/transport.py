@@ -25,6 +25,7 @@ import redis
 from redis.cluster import RedisCluster
 
 from kvstore.errors import StoreBusyError
+from kvstore.net.bounded_replies import integer_reply, reply_batch
 from kvstore.net.buffer_pool import BufferPool
 from kvstore.net.connection import close_client, error_code
 from kvstore.net.shards import REDIRECTED, Shards, is_redirect
@@ -410,7 +411,8 @@ class Transport:
         if not self.cluster:
             pipe = self.control.pipeline(transaction=False)
             fill(pipe)
-            return list(pipe.execute())
+            with reply_batch():  # (the replies bounded together: bounded_replies.py)
+                return list(pipe.execute())
         recorder = _CommandRecorder()
         fill(recorder)
         calls = recorder.calls
@@ -435,13 +437,13 @@ class Transport:
     def unlink(self, keys: Sequence[str]) -> int:
         """``UNLINK`` the keys (of any slots); how many existed."""
         if not self.cluster:
-            return int(self.control.unlink(*keys)) if keys else 0
+            return integer_reply(self.control.unlink(*keys), "UNLINK") if keys else 0
 
         def fill(pipe: Any) -> None:
             for key in keys:
                 pipe.unlink(key)
 
-        return sum(int(n) for n in self.pipeline(fill))
+        return sum(integer_reply(n, "UNLINK") for n in self.pipeline(fill))
 
     def ping(self) -> object:
         """Is the store serving? Every master of a Cluster must answer (one that is down and not
@@ -488,7 +490,8 @@ def _pipelined(server: redis.Redis, calls: list[_Call]) -> list[Any]:
     pipe = server.pipeline(transaction=False)
     for name, args, kwargs in calls:
         getattr(pipe, name)(*args, **kwargs)
-    replies = pipe.execute(raise_on_error=False)
+    with reply_batch():
+        replies = pipe.execute(raise_on_error=False)
     out: list[Any] = []
     for reply in replies:
         if isinstance(reply, Exception):

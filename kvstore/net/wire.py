@@ -53,6 +53,7 @@ import numpy as np
 import redis.exceptions as rex
 
 from kvstore.errors import DeadlinePassedError
+from kvstore.text import printable
 
 try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
     from redis._parsers.base import BaseParser
@@ -67,7 +68,10 @@ def error_reply(message: str) -> rex.RedisError:
     MOVED, ...), or a plain ``ResponseError`` where the text does not parse as that class's
     (redis-py splits a MOVED / ASK into slot and address, and a ``MOVED garbage`` raised its
     ``ValueError``, past every typed handler: found by a review). A server's text makes no
-    other exception."""
+    other exception. Its text is made printable and cut (``kvstore.text``): a server's error
+    line with a newline and an ANSI escape forged a log line, and one of 3 MB went whole into
+    an exception (a review)."""
+    message = printable(message)
     try:
         return _parse_error(message)
     except (ValueError, IndexError, TypeError):

@@ -15,9 +15,16 @@ import pytest
 import redis
 import redis.exceptions as rex
 
-from kvstore.errors import StoreCommandError, StoreTimeoutError, StoreUnavailableError
+from kvstore import LookupBuffer
+from kvstore.errors import (
+    StoreCommandError,
+    StoreReplyTooLargeError,
+    StoreTimeoutError,
+    StoreUnavailableError,
+)
 from kvstore.net.bounded_replies import MAX_CONTROL_REPLY_BYTES, BoundedConnection
 from kvstore.net.connection import make_client, parse_url, translated_errors
+from kvstore.net.wire import native_available
 from testing.redis_server import RedisServer, SentinelServer
 from testing.scripted_server import ScriptedServer
 
@@ -288,3 +295,102 @@ def test_a_hung_sentinel_is_asked_twice_at_most_not_retried_with_backoff(serve: 
     finally:
         client.close()
     assert len(asked) <= 2, asked  # (one immediate retry of a broken connection)
+
+
+def _lookup_server(
+    serve: object, exists: bytes, pause_s: float = 0.0, get: bytes = b"$-1\r\n"
+) -> ScriptedServer:
+    """A server answering each EXISTS of a lookup with ``exists`` (after ``pause_s``)."""
+
+    def answer(name: bytes) -> bytes:
+        if name == b"HELLO":
+            return HELLO
+        if name == b"EXISTS":
+            time.sleep(pause_s)
+            return exists
+        if name == b"GET":
+            return get
+        return b"+OK\r\n"
+
+    return serve(answer)  # type: ignore[operator,no-any-return]
+
+
+def _buffer(port: int, timeout_s: float = 2.0) -> LookupBuffer:
+    return LookupBuffer.from_url(
+        f"redis://127.0.0.1:{port}/0",
+        namespace="t",
+        fingerprint="fp",
+        socket_timeout_s=timeout_s,
+        control_timeout_s=timeout_s,
+        check=False,
+    )
+
+
+def test_a_lookups_replies_are_bounded_together_in_size(serve: object) -> None:
+    """Each reply within its own bound, the pipeline's together past it: refused at the bound,
+    typed (a review's server answered 512 EXISTS with 3.75 MiB each: 2 GiB for one lookup)."""
+    each = MAX_CONTROL_REPLY_BYTES // 4
+    server = _lookup_server(serve, b"$%d\r\n" % each + b"1" * each + b"\r\n")
+    buf = _buffer(server.port)
+    try:
+        with pytest.raises(StoreReplyTooLargeError, match="pipeline's replies"):
+            buf.longest_prefix([f"h{i}" for i in range(16)])
+    finally:
+        buf.close()
+
+
+def test_a_lookups_replies_are_bounded_together_in_time(serve: object) -> None:
+    """Each reply within the socket timeout (0.3 s), 20 of them 3 s: the lookup ends typed at
+    its budget (the timeout plus its bytes' time), not after every reply."""
+    server = _lookup_server(serve, b":1\r\n", pause_s=0.15)
+    buf = _buffer(server.port, timeout_s=0.3)
+    try:
+        with pytest.raises(StoreTimeoutError):
+            buf.longest_prefix([f"h{i}" for i in range(20)])
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("reply", [b"$3\r\nabc\r\n", b"$2\r\n-5\r\n", b"+1\r\n", b"*0\r\n"])
+def test_an_integer_reply_that_is_not_an_integer_is_a_typed_error(
+    serve: object, reply: bytes
+) -> None:
+    """(Before: ``int()`` of it, an untyped ValueError past the proxy's handlers -- or a
+    string of digits taken as a count.)"""
+    server = _lookup_server(serve, reply)
+    buf = _buffer(server.port)
+    try:
+        with pytest.raises(StoreCommandError, match="where an integer is due"):
+            buf.longest_prefix(["h0", "h1"])
+        with pytest.raises(StoreCommandError, match="where an integer is due"):
+            buf.block_info(["h0"])
+    finally:
+        buf.close()
+
+
+@pytest.mark.parametrize("core", ["python", "native"])
+def test_a_servers_error_text_is_printable_and_cut_in_every_message(
+    serve: object, monkeypatch: pytest.MonkeyPatch, core: str
+) -> None:
+    """A server's error line with a newline and an ANSI escape forged a log line; one of 3 MB
+    went whole into the exception (a review's). Values' path (wire.py, either core) and the
+    control path (hiredis) alike."""
+    if core == "native" and not native_available():
+        pytest.skip("the compiled core is not built here")
+    monkeypatch.setenv("KVSTORE_WIRE_CORE", core)
+    text = b"-ERR x\n2031-01-01 CRITICAL [vllm] forged \x1b[31mred" + b"y" * 5_000
+    # (hiredis refuses a bare newline in an error line itself: the control path's has none)
+    for call, forged in (
+        (LookupBuffer.select, text + b"\r\n"),
+        (LookupBuffer.longest_prefix, text.replace(b"\n", b" ") + b"\r\n"),
+    ):
+        # (a server each: a scripted one serves one connection at a time)
+        buf = _buffer(_lookup_server(serve, forged, get=forged).port)
+        try:
+            with pytest.raises(StoreCommandError) as raised:
+                call(buf, ["h0"])
+        finally:
+            buf.close()
+        message = str(raised.value)
+        assert "\n" not in message and "\x1b" not in message, message[:200]
+        assert "forged" in message and len(message) < 1000

@@ -268,6 +268,19 @@ def test_handoff_is_committed_then_taken_by_exactly_one_consumer(fake_client) ->
     assert 0 < fake_client.pttl(consumer.keys.handoff("req1")) <= 60_000  # and soon expires
 
 
+@pytest.mark.parametrize("planted", [b" 3 ", b"1_0", b"-1", b"+3", b"3" * 17, "\u0663".encode()])
+def test_a_commit_record_that_is_not_a_count_is_never_loaded_from(fake_client, planted) -> None:
+    """``int()`` took " 3 ", "1_0" and a count of -1 blocks as commit records (a review's):
+    a record that is not decimal digits is one nobody can read, never waited on or loaded."""
+    consumer = LookupBuffer(fake_client, namespace="h", fingerprint="f0")
+    fill(consumer, 3)
+    fake_client.set(consumer.keys.handoff("req1"), planted)
+    state = consumer.read_handoff("req1", HASHES[:4])
+    assert state.committed is None and state.taken
+    fake_client.set(consumer.keys.handoff("req1"), b"3")  # (the same record, as published)
+    assert consumer.read_handoff("req1", HASHES[:4]).committed == 3
+
+
 def test_handoff_over_ranks_waits_for_every_rank_and_takes_the_minimum(fake_client) -> None:
     ranks = [LookupBuffer(fake_client, namespace="h", fingerprint=f"f{r}") for r in range(2)]
     fps = [r.fingerprint for r in ranks]
