@@ -37,7 +37,7 @@ from connector.load_policy import (
     pinned,
 )
 from connector.probes import IDLE_AFTER_S, IDLE_PROBE_FOR_S, ProbePlanner, ProbeSpec
-from connector.request_state import RequestState
+from connector.request_state import CountedOnce, RequestState
 from connector.stats import StatsBuffer
 
 if TYPE_CHECKING:
@@ -193,15 +193,17 @@ class LoadChoices:
             # recomputed because of the store: it stays under watch, and this hit is what
             # probes read
             self.probes.note_choice(decision.recomputed_for_the_store)
-            if decision.gain_s is not None:
-                self.stats.observe("predicted_gain_seconds", decision.gain_s)
         st.decided(decision, start + decision.blocks)
         self._admitted = admitted(self._admitted, hit, decision)
         if decision.way is Way.ASYNC:
             self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
-        self.stats.add(**{f"chose_{decision.way.value}": 1})
-        if decision.way is Way.RECOMPUTE:
-            self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
+        # (once an admission: a request whose local hits shrank is decided again)
+        if st.count_once(CountedOnce.CHOICE):
+            self.stats.add(**{f"chose_{decision.way.value}": 1})
+            if decision.way is Way.RECOMPUTE:
+                self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
+            if decision.gain_s is not None and way is None:
+                self.stats.observe("predicted_gain_seconds", decision.gain_s)
         logger.debug(
             "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
             request.request_id,

@@ -22,6 +22,9 @@ class LoadTracker:
         self.blocks: dict[int, tuple[str, int]] = {}
         # request -> [first, end, first failed] chain positions of its load
         self.outcomes: dict[str, list[int]] = {}
+        # a request finished while its load runs -> its traced block ids, kept until vLLM says
+        # the load finished: the load's failed blocks come until then (``release``)
+        self._traced_after_finish: dict[str, list[int]] = {}
 
     def loading_elsewhere(self, names: list[BlockName], req_id: str) -> bool:
         """Whether another request of this instance is loading any of these positions (named by
@@ -68,6 +71,9 @@ class LoadTracker:
 
     def count(self, req_id: str) -> None:
         """A load vLLM reports finished on every rank: what it delivered, once per request."""
+        for block_id in self._traced_after_finish.pop(req_id, ()):
+            if self.blocks.get(block_id, ("",))[0] == req_id:
+                del self.blocks[block_id]
         outcome = self.outcomes.pop(req_id, None)
         if outcome is None:
             return
@@ -80,13 +86,21 @@ class LoadTracker:
             tokens_load_failed=(end - failed) * self.block_size,
         )
 
-    def release(self, req_id: str, st: RequestState) -> None:
-        """Forget the blocks this request was loading (share mode: others stop waiting)."""
+    def release(self, req_id: str, st: RequestState, *, load_runs: bool = False) -> None:
+        """Forget the blocks this request was loading (share mode: others stop waiting).
+        ``load_runs``: the request finished while its load runs -- vLLM holds its blocks and
+        reports the load's failed ones until the load finishes, so their trace stays until
+        ``count`` (released at once, a load that failed as its request was aborted, or under
+        ``kv_load_failure_policy=fail``, which ends the request first, was counted loaded)."""
         start, end = st.load_range
         for name in st.load_names.first_group(start, end):
             if self.loading.get(name) == req_id:
                 del self.loading[name]
-        for block_id in st.block_ids[0][start:end] if st.block_ids else ():
-            if self.blocks.get(block_id, ("",))[0] == req_id:
-                del self.blocks[block_id]
+        traced = list(st.block_ids[0][start:end]) if st.block_ids else []
+        if load_runs and req_id in self.outcomes:
+            self._traced_after_finish[req_id] = traced
+        else:
+            for block_id in traced:
+                if self.blocks.get(block_id, ("",))[0] == req_id:
+                    del self.blocks[block_id]
         st.load_released()

@@ -15,7 +15,7 @@ from connector.config import RedisConnectorConfig
 from connector.load_tracking import LoadTracker
 from connector.logs import FailureCounts
 from connector.lookups import LookupBatcher, LookupResult
-from connector.request_state import RequestState
+from connector.request_state import CountedOnce, RequestState
 from connector.stats import StatsBuffer
 from kvstore import KVStoreError, LookupBuffer
 
@@ -70,9 +70,9 @@ class LookupPolls:
         """LOOKING_UP: the leading blocks vLLM may load (absolute), or None while unknown."""
         now = time.monotonic()
         if now >= st.deadline:
-            return self._give_up(rid, "deadline passed")
+            return self._give_up(st, rid, "deadline passed")
         if not self.store.available:
-            return self._give_up(rid, "Redis unavailable (circuit breaker open)")
+            return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
         if not self.config.consume and self._loads.loading_elsewhere(
             st.load_names.first_group(start, end), rid
         ):
@@ -83,12 +83,12 @@ class LookupPolls:
         if result is None:
             return None
         if result.present < 0:
-            return self._give_up(rid, "lookup failed")
+            return self._give_up(st, rid, "lookup failed")
         if st.handoff is None:
             return result.present
         if result.taken:
             st.handoff_taken()
-            return self._give_up(rid, "handoff already taken by another request")
+            return self._give_up(st, rid, "handoff already taken by another request")
         waited = now - st.first_seen
         if result.committed is None and (
             result.pending or not st.handoff.opened or waited < self.config.handoff_grace_s
@@ -155,8 +155,11 @@ class LookupPolls:
             return None
         return result
 
-    def _give_up(self, rid: str, why: str) -> int:
-        """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded)."""
+    def _give_up(self, st: RequestState, rid: str, why: str) -> int:
+        """Stop waiting on Redis for this request: it recomputes (whatever it had not loaded).
+        Counted once an admission (a request whose local hits shrank is asked about again)."""
+        if not st.count_once(CountedOnce.GIVE_UP):
+            return 0
         self.stats.add(requests_given_up=1)
         total = self.failures.add(f"give-up:{why}")
         if total:

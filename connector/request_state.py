@@ -27,6 +27,14 @@ class Phase(enum.Enum):
     RUNNING = "running"
 
 
+class CountedOnce(enum.Enum):
+    """What is counted once per admission of a request (again after a preemption), however
+    often it is asked about again meanwhile (its local hits shrank and it is looked up anew)."""
+
+    CHOICE = "the load policy's choice"
+    GIVE_UP = "giving up on Redis"
+
+
 class HandoffState(enum.Enum):
     """Where a consumer is with its producer's handoff: WAITING -> LOADING (the worker claims
     it) | DROPPED (we claim and delete it unloaded, ``drops.py``) | TAKEN (another request
@@ -86,6 +94,7 @@ class RequestState:
     save_marked: bool = False
     save_allowance: int | None = None
     save_skipped_to: int = 0
+    counted: set[CountedOnce] = field(default_factory=set)  # this admission's, so far
 
     # ------------------------------------------------------------------ what it is
     def renamable(self) -> bool:
@@ -124,6 +133,13 @@ class RequestState:
         self.deadline = deadline
         self.phase, self.lookup, self.next_poll = Phase.LOOKING_UP, None, 0.0
         self.load_range, self.layered, self.decision = (0, 0), False, None
+        self.counted.clear()
+
+    def count_once(self, what: CountedOnce) -> bool:
+        """Whether ``what`` is to be counted now: the first time this admission."""
+        first = what not in self.counted
+        self.counted.add(what)
+        return first
 
     def lookup_sent(self, lookup: Lookup, start: int) -> None:
         self.lookup_start, self.lookup = start, lookup

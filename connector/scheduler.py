@@ -607,7 +607,7 @@ class RedisConnectorScheduler:
             # then (``_finish_splits``), so what failed is still traced and tainted
             self._splits_finished[request.request_id] = st
         else:
-            self._loads.release(request.request_id, st)
+            self._loads.release(request.request_id, st, load_runs=loading)
         if not loading:
             # not loaded, and never will be: claim and delete it
             self._handoffs.drop_unloaded(request.request_id, st)

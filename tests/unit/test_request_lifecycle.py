@@ -187,8 +187,36 @@ def test_a_lookup_answer_survives_a_change_of_local_hits(
         assert ask(0) == (6 * BS, True)
     assert ask(1) == (5 * BS, True)  # a local hit of one block appeared
     assert ask(1) == (5 * BS, True)  # and vLLM asks again: the same answer
-    assert conn.stats.take().get("requests_given_up") is None
+    assert ask(0) == (6 * BS, True)  # the local hit went: looked up and decided anew
+    stats = conn.stats.take()
+    assert stats.get("requests_given_up") is None
+    # one request, one hit: its choice counted once, however often it was decided
+    assert sum(v for k, v in stats.items() if k.startswith("chose_")) == 1, stats
     sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_request_asked_about_again_gives_up_once(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis
+) -> None:
+    """Past its deadline a request recomputes; vLLM asking again (another local hit, or an
+    allocation that failed) is the same give-up, counted and logged once."""
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, lookup_wait_s=0, deadline_s=0.05)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    held = Gate(conn.store, "survey")  # Redis never answers the lookup
+    req = make_request("r", prompt(6 * BS + 1))
+    try:
+        for local_blocks in (3, 2, 1, 0):  # (each fewer: it is looked up anew)
+            answer: tuple[int | None, bool] = (None, False)
+            for _ in range(500):
+                answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
+                if answer[0] is not None:
+                    break
+                time.sleep(0.01)
+            assert answer == (0, False)
+        assert conn.stats.take().get("requests_given_up") == 1
+    finally:
+        held.opened.set()
+        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------- defect 5
@@ -403,6 +431,39 @@ def test_the_fail_policy_ends_the_request_only_after_its_load_reports(
     reader.run_until_idle()
     assert reader.finish_reasons == {"r": "error", "other": "length"}
     assert reader.sched.requests == {}
+
+
+@pytest.mark.parametrize("ended_by", ["nothing", "abort", "fail policy"])
+def test_a_failed_load_counts_as_failed_however_its_request_ended_first(
+    engines: Any, fake_redis: fakeredis.FakeRedis, ended_by: str
+) -> None:
+    """Every value of a share-mode load gone before the worker reads them: six failed blocks,
+    none loaded -- also where the request finished while its load ran (aborted; or ended by
+    ``kv_load_failure_policy=fail``, which finishes it before the load reports). Before, the
+    load's block trace was dropped at the finish, its failures went unseen, and all six
+    counted loaded (a review's)."""
+    tokens = prompt(6 * BS + 3, seed=21)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    reader = engines(failure_policy="fail" if ended_by == "fail policy" else "recompute")
+    held = Gate.hold(reader.worker.store)
+    reader.add("a", tokens)
+    until(lambda: held.entered.is_set(), reader)
+    if ended_by == "abort":
+        reader.abort("a")
+    for key in fake_redis.keys("kv:*"):  # evicted between the lookup and the load
+        fake_redis.delete(key)
+    held.opened.set()
+    invalid: set[int] = set()
+    for _ in range(400):
+        if not reader.sched.has_requests():
+            break
+        invalid |= reader.step().invalid
+        time.sleep(0.002)
+    assert not reader.sched.has_requests() and len(invalid) == 6
+    stats = reader.take_stats()
+    assert (stats.get("blocks_loaded", 0), stats.get("blocks_load_failed", 0)) == (0, 6), stats
 
 
 def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
