@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import types
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -136,6 +138,28 @@ def test_json_shape_counts_brackets_outside_strings_only() -> None:
     # unclosed brackets are as deep as the parser would recurse before failing
     assert refused_by(b"[" * 50, 100, 10) is Limit.JSON_DEPTH
     assert refused_by(b"]" * 50 + b"[" * 5, 100, 10) is None  # closes nothing: left to the parser
+    # an escaped backslash ends before the quote it precedes: the string closes there
+    assert refused_by(b'["\\\\", [[[]]]]', 5, 3) is Limit.JSON_DEPTH
+
+
+def test_the_shape_check_takes_one_pass_over_a_hostile_body() -> None:
+    """Past the bracket bounds, an unterminated string of escaped quotes: the one pattern for
+    strings with their escapes backtracked from every quote (64 KB took 8 s; a 128 KB body
+    froze the proxy's event loop for 32 s, a review's). 4 MiB of it now takes one pass. (In a
+    child process: the regex engine holds the GIL, so no thread of this one could time it.)"""
+    code = (
+        "from connector.proxy.guards import check_json_shape, LimitExceeded\n"
+        "hostile = b'[' * 400 + b'\"' + b'\\\\\"' * ((4 << 20) // 3)\n"
+        "try:\n"
+        "    check_json_shape(hostile, 100_000, 300)\n"
+        "except LimitExceeded as exceeded:\n"
+        "    print(exceeded.limit.name)\n"
+    )
+    # the bound is some 100x what one pass takes on a busy 2-core machine; before, days
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.split() == ["JSON_DEPTH"]  # 400 brackets deep, none in a string
 
 
 # -- requests and bytes in flight ----------------------------------------------------------------
