@@ -30,6 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from connector.logs import FailureCounts, log_bug
 from connector.probes import (
     FEW_SAMPLES,
     IDLE_AFTER_S,
@@ -64,6 +65,7 @@ class IdleProbes:
         self._last_ended = self._idle_since
         self._not_before = 0.0  # (a probe that could not start is tried again after it)
         self._stopped = False
+        self._bugs = FailureCounts()
         # set when the spell ends: an idle probe still reading stops (on the CPU backend its
         # reads would share the cores of the step's pass)
         self._step_began = threading.Event()
@@ -130,7 +132,11 @@ class IdleProbes:
                     continue
                 order, spell, stop = self._order, self._spell, self._step_began
                 spec = order[self._ran % len(order)]
-            found = self._probe(spec, stop)
+            try:
+                found = self._probe(spec, stop)
+            except Exception as exc:  # a bug: probing goes on (the thread died of one, silently)
+                log_bug(self._bugs, logger, "idle-probe", exc, "an idle probe of the store")
+                found = None
             with self._cond:
                 if found is None:
                     # another probe runs (a step's), or nothing to read with (asleep): again

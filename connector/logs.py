@@ -58,3 +58,25 @@ class FailureCounts:
     def __getitem__(self, kind: str) -> int:
         with self._lock:
             return self._totals.get(kind, 0)
+
+
+def log_bug(
+    failures: FailureCounts, log: logging.Logger, where: str, exc: BaseException, what: str
+) -> bool:
+    """An exception nobody expected (a bug of ours or of a library, not Redis's doing), caught
+    where ``what`` went wrong: logged as an error at 1, 2, 4, ... occurrences of its type
+    there, with its traceback the first time -- a systematic bug logged a traceback per load,
+    save or lookup (a review's). Returns whether this one was logged; the caller counts it
+    (``internal_errors``)."""
+    total = failures.add(f"bug:{where}:{type(exc).__name__}")
+    if not total:
+        return False
+    log.error(
+        "%s failed with an unexpected %r (%d so far; a bug: please report it)%s",
+        what,
+        exc,
+        total,
+        "" if total == 1 else ", traceback logged at the first",
+        exc_info=exc if total == 1 else None,
+    )
+    return True

@@ -13,7 +13,7 @@ from concurrent.futures import Future, wait
 
 from connector.config import RedisConnectorConfig
 from connector.load_tracking import LoadTracker
-from connector.logs import FailureCounts
+from connector.logs import FailureCounts, log_bug
 from connector.lookups import LookupBatcher, LookupResult
 from connector.request_state import CountedOnce, RequestState
 from connector.stats import StatsBuffer
@@ -143,8 +143,8 @@ class LookupPolls:
                 logger.warning("Redis lookup failed (%d so far); recomputing: %s", total, exc)
             return LookupResult(present=-1)
         except Exception as exc:  # whatever it was, the request must not wait for it
-            self.stats.add(redis_errors=1)
-            logger.exception("Redis lookup raised %r; recomputing", exc)
+            self.stats.add(internal_errors=1)
+            log_bug(self.failures, logger, "lookup", exc, "a Redis lookup (recomputed)")
             return LookupResult(present=-1)
         if result.generation != st.generation:
             # a reset: the request is named again and asks again (the scheduler's ``_state``)

@@ -16,7 +16,6 @@ next forward pass starts.
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,8 +25,6 @@ from connector.slice_movers import slices_written
 from connector.worker_context import WorkerContext
 from datamover import BlockMover, SaveChunk, SaveItem
 from kvstore import KVStoreError
-
-logger = logging.getLogger("connector.worker")
 
 
 class SaveWrites:
@@ -115,8 +112,8 @@ class SaveWrites:
         if ctx.store.available and not ctx.asleep:
             try:
                 chunks, shed = ctx.slices[group][head_slice].mover.stage_saves(items)
-            except Exception:  # the step goes on; these blocks are not saved (and counted)
-                logger.exception("copying %d block(s) out for saving failed", len(items))
+            except Exception as exc:  # the step goes on; these blocks are not saved (and counted)
+                ctx.bug("stage", exc, f"copying {len(items)} block(s) out for saving")
         if shed:
             ctx.stats.add(blocks_shed=len(shed))
             ctx.warn(
@@ -150,9 +147,11 @@ class SaveWrites:
                 req=", ".join(sorted(chunk.owners)),
                 blocks=len(chunk.items),
             )
-        except Exception:
-            logger.exception(
-                "request(s) %s: saving %d block(s) failed", sorted(chunk.owners), len(chunk.items)
+        except Exception as exc:
+            ctx.bug(
+                "save",
+                exc,
+                f"request(s) {sorted(chunk.owners)}: saving {len(chunk.items)} block(s)",
             )
         finally:
             acked = [(i.owner, group, head_slice, i.position) for i in chunk.items] if ok else []
@@ -170,11 +169,20 @@ class SaveWrites:
     def _maybe_publish(self, req_id: str) -> None:
         """Once a finished request has no write in flight, publish its commit record."""
         ready = self._ledger.ready(req_id)
-        if ready is not None:
-            self._ctx.track(
-                self._io.submit(self._publish, req_id, ready.commit, ready.blocks),
-                "a commit record",
+        if ready is None:
+            return
+        try:
+            fut = self._io.submit(self._publish, req_id, ready.commit, ready.blocks)
+        except RuntimeError:  # shut down: a write that outlived it has nothing to publish on
+            self._ledger.published(req_id)
+            self._ctx.warn(
+                "unpublished",
+                "request %(req)s: its commit record is not published: the connector shut down "
+                "while its writes ran (%(total)d so far); a consumer waiting for it recomputes",
+                req=req_id,
             )
+            return
+        self._ctx.track(fut, "a commit record")
 
     def _publish(self, req_id: str, commit: CommitSpec, n: int) -> None:
         ctx = self._ctx

@@ -98,7 +98,7 @@ from connector.layout import ChainNames, KVLayout
 from connector.load_choices import LoadChoices
 from connector.load_policy import Engine, LoadPolicy, Way
 from connector.load_tracking import LoadTracker
-from connector.logs import FailureCounts
+from connector.logs import FailureCounts, log_bug
 from connector.lookup_polls import LookupPolls
 from connector.lookups import LookupBatcher
 from connector.metadata import CommitSpec, LoadSpec, RedisConnectorMetadata, SaveSpec
@@ -673,6 +673,10 @@ class RedisConnectorScheduler:
             self._report_background_failure(exc)
 
     def _report_background_failure(self, exc: BaseException) -> None:
+        if not isinstance(exc, KVStoreError):  # a bug, not Redis's doing: with its traceback
+            self.stats.add(internal_errors=1)
+            log_bug(self.failures, logger, "background", exc, "a background call")
+            return
         self.stats.add(redis_errors=1)
         total = self.failures.add(f"background:{type(exc).__name__}")
         if total:
@@ -724,7 +728,18 @@ class RedisConnectorScheduler:
         limit = self.config.socket_timeout_s + 1.0
         self._lookups.join(limit)
         self._drops.join(limit)
-        self._background_io.shutdown(wait=True)
+        # (bounded too: a call that hangs in no socket -- a bug -- held shutdown for ever; the
+        # executor offers no bounded wait, so its threads are joined)
+        threads = list(getattr(self._background_io, "_threads", ()))
+        until = time.monotonic() + limit
+        for thread in threads:
+            thread.join(max(0.0, until - time.monotonic()))
+        if any(thread.is_alive() for thread in threads):
+            logger.warning(
+                "RedisConnector: a background call (a handoff mark, a deletion) is still "
+                "running %.0f s into shutdown; closing without it",
+                limit,
+            )
         self._resets.close(limit)
         self.store.close()
 

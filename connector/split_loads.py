@@ -12,7 +12,6 @@ refuses splits for others). Each split's band timeline is a sample of the load p
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,8 +22,6 @@ from connector.metadata import LoadSpec
 from connector.worker_context import WorkerContext
 from datamover import LayeredLoad, StagingBusyError
 from kvstore import KVStoreError
-
-logger = logging.getLogger("connector.worker")
 
 
 @dataclass
@@ -163,7 +160,7 @@ class SplitLoads:
                     req=req_id,
                 )
             elif error is not None and not isinstance(error, StagingBusyError):
-                logger.error("request %s: its split load failed: %r; recomputing", req_id, error)
+                ctx.bug("split", error, f"request {req_id}: its split load (recomputed)")
             else:
                 ctx.warn(
                     "split",

@@ -99,6 +99,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "prompt) and were ignored",
     ),
     "redis_errors": ("vllm:redis_kv_redis_errors", "Redis operations that raised an error"),
+    "internal_errors": (
+        "vllm:redis_kv_internal_errors",
+        "Unexpected exceptions in the connector's own code (bugs; logged with a traceback): "
+        "the request it hit recomputed",
+    ),
     "values_invalid": (
         "vllm:redis_kv_values_invalid",
         "Values read from Redis that were not a valid block of this layout (corrupt, truncated, "

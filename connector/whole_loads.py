@@ -19,7 +19,6 @@ step began that was; one that expired or failed is an upper bound.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,8 +36,6 @@ from kvstore import (
     StoreUnavailableError,
 )
 from kvstore.values.keys import BlockName
-
-logger = logging.getLogger("connector.worker")
 
 # A retry of a failed fetch is only worth it with this much of the deadline left.
 _RETRY_MIN_LEFT_S = 0.1
@@ -106,7 +103,10 @@ class WholeLoads:
         with self._ctx.lock:
             expired = [job for job in self.jobs.values() if now >= job.deadline]
         for job in expired:
-            self.report(job, expired=True)
+            try:
+                self.report(job, expired=True)
+            except Exception as exc:  # (reported: only its figures and warning were lost)
+                self._ctx.bug("expire", exc, f"request {job.spec.req_id}: expiring its load")
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """(loads reported finished, those failed as a whole -- among them) since the last
@@ -153,8 +153,8 @@ class WholeLoads:
             ctx.warn(
                 "staging", "request %(req)s: %(exc)s (%(total)d so far)", req=spec.req_id, exc=exc
             )
-        except Exception:  # never leave the request waiting, whatever went wrong
-            logger.exception("request %s: loading blocks failed; recomputing", spec.req_id)
+        except Exception as exc:  # never leave the request waiting, whatever went wrong
+            ctx.bug("load", exc, f"request {spec.req_id}: loading its blocks (recomputed)")
         finally:
             self.report(job, expired=expired, store_failed=store_failed)
 
@@ -228,17 +228,22 @@ class WholeLoads:
         """Report a load finished, exactly once; blocks not copied by now are failed."""
         ctx = self._ctx
         spec = job.spec
+        bug: Exception | None = None
         with job.lock:
             if job.reported:
                 return
             job.reported = True
-            failed = self._uncopied(job)
+            try:
+                failed = self._uncopied(job)
+            except Exception as exc:  # the load still ends, failed as a whole (a review set
+                # ``reported`` and raised here: the request waited for its load for ever)
+                failed, bug = [], exc
             # in the same critical section: once ``reported`` is set, the next get_finished
             # must see the load finished (it may be the call that found the deadline passed)
             with ctx.lock:
                 if self.jobs.get(spec.req_id) is job:
                     del self.jobs[spec.req_id]
-                if failed and ctx.layout.fails_per_request:
+                if bug is not None or (failed and ctx.layout.fails_per_request):
                     # block ids are unique only within a group (and a windowed group's hit
                     # cannot be cut short at a failed block): vLLM takes these
                     # failure per request (and recomputes all of it)
@@ -246,6 +251,8 @@ class WholeLoads:
                 else:
                     ctx.failed_block_ids.update(b for _, _, ids, _ in failed for b in ids)
                 self._finished.add(spec.req_id)
+        if bug is not None:
+            ctx.bug("report", bug, f"request {spec.req_id}: reporting its load (recomputed)")
         # what the request got is counted by the scheduler side, once vLLM has heard from
         # every rank; a rank counts its own bytes and its own load's fate
         ctx.stats.add(

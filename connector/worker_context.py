@@ -13,7 +13,7 @@ from typing import Any
 
 from connector.config import RedisConnectorConfig
 from connector.layout import KVLayout
-from connector.logs import FailureCounts
+from connector.logs import FailureCounts, log_bug
 from connector.slice_movers import SliceMover
 from connector.stats import StatsBuffer
 from datamover import BlockMover
@@ -76,6 +76,11 @@ class WorkerContext:
         self.stats.add(redis_errors=1)
         self.warn(f"redis:{type(exc).__name__}", msg, exc=exc, **fields)
 
+    def bug(self, where: str, exc: BaseException, what: str) -> None:
+        """An unexpected exception (``logs.log_bug``): counted, and logged sparsely."""
+        self.stats.add(internal_errors=1)
+        log_bug(self._failures, logger, where, exc, what)
+
     def track(self, fut: Future[Any], what: str = "a load") -> None:
         """A background task, waited for at shutdown; an exception it did not catch is
         logged."""
@@ -89,7 +94,7 @@ class WorkerContext:
                 return
             exc = f.exception()
             if exc is not None:  # the tasks catch what they can; anything else is said here
-                logger.error("RedisConnector background task (%s) failed: %r", what, exc)
+                self.bug("background", exc, f"RedisConnector background task ({what})")
 
         fut.add_done_callback(done)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -668,3 +669,31 @@ def test_an_engine_that_cannot_attend_to_a_loaded_prefix_saves_but_never_loads()
     assert refused.operations("worker") == ["ping", "insert"]
     with pytest.raises(InvalidArgumentError, match="unknown"):  # not a user setting
         RedisConnectorConfig.from_extra({"url": "redis://r:6379/0", "cannot_load": "x"}, "kv_both")
+
+
+def test_shutdown_ends_in_bounded_time_with_a_background_call_hung(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A background call that hangs in no socket (a bug) held the scheduler side's shutdown
+    for ever (a review's); it now waits as long as a socket call could take, then says so."""
+    sched = fake_redis_scheduler(tiny_model, "kv_both", socket_timeout_s=0.2)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    release = threading.Event()
+    started = threading.Event()
+
+    def hung() -> None:
+        started.set()
+        release.wait(60)
+
+    conn._background_io.submit(hung)  # (where handoff marks and deletions run)
+    assert started.wait(10)
+    ended = threading.Event()
+    connector: Any = sched.connector
+    closer = threading.Thread(target=lambda: (connector.shutdown(), ended.set()))
+    closer.start()
+    try:
+        assert ended.wait(30), "shutdown waits for the hung call"
+        assert "still running" in caplog.text
+    finally:
+        release.set()
+        closer.join(10)

@@ -115,8 +115,9 @@ def test_a_probe_that_ends_after_a_step_began_does_not_start_the_next_at_once() 
 
 
 def test_a_probe_that_raises_or_cannot_start_does_not_end_the_idle_probes() -> None:
-    """Whatever a probe raised (the worker logs it where it ran), and a probe that could not
-    start (another runs, the KV cache sleeps), the thread goes on with the order."""
+    """Whatever a probe raised (the worker logs it where it ran), a probe whose start raised
+    (a bug: logged here), and a probe that could not start (another runs, the KV cache
+    sleeps): the thread goes on with the order."""
     calls: list[str] = []
 
     def start(spec: ProbeSpec, stop: threading.Event) -> Future[bool] | None:
@@ -126,6 +127,8 @@ def test_a_probe_that_raises_or_cannot_start_does_not_end_the_idle_probes() -> N
             return None  # could not start: tried again a probe interval later
         if len(calls) == 2:
             fut.set_exception(RuntimeError("a probe's own failure"))
+        elif len(calls) == 3:  # starting one raised (a bug): the thread died of it, silently
+            raise TypeError("a bug in starting a probe")
         else:
             fut.set_result(True)
         return fut
@@ -135,7 +138,7 @@ def test_a_probe_that_raises_or_cannot_start_does_not_end_the_idle_probes() -> N
         idle.step_began(order())
         idle.step_ended()
         assert idle.wait_completed(3, timeout_s=60)  # the raised one, and two after it
-        assert len(calls) >= 4
+        assert len(calls) >= 5
     finally:
         idle.stop()
 

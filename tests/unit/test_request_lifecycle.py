@@ -6,6 +6,7 @@ own at that moment and that every block a request ran on held that request's KV.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent import futures
@@ -464,6 +465,61 @@ def test_a_failed_load_counts_as_failed_however_its_request_ended_first(
     assert not reader.sched.has_requests() and len(invalid) == 6
     stats = reader.take_stats()
     assert (stats.get("blocks_loaded", 0), stats.get("blocks_load_failed", 0)) == (0, 6), stats
+
+
+def test_a_bug_while_reporting_a_load_still_ends_it_and_the_request_recomputes(
+    engines: Any,
+) -> None:
+    """An exception in the report of a load (a bug) left it marked reported but never
+    finished: vLLM waited for it for ever, and an expiry on the engine's thread raised out of
+    the step (a review's). The load now ends failed as a whole; the request recomputes."""
+    tokens = prompt(4 * BS + 3, seed=31)
+    writer = engines()
+    writer.add("w", tokens)
+    writer.run_until_idle()
+    reader = engines(deadline_s=1)
+    loads = reader.worker._whole_loads  # type: ignore[attr-defined]
+    calls = {"n": 0}
+    real = loads._uncopied
+
+    def broken(job: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] >= 2:  # (the first is the receive's; the second, the report's)
+            raise RuntimeError("a bug while reporting")
+        return real(job)
+
+    loads._uncopied = broken
+    reader.add("r", tokens)
+    reader.run_until_idle()
+    assert reader.finish_reasons == {"r": "length"}
+    assert reader.take_stats().get("internal_errors") == 1
+
+
+def test_a_systematic_bug_is_counted_per_load_and_logged_with_one_traceback(
+    engines: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every load's copy-in raises (a bug): each request recomputes, each is counted, and the
+    log holds a few lines, one traceback -- not one per load (a review's 6 loads, 6)."""
+    prompts = [prompt(4 * BS + 3, seed=40 + i) for i in range(6)]
+    writer = engines()
+    for i, tokens in enumerate(prompts):
+        writer.add(f"w{i}", tokens)
+    writer.run_until_idle()
+    reader = engines()
+    for mover in reader.worker.movers:
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise TypeError("a bug in the scatter")
+
+        mover.kv.scatter = broken
+    caplog.set_level(logging.INFO)
+    for i, tokens in enumerate(prompts):
+        reader.add(f"r{i}", tokens)
+    reader.run_until_idle()
+    assert set(reader.finish_reasons.values()) == {"length"}
+    assert reader.take_stats().get("internal_errors") == 6
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert 1 <= len(errors) <= 3 and sum(r.exc_info is not None for r in errors) == 1
 
 
 def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
