@@ -29,9 +29,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from connector.logs import FailureCounts, log_bug
 from kvstore.net.connection import redact_url
 
 logger = logging.getLogger(__name__)
+_BUGS = FailureCounts()  # unexpected exceptions, logged sparsely (``logs.log_bug``)
 
 _GPU_MEDIA = (None, "GPU")
 
@@ -45,12 +47,16 @@ def decode_batch(payload: bytes) -> list[dict[str, Any]]:
 
 
 def _key(h: Any) -> Hashable:
-    """A hash or extra key as decoded from msgpack, made hashable (lists become tuples)."""
+    """A hash or extra key as decoded from msgpack, made hashable (lists become tuples). Only
+    what vLLM's events hold: a map passed through unhashable, was indexed, and every later
+    request whose prompt reached it failed with a TypeError (a review's poisoned feed)."""
     if isinstance(h, (bytes, bytearray)):
         return bytes(h)
     if isinstance(h, (list, tuple)):
         return tuple(_key(x) for x in h)
-    return h
+    if h is None or isinstance(h, (int, float, str)):
+        return h
+    raise ValueError(f"a block hash or key of type {type(h).__name__}")
 
 
 _BlockKey = tuple[Hashable, tuple[int, ...], Hashable]  # (parent hash, tokens, LoRA + extras)
@@ -80,8 +86,8 @@ class PrefixIndex:
             elif kind == "BlockStored":
                 self._stored(event)
             elif kind == "BlockRemoved":
-                for h in event["block_hashes"]:
-                    self._forget(_key(h))
+                for h in [_key(h) for h in event["block_hashes"]]:
+                    self._forget(h)
 
     def _forget(self, h: Hashable) -> None:
         key = self._key_of.pop(h, None)
@@ -89,7 +95,17 @@ class PrefixIndex:
             del self._hash_of[key]
 
     def _stored(self, event: dict[str, Any]) -> None:
+        # all of it checked before any of it is indexed (an event that fails is dropped whole)
         bs = int(event["block_size"])
+        tokens = event["token_ids"]
+        hashes = [_key(h) for h in event["block_hashes"]]
+        extras = [_key(e) for e in event.get("extra_keys") or []]
+        lora = event.get("lora_name")
+        parent = _key(event.get("parent_block_hash"))
+        if bs <= 0 or not isinstance(tokens, list) or not isinstance(lora, (str, type(None))):
+            raise ValueError("a BlockStored event of the wrong shape")
+        if not all(isinstance(t, int) for t in tokens):
+            raise ValueError("a BlockStored event whose token ids are not integers")
         if bs < self.block_size:
             # a partial block: vLLM caches a KV block's first tokens at its (finer) hash block
             # size and says so with this block's token count. A lookup counts whole blocks
@@ -101,14 +117,10 @@ class PrefixIndex:
             self._hash_of.clear()
             self._key_of.clear()
             self.block_size = bs
-        tokens = event["token_ids"]
-        extras = event.get("extra_keys") or []
-        lora = event.get("lora_name")
-        parent = _key(event.get("parent_block_hash"))
-        for i, h in enumerate(event["block_hashes"]):
-            extra = _key(extras[i]) if i < len(extras) else None
+        for i, h in enumerate(hashes):
+            extra = extras[i] if i < len(extras) else None
             key: _BlockKey = (parent, tuple(tokens[i * bs : (i + 1) * bs]), (lora, extra))
-            parent = _key(h)
+            parent = h
             old = self._hash_of.get(key)
             if old is not None and old != parent:
                 self._key_of.pop(old, None)
@@ -261,16 +273,21 @@ class Pool:
     def order(self, token_ids: list[int] | None = None) -> list[str]:
         """Every server once, best first; servers marked down last (tried only when every
         other one failed too)."""
-        if self.chooser is not None:
-            chosen = self.chooser.order(self.urls, token_ids)
-        elif self.policy == "least_loaded":
-            chosen = sorted(self.urls, key=lambda u: self.in_flight[u])
-        else:
-            start = next(self._rr)
-            chosen = self.urls[start:] + self.urls[:start]
+        chosen = self._by_policy(token_ids)
         if not self.down:
             return chosen
         return [u for u in chosen if u not in self.down] + [u for u in chosen if u in self.down]
+
+    def _by_policy(self, token_ids: list[int] | None) -> list[str]:
+        if self.chooser is not None:
+            try:
+                return self.chooser.order(self.urls, token_ids)
+            except Exception as exc:  # a bug: routed by load instead, never a failed request
+                log_bug(_BUGS, logger, "cache-aware", exc, "choosing a server by its cache")
+        if self.chooser is not None or self.policy == "least_loaded":
+            return sorted(self.urls, key=lambda u: self.in_flight[u])
+        start = next(self._rr)
+        return self.urls[start:] + self.urls[:start]
 
 
 def index_servers(pools: Iterable[Pool], events: dict[str, str]) -> dict[str, PrefixIndex]:

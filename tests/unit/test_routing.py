@@ -70,6 +70,34 @@ def test_the_index_follows_vllm_encoded_events() -> None:
     assert index.cached_blocks(doc) == 0 and len(index) == 0
 
 
+@pytest.mark.parametrize(
+    "poison",
+    [
+        {"block_hashes": [{"x": 1}, 7]},  # a map: unhashable, it failed every later lookup
+        {"parent_block_hash": {"x": 1}},
+        {"extra_keys": [[{"x": 1}], None]},
+        {"token_ids": [1, 2, 3, "4", 5, 6, 7, 8]},
+        {"lora_name": ["a"]},
+        {"block_size": 0},
+    ],
+)
+def test_an_event_of_the_wrong_shape_is_dropped_whole_and_lookups_go_on(
+    poison: dict[str, Any],
+) -> None:
+    """A hostile or broken feed: the event is refused (the feed counts it undecodable) before
+    any of it is indexed, and the prompts it names still look up (a review's poisoned index
+    answered their completions with 500)."""
+    doc = list(range(1, 1 + 2 * BS))
+    index = PrefixIndex()
+    good = decode_batch(encoded(stored(list(range(100, 100 + 2 * BS)), 0, 2)))[0]
+    index.apply(good)
+    bad = {**decode_batch(encoded(stored(doc, 0, 2)))[0], **poison}
+    with pytest.raises((ValueError, TypeError)):
+        index.apply(bad)
+    assert len(index) == 2 and index.cached_blocks(doc) == 0
+    assert index.cached_blocks(list(range(100, 100 + 2 * BS))) == 2
+
+
 def partial(tokens: list[int], after: int, count: int) -> BlockStored:
     """What vLLM 0.32 announces for a KV block cached at a finer hash block size: the first
     ``count`` tokens of block ``after`` (one hash, ``block_size`` its token count)."""
