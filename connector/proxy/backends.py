@@ -11,6 +11,7 @@ import contextlib
 import json
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -458,13 +459,29 @@ class Backends:
                     return r.status_code, await read_head(r, MAX_ERROR_BODY_BYTES)
                 return 200, await read_at_most(r, self._max_answer_bytes)
 
-    async def tokenize(self, payload: dict[str, Any]) -> list[int] | Response:
-        """A decode server's ``/tokenize`` of ``payload``: the token ids, or the error answer."""
+    async def tokenize(
+        self, payload: dict[str, Any], within_s: float | None = None
+    ) -> list[int] | Response:
+        """A decode server's ``/tokenize`` of ``payload``: the token ids, or the error answer.
+        All servers tried within ``within_s`` in all (default: the proxy's ``--timeout-s``): a
+        server whose /tokenize hung held each text request 30 s, then the next server was
+        asked (a review's)."""
         role = self.decode.role
+        try:  # encoded as the completions are (httpx's json= raised on a lone surrogate: 500)
+            body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
+            return openai_error(
+                400, f"the prompt cannot be tokenized: {exc}", "invalid_request_error"
+            )
+        until = time.monotonic() + (self._timeout_s if within_s is None else within_s)
+        headers = {"Content-Type": "application/json"}
         for url in self.decode.order():
+            left = until - time.monotonic()
+            if left <= 0:
+                break
             try:
                 status, content = await self._get_whole(
-                    self.client, "POST", url, "/tokenize", 30, json=payload
+                    self.client, "POST", url, "/tokenize", left, content=body, headers=headers
                 )
             except _NO_ANSWER:
                 continue

@@ -44,6 +44,9 @@ _XARGS = "vllm_xargs"
 # a client's X-Request-Id is echoed back only if it looks like an id
 _ECHOABLE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
+# a routing hint is worth at most this wait for the prompt's tokens: past it, route by load
+ROUTING_TOKENIZE_S = 1.0
+
 
 class CompletionProxy:
     """Proxies completion requests through ``backends``; ``indexes`` are the cache-aware
@@ -167,9 +170,10 @@ class CompletionProxy:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return prompt
         if isinstance(prompt, str):
-            tokens = await self._backends.tokenize({"prompt": prompt})
+            tokens = await self._backends.tokenize({"prompt": prompt}, ROUTING_TOKENIZE_S)
         elif path.endswith("/chat/completions") and isinstance(body.get("messages"), list):
-            tokens = await self._backends.tokenize({"messages": body["messages"]})
+            messages = {"messages": body["messages"]}
+            tokens = await self._backends.tokenize(messages, ROUTING_TOKENIZE_S)
         else:
             return None
         return tokens if isinstance(tokens, list) else None

@@ -17,6 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from connector.proxy.errors import passthrough_error
 from connector.proxy.server import ProxyConfig, build_app
 from testing import stack
 from testing.proxy_servers import DOWN, assert_openai_error, proxy_server, run_server
@@ -613,6 +614,50 @@ def test_a_tokenize_answer_with_impossible_token_ids_is_a_502() -> None:
     finally:
         next(gen, None)
     assert "/tokenize" in assert_openai_error(r, 502)["message"]
+
+
+def test_a_prompt_that_cannot_be_tokenized_is_the_clients_400() -> None:
+    """A lone surrogate in a text prompt: httpx's json= raised encoding it for /tokenize, and
+    /kv/presence (and cache-aware routing) answered 500 (a review's)."""
+    cfg = ProxyConfig([DOWN], [DOWN], enable_kv_presence=True)
+    r = call(cfg, "POST", "/kv/presence", content=b'{"prompt": "abc \\ud800 def"}',
+             headers={"content-type": "application/json"})  # fmt: skip
+    assert "tokenized" in assert_openai_error(r, 400)["message"]
+
+
+def test_a_hung_tokenize_holds_a_request_no_longer_than_the_proxys_timeout() -> None:
+    """Decode servers' /tokenize asked one after another, 30 s each, whatever --timeout-s (a
+    review's two requests took 30 s at --timeout-s 5): now all of them within it."""
+    app = FastAPI()
+    release = asyncio.Event()
+
+    @app.post("/tokenize")
+    async def tokenize() -> JSONResponse:
+        await release.wait()  # (never set: the server hangs)
+        return JSONResponse({"tokens": [1]})
+
+    gen = run_server(app)
+    backend = next(gen)
+    try:
+        cfg = ProxyConfig([DOWN], [backend, backend], enable_kv_presence=True, timeout_s=0.5)
+        t0 = time.monotonic()
+        r = call(cfg, "POST", "/kv/presence", json={"prompt": "hello"})
+        waited = time.monotonic() - t0
+    finally:
+        next(gen, None)
+    assert_openai_error(r, 502)
+    assert waited < 20, waited  # (0.5 s and the round trips; before, 60 s)
+
+
+@pytest.mark.parametrize("status", [499, 520, 999])
+def test_a_backend_status_http_does_not_define_is_answered_502(status: int) -> None:
+    """uvicorn has no status line for 499 or 520: passed through, it cut the client's
+    connection without an answer (a review's)."""
+    r = passthrough_error(status, b'{"error": {"message": "edge"}}', "decode", "http://d")
+    assert r.status_code == 502
+    r = passthrough_error(status, b"gateway says no", "decode", "http://d")
+    assert r.status_code == 502 and f"answered {status}" in bytes(r.body).decode()
+    assert passthrough_error(503, b"x", "decode", "http://d").status_code == 503
 
 
 def test_no_error_is_a_bare_500_or_shows_a_traceback(
