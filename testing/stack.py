@@ -220,10 +220,11 @@ def metric_totals(url: str, names: tuple[str, ...] | None = None) -> dict[str, f
 
 
 def serve_in_thread(
-    app: Any, log_level: str = "warning", port: int | None = None
+    app: Any, log_level: str = "warning", port: int | None = None, **config: Any
 ) -> tuple[str, Callable[[], None]]:
     """An ASGI app (the proxy, a stand-in backend) on ``port`` (default: a free one) on
-    loopback in this process: its URL, once it accepts connections, and its stop."""
+    loopback in this process: its URL, once it accepts connections, and its stop. ``config``:
+    more of uvicorn's settings (the proxy's HTTP protocol, say)."""
     import threading
 
     import uvicorn
@@ -231,7 +232,9 @@ def serve_in_thread(
     from testing.redis_server import free_port
 
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, **config)
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -149,6 +149,11 @@ def check_backend_url(url: str) -> str:
         raise ValueError(f"a backend URL does not parse: {redact_url(url)}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"a backend URL must be http(s)://host[:port]: {redact_url(url)}")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise ValueError(f"a backend URL's port must be 1-65535: {redact_url(url)}")
+    if parsed.path not in ("", "/") or parsed.query or parsed.fragment:
+        # (the proxy appends /v1/...: a path given here was doubled, /v1/v1/completions)
+        raise ValueError(f"a backend URL is http(s)://host[:port], no path: {redact_url(url)}")
     return url
 
 
@@ -458,6 +463,12 @@ class Backends:
                 if r.status_code != 200:
                     return r.status_code, await read_head(r, MAX_ERROR_BODY_BYTES)
                 return 200, await read_at_most(r, self._max_answer_bytes)
+
+    @property
+    def timeout_s(self) -> float:
+        """The proxy's ``--timeout-s``: how long any one wait on a backend (or a client
+        taking a stream's chunk) may take."""
+        return self._timeout_s
 
     async def tokenize(
         self, payload: dict[str, Any], within_s: float | None = None

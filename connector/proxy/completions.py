@@ -124,6 +124,7 @@ class CompletionProxy:
             answer = RelayedStream(
                 self._backends.relay(resp, answer.finish, str(resp.request.url)),
                 answer.finish,
+                self._backends.timeout_s,
                 media_type=resp.headers.get("content-type", "text/event-stream"),
                 headers={"content-encoding": encoding} if encoding else None,
             )
@@ -300,22 +301,55 @@ class RelayedStream(StreamingResponse):
     """A decode server's stream relayed to the client; the server is given back however the
     response ends. (The relay's own ``finally`` runs only once its generator has started: a
     server speaking ASGI 2.4 never starts the generator of a stream whose client left before
-    its first byte -- a review -- and the backend's connection and slot would stay held.)"""
+    its first byte -- a review -- and the backend's connection and slot would stay held.)
+
+    A client that stops reading is given ``send_timeout_s`` (the proxy's ``--timeout-s``) to
+    take each chunk, then dropped: before, it held its concurrency slot and the backend's
+    connection for as long as it kept the socket open (a review's two idle readers locked a
+    proxy of two slots out)."""
 
     def __init__(
         self,
         content: AsyncIterator[bytes],
         finish: Callable[[], Awaitable[None]],
+        send_timeout_s: float,
         **kwargs: Any,
     ) -> None:
         super().__init__(content, **kwargs)
         self._finish = finish
+        self._send_timeout_s = send_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        stalled = False
+
+        async def send_within(message: Any) -> None:
+            nonlocal stalled
+            try:
+                with anyio.fail_after(self._send_timeout_s):
+                    await send(message)
+            except TimeoutError:
+                stalled = True
+                raise
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_within)
+        except Exception:
+            # (Starlette turns the timeout, an OSError, into ClientDisconnect)
+            if not stalled:
+                raise
+            _STALLED_CLIENTS[0] += 1
+            if _STALLED_CLIENTS[0] & (_STALLED_CLIENTS[0] - 1) == 0:  # 1, 2, 4, ...
+                logger.warning(
+                    "a client stopped reading its stream for %.0f s (--timeout-s): dropped "
+                    "(%d so far)",
+                    self._send_timeout_s,
+                    _STALLED_CLIENTS[0],
+                )
         finally:
             await self._finish()  # (once: the relay's finally may have given it back)
+
+
+_STALLED_CLIENTS = [0]  # streams dropped because their client stopped reading
 
 
 async def _client_disconnected(request: Request) -> None:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import math
 import os
 import sys
 
@@ -66,6 +67,7 @@ from connector.proxy.guards import (
     DEFAULT_MAX_JSON_DEPTH,
     TokenBuckets,
 )
+from connector.proxy.http_protocol import DEFAULT_HEADER_READ_TIMEOUT_S, http_protocol
 from connector.proxy.kv_presence import PresenceService
 from connector.proxy.routing import Pool
 from kvstore.net.connection import redact_url
@@ -91,7 +93,10 @@ logger = logging.getLogger("vllm_redis_proxy")
 
 
 def _server_endpoint(ap: argparse.ArgumentParser, arg: str) -> tuple[str, str]:
-    url, sep, endpoint = arg.partition("=")
+    # split at the "=" before the endpoint's scheme: a password may hold an "=" (split at the
+    # first, the error quoted the password's head as "the URL")
+    at = max(arg.rfind("=tcp://"), arg.rfind("=ipc://"), arg.rfind("=inproc://"))
+    url, sep, endpoint = (arg[:at], "=", arg[at + 1 :]) if at > 0 else arg.partition("=")
     if not sep or not url.startswith("http") or "://" not in endpoint:
         ap.error(f"--events {scrub_credentials(arg)!r}: give SERVER_URL=ENDPOINT, e.g. "
                  "http://127.0.0.1:8200=tcp://127.0.0.1:5557")  # fmt: skip
@@ -144,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         "for a stream's headers and then for each of its reads; past it the client gets 504 "
         "(default %(default)s)",
     )
-    ap.add_argument("--log-level", default="info")
+    ap.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
     ap.add_argument(
         "--redis-url",
         default=os.environ.get("KVSTORE_URL"),
@@ -195,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=DEFAULT_BODY_READ_TIMEOUT_S,
         help="seconds a request body may take to arrive, else 408 (default %(default)s)",
+    )
+    ap.add_argument(
+        "--header-read-timeout-s",
+        type=float,
+        default=DEFAULT_HEADER_READ_TIMEOUT_S,
+        help="seconds a request's line and headers may take to arrive (from the connection, or "
+        "from their first byte on a kept-alive one), else the connection is closed: a client "
+        "trickling headers holds nothing longer (default %(default)s)",
     )
     ap.add_argument(
         "--max-json-containers",
@@ -256,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
             "--max-body-bytes, --max-answer-bytes, --kv-presence-max-tokens and "
             "--kv-presence-burst must be >= 1"
         )
-    if args.timeout_s <= 0:
-        ap.error("--timeout-s must be > 0")
-    if args.kv_presence_rate < 0:
-        ap.error("--kv-presence-rate must be >= 0 (0: no limit)")
+    for name in ("timeout_s", "body_read_timeout_s", "header_read_timeout_s"):
+        if not 0 < getattr(args, name) < math.inf:  # (NaN fails every comparison)
+            ap.error(f"--{name.replace('_', '-')} must be a number of seconds > 0")
+    if not 0 <= args.kv_presence_rate < math.inf:
+        ap.error("--kv-presence-rate must be a number >= 0 (0: no limit)")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
     )
@@ -307,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         proxy_headers=bool(args.forwarded_allow_ips),
         forwarded_allow_ips=args.forwarded_allow_ips or None,
+        http=http_protocol(args.header_read_timeout_s),
     )
     return 0
 

@@ -361,7 +361,41 @@ def test_a_relayed_stream_gives_its_server_back_even_if_it_never_starts() -> Non
         raise OSError("the client hung up")
 
     scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
-    stream = RelayedStream(relay(), finish, media_type="text/event-stream")
+    stream = RelayedStream(relay(), finish, 30.0, media_type="text/event-stream")
     with contextlib.suppress(Exception):
         asyncio.run(stream(scope, gone, send))
     assert finished == [1], "the backend was never given back"
+
+
+def test_a_client_that_stops_reading_a_stream_is_dropped_at_the_timeout() -> None:
+    """A client that keeps its socket open and reads nothing: each chunk's send waits on it
+    for ever (the transport's flow control), holding the request's slot and the backend's
+    connection (a review's). It is given the proxy's timeout per chunk, then dropped, and the
+    backend given back."""
+    from connector.proxy.completions import RelayedStream
+
+    finished, sent = [], []
+
+    async def relay() -> AsyncIterator[bytes]:
+        for _ in range(100):
+            yield b"data: {}\n\n"
+
+    async def finish() -> None:
+        finished.append(1)
+
+    async def receive() -> dict:
+        await asyncio.Event().wait()  # (the client says nothing, and does not leave)
+        return {}
+
+    async def send(message: dict) -> None:
+        if len(sent) >= 2:  # the head and a chunk went; then the client's window is full
+            await asyncio.Event().wait()
+        sent.append(message)
+
+    async def go() -> None:
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+        stream = RelayedStream(relay(), finish, 0.2, media_type="text/event-stream")
+        await asyncio.wait_for(stream(scope, receive, send), 30)
+
+    asyncio.run(go())
+    assert finished == [1] and len(sent) == 2

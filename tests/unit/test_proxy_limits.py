@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import types
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -29,8 +30,10 @@ from connector.proxy.guards import (
     check_json_shape,
     rate_limit_key,
 )
+from connector.proxy.http_protocol import http_protocol
 from connector.proxy.server import ProxyConfig, build_app
 from testing.proxy_servers import DOWN, assert_openai_error, proxy_server, run_server
+from testing.stack import serve_in_thread
 
 SMALL = {"prompt": "x", "max_tokens": 2}
 
@@ -361,6 +364,45 @@ def test_a_client_that_stalls_mid_body_gets_408_over_http() -> None:
 # -- the presence rate limit's key ---------------------------------------------------------------
 
 
+def test_a_client_trickling_its_headers_is_cut_off_at_the_head_deadline() -> None:
+    """uvicorn bounds bodies and keep-alive gaps, not a request's head: a header line every
+    so often held a connection for ever (a review's 1,100 ran the proxy out of descriptors).
+    The proxy's protocol closes it at --header-read-timeout-s; kept-alive requests that come
+    whole are untouched."""
+    url, stop = serve_in_thread(
+        build_app(ProxyConfig([DOWN], [DOWN])), log_level="error", http=http_protocol(0.3)
+    )
+    try:
+        with httpx.Client(base_url=url) as client:  # one kept-alive connection
+            assert client.get("/health").status_code in (200, 503)
+            time.sleep(0.5)  # idle past the head deadline between requests: not a slow head
+            assert client.get("/health").status_code in (200, 503)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.settimeout(20)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n")
+            closed = False
+            for _ in range(100):  # a header line every 0.1 s: never a whole head
+                try:
+                    sock.sendall(b"X-Slow: 1\r\n")
+                except OSError:
+                    closed = True
+                    break
+                time.sleep(0.1)
+                sock.setblocking(False)
+                try:
+                    closed = sock.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                finally:
+                    sock.setblocking(True)
+                if closed:
+                    break
+            assert closed, "the connection outlived 10 s of trickled headers"
+    finally:
+        stop()
+
+
 def test_ipv6_clients_share_a_presence_bucket_per_network() -> None:
     """A limit of 1 query per 100 s, bursts of 2: three addresses of one /64 pass twice in all,
     another /64 has its own bucket, IPv4 stays per address and an IPv4-mapped IPv6 address
@@ -421,7 +463,42 @@ def test_the_command_sets_the_limits(monkeypatch: pytest.MonkeyPatch) -> None:
         ["--body-read-timeout-s", "0"],
         ["--max-in-flight-body-bytes", "10"],
         ["--kv-presence-ipv6-prefix", "129"],
+        # (a review's: NaN passed "<= 0" and failed every completion; a bad level, a traceback)
+        ["--timeout-s", "nan"],
+        ["--timeout-s", "inf"],
+        ["--kv-presence-rate", "nan"],
+        ["--header-read-timeout-s", "0"],
+        ["--log-level", "bogus"],
     )
     for bad in refused:
         with pytest.raises(SystemExit):
             proxy.main(["--pool", DOWN, *bad])
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["http://127.0.0.1:99999", "http://127.0.0.1:8100/v1", "http://127.0.0.1:8100?x=1"],
+)
+def test_a_backend_url_the_proxy_cannot_use_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], backend: str
+) -> None:
+    """A port out of range gave 502 on every request; a path was doubled (/v1/v1/...)."""
+    monkeypatch.setattr(proxy.uvicorn, "run", lambda app, **kw: None)
+    with pytest.raises(SystemExit):
+        proxy.main(["--pool", backend])
+    assert "backend URL" in capsys.readouterr().err
+
+
+def test_an_events_option_is_split_before_its_endpoint_and_shows_no_password(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A backend password holding "=" was split there: the error quoted its head."""
+    started: dict = {}
+    monkeypatch.setattr(proxy.uvicorn, "run", lambda app, **kw: started.update(app=app))
+    server = "http://u:pa=SECRETTAIL@127.0.0.1:8100"
+    assert proxy.main(["--pool", server, "--policy", "cache_aware",
+                       "--events", f"{server}=tcp://127.0.0.1:5557"]) == 0  # fmt: skip
+    with pytest.raises(SystemExit):
+        proxy.main(["--pool", server, "--events", "http://u:pa=SECRET@127.0.0.1:8100"])
+    err = capsys.readouterr().err
+    assert "SECRET" not in err and "u:pa" not in err and "--events" in err
