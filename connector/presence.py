@@ -20,7 +20,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from connector.group_kinds import FULL, GroupKind, names_carry_groups
 from kvstore.errors import InvalidArgumentError
@@ -29,6 +29,16 @@ from kvstore.values.keys import BlockName, block_name
 
 if TYPE_CHECKING:
     from kvstore.lookup_buffer import LookupBuffer
+
+# the store hashes token ids as int64 (kvstore.values.hashing); a larger one cannot be a token
+TOKEN_ID_LIMIT = 2**63
+
+
+def valid_token_ids(values: Any) -> TypeGuard[list[int]]:
+    """A list of token ids: ints (not bools) in [0, 2**63)."""
+    return isinstance(values, list) and all(
+        type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in values
+    )
 
 
 def usable_prefix(

@@ -21,21 +21,30 @@ from kvstore.values.keys import DEFAULT_KEY_PREFIX
 
 
 def token_ids(tokens: str | None, tokens_file: str | None) -> list[int]:
-    """The prompt's token ids, from ``--tokens 1,2,3`` or a JSON list in a file ('-': stdin)."""
+    """The prompt's token ids, from ``--tokens 1,2,3`` or a JSON list in a file ('-': stdin):
+    the proxy's rule (integers in [0, 2**63), not true or false); anything else, a file that
+    cannot be read included, is an ``InvalidArgumentError`` (they were tracebacks)."""
+    from connector.presence import valid_token_ids
+
     if tokens is not None:
         text = "[" + tokens + "]"
     elif tokens_file == "-":
         text = sys.stdin.read()
     else:
         assert tokens_file is not None
-        with open(tokens_file) as f:
-            text = f.read()
+        try:
+            with open(tokens_file) as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidArgumentError(f"--tokens-file: {exc}") from None
     try:
         ids = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         ids = None
-    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-        raise InvalidArgumentError("token ids must be a list of integers, e.g. --tokens 1,2,3")
+    if not valid_token_ids(ids):
+        raise InvalidArgumentError(
+            "token ids must be a list of integers from 0 to 2**63-1, e.g. --tokens 1,2,3"
+        )
     return ids
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shlex
@@ -680,6 +681,12 @@ def main(argv: list[str] | None = None) -> int:
         help="store URL (default: $KVSTORE_URL or redis://127.0.0.1:6379/0)",
     )
     ap.add_argument("--prefix", default=DEFAULT_KEY_PREFIX, help="key prefix (default: kv)")
+    ap.add_argument(
+        "--timeout-s",
+        type=float,
+        default=10.0,
+        help="seconds each reply of the server may take (default %(default)s)",
+    )
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     # --json is accepted before or after the subcommand
     common = argparse.ArgumentParser(add_help=False)
@@ -765,8 +772,10 @@ def main(argv: list[str] | None = None) -> int:
             raise InvalidArgumentError(
                 "--epoch keys a value's MAC with the secret: give --secret-file too"
             )
+        if not 0 < args.timeout_s < math.inf:
+            raise InvalidArgumentError("--timeout-s must be a number of seconds > 0")
         address = parse_url(args.url)
-        client = make_client(address)
+        client = make_client(address, socket_timeout_s=args.timeout_s)
         with translated_errors(address.safe_url, scope=_acl_scope(args)):
             return _run(args, client, console, err)
     except KVStoreError as exc:

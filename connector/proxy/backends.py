@@ -21,7 +21,8 @@ import anyio
 import httpx
 from fastapi.responses import JSONResponse, Response
 
-from connector.proxy.bodies import refuse_constant, valid_token_ids
+from connector.presence import valid_token_ids
+from connector.proxy.bodies import refuse_constant
 from connector.proxy.config import ProxyConfig
 from connector.proxy.errors import BackendError, openai_error, passthrough_error
 from connector.proxy.metrics import ProxyMetrics

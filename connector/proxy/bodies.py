@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect, Request
 
 from connector.proxy.errors import RequestRefused, openai_error
 from connector.proxy.guards import BodyHold, LimitExceeded, NotUtf8, RequestGuards
-
-# the store hashes token ids as int64 (kvstore.values.hashing); a larger one cannot be a token
-TOKEN_ID_LIMIT = 2**63
 
 # the answer to a request over one of the guards' limits, counted in /metrics (``app.py``)
 Refusal = Callable[[LimitExceeded], JSONResponse]
@@ -33,13 +30,6 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):  # 1e400: Python reads it as inf, which JSON cannot carry
         raise ValueError(f"number {text[:40]} is out of range")
     return value
-
-
-def valid_token_ids(values: Any) -> TypeGuard[list[int]]:
-    """A list of token ids: ints (not bools) in [0, 2**63)."""
-    return isinstance(values, list) and all(
-        type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in values
-    )
 
 
 async def read_json(

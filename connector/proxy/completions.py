@@ -19,13 +19,13 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from connector.config import TRANSFER_PARAMS_KEY
+from connector.presence import valid_token_ids
 from connector.proxy.backends import BackendAnswer, Backends
 from connector.proxy.bodies import (
     Refusal,
     finite_float,
     read_json,
     refuse_constant,
-    valid_token_ids,
 )
 from connector.proxy.errors import BackendError, RequestRefused, openai_error
 from connector.proxy.guards import BodyHold, RequestGuards

@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from connector.presence import valid_token_ids
 from connector.proxy.backends import Backends
-from connector.proxy.bodies import Refusal, read_json, valid_token_ids
+from connector.proxy.bodies import Refusal, read_json
 from connector.proxy.config import ProxyConfig
 from connector.proxy.errors import RequestRefused, openai_error
 from connector.proxy.guards import BodyHold, RequestGuards, TokenBuckets, rate_limit_key

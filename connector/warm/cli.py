@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from connector.config import MAX_TTL_S, MIN_TTL_S
 from connector.warm.inputs import Document, PromptStyle, read_documents, render
 from connector.warm.records import (
     DocumentRecord,
@@ -88,6 +89,25 @@ class Row:
 
 
 # ---------------------------------------------------------------------------------------- args
+def _ttl_s(text: str) -> float:
+    """--ttl: 0 (no expiry) or the connector's range (NaN and inf were tracebacks; 0.0001
+    became a TTL of 0 ms, written as none)."""
+    value = float(text)
+    if value != 0 and not MIN_TTL_S <= value <= MAX_TTL_S:
+        raise argparse.ArgumentTypeError(
+            f"{text}: give 0 (no expiry) or {MIN_TTL_S:g} to {MAX_TTL_S:g} seconds"
+        )
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    """--in-flight: 0 or less spun for ever at full CPU, warming nothing."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
+    return value
+
+
 def _own_arguments(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("connector.warm")
     g.add_argument("documents", nargs="*", metavar="DOC", help="files, directories, globs, .jsonl")
@@ -99,7 +119,7 @@ def _own_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--namespace", help="the serving instances' namespace (default: vllm)")
     g.add_argument(
         "--ttl",
-        type=float,
+        type=_ttl_s,
         default=DEFAULT_TTL_S,
         help="seconds the blocks live, renewed on every run (0: no expiry, never evicted under "
         "volatile-ttl) (default: %(default)s)",
@@ -111,7 +131,7 @@ def _own_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--system", help="a system message before the document (implies --chat)")
     g.add_argument("--text-field", default="text", help="JSONL: the field holding the text")
     g.add_argument("--id-field", default="id", help="JSONL: the field naming the document")
-    g.add_argument("--in-flight", type=int, default=8, help="documents prefilled at once")
+    g.add_argument("--in-flight", type=_at_least_one, default=8, help="documents prefilled at once")
     g.add_argument("--check", action="store_true", help="report what is still in the pool")
     g.add_argument("--json", action="store_true", help="print JSON instead of a table")
     g.add_argument("--verbose", action="store_true", help="show vLLM's own log")

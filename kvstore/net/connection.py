@@ -743,7 +743,7 @@ def translated_errors(
         tls = urlsplit(safe_url).scheme.lower() in _TLS_SCHEMES
         raise StoreTimeoutError(
             f"{safe_url} did not answer in time: check the server's load and the network, "
-            "or raise socket_timeout_s"
+            "or raise the socket timeout (socket_timeout_s; the kvstore command's --timeout-s)"
             + (
                 " -- or, if that port does not speak TLS, use the plain scheme (a TLS "
                 "handshake with a plain server waits out the timeout)"
