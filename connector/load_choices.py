@@ -197,13 +197,9 @@ class LoadChoices:
         self._admitted = admitted(self._admitted, hit, decision)
         if decision.way is Way.ASYNC:
             self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
-        # (once an admission: a request whose local hits shrank is decided again)
-        if st.count_once(CountedOnce.CHOICE):
-            self.stats.add(**{f"chose_{decision.way.value}": 1})
-            if decision.way is Way.RECOMPUTE:
-                self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
-            if decision.gain_s is not None and way is None:
-                self.stats.observe("predicted_gain_seconds", decision.gain_s)
+        # counted when it takes effect (``count_choice``): a request whose local hits shrank
+        # is decided again, and the last decision is the one served
+        st.chosen = (decision, hit.blocks, way is None)
         logger.debug(
             "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
             request.request_id,
@@ -214,6 +210,18 @@ class LoadChoices:
             decision.reason.value,
             decision.predicted_s or "-",
         )
+
+    def count_choice(self, st: RequestState) -> None:
+        """The request's last decision took effect (vLLM allocated its blocks): counted, once
+        an admission."""
+        if st.chosen is None or not st.count_once(CountedOnce.CHOICE):
+            return
+        decision, hit_blocks, measured = st.chosen
+        self.stats.add(**{f"chose_{decision.way.value}": 1})
+        if decision.way is Way.RECOMPUTE:
+            self.stats.add(tokens_recompute_chosen=hit_blocks * self.block_size)
+        if decision.gain_s is not None and measured:
+            self.stats.observe("predicted_gain_seconds", decision.gain_s)
 
     def next_pass(self, rows: Sequence[tuple[int, int, bool, int]]) -> None:
         """A step was scheduled (``rows``: see ``load_policy.next_pass``): it is the pass the

@@ -95,6 +95,9 @@ class RequestState:
     save_allowance: int | None = None
     save_skipped_to: int = 0
     counted: set[CountedOnce] = field(default_factory=set)  # this admission's, so far
+    # the load policy's last decision for it, its hit's blocks, and whether the policy chose
+    # (not a pinned way): counted once it takes effect (``LoadChoices.count_choice``)
+    chosen: tuple[Decision, int, bool] | None = None
 
     # ------------------------------------------------------------------ what it is
     def renamable(self) -> bool:
@@ -134,6 +137,7 @@ class RequestState:
         self.phase, self.lookup, self.next_poll = Phase.LOOKING_UP, None, 0.0
         self.load_range, self.layered, self.decision = (0, 0), False, None
         self.counted.clear()
+        self.chosen = None
 
     def count_once(self, what: CountedOnce) -> bool:
         """Whether ``what`` is to be counted now: the first time this admission."""

@@ -392,6 +392,8 @@ class RedisConnectorScheduler:
             return  # admitted again after its load: nothing changes
         if st.phase is Phase.LOOKING_UP:  # admitted without an answer from us: nothing to load
             st.admitted_unanswered()
+        else:
+            self.load_choices.count_choice(st)  # (the policy's answer took effect)
         if st.same_chain:
             st.saved_up_to(st.present_blocks)  # in Redis already
         start, answered_end = st.load_range

@@ -267,7 +267,7 @@ class WholeLoads:
             if (expired or store_failed) and seconds > 0:
                 # the store gave at most this: the policy trusts no more until measured again
                 ctx.stats.timed_sample("load_bounds", ctx.tp_rank, job.nbytes, seconds)
-            elif not failed and job.nbytes:  # a whole load: a sample of the load bandwidth
+            elif not failed and bug is None and job.nbytes:  # a whole load: a bandwidth sample
                 # from the step's start to vLLM's call that started it (late on some releases
                 # and platforms), not to its first byte: the queue behind other loads is the
                 # model's (``load_policy.LoadsInFlight``), and counted here too it said an

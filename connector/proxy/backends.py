@@ -475,9 +475,10 @@ class Backends:
         self, payload: dict[str, Any], within_s: float | None = None
     ) -> list[int] | Response:
         """A decode server's ``/tokenize`` of ``payload``: the token ids, or the error answer.
-        All servers tried within ``within_s`` in all (default: the proxy's ``--timeout-s``): a
-        server whose /tokenize hung held each text request 30 s, then the next server was
-        asked (a review's)."""
+        All servers tried within ``within_s`` in all (default: the proxy's ``--timeout-s``),
+        each given an even share of what is left: a server whose /tokenize hung held each text
+        request 30 s, whatever --timeout-s, before the next was asked (a review's); given all
+        of a long budget, it would have kept the next from being asked at all (another's)."""
         role = self.decode.role
         try:  # encoded as the completions are (httpx's json= raised on a lone surrogate: 500)
             body = json.dumps(payload, ensure_ascii=False, allow_nan=False).encode()
@@ -487,13 +488,16 @@ class Backends:
             )
         until = time.monotonic() + (self._timeout_s if within_s is None else within_s)
         headers = {"Content-Type": "application/json"}
-        for url in self.decode.order():
+        servers = self.decode.order()
+        for i, url in enumerate(servers):
             left = until - time.monotonic()
             if left <= 0:
                 break
+            # an even share of what is left: one hung server cannot take it all
+            share = left / (len(servers) - i)
             try:
                 status, content = await self._get_whole(
-                    self.client, "POST", url, "/tokenize", left, content=body, headers=headers
+                    self.client, "POST", url, "/tokenize", share, content=body, headers=headers
                 )
             except _NO_ANSWER:
                 continue

@@ -22,6 +22,7 @@ class _HeadInTime:
 
     header_read_timeout_s = DEFAULT_HEADER_READ_TIMEOUT_S
     _head_timer: asyncio.TimerHandle | None = None
+    _in_message = False  # (httptools: between a request's first byte and its body's last)
     # (the base protocol's)
     cycle: Any
     loop: asyncio.AbstractEventLoop
@@ -33,11 +34,34 @@ class _HeadInTime:
 
     def data_received(self, data: bytes) -> None:
         before = self.cycle
-        if self._head_timer is None and (before is None or before.response_complete):
+        if self._head_timer is None and self._between_requests():
             self._arm()  # the first bytes of the next request on a kept-alive connection
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not before:  # its head is complete
             self._disarm()
+
+    def _between_requests(self) -> bool:
+        """The last request was answered and all of its body came: what comes now is a head.
+        (Not the rest of a body the app answered early, a 503 say: timed as a head, the
+        client was cut off mid-upload, before it could read the answer -- a review's.)"""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            return False
+        conn = getattr(self, "conn", None)  # h11's state machine
+        if conn is not None:
+            import h11
+
+            return bool(conn.their_state in (h11.IDLE, h11.DONE))
+        return not self._in_message
+
+    # httptools' parser callbacks (h11's protocol has none: its state machine says)
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        super().on_message_begin()  # type: ignore[misc]
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

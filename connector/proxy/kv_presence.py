@@ -24,6 +24,9 @@ from connector.proxy.guards import BodyHold, RequestGuards, TokenBuckets, rate_l
 # (no tokenizer averages more than a few characters per token)
 _MAX_CHARS_PER_TOKEN = 16
 
+# a presence question waits at most this for its prompt's tokens (all decode servers together)
+TOKENIZE_S = 30.0
+
 
 logger = logging.getLogger("vllm_redis_proxy")
 
@@ -149,7 +152,9 @@ class PresenceQueries:
         if token_ids is None and isinstance(prompt, str):
             if len(prompt) > limit * _MAX_CHARS_PER_TOKEN:  # refused untokenized
                 return _too_many_tokens(None, limit)
-            token_ids = await self._backends.tokenize({"prompt": prompt})
+            token_ids = await self._backends.tokenize(
+                {"prompt": prompt}, min(self._backends.timeout_s, TOKENIZE_S)
+            )
             if isinstance(token_ids, Response):
                 return token_ids
             if len(token_ids) > limit:

@@ -44,9 +44,10 @@ _NO_TIMEOUT_S = 60.0  # a reply's base budget on a socket without a timeout
 
 @dataclass
 class _Batch:
-    """The replies of one pipeline read so far on this thread (``reply_batch``)."""
+    """The replies of one pipeline read so far on this thread (``reply_batch``): since its
+    first reply began (None: none yet), and their bytes."""
 
-    started: float
+    started: float | None = None
     received: int = 0
 
 
@@ -57,11 +58,14 @@ _batches = threading.local()
 def reply_batch() -> Iterator[None]:
     """Bound the replies read on this thread meanwhile as one: at most
     ``MAX_CONTROL_REPLY_BYTES`` in all, and done within the socket timeout plus their size at
-    ``MIN_BYTES_PER_S`` from now -- the bounds of one reply, for a pipeline's. Past either the
-    connection is dropped and the call fails typed, as for one reply. (A lookup's replies are
-    a few bytes each: 8,192 EXISTS answer in 32 KiB and milliseconds.)"""
+    ``MIN_BYTES_PER_S`` from when the first of them began -- the bounds of one reply, for a
+    pipeline's. Past either the connection is dropped and the call fails typed, as for one
+    reply. The wait for a pooled connection and a new connection's handshake are not the
+    replies' (each has its own bound): counted, a lookup after a reconnect on a slow link
+    failed (a review's). (A lookup's replies are a few bytes each: 8,192 EXISTS answer in 32
+    KiB and milliseconds.)"""
     before = getattr(_batches, "batch", None)
-    _batches.batch = _Batch(time.monotonic())
+    _batches.batch = _Batch()
     try:
         yield
     finally:
@@ -148,6 +152,8 @@ class BoundedHiredisParser(_HiredisParser):
         self._received += came
         batch: _Batch | None = getattr(_batches, "batch", None)
         if batch is not None:
+            if batch.started is None:
+                batch.started = self._reply_started
             batch.received += came
             self._check(batch.received, batch.started, "a pipeline's replies")
         self._check(self._received, self._reply_started, "a reply")
@@ -190,6 +196,8 @@ class _CheckedHandshake:
     """A connection whose handshake replies of the wrong shape are a typed protocol error."""
 
     def on_connect_check_health(self, check_health: bool = True) -> None:
+        batch = getattr(_batches, "batch", None)
+        _batches.batch = None  # (the handshake's replies are no pipeline's: bounded each)
         try:
             super().on_connect_check_health(check_health)  # type: ignore[misc]
         except (AttributeError, TypeError, KeyError, ValueError, IndexError) as exc:
@@ -198,6 +206,8 @@ class _CheckedHandshake:
                 f"the server's reply to the connection handshake (HELLO / AUTH) is malformed "
                 f"({type(exc).__name__}): is the URL a Redis or Valkey server's?"
             ) from None
+        finally:
+            _batches.batch = batch
 
 
 def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -394,3 +394,24 @@ def test_a_servers_error_text_is_printable_and_cut_in_every_message(
         message = str(raised.value)
         assert "\n" not in message and "\x1b" not in message, message[:200]
         assert "forged" in message and len(message) < 1000
+
+
+def test_a_slow_handshake_is_not_counted_against_a_lookups_replies(serve: object) -> None:
+    """The batch's clock starts at its first reply: a fresh connection's HELLO answered in
+    0.3 s, then the lookup's replies in 0.3 s, each within the 0.5 s socket timeout, is no
+    timeout (a review found the handshake counted in the batch's budget)."""
+
+    def answer(name: bytes) -> bytes:
+        if name == b"HELLO":
+            time.sleep(0.3)
+            return HELLO
+        if name == b"EXISTS":
+            time.sleep(0.15)
+            return b":1\r\n"
+        return b"$-1\r\n" if name == b"GET" else b"+OK\r\n"
+
+    buf = _buffer(serve(answer).port, timeout_s=0.5)  # type: ignore[operator]
+    try:
+        assert buf.longest_prefix(["h0", "h1"]) == 2
+    finally:
+        buf.close()

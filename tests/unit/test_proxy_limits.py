@@ -403,6 +403,29 @@ def test_a_client_trickling_its_headers_is_cut_off_at_the_head_deadline() -> Non
         stop()
 
 
+def test_the_head_deadline_never_cuts_the_rest_of_a_body_answered_early() -> None:
+    """A body over --max-body-bytes is answered 413 before it all came; the client, still
+    sending it, must get to read that answer: timed as the next request's head, its rest was
+    cut off at the head deadline (a review's)."""
+    url, stop = serve_in_thread(
+        build_app(ProxyConfig([DOWN], [DOWN], max_body_bytes=1000)),
+        log_level="error",
+        http=http_protocol(0.3),
+    )
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.settimeout(20)
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\nContent-Length: 5000\r\n"
+            sock.sendall(head + b"Content-Type: application/json\r\n\r\n")
+            for _ in range(10):  # the body, over 1 s: past the head deadline
+                sock.sendall(b"x" * 500)
+                time.sleep(0.1)
+            assert sock.recv(12) == b"HTTP/1.1 413"
+    finally:
+        stop()
+
+
 def test_ipv6_clients_share_a_presence_bucket_per_network() -> None:
     """A limit of 1 query per 100 s, bursts of 2: three addresses of one /64 pass twice in all,
     another /64 has its own bucket, IPv4 stays per address and an IPv4-mapped IPv6 address

@@ -191,9 +191,70 @@ def test_a_lookup_answer_survives_a_change_of_local_hits(
     assert ask(0) == (6 * BS, True)  # the local hit went: looked up and decided anew
     stats = conn.stats.take()
     assert stats.get("requests_given_up") is None
-    # one request, one hit: its choice counted once, however often it was decided
+    assert not any(k.startswith("chose_") for k in stats)  # (counted once it takes effect)
+
+    class Blocks:
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (list(range(10, 17)),)
+
+    conn.update_state_after_alloc(req, Blocks(), 6 * BS)
+    conn.update_state_after_alloc(req, Blocks(), 6 * BS)  # (admitted again: nothing new)
+    stats = conn.stats.take()
+    # one request, one hit: the choice that was served counted once, however often decided
     assert sum(v for k, v in stats.items() if k.startswith("chose_")) == 1, stats
     sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_the_choice_counted_is_the_one_served(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decided twice (its local hits shrank), first recompute, then a load: the load is what
+    it is served, and what is counted (a review found the first decision counted)."""
+    import dataclasses
+
+    import connector.load_choices as load_choices
+    from connector.load_policy import Way
+
+    sched = make_scheduler(tiny_model, "kv_both", url=URL, deadline_s=30)
+    conn = sched.connector.scheduler  # type: ignore[union-attr]
+    tokens = prompt(6 * BS + 1, seed=51)
+    block = {n: torch.zeros(2, BS, 128) for n in sched.connector.layout.layer_names}  # type: ignore[union-attr]
+    conn.store.insert_many([(h, block) for h in chain_hashes(tokens, BS)])
+    ways = iter([Way.RECOMPUTE, Way.ASYNC])
+
+    def decided(real: Any) -> Any:  # the policy's decision, its way replaced
+        def decide(*args: Any, **kwargs: Any) -> Any:
+            hit = next(a for a in args if isinstance(a, load_choices.Hit))
+            way = next(ways)
+            blocks = hit.blocks if way is Way.ASYNC else 0
+            return dataclasses.replace(real(*args, **kwargs), way=way, blocks=blocks)
+
+        return decide
+
+    monkeypatch.setattr(load_choices, "choose", decided(load_choices.choose))
+    monkeypatch.setattr(load_choices, "pinned", decided(load_choices.pinned))
+    req = make_request("r", tokens)
+
+    def ask(local_blocks: int) -> tuple[int | None, bool]:
+        for _ in range(500):
+            answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
+            if answer[0] is not None:
+                return answer
+            time.sleep(0.01)
+        raise AssertionError("no answer")
+
+    assert ask(1) == (0, False)  # recompute
+    assert ask(0) == (6 * BS, True)  # the local hit went: decided again, a load
+
+    class Blocks:
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (list(range(10, 17)),)
+
+    conn.update_state_after_alloc(req, Blocks(), 6 * BS)
+    stats = conn.stats.take()
+    sched.connector.shutdown()  # type: ignore[union-attr]
+    assert stats.get("chose_async") == 1 and "chose_recompute" not in stats, stats
+    assert "tokens_recompute_chosen" not in stats
 
 
 def test_a_request_asked_about_again_gives_up_once(
