@@ -46,6 +46,24 @@ def loaded_blocks(engine: SimEngine) -> int:
     return int(engine.take_stats().get("blocks_loaded", 0))
 
 
+def answered(conn: Any, req: Any, local_blocks: int) -> tuple[int | None, bool]:
+    """The connector's answer to vLLM about ``req`` with ``local_blocks`` cached locally,
+    asked again (as vLLM does each step) until it is no longer "not known yet"."""
+    for _ in range(500):
+        answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.01)
+    raise AssertionError("no answer")
+
+
+class AllocatedBlocks:
+    """What vLLM hands ``update_state_after_alloc``: block ids 10-16 of one group."""
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (list(range(10, 17)),)
+
+
 # ---------------------------------------------------------------------- defect 1
 def test_an_abort_during_a_share_mode_load_holds_the_blocks_until_the_load_ends(
     engines: Any,
@@ -171,34 +189,25 @@ def test_a_lookup_answer_survives_a_change_of_local_hits(
     held = Gate(conn.store, "survey")
     req = make_request("r", tokens, params)
 
-    def ask(local_blocks: int) -> tuple[int | None, bool]:
-        for _ in range(500):
-            answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
-            if answer[0] is not None:
-                return answer
-            time.sleep(0.01)
-        raise AssertionError("no answer")
-
     try:
         assert conn.get_num_new_matched_tokens(req, 0) == (None, False)  # the lookup is out
         assert held.entered.wait(10)
     finally:
         held.opened.set()
     if changed == "after the answer":
-        assert ask(0) == (6 * BS, True)
-    assert ask(1) == (5 * BS, True)  # a local hit of one block appeared
-    assert ask(1) == (5 * BS, True)  # and vLLM asks again: the same answer
-    assert ask(0) == (6 * BS, True)  # the local hit went: looked up and decided anew
+        assert answered(conn, req, 0) == (6 * BS, True)
+    assert answered(conn, req, 1) == (5 * BS, True)  # a local hit of one block appeared
+    assert answered(conn, req, 1) == (5 * BS, True)  # and vLLM asks again: the same answer
+    assert answered(conn, req, 0) == (
+        6 * BS,
+        True,
+    )  # the local hit went: looked up and decided anew
     stats = conn.stats.take()
     assert stats.get("requests_given_up") is None
     assert not any(k.startswith("chose_") for k in stats)  # (counted once it takes effect)
 
-    class Blocks:
-        def get_block_ids(self) -> tuple[list[int], ...]:
-            return (list(range(10, 17)),)
-
-    conn.update_state_after_alloc(req, Blocks(), 6 * BS)
-    conn.update_state_after_alloc(req, Blocks(), 6 * BS)  # (admitted again: nothing new)
+    conn.update_state_after_alloc(req, AllocatedBlocks(), 6 * BS)
+    conn.update_state_after_alloc(req, AllocatedBlocks(), 6 * BS)  # (admitted again: nothing new)
     stats = conn.stats.take()
     # one request, one hit: the choice that was served counted once, however often decided
     assert sum(v for k, v in stats.items() if k.startswith("chose_")) == 1, stats
@@ -235,22 +244,10 @@ def test_the_choice_counted_is_the_one_served(
     monkeypatch.setattr(load_choices, "pinned", decided(load_choices.pinned))
     req = make_request("r", tokens)
 
-    def ask(local_blocks: int) -> tuple[int | None, bool]:
-        for _ in range(500):
-            answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
-            if answer[0] is not None:
-                return answer
-            time.sleep(0.01)
-        raise AssertionError("no answer")
+    assert answered(conn, req, 1) == (0, False)  # recompute
+    assert answered(conn, req, 0) == (6 * BS, True)  # the local hit went: decided again, a load
 
-    assert ask(1) == (0, False)  # recompute
-    assert ask(0) == (6 * BS, True)  # the local hit went: decided again, a load
-
-    class Blocks:
-        def get_block_ids(self) -> tuple[list[int], ...]:
-            return (list(range(10, 17)),)
-
-    conn.update_state_after_alloc(req, Blocks(), 6 * BS)
+    conn.update_state_after_alloc(req, AllocatedBlocks(), 6 * BS)
     stats = conn.stats.take()
     sched.connector.shutdown()  # type: ignore[union-attr]
     assert stats.get("chose_async") == 1 and "chose_recompute" not in stats, stats
@@ -268,13 +265,7 @@ def test_a_request_asked_about_again_gives_up_once(
     req = make_request("r", prompt(6 * BS + 1))
     try:
         for local_blocks in (3, 2, 1, 0):  # (each fewer: it is looked up anew)
-            answer: tuple[int | None, bool] = (None, False)
-            for _ in range(500):
-                answer = conn.get_num_new_matched_tokens(req, local_blocks * BS)
-                if answer[0] is not None:
-                    break
-                time.sleep(0.01)
-            assert answer == (0, False)
+            assert answered(conn, req, local_blocks) == (0, False)
         assert conn.stats.take().get("requests_given_up") == 1
     finally:
         held.opened.set()
@@ -597,11 +588,8 @@ def test_vllm_allocating_fewer_tokens_than_answered_loads_only_those_blocks(
     req = make_request("r", tokens)
     assert conn.get_num_new_matched_tokens(req, 0) == (6 * BS, True)
 
-    class Blocks:
-        def get_block_ids(self) -> tuple[list[int], ...]:
-            return (list(range(10, 17)),)
-
-    conn.update_state_after_alloc(req, Blocks(), 2 * BS + 3)  # 2 blocks and a part of a third
+    # 2 blocks and a part of a third
+    conn.update_state_after_alloc(req, AllocatedBlocks(), 2 * BS + 3)
     (load,) = conn._pending_loads
     assert load.block_ids == [[10, 11, 12]] and load.names[0] == hashes[:3]
     sched.connector.shutdown()  # type: ignore[union-attr]
@@ -623,11 +611,7 @@ def test_a_hit_another_connector_loads_plans_no_load_here_and_saves_the_prompt(
     req = make_request("r", tokens)
     assert conn.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
-    class Blocks:
-        def get_block_ids(self) -> tuple[list[int], ...]:
-            return (list(range(10, 17)),)
-
-    conn.update_state_after_alloc(req, Blocks(), 0)  # the other child's load
+    conn.update_state_after_alloc(req, AllocatedBlocks(), 0)  # the other child's load
     assert conn._pending_loads == []  # nothing written into blocks the other child fills
     assert conn._reqs["r"].phase is Phase.RUNNING  # computed from there on, never waiting
     sched.connector.shutdown()  # type: ignore[union-attr]
