@@ -19,6 +19,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from connector.config import TRANSFER_PARAMS_KEY
+from connector.logs import FailureCounts
 from connector.presence import valid_token_ids
 from connector.proxy.backends import BackendAnswer, Backends
 from connector.proxy.bodies import (
@@ -337,19 +338,19 @@ class RelayedStream(StreamingResponse):
             # (Starlette turns the timeout, an OSError, into ClientDisconnect)
             if not stalled:
                 raise
-            _STALLED_CLIENTS[0] += 1
-            if _STALLED_CLIENTS[0] & (_STALLED_CLIENTS[0] - 1) == 0:  # 1, 2, 4, ...
+            total = _DROPPED.add("stalled stream")
+            if total:
                 logger.warning(
                     "a client stopped reading its stream for %.0f s (--timeout-s): dropped "
                     "(%d so far)",
                     self._send_timeout_s,
-                    _STALLED_CLIENTS[0],
+                    total,
                 )
         finally:
             await self._finish()  # (once: the relay's finally may have given it back)
 
 
-_STALLED_CLIENTS = [0]  # streams dropped because their client stopped reading
+_DROPPED = FailureCounts()  # streams dropped because their client stopped reading
 
 
 async def _client_disconnected(request: Request) -> None:

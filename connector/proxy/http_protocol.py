@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import h11  # (uvicorn's own dependency: its h11 protocol's state machine)
+
 DEFAULT_HEADER_READ_TIMEOUT_S = 10.0
 
 
@@ -49,8 +51,6 @@ class _HeadInTime:
             return False
         conn = getattr(self, "conn", None)  # h11's state machine
         if conn is not None:
-            import h11
-
             return bool(conn.their_state in (h11.IDLE, h11.DONE))
         return not self._in_message
 
