@@ -49,9 +49,13 @@ class IdleProbes:
     def __init__(
         self,
         start_probe: Callable[[ProbeSpec, threading.Event], Future[bool] | None],
+        report_bug: Callable[[str, BaseException, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._start_probe = start_probe  # ``ProbeReads.start``
+        # ``WorkerContext.bug`` (counted in ``internal_errors`` and logged sparsely); alone,
+        # only logged sparsely
+        self._report_bug = report_bug or self._log_bug
         self._clock = clock
         self._cond = threading.Condition()
         # under ``_cond``: the standing order; whether a step runs; the idle spells so far (a
@@ -135,7 +139,7 @@ class IdleProbes:
             try:
                 found = self._probe(spec, stop)
             except Exception as exc:  # a bug: probing goes on (the thread died of one, silently)
-                log_bug(self._bugs, logger, "idle-probe", exc, "an idle probe of the store")
+                self._report_bug("idle-probe", exc, "an idle probe of the store")
                 found = None
             with self._cond:
                 if found is None:
@@ -151,6 +155,9 @@ class IdleProbes:
                 self._last_ended = self._clock()
                 if not found and self._order is order:
                     self._order = ()  # its blocks are gone: nothing to probe until told
+
+    def _log_bug(self, where: str, exc: BaseException, what: str) -> None:
+        log_bug(self._bugs, logger, where, exc, what)
 
     def _probe(self, spec: ProbeSpec, stop: threading.Event) -> bool | None:
         """Run one probe to its end: whether its blocks were there (None: it did not run).

@@ -94,7 +94,7 @@ class RedisConnectorWorker:
         self._whole_loads = WholeLoads(ctx, self._load_io)
         self._split_loads = SplitLoads(ctx, self._layered_io)
         self._probes = ProbeReads(ctx, self._probe_io, self._split_loads)
-        self.idle_probes = IdleProbes(self._probes.start)  # while no step runs
+        self.idle_probes = IdleProbes(self._probes.start, ctx.bug)  # while no step runs
         self._saves = SaveWrites(ctx, self._save_io, report_stored)
         self._timer = ForwardTimer(ctx)
 

@@ -133,12 +133,16 @@ def test_a_probe_that_raises_or_cannot_start_does_not_end_the_idle_probes() -> N
             fut.set_result(True)
         return fut
 
-    idle = IdleProbes(start)
+    bugs: list[tuple[str, BaseException]] = []
+    idle = IdleProbes(start, lambda where, exc, what: bugs.append((where, exc)))
     try:
         idle.step_began(order())
         idle.step_ended()
         assert idle.wait_completed(3, timeout_s=60)  # the raised one, and two after it
         assert len(calls) >= 5
+        # the start's bug went to the worker's reporter (counted there), the probe's own
+        # failure not (logged where it ran)
+        assert [(where, type(exc)) for where, exc in bugs] == [("idle-probe", TypeError)]
     finally:
         idle.stop()
 

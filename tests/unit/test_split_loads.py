@@ -853,6 +853,28 @@ def test_an_idle_engine_measures_a_store_that_recovered_before_its_next_request(
     assert "chose_recompute" not in stats and stats["blocks_loaded"] >= 1
 
 
+def test_an_idle_probe_that_fails_to_start_is_counted_as_an_internal_error(engines: Any) -> None:
+    """Found in review: a bug in starting an idle probe was logged by the probe thread's own
+    counter but reached no metric, where every other background bug counts in
+    ``internal_errors``."""
+    prompts = saved_prompts(engines, 1, seed=310)
+    reader, _slow = cold_reader_on_a_slow_store(engines, prompts["p0"])
+    started = threading.Event()
+
+    def crashes(spec: Any, stop: threading.Event) -> None:
+        started.set()
+        raise TypeError("a bug in starting a probe")
+
+    reader.worker.idle_probes._start_probe = crashes  # (the fault, injected)
+    assert started.wait(60)  # the engine idle: its worker tries to probe on its own
+    counted = 0
+    deadline = time.monotonic() + 60
+    while not counted:
+        assert time.monotonic() < deadline, "the crash was never counted"
+        counted = reader.take_stats().get("internal_errors", 0)
+        time.sleep(0.01)
+
+
 def test_an_instance_that_serves_every_hit_one_way_sends_no_idle_probes(engines: Any) -> None:
     """Its figures decide nothing, so its workers do not read the store in the background while
     it is idle (on the bench's shared core, a recomputing server's idle probes slowed the auto
