@@ -6,6 +6,7 @@ shows such text passes it through :func:`printable` (``shown`` for rich's tables
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,6 +28,18 @@ def printable(value: object, limit: int | None = SHOWN_CHARS) -> str:
     if not text.isprintable():
         text = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
     return text + cut
+
+
+# Redis and Valkey repeat a refused command's first arguments in their error ("unknown command
+# 'HELLO', with args beginning with: '3' 'AUTH' 'default' '<password>'": a server with HELLO
+# renamed echoed the URL's password into kvstore's exception, a review's)
+_ECHOED_ARGS = re.compile(r"(with args beginning with:).*", re.IGNORECASE | re.DOTALL)
+
+
+def without_echoed_args(message: str) -> str:
+    """A server's error text without the arguments it repeats of the command it refused:
+    they may be a password (the handshake's ``HELLO ... AUTH``) or a key."""
+    return _ECHOED_ARGS.sub(r"\1 (not shown)", message)
 
 
 def shown(value: object, limit: int | None = SHOWN_CHARS, style: str = "") -> Text:

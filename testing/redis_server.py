@@ -382,6 +382,33 @@ class ClusterServers:
     def client(self, node: RedisServer) -> redis.Redis:
         return redis.Redis(unix_socket_path=node.unix_socket, socket_timeout=2)
 
+    def add_master_without_slots(self, timeout_s: float = 30.0) -> RedisServer:
+        """A node started like the others and met by the Cluster, serving no slot yet: the
+        first step of a scale-out (``CLUSTER SLOTS`` does not name it until it serves one).
+        Cleaned up with the rest; not counted in ``masters``."""
+        if self.tls:
+            raise NotImplementedError("a TLS Cluster's new node is not set up here")
+        first = self.nodes[0]
+        # (the first's arguments, its own state file last)
+        node = RedisServer(
+            free_cluster_port(), binary=self.binary, extra_args=first.extra_args[:-1]
+        )
+        node.extra_args.append(str(node.dir / "nodes.conf"))
+        self.nodes.append(node)
+        node.start()
+        self.client(node).execute_command("CLUSTER MEET", "127.0.0.1", first.port)
+        known = str(len(self.nodes))
+        deadline = time.monotonic() + timeout_s
+        while any(
+            (info := self.client(n).cluster("info")).get("cluster_known_nodes") != known
+            or info.get("cluster_state") != "ok"
+            for n in (node, *self.master_nodes())
+        ):
+            if time.monotonic() > deadline:
+                raise StoreUnavailableError("the new node was not met by the Cluster in time")
+            time.sleep(0.05)
+        return node
+
     def wait_healthy(self, timeout_s: float = 30.0) -> None:
         """Until every live node says ``cluster_state:ok`` and ``masters`` masters serve all
         16384 slots; with every node alive, each master also has a replica attached (after a

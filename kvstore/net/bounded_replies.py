@@ -33,6 +33,7 @@ from redis._parsers.hiredis import _HiredisParser
 from redis.utils import SENTINEL
 
 from kvstore.errors import StoreCommandError
+from kvstore.net.slot_map import check_slot_map
 from kvstore.net.wire import MIN_BYTES_PER_S, error_reply
 from kvstore.text import printable
 
@@ -40,6 +41,10 @@ from kvstore.text import printable
 # reads (kilobytes), far below what a planted reply could cost a process
 MAX_CONTROL_REPLY_BYTES = 4 << 20
 _NO_TIMEOUT_S = 60.0  # a reply's base budget on a socket without a timeout
+# RESP3 push messages taken ahead of one reply: kvstore subscribes to nothing and turns
+# redis-py's maintenance notifications off, so a server of kvstore's sends none; redis-py
+# reads each by recursing, and 500 of them (7 KB) raised an untyped RecursionError (a review's)
+MAX_PUSHES_AHEAD = 64
 
 
 @dataclass
@@ -106,6 +111,7 @@ class BoundedHiredisParser(_HiredisParser):
         super().__init__(socket_read_size)
         self._reply_started: float | None = None
         self._received = 0  # bytes received since the reply began
+        self._pushes = 0  # push messages read ahead of it (redis-py recurses once for each)
 
     def read_response(
         self,
@@ -117,6 +123,17 @@ class BoundedHiredisParser(_HiredisParser):
         if outer:
             self._reply_started = time.monotonic()
             self._received = 0
+            self._pushes = 0
+        else:
+            self._pushes += 1
+            if self._pushes > MAX_PUSHES_AHEAD:
+                raise self._broken(
+                    rex.InvalidResponse(
+                        f"over {MAX_PUSHES_AHEAD} push messages ahead of a reply, where kvstore "
+                        "subscribes to nothing: not what a Redis server of kvstore's sends, so "
+                        "the connection is dropped"
+                    )
+                )
         try:
             return super().read_response(
                 disable_decoding=disable_decoding, push_request=push_request, timeout=timeout
@@ -210,21 +227,51 @@ class _CheckedHandshake:
             _batches.batch = batch
 
 
+def _names_cluster_slots(args: tuple[Any, ...]) -> bool:
+    """Whether a command's arguments are ``CLUSTER SLOTS`` (redis-py sends it as one string)."""
+    head = [a for a in args[:2] if isinstance(a, (str, bytes)) and len(a) < 16]
+    words = b" ".join(a if isinstance(a, bytes) else a.encode() for a in head).upper().split()
+    return words[:2] == [b"CLUSTER", b"SLOTS"]
+
+
+class _SlotMapChecked:
+    """A connection whose ``CLUSTER SLOTS`` reply is checked (``slot_map``) before redis-py
+    builds its slot cache from it: every learning of the map -- at start-up, after a redirect
+    or a failure, by kvstore's sweeps -- goes through a node's connection."""
+
+    _slot_map_due = False
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        self._slot_map_due = False  # (a pipeline's, or what ``send_command`` sends)
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+    def send_command(self, *args: Any, **kwargs: Any) -> None:
+        super().send_command(*args, **kwargs)  # type: ignore[misc]
+        self._slot_map_due = _names_cluster_slots(args)
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        reply = super().read_response(*args, **kwargs)  # type: ignore[misc]
+        if self._slot_map_due:
+            self._slot_map_due = False
+            check_slot_map(reply)
+        return reply
+
+
 def _bounded(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs.setdefault("parser_class", BoundedHiredisParser)
     return kwargs
 
 
-class BoundedConnection(_CheckedHandshake, redis.Connection):
+class BoundedConnection(_SlotMapChecked, _CheckedHandshake, redis.Connection):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**_bounded(kwargs))
 
 
-class BoundedSSLConnection(_CheckedHandshake, redis.SSLConnection):
+class BoundedSSLConnection(_SlotMapChecked, _CheckedHandshake, redis.SSLConnection):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**_bounded(kwargs))
 
 
-class BoundedUnixConnection(_CheckedHandshake, redis.UnixDomainSocketConnection):
+class BoundedUnixConnection(_SlotMapChecked, _CheckedHandshake, redis.UnixDomainSocketConnection):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**_bounded(kwargs))

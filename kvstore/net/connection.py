@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import re
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ import redis
 import redis.connection
 import redis.exceptions as rex
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
@@ -58,7 +60,7 @@ from kvstore.net.bounded_replies import (
     BoundedUnixConnection,
     ReplyTooLarge,
 )
-from kvstore.text import printable
+from kvstore.text import printable, without_echoed_args
 from kvstore.values.keys import DEFAULT_KEY_PREFIX, NAME_RE
 
 logger = logging.getLogger("kvstore")
@@ -258,6 +260,7 @@ def parse_url(url: str) -> StoreAddress:
     unknown = set(options) - set(_TLS_QUERY)
     if unknown:
         raise _bad(safe, f"unknown query parameter(s) {_shown_names(unknown, secrets)}")
+    _check_tls_options(options, scheme == "rediss", safe)
     transport = "unix" if scheme == "unix" else "tcp"
     if transport == "tcp" and not kwargs.get("host"):
         raise _bad(safe, "no host")
@@ -291,6 +294,24 @@ def _scrubbed(text: str, secrets: list[str]) -> str:
     return text
 
 
+_TLS_VERIFY_VALUES = ("true", "false", "1", "0", "yes", "no", "none")
+
+
+def _check_tls_options(options: dict[str, str], tls: bool, safe: str) -> None:
+    """TLS options only where the scheme says TLS: on ``redis://`` they were ignored, and the
+    connection -- the password with it -- went in clear (a review's); ``tls_verify`` only as
+    a yes or a no (``off`` was taken for yes)."""
+    given = sorted(k for k in options if k in _TLS_QUERY)
+    if given and not tls:
+        raise _bad(
+            safe,
+            f"{', '.join(given)} given on a plain (not TLS) URL, which would connect in clear: "
+            "use the TLS scheme (rediss://, rediss-cluster://, rediss-sentinel://, valkeys://)",
+        )
+    if options.get("tls_verify", "true").lower() not in _TLS_VERIFY_VALUES:
+        raise _bad(safe, f"tls_verify must be one of {', '.join(_TLS_VERIFY_VALUES)}")
+
+
 def _parse_topology_url(scheme: str, rest: str, safe: str, secrets: list[str]) -> StoreAddress:
     """``redis-sentinel://`` / ``redis-cluster://`` (and their TLS and valkey spellings)."""
     topology, tls = _TOPOLOGIES[scheme]
@@ -317,6 +338,7 @@ def _parse_topology_url(scheme: str, rest: str, safe: str, secrets: list[str]) -
             raise _bad(safe, f"unknown query parameter(s) {_shown_names({key}, secrets)}")
         # (sentinel_auth as written: its errors read it from the URL's shown form)
         options[key] = value if key == SENTINEL_AUTH else unquote(value)
+    _check_tls_options(options, tls, safe)
     if options.get(SENTINEL_AUTH, "none") not in _SENTINEL_AUTH_VALUES:
         raise _bad(
             safe,
@@ -368,6 +390,11 @@ def make_client(
 ) -> redis.Redis:
     """A redis-py client (hiredis parser when installed) with a bounded, thread-safe pool."""
     check_timeouts(socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s)
+    if not address.tls and (tls_ca_file or tls_cert_file or tls_key_file):
+        raise InvalidArgumentError(
+            f"{address.safe_url}: TLS files given for a plain (not TLS) URL, which would connect "
+            "in clear: use the TLS scheme (rediss://, rediss-cluster://, rediss-sentinel://)"
+        )
     kwargs: dict[str, Any] = {
         # One immediate retry on a broken connection (a pooled one the server dropped, e.g.
         # after a restart), none on a timeout: redis-py's default -- 10 retries with backoff on
@@ -385,6 +412,7 @@ def make_client(
         # the wrong shape a protocol error (``bounded_replies``): values are read by wire.py
         "parser_class": BoundedHiredisParser,
         "connection_class": BoundedConnection,
+        **_NO_MAINT_NOTIFICATIONS,
     }
     if address.transport == "unix":
         kwargs["connection_class"] = BoundedUnixConnection
@@ -417,6 +445,18 @@ def make_client(
     return redis.Redis(connection_pool=pool)
 
 
+try:  # redis-py >= 7: a server's RESP3 push (MOVING) must not move a connection to a host the
+    # URL does not name -- the default ("auto") followed one push to another address, sent it
+    # the URL's password and swapped in redis-py's own 10 s timeouts (a review's)
+    from redis.maint_notifications import MaintNotificationsConfig
+
+    _NO_MAINT_NOTIFICATIONS: dict[str, Any] = {
+        "maint_notifications_config": MaintNotificationsConfig(enabled=False)
+    }
+except ImportError:  # pragma: no cover - an older redis-py follows no such push
+    _NO_MAINT_NOTIFICATIONS = {}
+
+
 # the longest socket or connect timeout taken (seconds): every wait in kvstore is bounded by
 # one, and 1e300 made redis-py's settimeout raise OverflowError at start-up (a review)
 MAX_TIMEOUT_S = 3600.0
@@ -439,13 +479,31 @@ def _tls_kwargs(
 ) -> dict[str, Any]:
     """redis-py's TLS arguments: the same for data connections, Cluster nodes, a Sentinel
     service's master and the sentinels themselves."""
+    if key_file:
+        _check_key_loads(cert_file, key_file)
     return {
         "ssl_ca_certs": ca_file,
         "ssl_certfile": cert_file,
         "ssl_keyfile": key_file,
+        # never a prompt: OpenSSL asks a terminal for an encrypted key's passphrase, and a
+        # connect waited on it for ever (a review's)
+        "ssl_password": "",
         "ssl_cert_reqs": "required" if verify else "none",
         "ssl_check_hostname": bool(verify),
     }
+
+
+def _check_key_loads(cert_file: str | None, key_file: str) -> None:
+    """The client certificate and key load, with no passphrase: refused now, saying why, not
+    at each connect as "cannot reach ... Invalid argument"."""
+    try:
+        ssl.create_default_context().load_cert_chain(cert_file or key_file, key_file, "")
+    except (ssl.SSLError, OSError) as exc:
+        raise InvalidArgumentError(
+            f"the TLS client key (tls_key_file) and certificate (tls_cert_file) do not load "
+            f"({printable(exc)}): give a key without a passphrase (openssl pkey -in key.pem "
+            "-out plain.pem), the certificate that matches it, and files this process can read"
+        ) from None
 
 
 _TLS_KEYS = tuple(_tls_kwargs(None, None, None, True))
@@ -489,12 +547,40 @@ def close_client(client: redis.Redis) -> None:
     client.close()
 
 
+class _AskedNodeListed:
+    """Where an ``ASK`` names a node the slot map does not list (the first slot moving to a
+    master just added: ``CLUSTER SLOTS`` names it only once it serves one), redis-py looked the
+    node up, got None and raised ``AttributeError`` -- past every typed handler, and a
+    consuming read's give-back of its claims stopped at it, leaving 5 of 6 values under claim
+    keys (a review's, on a real Cluster). It fails as a Cluster that cannot serve the key now:
+    the slot map is learnt again, and the next call goes where it says."""
+
+    def get_redis_connection(self, node: Any) -> redis.Redis:
+        if node is None:
+            raise rex.ClusterDownError(
+                "a node redirected this key (ASK) to a node the Cluster's slot map does not "
+                "list yet: a slot is moving to a master just added"
+            )
+        return super().get_redis_connection(node)  # type: ignore[misc]
+
+
+class _ClusterPipeline(_AskedNodeListed, ClusterPipeline):
+    pass
+
+
+class _Cluster(_AskedNodeListed, RedisCluster):
+    """redis-py's Cluster client and its pipelines, each :class:`_AskedNodeListed`."""
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> ClusterPipeline:
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe.__class__ = _ClusterPipeline  # (redis-py builds the pipeline class it knows)
+        return pipe
+
+
 def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redis:
     """redis-py's ``RedisCluster`` over the seed nodes: it learns the slot map now (so a
     cluster URL that reaches a standalone server fails here, saying so), follows ``MOVED`` /
     ``ASK``, and relearns the map when a node fails."""
-    from redis.cluster import ClusterNode, RedisCluster
-
     del kwargs["host"], kwargs["port"], kwargs["db"], kwargs["retry"]
     # RedisCluster builds its node clients itself, and takes a connection class only in its
     # URL mode, through the node pools' class: there ``_BoundedNodePool`` gives every node
@@ -513,7 +599,7 @@ def _cluster_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Redi
     try:
         # per node a pool of max_connections (redis-py builds node pools itself): past
         # that a caller waits for one, then fails busy (``_WaitsForAConnection``)
-        client = RedisCluster(
+        client = _Cluster(
             url=seed_url,
             connection_pool_class=_BoundedNodePool,
             startup_nodes=[ClusterNode(host, port) for host, port in more],
@@ -633,6 +719,8 @@ def _sentinel_client(address: StoreAddress, kwargs: dict[str, Any]) -> redis.Red
     sentinel_kwargs = {
         "socket_timeout": kwargs["socket_timeout"],
         "socket_connect_timeout": kwargs["socket_connect_timeout"],
+        # (a sentinel's push moved no connection either: 300 pushes a reply made 3,000 threads)
+        **_NO_MAINT_NOTIFICATIONS,
     }
     if address.options.get(SENTINEL_AUTH) == "url":  # sentinels with requirepass / ACL users
         sentinel_kwargs["username"] = kwargs.get("username")
@@ -731,6 +819,12 @@ def translated_errors(
             "calls fail fast until it answers again"
         ) from None
     except _TOPOLOGY_ERRORS as exc:
+        if "cluster" in urlsplit(safe_url).scheme.lower():  # (the advice below is followed)
+            raise StoreUnavailableError(
+                f"{safe_url}: a Cluster node redirected a call elsewhere ({type(exc).__name__}: "
+                f"{_strip(exc)}): its slot is moving; calls go where the slot map says once "
+                "it is learnt again"
+            ) from None
         raise StoreTopologyError(
             f"{safe_url} is a Redis/Valkey Cluster node that does not serve this key "
             f"({type(exc).__name__}: {_strip(exc)}): use a redis-cluster:// URL"
@@ -954,4 +1048,4 @@ def error_code(exc: BaseException) -> str | None:
 def _strip(exc: BaseException) -> str:
     """An exception's text for a message of ours: printable and cut (a server's error reply
     is in it, and redis-py's own words about the pipeline around it)."""
-    return printable(str(exc).strip().rstrip(".")) or type(exc).__name__
+    return without_echoed_args(printable(str(exc).strip().rstrip("."))) or type(exc).__name__

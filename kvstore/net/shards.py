@@ -25,6 +25,7 @@ import redis.exceptions as rex
 from redis.cluster import RedisCluster
 
 from kvstore.net.wire import deadline_passed
+from kvstore.text import printable
 
 logger = logging.getLogger("kvstore")
 
@@ -150,7 +151,15 @@ class Shards:
             try:
                 client.nodes_manager.initialize()  # type: ignore[attr-defined]
             except (rex.RedisError, rex.RedisClusterException, OSError) as exc:
-                logger.debug("kvstore: could not relearn the cluster's slot map yet: %s", exc)
+                logger.debug(
+                    "kvstore: could not relearn the cluster's slot map yet: %s", printable(exc)
+                )
+                return
+            except Exception as exc:  # (redis-py's own failure: the relearn thread lives on)
+                logger.warning(
+                    "kvstore: relearning the Cluster's slot map failed unexpectedly: %s",
+                    printable(repr(exc)),
+                )
                 return
 
     def relearn_by(self, deadline: float) -> bool:

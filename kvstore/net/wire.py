@@ -53,7 +53,8 @@ import numpy as np
 import redis.exceptions as rex
 
 from kvstore.errors import DeadlinePassedError
-from kvstore.text import printable
+from kvstore.net.slot_map import redirect_problem
+from kvstore.text import printable, without_echoed_args
 
 try:  # redis-py's own mapping of error codes to exception classes (OOM, NOPERM, ...)
     from redis._parsers.base import BaseParser
@@ -68,14 +69,21 @@ def error_reply(message: str) -> rex.RedisError:
     MOVED, ...), or a plain ``ResponseError`` where the text does not parse as that class's
     (redis-py splits a MOVED / ASK into slot and address, and a ``MOVED garbage`` raised its
     ``ValueError``, past every typed handler: found by a review). A server's text makes no
-    other exception. Its text is made printable and cut (``kvstore.text``): a server's error
-    line with a newline and an ANSI escape forged a log line, and one of 3 MB went whole into
-    an exception (a review)."""
-    message = printable(message)
+    other exception, and a redirect to a slot or an address no Cluster has is a plain one too.
+    Its text is made printable and cut (``kvstore.text``): a server's error line with a newline
+    and an ANSI escape forged a log line, and one of 3 MB went whole into an exception (a
+    review); the arguments a server repeats of a refused command are left out (a password, in
+    the handshake's)."""
+    message = without_echoed_args(printable(message))
     try:
-        return _parse_error(message)
+        exc = _parse_error(message)
     except (ValueError, IndexError, TypeError):
         return rex.ResponseError(message)
+    if isinstance(exc, rex.AskError) and redirect_problem(exc):
+        # (a slot past 16383 raised redis-py's KeyError where it moves the slot; a host the
+        # resolver refuses was cached, and every later call failed: ``slot_map``)
+        return rex.ResponseError(message)
+    return exc
 
 
 # the compiled core's interface this module calls (its VERSION): a build from before a change

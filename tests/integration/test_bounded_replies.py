@@ -415,3 +415,79 @@ def test_a_slow_handshake_is_not_counted_against_a_lookups_replies(serve: object
         assert buf.longest_prefix(["h0", "h1"]) == 2
     finally:
         buf.close()
+
+
+def _slots(*ranges: bytes) -> bytes:
+    return b"*%d\r\n" % len(ranges) + b"".join(ranges)
+
+
+def _range(first: int, last: int, host: bytes, port: bytes = b":7000\r\n") -> bytes:
+    return b"*3\r\n:%d\r\n:%d\r\n*2\r\n$%d\r\n%s\r\n%s" % (first, last, len(host), host, port)
+
+
+@pytest.mark.parametrize(
+    "slot_map",
+    [
+        _slots(_range(0, 2_000_000, b"127.0.0.1")),  # redis-py made a dict entry per slot
+        _slots(_range(0, 16383, b"127.0.0.1", b"$3\r\nabc\r\n")),  # a port that is no number
+        _slots(_range(0, 16383, b"a" * 70 + b".example")),  # a label IDNA refuses, cached
+        _slots(_range(0, 16383, "x\u202eevil".encode())),  # not ASCII
+        b"$-1\r\n",  # nil
+        _slots(*(_range(i, i, b"127.0.0.1", b":%d\r\n" % (1000 + i)) for i in range(1001))),
+    ],
+    ids=["slots-past-16383", "port-string", "long-label", "not-ascii", "nil", "1001-masters"],
+)
+def test_a_slot_map_no_cluster_sends_is_refused_typed_at_once_in_bounded_memory(
+    serve: object, slot_map: bytes
+) -> None:
+    """Found in review: redis-py built its slot cache from CLUSTER SLOTS as it came -- a
+    61-byte map naming slots 0 to 2**62 grew the process past 2.5 GiB; a wrong type raised
+    ValueError, KeyError or TypeError untyped; a host the resolver refuses was cached and
+    failed every later call; 2,000 masters opened 2,020 connections. The map is refused whole."""
+
+    def answer(name: bytes) -> bytes:
+        return HELLO if name == b"HELLO" else slot_map if name == b"CLUSTER" else b"+OK\r\n"
+
+    server = serve(answer)  # type: ignore[operator]
+    tracemalloc.start()
+    try:
+        with pytest.raises(StoreUnavailableError, match="slot map no Cluster sends"):
+            LookupBuffer.from_url(f"redis-cluster://127.0.0.1:{server.port}", socket_timeout_s=2)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
+def test_a_password_the_server_repeats_in_an_error_never_reaches_a_message(
+    serve: object,
+) -> None:
+    """Found in review, on a real Redis with HELLO renamed: "unknown command 'HELLO', with args
+    beginning with: '3' 'AUTH' 'default' '<password>'" went into kvstore's exception."""
+
+    def answer(name: bytes) -> bytes:
+        if name == b"HELLO":
+            return b"-ERR unknown command 'HELLO', with args beginning with: '3' 'AUTH' "\
+                b"'default' 'S3cret-pw' \r\n"  # fmt: skip
+        return b"+OK\r\n"
+
+    server = serve(answer)  # type: ignore[operator]
+    with pytest.raises(StoreCommandError) as raised:
+        LookupBuffer.from_url(f"redis://:S3cret-pw@127.0.0.1:{server.port}/0")
+    assert "unknown command 'HELLO'" in str(raised.value)
+    assert "S3cret" not in str(raised.value)
+
+
+def test_push_messages_ahead_of_a_reply_end_typed_not_in_a_recursion_error(
+    serve: object,
+) -> None:
+    """Found in review: redis-py reads each RESP3 push ahead of a reply by recursing, and 500
+    of them (7 KB) raised an untyped RecursionError past every handler."""
+    push = b">2\r\n$7\r\nmessage\r\n$1\r\nx\r\n"
+    server = serve(handshake_then(push * 2000 + b"$1\r\n7\r\n"))  # type: ignore[operator]
+    client = _client(server.port)
+    try:
+        with pytest.raises(StoreCommandError, match="push messages"):
+            read_generation(client, server.port)
+    finally:
+        client.close()

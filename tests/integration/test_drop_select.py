@@ -260,11 +260,15 @@ def cluster() -> Iterator[ClusterServers]:
 class SlotMove:
     """A live migration of one slot, driven by hand as ``redis-cli --cluster reshard`` does."""
 
-    def __init__(self, cluster: ClusterServers, key: str) -> None:
+    def __init__(
+        self, cluster: ClusterServers, key: str, target: RedisServer | None = None
+    ) -> None:
         self.cluster = cluster
         self.slot = _slot(key)
         self.source = cluster.node_of(key)
-        self.target = next(n for n in cluster.master_nodes() if n.port != self.source.port)
+        self.target = target or next(
+            n for n in cluster.master_nodes() if n.port != self.source.port
+        )
         self.src, self.dst = cluster.client(self.source), cluster.client(self.target)
 
     def start(self) -> None:
@@ -331,6 +335,35 @@ def test_a_claim_the_migration_outlasts_changes_nothing(cluster: ClusterServers)
             assert client.pttl(key) > (TTL_S - 60) * 1000
     move.finish()
     assert_blocks(buf.drop_select(HASHES[:8]), 8)
+    buf.close()
+
+
+def test_a_claim_asked_to_a_master_just_added_fails_typed_and_gives_every_block_back(
+    cluster: ClusterServers,
+) -> None:
+    """Found in review, on a real Cluster: the first slot moving to a master just added (which
+    ``CLUSTER SLOTS`` does not name until it serves one) answers ASK naming that master.
+    redis-py looked it up, got None and raised ``AttributeError``: untyped, and the give-back of
+    the other slots' claims stopped at it -- 5 of 6 values stayed under claim keys, reaching
+    nobody. Now each call fails as a Cluster that cannot serve the key now, and every claim
+    goes back."""
+    buf = LookupBuffer.from_url(cluster.url, namespace="grow", ttl_s=TTL_S, breaker_failures=20)
+    fill(buf, 6)
+    newcomer = cluster.add_master_without_slots()
+    key = buf.redis_key(HASHES[0])
+    move = SlotMove(cluster, key, target=newcomer)
+    move.start()  # (its one key moved: the source answers ASK for it from now on)
+    move.src.execute_command("MIGRATE", "127.0.0.1", newcomer.port, key, 0, 5000)
+    with pytest.raises(StoreUnavailableError):
+        buf.drop_select(HASHES[:6])
+    with pytest.raises(StoreUnavailableError):  # a write through redis-py's client
+        fill(buf, 1)
+    with pytest.raises(StoreUnavailableError):  # and a lookup through its pipeline
+        buf.longest_prefix(HASHES[:6])
+    assert buf.wait_given_back(30)
+    keys = [k for node in cluster.master_nodes() for k in cluster.client(node).keys("kv:*")]
+    assert len(keys) == 6 and not [k for k in keys if b":claim:" in k], keys
+    assert buf.stats().claims_stranded == 0
     buf.close()
 
 

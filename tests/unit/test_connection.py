@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import logging
 import ssl
+import subprocess
 import uuid
+from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
@@ -197,19 +199,22 @@ def test_tls_verify_false_warns_once_per_url_naming_it_and_the_fix(
 
 
 @pytest.mark.parametrize("verify", ["true", "false"])
-def test_sentinels_and_the_master_get_the_same_tls_settings(verify: str) -> None:
+def test_sentinels_and_the_master_get_the_same_tls_settings(
+    verify: str, tls_files: dict[str, str]
+) -> None:
     """Issue: the connections to the sentinels got the CA, certificate and verify mode, but
     not the host name check (left to redis-py's default)."""
+    cert, key = tls_files["cert"], tls_files["key"]  # (a pair that loads)
     url = (
         "rediss-sentinel://alice:pw@s1:26379,s2:26380/mymaster?tls_ca_file=/ca.pem"
-        f"&tls_cert_file=/client.pem&tls_key_file=/client.key&tls_verify={verify}"
+        f"&tls_cert_file={cert}&tls_key_file={key}&tls_verify={verify}"
     )
     client = make_client(parse_url(url))  # connects lazily: nothing is reached here
     on = verify == "true"
     want = {
         "ssl_ca_certs": "/ca.pem",
-        "ssl_certfile": "/client.pem",
-        "ssl_keyfile": "/client.key",
+        "ssl_certfile": cert,
+        "ssl_keyfile": key,
         "ssl_cert_reqs": "required" if on else "none",
         "ssl_check_hostname": on,
     }
@@ -225,11 +230,42 @@ def test_sentinels_and_the_master_get_the_same_tls_settings(verify: str) -> None
         assert {k: spool.connection_kwargs[k] for k in want} == want
         conn = spool.make_connection()  # what redis-py builds its TLS context from
         assert (conn.cert_reqs != ssl.CERT_NONE, conn.check_hostname) == (on, on)
-        assert (conn.ca_certs, conn.certfile, conn.keyfile) == (
-            "/ca.pem",
-            "/client.pem",
-            "/client.key",
-        )
+        assert (conn.ca_certs, conn.certfile, conn.keyfile) == ("/ca.pem", cert, key)
+
+
+def test_an_encrypted_client_key_is_refused_at_once_not_prompted_for(
+    tls_files: dict[str, str], tmp_path: Path
+) -> None:
+    """Found in review: a key with a passphrase made each connect ask a terminal for it and
+    wait for ever (without one: 'Invalid argument', four prompts later)."""
+    encrypted = tmp_path / "encrypted.key"
+    encrypt = ["openssl", "pkey", "-in", tls_files["key"], "-aes256", "-passout", "pass:x"]
+    subprocess.run([*encrypt, "-out", str(encrypted)], check=True, capture_output=True)
+    url = f"rediss://127.0.0.1:1/0?tls_cert_file={tls_files['cert']}&tls_key_file={encrypted}"
+    with pytest.raises(InvalidArgumentError, match="without a passphrase"):
+        make_client(parse_url(url))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:6379/0?tls_ca_file=/ca.pem",
+        "redis://h:6379/0?tls_verify=true",
+        "redis-cluster://h1:1,h2:2?tls_ca_file=/ca.pem",
+        "redis-sentinel://s1:26379/svc?tls_cert_file=/c.pem",
+        "rediss://h:6379/0?tls_verify=off",  # (taken for yes: say which words count)
+    ],
+)
+def test_tls_options_on_a_plain_url_are_refused_not_ignored(url: str) -> None:
+    """Found in review: TLS options on redis:// were ignored and the connection, its password
+    with it, went in clear."""
+    with pytest.raises(InvalidURLError, match=r"TLS scheme|tls_verify must be"):
+        parse_url(url)
+
+
+def test_tls_files_given_for_a_plain_url_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="in clear"):
+        make_client(parse_url("redis://h:6379/0"), tls_ca_file="/ca.pem")
 
 
 @pytest.mark.parametrize(
