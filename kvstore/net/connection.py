@@ -868,6 +868,12 @@ def translated_errors(
             "(LookupBuffer.from_url), or run fewer calls at once"
         ) from None
     except rex.ConnectionError as exc:
+        if "certificate verify failed" in str(exc).lower():  # (said as "cannot reach", a review's)
+            raise StoreUnavailableError(
+                f"{safe_url} answered with a TLS certificate this client does not trust "
+                f"({_strip(exc)}): give the CA that signed it as tls_ca_file, and connect by a "
+                "host name or address the certificate names"
+            ) from None
         raise StoreUnavailableError(
             f"cannot reach {safe_url} ({_strip(exc)}): check that the server runs and the "
             "host, port, socket path and TLS settings are right"
