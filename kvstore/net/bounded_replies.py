@@ -250,9 +250,9 @@ class _SlotMapChecked:
         self._slot_map_due = _names_cluster_slots(args)
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        due, self._slot_map_due = self._slot_map_due, False  # (one reply, even an error)
         reply = super().read_response(*args, **kwargs)  # type: ignore[misc]
-        if self._slot_map_due:
-            self._slot_map_due = False
+        if due:
             check_slot_map(reply)
         return reply
 

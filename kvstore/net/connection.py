@@ -479,7 +479,12 @@ def _tls_kwargs(
 ) -> dict[str, Any]:
     """redis-py's TLS arguments: the same for data connections, Cluster nodes, a Sentinel
     service's master and the sentinels themselves."""
-    if key_file:
+    if key_file and not cert_file:  # (redis-py then failed each connect with a TypeError)
+        raise InvalidArgumentError(
+            "tls_key_file needs tls_cert_file, the certificate it goes with (one file holding "
+            "both may be given as tls_cert_file alone)"
+        )
+    if cert_file:
         _check_key_loads(cert_file, key_file)
     return {
         "ssl_ca_certs": ca_file,
@@ -493,11 +498,11 @@ def _tls_kwargs(
     }
 
 
-def _check_key_loads(cert_file: str | None, key_file: str) -> None:
+def _check_key_loads(cert_file: str, key_file: str | None) -> None:
     """The client certificate and key load, with no passphrase: refused now, saying why, not
     at each connect as "cannot reach ... Invalid argument"."""
     try:
-        ssl.create_default_context().load_cert_chain(cert_file or key_file, key_file, "")
+        ssl.create_default_context().load_cert_chain(cert_file, key_file, "")
     except (ssl.SSLError, OSError) as exc:
         raise InvalidArgumentError(
             f"the TLS client key (tls_key_file) and certificate (tls_cert_file) do not load "
@@ -819,7 +824,7 @@ def translated_errors(
             "calls fail fast until it answers again"
         ) from None
     except _TOPOLOGY_ERRORS as exc:
-        if "cluster" in urlsplit(safe_url).scheme.lower():  # (the advice below is followed)
+        if safe_url.split(":", 1)[0].lower().endswith("-cluster"):  # (the advice is followed)
             raise StoreUnavailableError(
                 f"{safe_url}: a Cluster node redirected a call elsewhere ({type(exc).__name__}: "
                 f"{_strip(exc)}): its slot is moving; calls go where the slot map says once "

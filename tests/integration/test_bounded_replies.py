@@ -434,8 +434,19 @@ def _range(first: int, last: int, host: bytes, port: bytes = b":7000\r\n") -> by
         _slots(_range(0, 16383, "x\u202eevil".encode())),  # not ASCII
         b"$-1\r\n",  # nil
         _slots(*(_range(i, i, b"127.0.0.1", b":%d\r\n" % (1000 + i)) for i in range(1001))),
+        _slots(_range(0, 16383, b"a..b")),  # an empty label: the resolver's UnicodeError
+        _slots(*[_range(0, 16383, b"127.0.0.1")] * 2048),  # 5 s of redis-py's CPU
     ],
-    ids=["slots-past-16383", "port-string", "long-label", "not-ascii", "nil", "1001-masters"],
+    ids=[
+        "slots-past-16383",
+        "port-string",
+        "long-label",
+        "not-ascii",
+        "nil",
+        "1001-masters",
+        "empty-label",
+        "overlapping",
+    ],
 )
 def test_a_slot_map_no_cluster_sends_is_refused_typed_at_once_in_bounded_memory(
     serve: object, slot_map: bytes

@@ -246,6 +246,16 @@ def test_an_encrypted_client_key_is_refused_at_once_not_prompted_for(
         make_client(parse_url(url))
 
 
+def test_a_client_key_goes_with_its_certificate(tls_files: dict[str, str], tmp_path: Path) -> None:
+    """One file holding both is a certificate file alone; a key alone failed each connect with
+    redis-py's TypeError (a review's)."""
+    both = tmp_path / "both.pem"
+    both.write_text(Path(tls_files["cert"]).read_text() + Path(tls_files["key"]).read_text())
+    make_client(parse_url(f"rediss://127.0.0.1:1/0?tls_cert_file={both}"))
+    with pytest.raises(InvalidArgumentError, match="needs tls_cert_file"):
+        make_client(parse_url(f"rediss://127.0.0.1:1/0?tls_key_file={both}"))
+
+
 @pytest.mark.parametrize(
     "url",
     [
