@@ -294,7 +294,8 @@ def _scrubbed(text: str, secrets: list[str]) -> str:
     return text
 
 
-_TLS_VERIFY_VALUES = ("true", "false", "1", "0", "yes", "no", "none")
+_TLS_VERIFY_OFF = ("false", "0", "no", "none")
+_TLS_VERIFY_VALUES = ("true", "1", "yes", *_TLS_VERIFY_OFF)
 
 
 def _check_tls_options(options: dict[str, str], tls: bool, safe: str) -> None:
@@ -425,7 +426,7 @@ def make_client(
         opts = address.options
         verify = tls_verify
         if verify is None:
-            verify = opts.get("tls_verify", "true").lower() not in ("0", "false", "no", "none")
+            verify = opts.get("tls_verify", "true").lower() not in _TLS_VERIFY_OFF
         if not verify:
             _warn_unverified_tls(address.safe_url)
         kwargs["connection_class"] = BoundedSSLConnection

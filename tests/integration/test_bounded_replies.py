@@ -69,6 +69,17 @@ def read_generation(client: redis.Redis, port: int) -> object:
         return client.get("kv:vllm:generation")
 
 
+def reading_the_generation_raises(port: int, error: type[Exception], match: str) -> None:
+    """One read of the generation from the server at ``port``, on a client of its own, raises
+    ``error`` saying ``match``."""
+    client = _client(port)
+    try:
+        with pytest.raises(error, match=match):
+            read_generation(client, port)
+    finally:
+        client.close()
+
+
 def _huge_generation(conn: socket.socket) -> None:
     """128 MiB of a generation, as fast as the client takes it."""
     conn.sendall(b"$134217728\r\n")
@@ -131,12 +142,7 @@ def test_a_malformed_handshake_reply_is_a_typed_protocol_error(serve: object) ->
         return b"+OK\r\n"  # HELLO answered with a string, not a map
 
     server = serve(answer)  # type: ignore[operator]
-    client = _client(server.port)
-    try:
-        with pytest.raises(StoreCommandError, match="handshake"):
-            read_generation(client, server.port)
-    finally:
-        client.close()
+    reading_the_generation_raises(server.port, StoreCommandError, "handshake")
 
 
 def test_pipelined_control_replies_are_bounded_each_not_together(serve: object) -> None:
@@ -210,12 +216,7 @@ def test_an_array_declaring_billions_of_elements_is_a_typed_protocol_error(
     serve: object,
 ) -> None:
     server = serve(handshake_then(b"*4000000000\r\n"))  # type: ignore[operator]
-    client = _client(server.port)
-    try:
-        with pytest.raises(StoreCommandError, match="more elements than memory"):
-            read_generation(client, server.port)
-    finally:
-        client.close()
+    reading_the_generation_raises(server.port, StoreCommandError, "more elements than memory")
 
 
 def test_a_sentinel_client_never_reads_the_rest_of_a_refused_reply_as_the_next_ones() -> None:
@@ -496,9 +497,4 @@ def test_push_messages_ahead_of_a_reply_end_typed_not_in_a_recursion_error(
     of them (7 KB) raised an untyped RecursionError past every handler."""
     push = b">2\r\n$7\r\nmessage\r\n$1\r\nx\r\n"
     server = serve(handshake_then(push * 2000 + b"$1\r\n7\r\n"))  # type: ignore[operator]
-    client = _client(server.port)
-    try:
-        with pytest.raises(StoreCommandError, match="push messages"):
-            read_generation(client, server.port)
-    finally:
-        client.close()
+    reading_the_generation_raises(server.port, StoreCommandError, "push messages")
