@@ -92,6 +92,9 @@ class LoadChoices:
         # ``_admitted`` holds for it (a load that starts moves into ``loads_out``)
         self._admitted_loads: dict[str, float] = {}
         self.loads_out = LoadsInFlight()  # requests loading asynchronously
+        # vLLM's waiting queue as the connector hears of it: requests added and neither
+        # admitted nor finished (a preempted request back in the queue is not among them)
+        self._waiting: set[str] = set()
         # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
         # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
         # report what they read
@@ -126,6 +129,14 @@ class LoadChoices:
                 loads=max(0, more.loads - 1),
                 load_bytes_ahead=max(0.0, more.load_bytes_ahead - planned),
             )
+
+    def request_added(self, req_id: str) -> None:
+        """vLLM queued a new request (``on_new_request``)."""
+        self._waiting.add(req_id)
+
+    def request_left_queue(self, req_id: str) -> None:
+        """vLLM admitted the request, or it finished (an abort while it waited)."""
+        self._waiting.discard(req_id)
 
     def load_ended(self, req_id: str) -> None:
         """The asynchronous load of ``req_id`` landed, failed or was given up."""
@@ -175,6 +186,9 @@ class LoadChoices:
         self.probes.remember(st.load_names.first_group(start, hit.end), request.request_id)
         way = st.pin or self.config.load_policy.pinned
         figures, busy = self.figures(), self._busy()
+        # vLLM admits first come first served: every other request waiting is behind this one
+        behind = len(self._waiting) - (request.request_id in self._waiting)
+        busy = replace(busy, waiting=behind)
         if way is not None:
             decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
         else:
@@ -201,7 +215,7 @@ class LoadChoices:
         # is decided again, and the last decision is the one served
         st.chosen = (decision, hit.blocks, way is None)
         logger.debug(
-            "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s)",
+            "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s; %d queued)",
             request.request_id,
             hit.blocks,
             start,
@@ -209,6 +223,7 @@ class LoadChoices:
             decision.blocks,
             decision.reason.value,
             decision.predicted_s or "-",
+            busy.waiting,
         )
 
     def count_choice(self, st: RequestState) -> None:

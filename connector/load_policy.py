@@ -31,12 +31,26 @@ Each way's cost is the request's own time to first token plus what it adds to th
   shares (at most this load's transfer each, and at most its own rest: in all, at most the
   bytes still ahead), and, if its load lands while this request's passes run, half a pass;
 - decodes count at ``decode`` weight (0 by default: the policy never trades a request's first
-  token for the others' inter-token gaps).
+  token for the others' inter-token gaps);
+- the requests queued for admission behind it (``Busy.waiting``: vLLM's waiting queue, which the
+  connector hears of) are served later by all the engine time a way takes -- counted between a
+  split and recomputing only, both of which hold the engine: what a split saves of it, every
+  request queued gains (below).
 An idle engine reduces this to the request's own time; on a busy one ``async`` (which takes
 nothing of the forward pass) gains, until the loads in flight make it slow.
 
 A load is chosen only where its cost beats recomputing's by ``MARGIN``, and a split only where
 it beats a plain load by as much: a gain within the model's error is no gain.
+
+Where recomputing wins so and requests are queued, a split is taken instead if it is no slower
+for the request itself, and what it saves the queue (each queued request gains the engine time
+the split saves over recomputing) both tips the balance by the margin and is at least
+``QUEUED_GAIN_SHARE`` of recomputing's cost. On a saturated engine this is where a split pays:
+16 clients of 32k-token hits at 0.94 GB/s in the simulator, a split of every hit 7-14% sooner
+than recomputing, which auto chose for every hit while each split looked 2-4% ahead for its
+own request. Loads get no such credit: on a busy engine they land at 0.5-0.8 of their
+predicted time (behind the prompts admitted meanwhile), and pricing the queue for them made
+auto load where a split of every hit was best (``docs/benchmarks.md``).
 
 A way that is pinned (``load_policy``, or a request's own) is taken as it is: a pinned
 ``split`` loads the best ``j`` where the figures are measured, the whole hit before. Until the
@@ -53,6 +67,7 @@ import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from connector.figures import (
     ComputeFit,
@@ -80,6 +95,12 @@ PRIOR_TOKEN_S = 1e-3
 _MAX_STEPS = 256
 # asynchronous loads a worker runs at once (more queue for a thread; the model counts them)
 LOAD_THREADS = 2
+# a split is taken for the queue's sake only where the queue gains at least this share of
+# recomputing's cost: about the model's error on a busy engine (a split lands at 0.89-0.97 of
+# its prediction there). Without it, a queue of 1-3 tipped thin choices: in the simulator's
+# 70B, 0.94 GB/s, 4 clients of 32k-token hits the mix moved to loads that landed late, and
+# p99 went from 0.98x recomputing's to 1.23-1.27x
+QUEUED_GAIN_SHARE = 0.10
 
 
 class Way(enum.Enum):
@@ -175,6 +196,7 @@ class Busy:
     loads: int = 0  # requests loading asynchronously now (their first token waits on it)
     load_bytes_ahead: float = 0.0  # what a rank still receives for those loads
     split_bytes: float = 0.0  # what a rank reads for the splits of the pass being planned
+    waiting: int = 0  # requests queued for admission behind it (vLLM's waiting queue)
 
 
 IDLE = Busy()
@@ -308,6 +330,15 @@ class Decision:
         return None if chosen is None or recompute is None else max(0.0, recompute - chosen)
 
 
+class _Predicted(NamedTuple):
+    """One way's prediction: the request's time to first token, what the way costs the others
+    the engine holds, and the engine time it takes (what the requests queued wait longer)."""
+
+    seconds: float
+    cost_s: float
+    engine_s: float
+
+
 @dataclass(frozen=True)
 class _Passes:
     """Passes computing a request's prompt tokens: until its last one (seconds); what it adds
@@ -431,14 +462,13 @@ class _Model:
         return _Passes(t, added, lose, longest)
 
     # ------------------------------------------------------------------ ways
-    def recompute(self) -> tuple[float, float]:
-        """(time to first token, cost to the others)."""
+    def recompute(self) -> _Predicted:
         hit = self.hit
         first = hit.start * hit.block_size
         p = self.passes(first, hit.prompt_tokens, self.busy.prefill_tokens_ahead)
-        return p.seconds, self._compute_cost(p)
+        return _Predicted(p.seconds, self._compute_cost(p), p.added_s)
 
-    def async_(self, loads: LoadFit) -> tuple[float, float]:
+    def async_(self, loads: LoadFit) -> _Predicted:
         hit, busy = self.hit, self.busy
         own = hit.blocks * hit.block_bytes
         ahead = busy.load_bytes_ahead + busy.split_bytes  # the store serves them meanwhile
@@ -457,9 +487,11 @@ class _Model:
         # simulator's 8B, 8 GB/s, 4 clients). Charging the loads to come by the rate loads
         # began missed more cells (19 and 21 against 15 and 13 on two seeds): not kept
         delay = min(busy.loads * own, busy.load_bytes_ahead) / loads.bytes_per_s
-        return landed + p.seconds, self.w.load * delay + self._compute_cost(p)
+        return _Predicted(
+            landed + p.seconds, self.w.load * delay + self._compute_cost(p), p.added_s
+        )
 
-    def split(self, splits: SplitFit, j: int) -> tuple[float, float]:
+    def split(self, splits: SplitFit, j: int) -> _Predicted:
         hit, busy, c, engine = self.hit, self.busy, self.c, self.engine
         b = max(1, hit.bands)
         loaded = (hit.start + j) * hit.block_size
@@ -491,7 +523,7 @@ class _Model:
             stall * pending + later.prefills_lose_s,
             max(stall, later.longest_s),
         )
-        return step + later.seconds, self._compute_cost(lost)
+        return _Predicted(step + later.seconds, self._compute_cost(lost), lost.added_s)
 
     def _compute_cost(self, p: _Passes) -> float:
         """What the others lose to this request's passes: those computing their prompts in
@@ -535,8 +567,8 @@ def pinned(
         return Decision(Way.ASYNC, hit.blocks, Reason.SPLIT_UNAVAILABLE)
     if way is Way.SPLIT and figures.splits is not None and figures.compute is not None:
         model = _Model(hit, figures.compute, engine, busy, BusyWeights())
-        blocks, seconds = _best_split(model, figures.splits)
-        recompute = model.recompute()[0]
+        blocks, split = _best_split(model, figures.splits)
+        seconds, recompute = split.seconds, model.recompute().seconds
         predicted = _rounded({way: seconds, Way.RECOMPUTE: recompute})
         return Decision(way, blocks, Reason.PINNED, predicted, wait_s=seconds + recompute)
     if way is Way.SPLIT:
@@ -579,16 +611,13 @@ def choose(
             return Decision(Way.ASYNC, hit.blocks, Reason.NOT_MEASURED, guesses, load + plausible)
         return Decision(Way.RECOMPUTE, 0, Reason.NOT_MEASURED, guesses)
     model = _Model(hit, compute, engine, busy, weights, loads)
-    times: dict[Way, float] = {}
-    costs: dict[Way, float] = {}
-    times[Way.RECOMPUTE], costs[Way.RECOMPUTE] = model.recompute()
-    times[Way.ASYNC], costs[Way.ASYNC] = model.async_(loads)
+    predicted = {Way.RECOMPUTE: model.recompute(), Way.ASYNC: model.async_(loads)}
     j = 0
     # one split a pass: a second one's bands would slow the first's past its wait
     if split_ok and figures.splits is not None and hit.max_split() >= 1 and not busy.split_bytes:
-        j, times[Way.SPLIT] = _best_split(model, figures.splits)
-        costs[Way.SPLIT] = model.split(figures.splits, j)[1]
-    total = {way: times[way] + costs[way] for way in times}
+        j, predicted[Way.SPLIT] = _best_split(model, figures.splits)
+    times = {way: p.seconds for way, p in predicted.items()}
+    total = {way: p.seconds + p.cost_s for way, p in predicted.items()}
     # a gain within the model's error is no gain: a load must beat recomputing by the margin,
     # and a split (which stalls its whole pass, and fails it if a band is late) a plain load
     if Way.SPLIT in total and total[Way.SPLIT] > (1 - MARGIN) * total[Way.ASYNC]:
@@ -596,6 +625,8 @@ def choose(
     way = min(total, key=lambda w: (total[w], w is not Way.RECOMPUTE))
     if total[way] > (1 - MARGIN) * total[Way.RECOMPUTE]:
         way = Way.RECOMPUTE
+    if way is Way.RECOMPUTE and j and _split_for_the_queue(predicted, busy.waiting):
+        way = Way.SPLIT
     blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
     # a load may wait as long as it was predicted to take plus recomputing (past that, even
     # landing it has cost more than recomputing would have)
@@ -603,24 +634,39 @@ def choose(
     return Decision(way, blocks, Reason.MEASURED, _rounded(times), wait_s=wait)
 
 
+def _split_for_the_queue(predicted: dict[Way, _Predicted], waiting: int) -> bool:
+    """Whether a split beats the recomputing chosen once the requests queued behind are
+    counted (module docstring): no slower for the request itself, and the engine time it saves
+    them large enough to trust and to tip the balance by the margin."""
+    split, recompute = predicted[Way.SPLIT], predicted[Way.RECOMPUTE]
+    queued_gain = waiting * (recompute.engine_s - split.engine_s)
+    recompute_total = recompute.seconds + recompute.cost_s
+    return (
+        split.seconds <= recompute.seconds
+        and queued_gain >= QUEUED_GAIN_SHARE * recompute_total
+        and split.seconds + split.cost_s - queued_gain < (1 - MARGIN) * recompute_total
+    )
+
+
 def best_split(hit: Hit, figures: Figures, engine: Engine = Engine()) -> tuple[int, float]:
     """(blocks, predicted seconds) of the best split of ``hit`` on an idle engine."""
     assert figures.splits is not None and figures.compute is not None
     model = _Model(hit, figures.compute, engine, IDLE, BusyWeights())
-    return _best_split(model, figures.splits)
+    j, predicted = _best_split(model, figures.splits)
+    return j, predicted.seconds
 
 
-def _best_split(model: _Model, splits: SplitFit) -> tuple[int, float]:
+def _best_split(model: _Model, splits: SplitFit) -> tuple[int, _Predicted]:
     """The split that costs least (its time plus the others'): near where its bands' transfer
     takes as long as its pass computes, searched by bisection on their difference (which only
     grows with ``j``), and on an even grid besides (later chunks bend the curve)."""
     hit = model.hit
     top = hit.max_split()
     if top < 1:
-        return 0, math.inf
-    cache: dict[int, tuple[float, float]] = {}
+        return 0, _Predicted(math.inf, 0.0, 0.0)
+    cache: dict[int, _Predicted] = {}
 
-    def at(j: int) -> tuple[float, float]:
+    def at(j: int) -> _Predicted:
         if j not in cache:
             cache[j] = model.split(splits, j)
         return cache[j]
@@ -639,7 +685,7 @@ def _best_split(model: _Model, splits: SplitFit) -> tuple[int, float]:
         return b * splits.band_seconds(bands) >= base + compute
 
     def cost(j: int) -> tuple[float, int]:
-        return sum(at(j)), -j
+        return at(j).seconds + at(j).cost_s, -j
 
     lo, hi = 1, top
     while lo < hi:
@@ -660,7 +706,7 @@ def _best_split(model: _Model, splits: SplitFit) -> tuple[int, float]:
         else:
             lo = left
     best = min({best, *range(lo, hi + 1)}, key=cost)
-    return best, at(best)[0]
+    return best, at(best)
 
 
 def _rounded(times: dict[Way, float]) -> dict[str, float]:

@@ -7,7 +7,8 @@ token is what the model of the engine and the store says, not a measurement.
 
 The engine (``Deployment``), as vLLM's V1 scheduler runs it: each step serves the running
 requests first (a decode is one token; a prompt a chunk of at most the token budget), then
-admits waiting requests in arrival order while the budget lasts. A pass takes
+admits waiting requests in arrival order while the budget lasts, telling the policy how many
+wait behind each (as the connector counts vLLM's waiting queue). A pass takes
 ``launch + max(linear FLOPs / achieved FLOPs, weights / HBM bandwidth) + attention FLOPs /
 achieved FLOPs + decode KV reads / HBM bandwidth``, with 5% noise: a compute-bound prefill,
 memory-bound decodes. Not the policy's own (linear) model: the policy has to learn it.
@@ -60,7 +61,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from connector.figures import (
@@ -499,7 +500,9 @@ class EngineSim:
             if budget <= 0:
                 break
             if r.state == "new":
-                r.decision = self.decide(r, busy)
+                # (the connector's count: the requests added and not yet admitted)
+                behind = sum(q.state == "new" for q in self.waiting) - 1
+                r.decision = self.decide(r, replace(busy, waiting=behind))
                 hit = Hit(0, r.hit // BLOCK, r.prompt, BLOCK, self.block_bytes, self.bands)
                 busy = admitted(busy, hit, r.decision)
                 way = r.decision.way

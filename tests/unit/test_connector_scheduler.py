@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from connector import load_choices
 from connector.chains import handoff_salt
 from kvstore import Claim, InvalidArgumentError, StoreTimeoutError, chain_hashes
 from testing.scheduler_harness import (
@@ -427,6 +428,37 @@ def test_a_preempted_request_does_not_wait_for_its_handoff_again(
     out = while_redis_hangs(fake_redis, sched.schedule)  # it does not ask Redis again ...
     assert meta_of(out).loads == [] and out.num_scheduled_tokens["r"] > 0
     assert "requests_given_up" not in connector_of(sched).stats.take()  # ... nor wait for it
+
+
+def test_the_policy_hears_how_many_requests_wait_behind_each_admission(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM admits first come first served, so each admission has the rest of the waiting
+    queue behind it (what a split saves the engine, every one of them gains): counted from
+    vLLM's own calls, a request aborted while it waited no longer among them."""
+    behind: list[int] = []
+    pinned = load_choices.pinned
+
+    def heard(*args: Any) -> Any:
+        behind.append(args[-1].waiting)  # (the Busy the policy decides from)
+        return pinned(*args)
+
+    monkeypatch.setattr(load_choices, "pinned", heard)
+    sched = fake_redis_scheduler(tiny_model, "kv_both")
+
+    def arrive(rid: str, seed: int) -> None:
+        tokens = prompt(4 * BS + 1, seed=seed)
+        seed_blocks(sched, tokens, 4)
+        sched.add_request(make_request(rid, tokens))
+
+    for seed, rid in enumerate("abcd", start=1):
+        arrive(rid, seed)
+    sched.finish_requests("d", RequestStatus.FINISHED_ABORTED)
+    sched.schedule()  # a, b and c, in one step
+    assert behind == [2, 1, 0]
+    arrive("e", 9)  # the others admitted or gone: it waits alone
+    sched.schedule()
+    assert behind[-1] == 0
 
 
 def test_redis_down_degrades_to_recompute(

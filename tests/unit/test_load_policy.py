@@ -175,6 +175,28 @@ def test_vllms_chunked_prefill_is_in_every_prediction() -> None:
 
 
 # ---------------------------------------------------------------------- a busy engine
+def test_a_split_that_saves_the_engine_is_taken_for_the_requests_queued_behind() -> None:
+    """A 32k-token hit on a slow store: a split is a little sooner for the request itself, a
+    gain within the model's error, so alone it recomputes. With 14 requests queued behind it,
+    each gains the engine time the split saves over recomputing, and it splits; one queued
+    request's gain is too small to trust. (The simulator's saturated engines: a split of every
+    such hit 7-14% sooner than recomputing, which auto used to recompute.)"""
+    long = Hit(start=0, end=2047, prompt_tokens=32832, block_size=16, block_bytes=2 << 20, bands=32)
+    figures, engine = at(0.5), Engine(token_budget=8192)
+    alone = choose(long, figures, engine=engine)
+    assert alone.way is Way.RECOMPUTE
+    assert alone.predicted_s["split"] < alone.predicted_s["recompute"]
+    assert choose(long, figures, engine=engine, busy=Busy(waiting=1)).way is Way.RECOMPUTE
+    queued = choose(long, figures, engine=engine, busy=Busy(waiting=14))
+    assert queued.way is Way.SPLIT and queued.blocks > 0
+    assert queued.predicted_s["split"] <= queued.predicted_s["recompute"]
+    # a load takes the engine for less still, but gets no such credit: it lands late on a
+    # busy engine (the predictions there are its own request's, as before)
+    assert choose(long, figures, engine=engine, busy=Busy(waiting=14), split_ok=False).way is (
+        Way.RECOMPUTE
+    )
+
+
 def test_loads_in_flight_share_the_store_and_async_is_rounded_to_the_engines_steps() -> None:
     """With 16 requests' loads in flight, a new load waits for their bytes: the policy picked
     async at 11.8x the request's own recompute time when it counted every live request as
