@@ -30,6 +30,8 @@ from connector.load_policy import (
     Figures,
     Hit,
     LoadsInFlight,
+    Reason,
+    WaitingQueue,
     Way,
     admitted,
     choose,
@@ -92,9 +94,7 @@ class LoadChoices:
         # ``_admitted`` holds for it (a load that starts moves into ``loads_out``)
         self._admitted_loads: dict[str, float] = {}
         self.loads_out = LoadsInFlight()  # requests loading asynchronously
-        # vLLM's waiting queue as the connector hears of it: requests added and neither
-        # admitted nor finished (a preempted request back in the queue is not among them)
-        self._waiting: set[str] = set()
+        self.waiting = WaitingQueue()  # vLLM's, as the connector hears of it
         # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
         # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
         # report what they read
@@ -129,14 +129,6 @@ class LoadChoices:
                 loads=max(0, more.loads - 1),
                 load_bytes_ahead=max(0.0, more.load_bytes_ahead - planned),
             )
-
-    def request_added(self, req_id: str) -> None:
-        """vLLM queued a new request (``on_new_request``)."""
-        self._waiting.add(req_id)
-
-    def request_left_queue(self, req_id: str) -> None:
-        """vLLM admitted the request, or it finished (an abort while it waited)."""
-        self._waiting.discard(req_id)
 
     def load_ended(self, req_id: str) -> None:
         """The asynchronous load of ``req_id`` landed, failed or was given up."""
@@ -186,9 +178,7 @@ class LoadChoices:
         self.probes.remember(st.load_names.first_group(start, hit.end), request.request_id)
         way = st.pin or self.config.load_policy.pinned
         figures, busy = self.figures(), self._busy()
-        # vLLM admits first come first served: every other request waiting is behind this one
-        behind = len(self._waiting) - (request.request_id in self._waiting)
-        busy = replace(busy, waiting=behind)
+        busy = replace(busy, waiting=self.waiting.behind(request.request_id))
         if way is not None:
             decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
         else:
@@ -213,7 +203,7 @@ class LoadChoices:
             self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
         # counted when it takes effect (``count_choice``): a request whose local hits shrank
         # is decided again, and the last decision is the one served
-        st.chosen = (decision, hit.blocks, way is None)
+        st.chosen = (decision, hit, way is None)
         logger.debug(
             "request %s: %d block(s) in Redis after %d local: %s %d (%s; predicted %s; %d queued)",
             request.request_id,
@@ -226,17 +216,30 @@ class LoadChoices:
             busy.waiting,
         )
 
+    def answered_again(self, st: RequestState, request: Request) -> None:
+        """vLLM asks again, in a later step, about a request it could not allocate: the same
+        answer takes the same share of this step's pass and store (a split decided before
+        left none, and a second split could share its pass: a review)."""
+        if st.chosen is None:
+            return
+        decision, hit, _ = st.chosen
+        self._admitted = admitted(self._admitted, hit, decision)
+        if decision.way is Way.ASYNC:
+            self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
+
     def count_choice(self, st: RequestState) -> None:
         """The request's last decision took effect (vLLM allocated its blocks): counted, once
         an admission."""
         if st.chosen is None or not st.count_once(CountedOnce.CHOICE):
             return
-        decision, hit_blocks, measured = st.chosen
+        decision, hit, measured = st.chosen
         self.stats.add(**{f"chose_{decision.way.value}": 1})
         if decision.way is Way.RECOMPUTE:
-            self.stats.add(tokens_recompute_chosen=hit_blocks * self.block_size)
+            self.stats.add(tokens_recompute_chosen=hit.blocks * self.block_size)
         if decision.gain_s is not None and measured:
             self.stats.observe("predicted_gain_seconds", decision.gain_s)
+        if decision.reason is Reason.FOR_THE_QUEUE:
+            self.stats.add(splits_for_the_queue=1)
 
     def next_pass(self, rows: Sequence[tuple[int, int, bool, int]]) -> None:
         """A step was scheduled (``rows``: see ``load_policy.next_pass``): it is the pass the

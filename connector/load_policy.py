@@ -42,10 +42,12 @@ nothing of the forward pass) gains, until the loads in flight make it slow.
 A load is chosen only where its cost beats recomputing's by ``MARGIN``, and a split only where
 it beats a plain load by as much: a gain within the model's error is no gain.
 
-Where recomputing wins so and requests are queued, a split is taken instead if it is no slower
-for the request itself, and what it saves the queue (each queued request gains the engine time
-the split saves over recomputing) both tips the balance by the margin and is at least
-``QUEUED_GAIN_SHARE`` of recomputing's cost. On a saturated engine this is where a split pays:
+Where recomputing wins so and requests are queued behind (``WaitingQueue``), a split is taken
+instead (``Reason.FOR_THE_QUEUE``; against recomputing alone) if it is no slower for the
+request itself, saves at least ``MIN_QUEUED_SAVING`` of recomputing's engine time, and what it
+saves the queue (each queued request gains that engine time) both tips the balance by the
+margin and is at least ``QUEUED_GAIN_SHARE`` of recomputing's cost. On a saturated engine this
+is where a split pays:
 16 clients of 32k-token hits at 0.94 GB/s in the simulator, a split of every hit 7-14% sooner
 than recomputing, which auto chose for every hit while each split looked 2-4% ahead for its
 own request. Loads get no such credit: on a busy engine they land at 0.5-0.8 of their
@@ -63,6 +65,7 @@ load past that ends and the request recomputes, and what landed by then is a fig
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from collections.abc import Sequence
@@ -101,6 +104,11 @@ LOAD_THREADS = 2
 # 70B, 0.94 GB/s, 4 clients of 32k-token hits the mix moved to loads that landed late, and
 # p99 went from 0.98x recomputing's to 1.23-1.27x
 QUEUED_GAIN_SHARE = 0.10
+# ... and saves each of them at least this share of recomputing's engine time: a long queue
+# clears the floor above with any saving, and a saving of a fraction of a percent is noise (a
+# review: with 30 or more queued, a split saving 0.55% was taken). The simulator's splits taken
+# for the queue save 2.4-5.1% (least to median)
+MIN_QUEUED_SAVING = 0.02
 
 
 class Way(enum.Enum):
@@ -145,6 +153,7 @@ class Reason(enum.Enum):
     PINNED = "pinned"
     MEASURED = "measured"
     NOT_MEASURED = "not measured yet"
+    FOR_THE_QUEUE = "measured, for the requests queued behind"
     SPLIT_UNAVAILABLE = "split unavailable"
 
 
@@ -265,6 +274,43 @@ class LoadsInFlight:
         (None: not measured, nothing drained)."""
         self._drain(now, bytes_per_s)
         return self._backlog
+
+
+class WaitingQueue:
+    """vLLM's waiting queue as the connector hears of it: the requests added and neither
+    admitted nor finished, in the order they came. vLLM admits first come first served, but
+    leaves a request at the head that cannot go yet (its lookup still out, a handoff not
+    committed) and admits those after it: that one is ahead of them, not behind. A preempted
+    request back in the queue was not added again and is not counted; asked about, everyone
+    waiting is behind it (vLLM puts it first)."""
+
+    def __init__(self) -> None:
+        self._order: dict[str, int] = {}  # request -> its place in arrival order
+        self._places: list[int] = []  # the places of those waiting, ascending
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._places)
+
+    def add(self, req_id: str) -> None:
+        if req_id in self._order:
+            return
+        self._order[req_id] = self._next
+        self._places.append(self._next)
+        self._next += 1
+
+    def remove(self, req_id: str) -> None:
+        """Admitted, or finished while it waited (an abort); nothing if not waiting."""
+        place = self._order.pop(req_id, None)
+        if place is not None:
+            del self._places[bisect.bisect_left(self._places, place)]
+
+    def behind(self, req_id: str) -> int:
+        """How many of those waiting came after ``req_id``."""
+        place = self._order.get(req_id)
+        if place is None:
+            return len(self._places)
+        return len(self._places) - bisect.bisect_right(self._places, place)
 
 
 def admitted(busy: Busy, hit: Hit, decision: Decision) -> Busy:
@@ -625,13 +671,14 @@ def choose(
     way = min(total, key=lambda w: (total[w], w is not Way.RECOMPUTE))
     if total[way] > (1 - MARGIN) * total[Way.RECOMPUTE]:
         way = Way.RECOMPUTE
+    reason = Reason.MEASURED
     if way is Way.RECOMPUTE and j and _split_for_the_queue(predicted, busy.waiting):
-        way = Way.SPLIT
+        way, reason = Way.SPLIT, Reason.FOR_THE_QUEUE
     blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
     # a load may wait as long as it was predicted to take plus recomputing (past that, even
     # landing it has cost more than recomputing would have)
     wait = times[way] + times[Way.RECOMPUTE]
-    return Decision(way, blocks, Reason.MEASURED, _rounded(times), wait_s=wait)
+    return Decision(way, blocks, reason, _rounded(times), wait_s=wait)
 
 
 def _split_for_the_queue(predicted: dict[Way, _Predicted], waiting: int) -> bool:
@@ -639,10 +686,12 @@ def _split_for_the_queue(predicted: dict[Way, _Predicted], waiting: int) -> bool
     counted (module docstring): no slower for the request itself, and the engine time it saves
     them large enough to trust and to tip the balance by the margin."""
     split, recompute = predicted[Way.SPLIT], predicted[Way.RECOMPUTE]
-    queued_gain = waiting * (recompute.engine_s - split.engine_s)
+    saved_s = recompute.engine_s - split.engine_s
+    queued_gain = waiting * saved_s
     recompute_total = recompute.seconds + recompute.cost_s
     return (
         split.seconds <= recompute.seconds
+        and saved_s >= MIN_QUEUED_SAVING * recompute.engine_s
         and queued_gain >= QUEUED_GAIN_SHARE * recompute_total
         and split.seconds + split.cost_s - queued_gain < (1 - MARGIN) * recompute_total
     )

@@ -305,7 +305,7 @@ class RedisConnectorScheduler:
     def on_new_request(self, request: Request) -> None:
         """vLLM added a request: start its lookup now, so the answer is usually back before
         the request's first scheduling step asks for it."""
-        self.load_choices.request_added(request.request_id)
+        self.load_choices.waiting.add(request.request_id)
         self._refresh_generation()
         st = self._state(request)
         end = self._max_blocks(st, request)
@@ -354,6 +354,7 @@ class RedisConnectorScheduler:
         start = num_computed_tokens // self.block_size
         if st.phase is Phase.ANSWERED:
             if start >= st.answer_start:  # asked again (vLLM could not allocate): same answer
+                self.load_choices.answered_again(st, request)
                 return st.answer(start, self.block_size)
             st.local_hits_shrank()
         if st.phase is not Phase.LOOKING_UP:
@@ -387,7 +388,7 @@ class RedisConnectorScheduler:
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.load_choices.request_left_queue(request.request_id)
+        self.load_choices.waiting.remove(request.request_id)
         st = self._state(request)
         st.allocated(self._per_group(blocks.get_block_ids()))
         if st.phase in (Phase.LOADING, Phase.RUNNING):
@@ -600,7 +601,7 @@ class RedisConnectorScheduler:
         for a request whose saves were planned and that is not loading: the worker then reports
         it finished sending once every save is staged. An aborted load returns False: vLLM
         itself holds the blocks until the load's finished_recving."""
-        self.load_choices.request_left_queue(request.request_id)
+        self.load_choices.waiting.remove(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None

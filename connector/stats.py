@@ -138,6 +138,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:redis_kv_chose_recompute",
         "Hits not loaded at all: predicted slower than computing them (or pinned)",
     ),
+    "splits_for_the_queue": (
+        "vllm:redis_kv_splits_for_the_queue",
+        "Of the splits chosen, those taken for the requests queued behind them: recomputing "
+        "looked as soon, counting only the requests the engine holds",
+    ),
     "tokens_recompute_chosen": (
         "vllm:redis_kv_tokens_recompute_chosen",
         "Prompt tokens found in Redis that the load policy chose to compute instead",

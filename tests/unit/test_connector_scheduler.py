@@ -459,6 +459,32 @@ def test_the_policy_hears_how_many_requests_wait_behind_each_admission(
     arrive("e", 9)  # the others admitted or gone: it waits alone
     sched.schedule()
     assert behind[-1] == 0
+    assert connector_of(sched).stats.take().get("splits_for_the_queue", 0) == 0  # (pinned)
+
+
+def test_a_request_vllm_leaves_at_the_head_of_its_queue_is_not_behind_those_it_lets_pass(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer's request whose producer has not committed yet stays at the head of vLLM's
+    queue while those after it are admitted: it is ahead of them, not behind."""
+    behind: list[tuple[str, int]] = []
+    pinned = load_choices.pinned
+
+    def heard(*args: Any) -> Any:
+        behind.append((args[1].prompt_tokens, args[-1].waiting))
+        return pinned(*args)
+
+    monkeypatch.setattr(load_choices, "pinned", heard)
+    sched = fake_redis_scheduler(tiny_model, "kv_consumer", deadline_s=30)
+    first, second, third = (prompt(n * BS + 1, seed=n) for n in (4, 5, 6))
+    params, _ = hand_off(sched, first, 4, pending=True, handoff="aaaa1111")
+    sched.add_request(make_request("a", first, params))
+    for rid, tokens, handoff in (("b", second, "bbbb2222"), ("c", third, "cccc3333")):
+        params, _ = hand_off(sched, tokens, 4, commit=4, handoff=handoff)
+        sched.add_request(make_request(rid, tokens, params))
+    out = sched.schedule()
+    assert "a" not in out.num_scheduled_tokens and "a" in {r.request_id for r in sched.waiting}
+    assert sorted(behind) == [(len(second), 1), (len(third), 0)]
 
 
 def test_redis_down_degrades_to_recompute(
