@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from connector.layout import ChainNames
-from connector.load_policy import Decision, Way
+from connector.load_policy import Decision, Hit, Way
 from connector.lookups import Lookup
 from connector.transfer_params import Handoff
 
@@ -95,9 +95,9 @@ class RequestState:
     save_allowance: int | None = None
     save_skipped_to: int = 0
     counted: set[CountedOnce] = field(default_factory=set)  # this admission's, so far
-    # the load policy's last decision for it, its hit's blocks, and whether the policy chose
-    # (not a pinned way): counted once it takes effect (``LoadChoices.count_choice``)
-    chosen: tuple[Decision, int, bool] | None = None
+    # the load policy's last decision for it, its hit, and whether the policy chose (not a
+    # pinned way): counted once it takes effect (``LoadChoices.count_choice``)
+    chosen: tuple[Decision, Hit, bool] | None = None
 
     # ------------------------------------------------------------------ what it is
     def renamable(self) -> bool:

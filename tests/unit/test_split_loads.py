@@ -562,6 +562,26 @@ def test_one_split_a_pass_however_many_hits_are_admitted_together(engines: Any) 
     assert stats.get("chose_split") == 1, stats
 
 
+def test_a_split_vllm_could_not_allocate_keeps_its_pass_when_it_is_admitted_later(
+    engines: Any,
+) -> None:
+    """Found by a review: a split decided in a step where vLLM could not allocate its blocks
+    was answered again in a later step without taking its share of that step's pass, so the
+    hit decided after it in that step could split too, both predicted with the store alone."""
+    prompts = saved_prompts(engines, 2, seed=80)
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10, num_blocks=16)
+    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
+    reader.add("x", prompt(9 * BS + 1, seed=99), max_tokens=3)  # 10 of the 16 blocks
+    reader.step()
+    for rid, tokens in prompts.items():  # 7 blocks each: p0 waits for x to finish
+        reader.add(rid, tokens)
+    reader.step()  # p0 is asked about and decided, but vLLM cannot allocate it
+    assert "p0" in {r.request_id for r in reader.sched.waiting}
+    reader.run_until_idle()
+    stats = reader.take_stats()
+    assert stats.get("chose_split") == 1, stats
+
+
 def test_a_load_started_in_a_step_is_seen_once_by_the_next_admission(
     engines: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
