@@ -54,6 +54,8 @@ UNWAITED_SPLITS_LIMIT = 2
 # after the last step they may still be worth waiting for (the workers probe for
 # ``IDLE_PROBE_FOR_S``, and samples are used for ``MAX_AGE_S``)
 IDLE_WAIT_STEPS = 4
+# the most steps a pass's split is kept for a hit that waited for it, before vLLM asks about it
+RESERVED_STEPS = 2
 IDLE_SAMPLES_USABLE_S = IDLE_PROBE_FOR_S + MAX_AGE_S
 
 
@@ -95,6 +97,13 @@ class LoadChoices:
         self._admitted_loads: dict[str, float] = {}
         self.loads_out = LoadsInFlight()  # requests loading asynchronously
         self.waiting = WaitingQueue()  # vLLM's, as the connector hears of it
+        # the request whose split waits for the pass after this step's (it was promised that
+        # pass's split), and the one the pass being planned keeps its split for, until it is
+        # asked about again (``load_policy.Busy.split_reserved``), for at most
+        # ``RESERVED_STEPS`` steps scheduled
+        self._promised: str | None = None
+        self._reserved: str | None = None
+        self._reserved_steps = 0
         # one block, every layer, as a worker rank reads it (the most over ranks), and the bands
         # of layers a split reads it in (the fewest): vLLM's page sizes say, until the workers
         # report what they read
@@ -159,7 +168,16 @@ class LoadChoices:
             load_bytes_ahead=self.loads_out.bytes_left(time.monotonic(), self._load_rate())
             + more.load_bytes_ahead,
             split_bytes=more.split_bytes,  # (one split a pass: a second waits for the next)
+            next_split_taken=self._promised is not None,  # (... and one hit waits for that)
         )
+
+    def left_the_queue(self, req_id: str) -> None:
+        """vLLM admitted ``req_id`` or ended it: no longer waiting, and no pass kept for it."""
+        self.waiting.remove(req_id)
+        if self._promised == req_id:
+            self._promised = None
+        if self._reserved == req_id:
+            self._reserved = None
 
     def decide(self, st: RequestState, request: Request, start: int) -> None:
         """How to serve the hit ``[start, present)``: the load policy's choice (or a pinned
@@ -178,7 +196,14 @@ class LoadChoices:
         self.probes.remember(st.load_names.first_group(start, hit.end), request.request_id)
         way = st.pin or self.config.load_policy.pinned
         figures, busy = self.figures(), self._busy()
-        busy = replace(busy, waiting=self.waiting.behind(request.request_id))
+        rid = request.request_id
+        busy = replace(
+            busy,
+            waiting=self.waiting.behind(rid),
+            split_reserved=self._reserved is not None and self._reserved != rid,
+        )
+        if self._reserved == rid:
+            self._reserved = None  # (asked about: the pass's split is its to take or leave)
         if way is not None:
             decision = pinned(way, hit, self.splits_allowed, figures, self.engine, busy)
         else:
@@ -193,7 +218,25 @@ class LoadChoices:
                 # a handoff was made for this request to load; the pool's blocks are not
                 # loaded before the store is measured (the probes do that meanwhile)
                 unmeasured=Way.ASYNC if self.config.consume else Way.RECOMPUTE,
+                may_wait_a_pass=not st.waited_a_pass,
             )
+            if decision.waits_a_pass:
+                # another split holds this step's pass: asked again next step, and decided
+                # then (never waiting twice)
+                st.waits_a_pass()
+                self._promised = request.request_id
+                self.stats.add(splits_after_a_pass=1)
+                logger.debug(
+                    "request %s: %d block(s) in Redis after %d local: a split of %d waits "
+                    "for the next pass (predicted %s; %d queued)",
+                    request.request_id,
+                    hit.blocks,
+                    start,
+                    decision.blocks,
+                    decision.predicted_s,
+                    busy.waiting,
+                )
+                return
             # recomputed because of the store: it stays under watch, and this hit is what
             # probes read
             self.probes.note_choice(decision.recomputed_for_the_store)
@@ -246,6 +289,16 @@ class LoadChoices:
         next admissions run beside, and none of them is admitted yet."""
         self._running, self._admitted = next_pass(rows, self.engine), Busy()
         self._admitted_loads.clear()
+        # the passes after it keep their split for the hit that waited for one, until it is
+        # asked about (vLLM may not ask that step: a preemption, a budget the running requests
+        # used up), for a few steps at most
+        if self._promised is not None:
+            self._reserved, self._reserved_steps = self._promised, RESERVED_STEPS
+            self._promised = None
+        elif self._reserved is not None:
+            self._reserved_steps -= 1
+            if self._reserved_steps <= 0:
+                self._reserved = None
         self._step_seen_at = time.monotonic()
         self._steps_built += 1
 

@@ -19,7 +19,12 @@ its prompt per step. A pass costs ``ComputeFit.pass_seconds`` of what it holds.
   its first chunk of the rest while the bands land; each band of layers of the pass waits for
   its band, so with ``x`` a band's transfer and ``c`` the pass's compute per band of layers,
   the step takes ``first + max(x + b c, b x + c)`` -- loading and computing overlap, the slower
-  sets the pace; later chunks follow as passes. ``j`` leaves at least ``MIN_SPLIT_REST``
+  sets the pace; later chunks follow as passes. One split a pass: a hit decided beside
+  another's split, where recomputing is its way now, may wait for the next pass
+  (``Reason.AFTER_THIS_PASS``: the end of the pass being planned, then its split there, the
+  requests queued behind it admitted meanwhile and ahead of it), once, where that beats
+  recomputing by ``WAIT_MARGIN``; one hit a step (``Busy.next_split_taken``), and the pass
+  keeps its split for it (``Busy.split_reserved``). ``j`` leaves at least ``MIN_SPLIT_REST``
   tokens to compute (a one-token pass is a uniform decode batch, which vLLM replays as a full
   CUDA graph: no per-layer wait runs).
 
@@ -96,6 +101,11 @@ PRIOR_STEP_S = 0.05
 PRIOR_TOKEN_S = 1e-3
 # past this many steps of others' prompts ahead, the rest is taken as one lump (bounded work)
 _MAX_STEPS = 256
+# a hit waits for the next pass to split in only where that beats recomputing now by this much
+# (a fraction of recomputing's cost): the next pass is not planned yet, and what the step
+# admits after the hit is not known. In the simulator the waits predicted 30-45% ahead paid;
+# with the plain 4% margin, waits predicted 5-15% ahead made busy cells up to 1.35x slower
+WAIT_MARGIN = 0.2
 # asynchronous loads a worker runs at once (more queue for a thread; the model counts them)
 LOAD_THREADS = 2
 # a split is taken for the queue's sake only where the queue gains at least this share of
@@ -154,6 +164,7 @@ class Reason(enum.Enum):
     MEASURED = "measured"
     NOT_MEASURED = "not measured yet"
     FOR_THE_QUEUE = "measured, for the requests queued behind"
+    AFTER_THIS_PASS = "measured, a split in the next pass"
     SPLIT_UNAVAILABLE = "split unavailable"
 
 
@@ -205,6 +216,12 @@ class Busy:
     loads: int = 0  # requests loading asynchronously now (their first token waits on it)
     load_bytes_ahead: float = 0.0  # what a rank still receives for those loads
     split_bytes: float = 0.0  # what a rank reads for the splits of the pass being planned
+    # a hit waits for the next pass to split in (``Decision.waits_a_pass``): that pass's split
+    # is taken; and the split of the pass being planned is kept for a hit that waited for it,
+    # not asked about yet (vLLM puts the requests it skipped back at the head of its queue,
+    # each asked about in turn: one ahead of that hit would take its split)
+    next_split_taken: bool = False
+    split_reserved: bool = False
     waiting: int = 0  # requests queued for admission behind it (vLLM's waiting queue)
 
 
@@ -314,7 +331,10 @@ class WaitingQueue:
 
 
 def admitted(busy: Busy, hit: Hit, decision: Decision) -> Busy:
-    """What an admission adds to what the engine holds, for the next admission of the step."""
+    """What an admission adds to what the engine holds, for the next admission of the step (a
+    hit that waits for the next pass takes that pass's split)."""
+    if decision.waits_a_pass:
+        return replace(busy, next_split_taken=True)
     if decision.way is Way.ASYNC:
         return replace(
             busy,
@@ -360,6 +380,12 @@ class Decision:
     # each way's predicted time to the first token (seconds), when figures were used
     predicted_s: dict[str, float] = field(default_factory=dict)
     wait_s: float | None = None  # None: the request's deadline alone
+
+    @property
+    def waits_a_pass(self) -> bool:
+        """Not admitted now: asked again next step, when the pass it splits in is free of
+        another split (``choose``'s ``may_wait_a_pass``)."""
+        return self.reason is Reason.AFTER_THIS_PASS
 
     @property
     def recomputed_for_the_store(self) -> bool:
@@ -632,12 +658,15 @@ def choose(
     weights: BusyWeights = BusyWeights(),
     token_s: float | None = None,
     unmeasured: Way = Way.RECOMPUTE,
+    may_wait_a_pass: bool = False,
 ) -> Decision:
     """The way that gives ``hit``'s request its first token soonest, counting what it costs
     the others ``busy`` holds (see the module docstring). Before the figures exist:
     ``unmeasured``, either recompute (the probes measure the store meanwhile) or load it all
     (a handoff, made for this request to load), waiting no longer than recomputing plausibly
-    takes (``token_s``: the slowest prompt token measured, before the fit exists)."""
+    takes (``token_s``: the slowest prompt token measured, before the fit exists).
+    ``may_wait_a_pass``: the request may be left unanswered for a step, its split made in the
+    next pass (``Decision.waits_a_pass``), where another split holds this one."""
     if hit.blocks <= 0:
         return Decision(Way.RECOMPUTE, 0, Reason.NO_HIT)
     loads, compute = figures.loads, figures.compute
@@ -660,7 +689,8 @@ def choose(
     predicted = {Way.RECOMPUTE: model.recompute(), Way.ASYNC: model.async_(loads)}
     j = 0
     # one split a pass: a second one's bands would slow the first's past its wait
-    if split_ok and figures.splits is not None and hit.max_split() >= 1 and not busy.split_bytes:
+    splits_now = not busy.split_bytes and not busy.split_reserved
+    if split_ok and figures.splits is not None and hit.max_split() >= 1 and splits_now:
         j, predicted[Way.SPLIT] = _best_split(model, figures.splits)
     times = {way: p.seconds for way, p in predicted.items()}
     total = {way: p.seconds + p.cost_s for way, p in predicted.items()}
@@ -674,6 +704,22 @@ def choose(
     reason = Reason.MEASURED
     if way is Way.RECOMPUTE and j and _split_for_the_queue(predicted, busy.waiting):
         way, reason = Way.SPLIT, Reason.FOR_THE_QUEUE
+    if (
+        may_wait_a_pass
+        and way is Way.RECOMPUTE
+        and split_ok
+        and figures.splits is not None
+        and busy.split_bytes
+        and not busy.next_split_taken
+    ):
+        later = _split_after_this_pass(model, figures.splits)
+        if (
+            later is not None
+            and later[1].seconds + later[1].cost_s < (1 - WAIT_MARGIN) * total[way]
+        ):
+            seconds = later[1].seconds
+            times[Way.SPLIT] = seconds
+            return Decision(Way.SPLIT, later[0], Reason.AFTER_THIS_PASS, _rounded(times))
     blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
     # a load may wait as long as it was predicted to take plus recomputing (past that, even
     # landing it has cost more than recomputing would have)
@@ -695,6 +741,38 @@ def _split_for_the_queue(predicted: dict[Way, _Predicted], waiting: int) -> bool
         and queued_gain >= QUEUED_GAIN_SHARE * recompute_total
         and split.seconds + split.cost_s - queued_gain < (1 - MARGIN) * recompute_total
     )
+
+
+def _split_after_this_pass(model: _Model, splits: SplitFit) -> tuple[int, _Predicted] | None:
+    """The best split of the hit in the pass after the one being planned, which holds another
+    split already (one split a pass): the time to the end of that pass (its split's bands
+    landing beside its compute), then the split as the engine will be then (the others'
+    prompts a chunk further, and ahead of them those queued behind this one, which vLLM
+    admits meanwhile: their prompts are taken as long as this one's, within a step's budget)."""
+    hit, busy, c, engine = model.hit, model.busy, model.c, model.engine
+    if hit.max_split() < 1:
+        return None
+    b = max(1, hit.bands)
+    room = max(1, engine.token_budget - busy.batch.decode_rows)
+    take = min(busy.prefill_tokens_ahead, room, max(1, busy.prefills) * engine.cap)
+    compute = c.pass_seconds(model._others(take))
+    x = splits.band_seconds(busy.split_bytes / b * (1 + min(busy.loads, LOAD_THREADS)))
+    if engine.overlap:
+        this_pass = splits.first_s + max(x + compute, b * x + compute / b)
+    else:
+        this_pass = splits.first_s + b * x + compute
+    own = max(1, hit.prompt_tokens - hit.start * hit.block_size)
+    behind = min(busy.waiting * own, room)
+    then = replace(
+        busy,
+        split_bytes=0.0,
+        prefills=busy.prefills + math.ceil(behind / own),
+        prefill_tokens_ahead=busy.prefill_tokens_ahead - take + behind,
+    )
+    nxt = _Model(hit, c, engine, then, model.w)
+    nxt.loads_drain_s = model.loads_drain_s
+    j, split = _best_split(nxt, splits)
+    return j, split._replace(seconds=this_pass + split.seconds)
 
 
 def best_split(hit: Hit, figures: Figures, engine: Engine = Engine()) -> tuple[int, float]:

@@ -101,6 +101,20 @@ class LookupPolls:
             return min(result.present, result.committed)  # the rest was shed, failed or is gone
         return result.present  # no record at all (evicted, never written): load what is there
 
+    def still_present(self, st: RequestState, rid: str, start: int, end: int) -> int | None:
+        """WAITING_A_PASS, asked again: the blocks its lookup found (absolute), unless its
+        deadline passed or Redis became unavailable meanwhile (0: it recomputes), or another
+        request now loads them (None: it waits for that, as a lookup would)."""
+        if time.monotonic() >= st.deadline:
+            return self._give_up(st, rid, "deadline passed")
+        if not self.store.available:
+            return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
+        if not self.config.consume and self._loads.loading_elsewhere(
+            st.load_names.first_group(start, end), rid
+        ):
+            return None
+        return st.present_blocks
+
     def ask(self, st: RequestState, start: int, end: int) -> int:
         """Ask Redis about the request's blocks from ``start`` (unless asked already), without
         waiting for the answer; returns the block the question starts at."""

@@ -22,6 +22,9 @@ from connector.transfer_params import Handoff
 
 class Phase(enum.Enum):
     LOOKING_UP = "looking up"
+    # looked up, and not answered yet: its split waits for a pass free of another split, and
+    # vLLM asks again next step (``load_policy.Reason.AFTER_THIS_PASS``)
+    WAITING_A_PASS = "waiting a pass"
     ANSWERED = "answered"
     LOADING = "loading"
     RUNNING = "running"
@@ -73,6 +76,8 @@ class RequestState:
     # where its wait for the samples of the workers' idle probes began (``idle_probes.py``,
     # ``LoadChoices.wait_mark``; None: it did not wait)
     idle_wait_from: tuple[int, int] | None = None
+    waited_a_pass: bool = False  # this admission's split waited a pass once (never twice)
+    pass_to_give_back: bool = False  # ... and that wait is not yet given back to its deadline
     answer_start: int = 0  # vLLM's local hit (blocks) the answer was given for
     answered_at: float = 0.0
     load_range: tuple[int, int] = (0, 0)
@@ -103,7 +108,7 @@ class RequestState:
     def renamable(self) -> bool:
         """Nothing of it is in flight or planned yet: its chains may be named again."""
         return (
-            self.phase is Phase.LOOKING_UP
+            self.phase in (Phase.LOOKING_UP, Phase.WAITING_A_PASS)
             and self.save_start is None
             and self.load_range == (0, 0)
             and (self.handoff is None or self.handoff_waiting)
@@ -138,6 +143,7 @@ class RequestState:
         self.load_range, self.layered, self.decision = (0, 0), False, None
         self.counted.clear()
         self.chosen = None
+        self.waited_a_pass = self.pass_to_give_back = False
 
     def count_once(self, what: CountedOnce) -> bool:
         """Whether ``what`` is to be counted now: the first time this admission."""
@@ -171,6 +177,19 @@ class RequestState:
         """vLLM was answered for a local hit of ``start`` blocks."""
         self.phase, self.answer_start, self.answered_at = Phase.ANSWERED, start, time.monotonic()
         self.present_blocks = present_blocks
+
+    def asked_after_a_pass(self, now: float) -> None:
+        """Asked again after its answer waited a pass (``Phase.WAITING_A_PASS``): the wait
+        until now is not Redis's, and is given back to its deadline, once (what it waits for
+        Redis from here on -- another request's load of its blocks -- counts)."""
+        if self.pass_to_give_back:
+            self.deadline += max(0.0, now - self.answered_at)
+            self.pass_to_give_back = False
+
+    def waits_a_pass(self) -> None:
+        """Looked up, but its answer waits a step (``Phase.WAITING_A_PASS``), once."""
+        self.phase, self.waited_a_pass = Phase.WAITING_A_PASS, True
+        self.pass_to_give_back = True
 
     def decided(self, decision: Decision | None, load_end: int) -> None:
         """The load policy's choice for its hit (None: nothing to load)."""

@@ -352,6 +352,18 @@ class RedisConnectorScheduler:
     ) -> tuple[int | None, bool]:
         st = self._state(request)
         start = num_computed_tokens // self.block_size
+        if st.phase is Phase.WAITING_A_PASS:
+            if start >= st.answer_start and self._lookupable(st):
+                # its lookup still holds (no reset since): the choice, made now
+                end = self._max_blocks(st, request)
+                st.asked_after_a_pass(time.monotonic())
+                present = self._polls.still_present(st, request.request_id, start, end)
+                if present is None:
+                    return None, False
+                st.answered(start, max(start, min(present, end)))
+                self.load_choices.decide(st, request, start)
+                return st.answer(start, self.block_size)
+            st.local_hits_shrank()
         if st.phase is Phase.ANSWERED:
             if start >= st.answer_start:  # asked again (vLLM could not allocate): same answer
                 self.load_choices.answered_again(st, request)
@@ -383,17 +395,20 @@ class RedisConnectorScheduler:
                 self._polls.wait_in_step(st.presence.future)  # (usually back: asked on arrival)
         st.answered(start, min(present, end))
         self.load_choices.decide(st, request, start)
+        if st.phase is Phase.WAITING_A_PASS:
+            return None, False  # (vLLM asks again next step)
         return st.answer(start, self.block_size)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self.load_choices.waiting.remove(request.request_id)
+        self.load_choices.left_the_queue(request.request_id)
         st = self._state(request)
         st.allocated(self._per_group(blocks.get_block_ids()))
         if st.phase in (Phase.LOADING, Phase.RUNNING):
             return  # admitted again after its load: nothing changes
-        if st.phase is Phase.LOOKING_UP:  # admitted without an answer from us: nothing to load
+        if st.phase in (Phase.LOOKING_UP, Phase.WAITING_A_PASS):
+            # admitted without an answer from us: nothing to load
             st.admitted_unanswered()
         else:
             self.load_choices.count_choice(st)  # (the policy's answer took effect)
@@ -601,7 +616,7 @@ class RedisConnectorScheduler:
         for a request whose saves were planned and that is not loading: the worker then reports
         it finished sending once every save is staged. An aborted load returns False: vLLM
         itself holds the blocks until the load's finished_recving."""
-        self.load_choices.waiting.remove(request.request_id)
+        self.load_choices.left_the_queue(request.request_id)
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None

@@ -143,6 +143,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
         "Of the splits chosen, those taken for the requests queued behind them: recomputing "
         "looked as soon, counting only the requests the engine holds",
     ),
+    "splits_after_a_pass": (
+        "vllm:redis_kv_splits_after_a_pass",
+        "Hits whose split waited one step for a pass free of another split (one split a "
+        "pass), predicted sooner than loading or recomputing now; decided again then",
+    ),
     "tokens_recompute_chosen": (
         "vllm:redis_kv_tokens_recompute_chosen",
         "Prompt tokens found in Redis that the load policy chose to compute instead",

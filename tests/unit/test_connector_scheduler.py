@@ -24,6 +24,7 @@ from vllm.v1.request import RequestStatus
 
 from connector import load_choices
 from connector.chains import handoff_salt
+from connector.load_policy import Busy, Decision, Hit, Reason, Way
 from kvstore import Claim, InvalidArgumentError, StoreTimeoutError, chain_hashes
 from testing.scheduler_harness import (
     BS,
@@ -485,6 +486,45 @@ def test_a_request_vllm_leaves_at_the_head_of_its_queue_is_not_behind_those_it_l
     sched.schedule()
     assert sched.requests["a"].status is RequestStatus.WAITING  # (left at the head)
     assert sorted(behind) == [(len(second), 1), (len(third), 0)]
+
+
+def test_the_pass_a_split_waits_for_is_promised_once_and_kept_for_it(
+    tiny_model: Path, fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a split that waits a pass was promised nothing. A second hit of the
+    same step waited for the same pass (one of the two waited for nothing), and in the next
+    step a request vLLM asked first (one it had skipped before, back at the head of its queue)
+    took the split. Driven with a stand-in policy that splits, or waits a pass to, wherever
+    what the connector tells it of the engine allows."""
+
+    def eager(hit: Hit, figures: Any, *, busy: Busy, may_wait_a_pass: bool = False, **kw: Any):
+        if not busy.split_bytes and not busy.split_reserved:
+            return Decision(Way.SPLIT, 1, Reason.MEASURED)
+        if may_wait_a_pass and busy.split_bytes and not busy.next_split_taken:
+            return Decision(Way.SPLIT, 1, Reason.AFTER_THIS_PASS)
+        return Decision(Way.RECOMPUTE, 0, Reason.MEASURED)
+
+    monkeypatch.setattr(load_choices, "choose", eager)
+    sched = fake_redis_scheduler(tiny_model, "kv_both", load_policy="auto")
+    conn = connector_of(sched)
+    reqs = {}
+    for n, rid in enumerate("abcd", start=4):
+        tokens = prompt(n * BS + 1, seed=n)
+        seed_blocks(sched, tokens, n)
+        reqs[rid] = make_request(rid, tokens)
+        sched.add_request(reqs[rid])
+
+    def ask(rid: str) -> int | None:
+        return conn.get_num_new_matched_tokens(reqs[rid], 0)[0]
+
+    assert ask("a") == BS  # split
+    assert ask("b") is None  # waits for the next pass
+    assert ask("c") == 0  # the next pass is b's: c recomputes
+    conn.load_choices.next_pass([])  # the step is scheduled
+    conn.load_choices.next_pass([])  # and one in which vLLM asked no one waiting (a preemption)
+    assert ask("d") == 0  # asked before b (vLLM skipped it earlier): the split is kept for b
+    assert ask("b") == BS
+    assert conn.stats.take().get("splits_after_a_pass") == 1
 
 
 def test_redis_down_degrades_to_recompute(

@@ -211,6 +211,41 @@ def test_a_split_saving_the_queue_next_to_nothing_is_not_taken_for_it() -> None:
         assert d.way is Way.RECOMPUTE, waiting
 
 
+def test_a_split_that_finds_the_pass_taken_waits_for_the_next_where_that_is_sooner() -> None:
+    """One split a pass: a hit admitted beside another's split used to be loaded or recomputed
+    at once. Where recomputing is the way now, and its split in the next pass, counting the
+    wait for this one, beats that by ``WAIT_MARGIN``, it is not answered now (vLLM asks again
+    next step), once; where the pass being planned is long, or a load now is better, it is
+    served now. (The simulator's 4-client cells: a quarter of the hits came beside another's
+    split and were recomputed at 2.3x a split's time.)"""
+    figures = at(2.0)
+    first = choose(HIT, figures)
+    assert first.way is Way.SPLIT
+    beside = admitted(Busy(), HIT, first)
+    d = choose(HIT, figures, busy=beside, may_wait_a_pass=True)
+    assert d.waits_a_pass and d.way is Way.SPLIT and d.blocks > 0
+    assert d.reason is Reason.AFTER_THIS_PASS
+    now = choose(HIT, figures, busy=beside)  # (it waited once already)
+    assert not now.waits_a_pass and now.way is Way.RECOMPUTE
+    # the wait counts the pass being planned: never predicted sooner than that pass alone
+    this_pass = figures.splits.band_seconds(beside.split_bytes / HIT.bands) * HIT.bands
+    assert this_pass < d.predicted_s["split"] < now.predicted_s["recompute"]
+    # the next pass is taken by the first to wait for it: the next hit of the step is served now
+    taken = admitted(beside, HIT, d)
+    assert taken.next_split_taken
+    assert not choose(HIT, figures, busy=taken, may_wait_a_pass=True).waits_a_pass
+    # a long split in the pass being planned (a 32k-token hit's 2 GB): served now instead
+    long = replace(beside, split_bytes=2e9)
+    assert not choose(HIT, figures, busy=long, may_wait_a_pass=True).waits_a_pass
+    # a store fast enough that loading it all now is the better way: loaded now
+    fast = at(3.0)
+    beside_fast = admitted(Busy(), HIT, choose(HIT, fast))
+    assert choose(HIT, fast, busy=beside_fast, may_wait_a_pass=True).way is Way.ASYNC
+    # nothing to wait for where the pass holds no split, or splits are not possible
+    assert not choose(HIT, figures, may_wait_a_pass=True).waits_a_pass
+    assert not choose(HIT, figures, busy=beside, split_ok=False, may_wait_a_pass=True).waits_a_pass
+
+
 def test_a_waiting_queue_counts_who_came_after_a_request() -> None:
     queue = WaitingQueue()
     for rid in "abcd":

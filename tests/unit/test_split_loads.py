@@ -21,11 +21,12 @@ from vllm.v1.request import RequestStatus
 
 from connector import load_choices
 from connector.figures import ComputeRate, LoadRate, SplitRate, StepShape
-from connector.load_policy import Busy
+from connector.load_policy import Busy, Decision, Hit, Reason, Way
+from connector.request_state import Phase
 from kvstore import LookupBuffer, chain_hashes
 from kvstore.values.keys import parse_key
 from testing.scheduler_harness import BS, LAYERS, prompt
-from testing.sim_engine import SimEngine, produce
+from testing.sim_engine import Gate, SimEngine, produce
 
 pytestmark = pytest.mark.vllm
 
@@ -548,18 +549,166 @@ def test_a_store_that_whole_loads_saw_slow_down_is_not_split_on_the_bands_figure
     assert "chose_split" not in stats and stats.get("chose_recompute") == 1, stats
 
 
+def splits_by_pass(reader: SimEngine, max_steps: int = 200) -> list[list[str]]:
+    """Step until no request is left: the requests each pass loaded split, pass by pass."""
+    passes = []
+    for _ in range(max_steps):
+        if not reader.sched.has_requests():
+            break
+        meta = reader.step().output.kv_connector_metadata
+        passes.append(sorted(spec.req_id for spec in meta.loads if spec.layered))
+    reader.settle()
+    return passes
+
+
+def short_then_long(engines: Any, **kw: Any) -> tuple[SimEngine, dict[str, list[int]]]:
+    """A reader whose figures split (bands at 10 GB/s, whole loads at 1 MB/s, 2 ms a prompt
+    token), and three saved prompts: a short hit, whose pass is soon over, then two long
+    ones."""
+    sizes = (("p0", 3), ("p1", 14), ("p2", 15))
+    prompts = {rid: prompt(n * BS + 1, seed=70 + n) for rid, n in sizes}
+    writer = engines()
+    for rid, tokens in prompts.items():
+        writer.add(rid, tokens)
+    writer.run_until_idle()
+    # (every lookup answered within the first step, however busy the machine)
+    reader = engines(load_policy="auto", split_band_bytes=16 << 10, lookup_wait_s=1, **kw)
+    measured(reader, token_s=0.002, load_bytes_per_s=1e6, band_bytes_per_s=1e10)
+    return reader, prompts
+
+
 def test_one_split_a_pass_however_many_hits_are_admitted_together(engines: Any) -> None:
     """Found by a review: what the step's earlier admissions split was dropped when the next
     one was decided, so two splits shared one pass, each predicted (and given a wait) as if its
-    bands had the store alone."""
-    prompts = saved_prompts(engines, 3, seed=70)
-    reader = engines(load_policy="auto", split_band_bytes=16 << 10)
-    measured(reader, token_s=0.001, load_bytes_per_s=5e6, band_bytes_per_s=1e10)
-    for rid, tokens in prompts.items():  # admitted in one step
+    bands had the store alone. Now a hit that finds the pass's split taken is served otherwise
+    (p1: loaded), or, where recomputing would be the way and a split in the next pass is well
+    ahead of it, left unanswered for a step and split then (p2)."""
+    reader, prompts = short_then_long(engines)
+    for rid, tokens in prompts.items():  # asked about in one step
         reader.add(rid, tokens)
-    reader.run_until_idle()
+    splits_a_pass = splits_by_pass(reader)
+    assert splits_a_pass[:2] == [["p0"], ["p2"]], splits_a_pass
+    assert max(len(s) for s in splits_a_pass) == 1
     stats = reader.take_stats()
-    assert stats.get("chose_split") == 1, stats
+    assert stats.get("chose_split") == 2 and stats.get("chose_async") == 1, stats
+    assert stats.get("splits_after_a_pass") == 1, stats
+
+
+def test_a_request_aborted_while_its_split_waits_a_pass_leaves_nothing_behind(
+    engines: Any,
+) -> None:
+    """A request left unanswered for a step (its split waits for the next pass) is aborted
+    meanwhile: nothing of it is held, nothing waits, and the others are served as before."""
+    reader, prompts = short_then_long(engines)
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+    reader.step()  # p0 splits, p1 loads, p2 waits a pass
+    assert reader.connector.scheduler._reqs["p2"].phase is Phase.WAITING_A_PASS
+    assert reader.abort("p2")
+    reader.run_until_idle()
+    reader.assert_clean()
+    assert reader.leftovers() == []
+    stats = reader.take_stats()
+    assert stats.get("splits_after_a_pass") == 1 and stats.get("chose_split") == 1, stats
+    assert stats.get("chose_async") == 1, stats
+
+
+def test_a_request_asked_again_after_its_wait_meets_redis_as_it_is_then(engines: Any) -> None:
+    """Found by a review: asked again a step after its lookup, a request that waited a pass
+    went straight to the policy: with the breaker open meanwhile it still planned a split,
+    and the step it waited was taken from its Redis deadline (a split planned with no time
+    left). Now the breaker is checked (it recomputes, given up), and the wait, which is not
+    Redis's, is given back as vLLM's allocation time is."""
+    reader, prompts = short_then_long(engines, deadline_s=2, deadline_per_1k_tokens_s=0.0)
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+    reader.step()
+    st = reader.connector.scheduler._reqs["p2"]
+    assert st.phase is Phase.WAITING_A_PASS
+    time.sleep(2.5)  # vLLM asks again past its deadline (a slow step, say)
+    specs = [s for s in reader.step().output.kv_connector_metadata.loads if s.req_id == "p2"]
+    assert specs and specs[0].layered, specs
+    # the split's time is the policy's wait, not what was left of the deadline (nothing)
+    assert st.decision is not None and st.decision.wait_s
+    assert specs[0].timeout_s == pytest.approx(st.decision.wait_s, rel=0.01)
+    reader.run_until_idle()
+    reader.assert_clean()
+    assert reader.take_stats().get("split_loads_failed", 0) == 0
+
+    reader, prompts = short_then_long(engines)
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+    reader.step()
+    assert reader.connector.scheduler._reqs["p2"].phase is Phase.WAITING_A_PASS
+    store = reader.connector.scheduler.store
+    while store.available:
+        store.breaker.record_failure("test: Redis went away")
+    specs = [s for s in reader.step().output.kv_connector_metadata.loads if s.req_id == "p2"]
+    assert not specs, specs
+    reader.run_until_idle()
+    assert reader.take_stats().get("requests_given_up") == 1
+
+
+def test_a_request_that_waited_a_pass_gives_up_at_its_deadline_on_another_requests_load(
+    engines: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: asked again after its wait while another request loaded its blocks,
+    a request was left unanswered for as long as that load ran, past its own deadline (one
+    still looking up gives up at it). The pass it waited is given back to its deadline; what
+    it waits for Redis after that counts. Driven with a stand-in policy: split where the pass
+    is free, else wait a pass where allowed, else (the next pass taken) load it all."""
+
+    def eager(hit: Hit, figures: Any, *, busy: Busy, may_wait_a_pass: bool = False, **kw: Any):
+        if not busy.split_bytes and not busy.split_reserved:
+            return Decision(Way.SPLIT, 1, Reason.MEASURED, wait_s=30.0)
+        if may_wait_a_pass and busy.split_bytes and not busy.next_split_taken:
+            return Decision(Way.SPLIT, 1, Reason.AFTER_THIS_PASS)
+        if busy.next_split_taken:
+            return Decision(Way.ASYNC, hit.blocks, Reason.MEASURED, wait_s=30.0)
+        return Decision(Way.RECOMPUTE, 0, Reason.MEASURED)
+
+    monkeypatch.setattr(load_choices, "choose", eager)
+    a, b = prompt(4 * BS + 1, seed=80), prompt(6 * BS + 1, seed=81)
+    c = b[:-1] + prompt(14 * BS, seed=82)  # b's blocks and more: a later deadline
+    writer = engines()
+    for rid, tokens in (("a", a), ("b", b), ("c", c)):
+        writer.add(rid, tokens)
+    writer.run_until_idle()
+    reader = engines(
+        load_policy="auto", deadline_s=0.3, deadline_per_1k_tokens_s=3.0, lookup_wait_s=1
+    )
+    gate = Gate.hold(reader.worker.store, "select_into")  # c's load hangs (a slow store)
+    for rid, tokens in (("a", a), ("b", b), ("c", c)):
+        reader.add(rid, tokens)
+    reader.step()  # a splits, b waits a pass, c loads b's blocks and more
+    sched = reader.connector.scheduler
+    st = sched._reqs["b"]
+    assert st.phase is Phase.WAITING_A_PASS and sched._reqs["c"].phase is Phase.LOADING
+    limit = time.monotonic() + 30
+    while st.phase is Phase.WAITING_A_PASS and time.monotonic() < limit:
+        reader.step()
+        time.sleep(0.01)
+    assert st.phase is not Phase.WAITING_A_PASS
+    assert reader.take_stats().get("requests_given_up") == 1
+    gate.opened.set()
+    reader.run_until_idle()
+    reader.assert_clean()
+
+
+def test_a_request_waiting_a_pass_across_a_reset_is_named_again(engines: Any) -> None:
+    """Found by a review: a request whose split waited a pass when the namespace was reset
+    kept its old names (only a request still looking up was renamed), and saved under them."""
+    reader, prompts = short_then_long(engines)
+    for rid, tokens in prompts.items():
+        reader.add(rid, tokens)
+    reader.step()
+    sched = reader.connector.scheduler
+    assert sched._reqs["p2"].phase is Phase.WAITING_A_PASS
+    assert sched.reset_cache()
+    reader.step()
+    assert sched._reqs["p2"].generation == sched.store.generation
+    reader.run_until_idle()
+    reader.assert_clean()
 
 
 def test_a_split_vllm_could_not_allocate_keeps_its_pass_when_it_is_admitted_later(
@@ -577,9 +726,8 @@ def test_a_split_vllm_could_not_allocate_keeps_its_pass_when_it_is_admitted_late
         reader.add(rid, tokens)
     reader.step()  # p0 is asked about and decided, but vLLM cannot allocate it
     assert "p0" in {r.request_id for r in reader.sched.waiting}
-    reader.run_until_idle()
-    stats = reader.take_stats()
-    assert stats.get("chose_split") == 1, stats
+    splits_a_pass = splits_by_pass(reader)
+    assert max(len(s) for s in splits_a_pass) == 1, splits_a_pass
 
 
 def test_a_load_started_in_a_step_is_seen_once_by_the_next_admission(
