@@ -26,6 +26,7 @@ from connector.figures import (
 from connector.load_policy import (
     Busy,
     BusyWeights,
+    Decision,
     Engine,
     Figures,
     Hit,
@@ -241,9 +242,7 @@ class LoadChoices:
             # probes read
             self.probes.note_choice(decision.recomputed_for_the_store)
         st.decided(decision, start + decision.blocks)
-        self._admitted = admitted(self._admitted, hit, decision)
-        if decision.way is Way.ASYNC:
-            self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
+        self._take_share(request.request_id, hit, decision)
         # counted when it takes effect (``count_choice``): a request whose local hits shrank
         # is decided again, and the last decision is the one served
         st.chosen = (decision, hit, way is None)
@@ -266,9 +265,13 @@ class LoadChoices:
         if st.chosen is None:
             return
         decision, hit, _ = st.chosen
+        self._take_share(request.request_id, hit, decision)
+
+    def _take_share(self, req_id: str, hit: Hit, decision: Decision) -> None:
+        """An answer given in this step takes its share of the pass and of the store."""
         self._admitted = admitted(self._admitted, hit, decision)
         if decision.way is Way.ASYNC:
-            self._admitted_loads[request.request_id] = hit.blocks * hit.block_bytes
+            self._admitted_loads[req_id] = hit.blocks * hit.block_bytes
 
     def count_choice(self, st: RequestState) -> None:
         """The request's last decision took effect (vLLM allocated its blocks): counted, once

@@ -410,6 +410,11 @@ class _Predicted(NamedTuple):
     cost_s: float
     engine_s: float
 
+    @property
+    def total_s(self) -> float:
+        """What the way is judged by: its own time plus what it costs the others."""
+        return self.seconds + self.cost_s
+
 
 @dataclass(frozen=True)
 class _Passes:
@@ -693,7 +698,7 @@ def choose(
     if split_ok and figures.splits is not None and hit.max_split() >= 1 and splits_now:
         j, predicted[Way.SPLIT] = _best_split(model, figures.splits)
     times = {way: p.seconds for way, p in predicted.items()}
-    total = {way: p.seconds + p.cost_s for way, p in predicted.items()}
+    total = {way: p.total_s for way, p in predicted.items()}
     # a gain within the model's error is no gain: a load must beat recomputing by the margin,
     # and a split (which stalls its whole pass, and fails it if a band is late) a plain load
     if Way.SPLIT in total and total[Way.SPLIT] > (1 - MARGIN) * total[Way.ASYNC]:
@@ -713,13 +718,10 @@ def choose(
         and not busy.next_split_taken
     ):
         later = _split_after_this_pass(model, figures.splits)
-        if (
-            later is not None
-            and later[1].seconds + later[1].cost_s < (1 - WAIT_MARGIN) * total[way]
-        ):
-            seconds = later[1].seconds
-            times[Way.SPLIT] = seconds
-            return Decision(Way.SPLIT, later[0], Reason.AFTER_THIS_PASS, _rounded(times))
+        if later is not None and later[1].total_s < (1 - WAIT_MARGIN) * total[way]:
+            blocks_later, split_later = later
+            times[Way.SPLIT] = split_later.seconds
+            return Decision(Way.SPLIT, blocks_later, Reason.AFTER_THIS_PASS, _rounded(times))
     blocks = {Way.RECOMPUTE: 0, Way.ASYNC: hit.blocks, Way.SPLIT: j}[way]
     # a load may wait as long as it was predicted to take plus recomputing (past that, even
     # landing it has cost more than recomputing would have)
@@ -734,12 +736,12 @@ def _split_for_the_queue(predicted: dict[Way, _Predicted], waiting: int) -> bool
     split, recompute = predicted[Way.SPLIT], predicted[Way.RECOMPUTE]
     saved_s = recompute.engine_s - split.engine_s
     queued_gain = waiting * saved_s
-    recompute_total = recompute.seconds + recompute.cost_s
+    recompute_total = recompute.total_s
     return (
         split.seconds <= recompute.seconds
         and saved_s >= MIN_QUEUED_SAVING * recompute.engine_s
         and queued_gain >= QUEUED_GAIN_SHARE * recompute_total
-        and split.seconds + split.cost_s - queued_gain < (1 - MARGIN) * recompute_total
+        and split.total_s - queued_gain < (1 - MARGIN) * recompute_total
     )
 
 
@@ -812,7 +814,7 @@ def _best_split(model: _Model, splits: SplitFit) -> tuple[int, _Predicted]:
         return b * splits.band_seconds(bands) >= base + compute
 
     def cost(j: int) -> tuple[float, int]:
-        return at(j).seconds + at(j).cost_s, -j
+        return at(j).total_s, -j
 
     lo, hi = 1, top
     while lo < hi:

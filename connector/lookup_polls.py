@@ -69,14 +69,9 @@ class LookupPolls:
     def present_blocks(self, st: RequestState, rid: str, start: int, end: int) -> int | None:
         """LOOKING_UP: the leading blocks vLLM may load (absolute), or None while unknown."""
         now = time.monotonic()
-        if now >= st.deadline:
-            return self._give_up(st, rid, "deadline passed")
-        if not self.store.available:
-            return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
-        if not self.config.consume and self._loads.loading_elsewhere(
-            st.load_names.first_group(start, end), rid
-        ):
-            return None  # another request is loading these blocks; wait for it
+        held, answer = self._held_back(st, rid, start, end, now)
+        if held:
+            return answer
         if st.lookup is None and now < st.next_poll:
             return None  # polled Redis a moment ago; do not hammer it while waiting
         result = self._poll(st, start, end)
@@ -102,18 +97,26 @@ class LookupPolls:
         return result.present  # no record at all (evicted, never written): load what is there
 
     def still_present(self, st: RequestState, rid: str, start: int, end: int) -> int | None:
-        """WAITING_A_PASS, asked again: the blocks its lookup found (absolute), unless its
-        deadline passed or Redis became unavailable meanwhile (0: it recomputes), or another
-        request now loads them (None: it waits for that, as a lookup would)."""
-        if time.monotonic() >= st.deadline:
-            return self._give_up(st, rid, "deadline passed")
+        """WAITING_A_PASS, asked again: the blocks its lookup found (absolute), unless Redis is
+        no longer for it (``_held_back``), as for a lookup."""
+        held, answer = self._held_back(st, rid, start, end, time.monotonic())
+        return answer if held else st.present_blocks
+
+    def _held_back(
+        self, st: RequestState, rid: str, start: int, end: int, now: float
+    ) -> tuple[bool, int | None]:
+        """Whether the request may not read Redis now, and if so its answer: 0 (given up: its
+        deadline passed, or the breaker is open) or None (another request is loading these
+        blocks: it waits for that)."""
+        if now >= st.deadline:
+            return True, self._give_up(st, rid, "deadline passed")
         if not self.store.available:
-            return self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
+            return True, self._give_up(st, rid, "Redis unavailable (circuit breaker open)")
         if not self.config.consume and self._loads.loading_elsewhere(
             st.load_names.first_group(start, end), rid
         ):
-            return None
-        return st.present_blocks
+            return True, None
+        return False, None
 
     def ask(self, st: RequestState, start: int, end: int) -> int:
         """Ask Redis about the request's blocks from ``start`` (unless asked already), without
