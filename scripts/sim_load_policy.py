@@ -15,9 +15,10 @@ memory-bound decodes. Not the policy's own (linear) model: the policy has to lea
 
 The store (``Store``): each rank's link gives ``gbps`` to whole loads, served first come first
 served two at a time (a worker's two load threads), shared evenly among those; a load pays
-``overhead_s`` first. A split reads band by
-band at ``split_ratio`` of that, ``band_s`` per band and ``first_s`` before the first; its
-forward pass runs each band of layers once that band landed. 10% noise on every transfer. With
+``overhead_s`` first. A split reads band by band at ``split_ratio`` of that, ``band_s`` per
+band and ``first_s`` before the first, sharing the link evenly with each load it serves while
+that load has bytes left; its forward pass runs each band of layers once that band landed
+(the loads are not slowed by the bands: not modelled). 10% noise on every transfer. With
 TP, every rank reads its share; one rank is 15% slower (the slowest sets the pace). An
 asynchronous load starts ``lag_s`` after its step (vLLM launches the pass first); it is seen at
 the end of the step it lands in, and its request is scheduled in the next step. A load or split
@@ -269,6 +270,13 @@ class Links:
                         t.done_at, t.moved_by_done = until, self.moved[rank]
                 mine = [t for t in mine if t.done_at is None]
                 now = until
+
+    def left(self, rank: int) -> float:
+        """What the transfers the link serves now have left to receive."""
+        return sum(
+            max(0.0, t.left) for t in self.transfers
+            if t.rank == rank and t.done_at is None and t.began
+        )  # fmt: skip
 
     def _of(self, owner: object) -> list[Transfer]:
         return [t for t in self.transfers if t.owner is owner]
@@ -602,10 +610,20 @@ class EngineSim:
         policy's), as a worker waits; a split whose last band comes past its wait fails.
         Returns the pass's time and the failed splits' requests (``id``)."""
         s, b = self.store, self.bands
-        rank_rates = [s.rank_bytes_per_s(k, self.d.gpus) for k in range(self.d.gpus)]
-        slowest = min(rate / (1 + self.links.active(k)) for k, rate in enumerate(rank_rates))
         band_bytes = sum(loaded for _, loaded in splits) / BLOCK * self.block_bytes / b
-        x = (len(splits) * s.band_s + band_bytes / (slowest * s.split_ratio)) * self._noise(s.noise)
+        # each rank's link: the bands take an even share of it beside each load it serves,
+        # while that load has bytes left (the bands' reads at ``split_ratio`` of the link, the
+        # loads' at their share of it), then the whole; ``moved``: the bands' bytes and the
+        # loads' beside them, at the bands' rate (a worker's sample counts the link's bytes)
+        noise = self._noise(s.noise)
+        per_rank: list[tuple[float, float]] = []  # (a band's time, the link's bytes per band)
+        for rank in range(self.d.gpus):
+            rate = s.rank_bytes_per_s(rank, self.d.gpus) * s.split_ratio
+            total = b * band_bytes
+            beside = self.links.active(rank)
+            moved = total + min(beside * total, self.links.left(rank) * s.split_ratio)
+            per_rank.append(((len(splits) * s.band_s + moved / rate / b) * noise, moved / b))
+        x = max(t for t, _ in per_rank)
         first = s.first_s
         lands = [first + (i + 1) * x for i in range(b)]
         c = compute / b
@@ -621,11 +639,10 @@ class EngineSim:
         if not failed:
             gaps = [q - p for p, q in itertools.pairwise(lands)]
             between = statistics.median(gaps) if gaps else 0.0
-            for rank in range(self.d.gpus):
+            for rank, (x_rank, shared) in enumerate(per_rank):
                 # the bands shared each link with the loads on it: what it gave the rank
-                shared = band_bytes * (1 + self.links.active(rank))
-                scale = rank_rates[rank] / rank_rates[-1] if self.d.gpus > 1 else 1.0
-                self.split_rate.add(shared, first + x / scale, between / scale, b, rank)
+                scale = x / x_rank
+                self.split_rate.add(shared, first + x_rank, between / scale, b, rank)
             return end, failed
         # the shortest wait ran out: what had landed by then bounds the store (a worker's
         # split that ends sends its bound); the pass waited for each band until it landed or

@@ -290,6 +290,35 @@ def test_a_load_holds_back_the_loads_in_flight_by_no_more_than_their_rest() -> N
     assert d.way is Way.SPLIT and d.predicted_s["split"] < d.predicted_s["async"]
 
 
+def test_a_splits_bands_share_the_store_with_loads_in_flight_only_while_they_have_bytes_left() -> (
+    None
+):
+    """Each load in flight takes an even share of the link while it has bytes left: beside a
+    load about to land, a split's bands have the link to themselves; beside gigabytes still
+    to come, they share it for the whole split, and no more than that. Before, a split beside
+    any load was predicted at the shared rate: twice as slow as it was beside one with nothing
+    left, so auto loaded instead, and the next hit found a load beside it in turn (the
+    simulator's 8B on an H200, 8 GB/s, 4 clients of 32k-token hits: 24 of 68 hits loaded,
+    1.20x a split of every hit; now 0.99x)."""
+    long = Hit(start=0, end=2048, prompt_tokens=32768 + 80, block_size=16, block_bytes=2 << 20,
+               bands=32)  # fmt: skip
+    figures = at(8.0)
+    idle = choose(long, figures)
+    assert idle.way is Way.SPLIT
+
+    def split_s(ahead: float) -> float:
+        busy = Busy(loads=1, load_bytes_ahead=ahead)
+        return choose(long, figures, busy=busy).predicted_s["split"]
+
+    assert split_s(0.0) == pytest.approx(idle.predicted_s["split"], rel=0.01)
+    # later by at most the time the store takes for the backlog (1 GB at 8 GB/s: 0.125 s),
+    # up to sharing for the whole split
+    assert idle.predicted_s["split"] < split_s(1e9) <= idle.predicted_s["split"] + 0.125 + 1e-6
+    whole = split_s(8e9)
+    assert split_s(0.0) < split_s(1e9) < whole == split_s(16e9)
+    assert whole < 2.2 * idle.predicted_s["split"]
+
+
 def test_a_recompute_whose_chunks_fill_the_budget_holds_every_load_landing_meanwhile() -> None:
     """vLLM serves running requests first: while a 32k prompt's chunks fill the token
     budget, a request whose load landed waits for the last of them, not for one pass (the
