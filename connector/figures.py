@@ -45,7 +45,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -63,6 +63,9 @@ STEP_WINDOW = 64
 MIN_STEPS = 8
 MIN_PREFILLS = 2
 MIN_DECODE_PASSES = 4  # passes of decodes alone before they get a line of their own
+# prompt passes whose sizes span less than this factor do not tell a pass's fixed cost from
+# its per-token cost (``_fit_compute``)
+SIZES_SPAN = 2.0
 # a pass that computed at least this many prompt tokens is a prefill sample
 PREFILL_TOKENS = 64
 # no sample older than this is used (seconds): a store's speed from minutes ago is not a figure
@@ -608,9 +611,35 @@ def _fit_compute(
     x = np.array([shape.features() for shape, _ in samples])
     y = np.array([s for _, s in samples])
     step, token, attention, row, context = nonnegative_fit(x, y)
+    shapes = [shape for shape, _ in samples if shape.prefill_tokens > 0]
+    unfit = step > floor or (token <= 0 and attention <= 0)
+    if floor > 0 and unfit and not _spans(shape.prefill_tokens for shape in shapes):
+        # prompts of one size (an instance that recomputed every hit of a workload, before
+        # any load): a line through them says little of a pass's fixed cost, and noise chose
+        # it (0.42 s on the 2-core VM, where a pass of 92 tokens took ~0.25 s: a load's last
+        # pass was predicted 0.27 s long and auto recomputed hits that loaded 14% sooner).
+        # Where it came out above a small decode pass's, it is that (a prompt pass's fixed
+        # cost is not more, and on a GPU, where a decode pass reads every weight, less: the
+        # line is kept where it is below), and the prompt tokens cost the rest; their
+        # attention where the contexts they attend to tell it apart (a long prompt's chunks of
+        # one size: the same tokens, ever more context)
+        columns = [1, 2, 3, 4]
+        if not _spans(shape.prefill_attention / shape.prefill_tokens for shape in shapes):
+            columns = [1, 3, 4]
+        coef = dict(zip(columns, nonnegative_fit(x[:, columns], y - floor), strict=True))
+        if coef[1] > 0 or coef.get(2, 0.0) > 0:  # (else prompts faster than the floor: the line)
+            step = floor
+            token, attention, row, context = (coef.get(k, 0.0) for k in (1, 2, 3, 4))
     if token <= 0 and attention <= 0:
         return None  # nothing grows with the prompt: not a usable fit yet
     return ComputeFit(step, token, attention, row, context, len(samples), floor, decodes)
+
+
+def _spans(values: Iterable[float]) -> bool:
+    """Whether positive ``values`` span at least ``SIZES_SPAN`` (a fit can tell their
+    coefficient from a constant's)."""
+    seen = [v for v in values if v > 0]
+    return bool(seen) and max(seen) >= SIZES_SPAN * min(seen)
 
 
 def _fit_decodes(samples: list[tuple[StepShape, float]]) -> DecodeLine:

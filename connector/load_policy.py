@@ -465,7 +465,9 @@ class _Model:
         it alone. Before, they shared it for the whole split: beside a load with next to
         nothing left, a split looked twice as slow as it was, auto loaded instead, and the
         next hit found a load beside it in turn (the simulator's 4 clients of 32k-token hits
-        at 8 GB/s: 24 of 68 hits loaded, 1.20x a split of every hit)."""
+        at 8 GB/s: 24 of 68 hits loaded, 1.20x a split of every hit). The policy knows the
+        loads' backlog, not each one's rest: the backlog bounds them together (the simulator
+        shares with each load apart, as the store does)."""
         bands = max(1, self.hit.bands)
         alone_s = bands * band_bytes / splits.bytes_per_s
         beside = min(self.busy.loads, LOAD_THREADS)
@@ -660,7 +662,7 @@ def pinned(
     if way is Way.SPLIT and (not split_ok or hit.max_split() < 1):
         return Decision(Way.ASYNC, hit.blocks, Reason.SPLIT_UNAVAILABLE)
     if way is Way.SPLIT and figures.splits is not None and figures.compute is not None:
-        model = _Model(hit, figures.compute, engine, busy, BusyWeights())
+        model = _Model(hit, figures.compute, engine, busy, BusyWeights(), figures.loads)
         blocks, split = _best_split(model, figures.splits)
         seconds, recompute = split.seconds, model.recompute().seconds
         predicted = _rounded({way: seconds, Way.RECOMPUTE: recompute})
@@ -782,8 +784,11 @@ def _split_after_this_pass(model: _Model, splits: SplitFit) -> tuple[int, _Predi
         this_pass = splits.first_s + b * x + compute
     own = max(1, hit.prompt_tokens - hit.start * hit.block_size)
     behind = min(busy.waiting * own, room)
+    # the loads in flight drain meanwhile: the next pass's bands share the store with the rest
+    drained = this_pass * model.load_bytes_per_s if model.load_bytes_per_s < math.inf else 0.0
     then = replace(
         busy,
+        load_bytes_ahead=max(0.0, busy.load_bytes_ahead - drained),
         split_bytes=0.0,
         prefills=busy.prefills + math.ceil(behind / own),
         prefill_tokens_ahead=busy.prefill_tokens_ahead - take + behind,

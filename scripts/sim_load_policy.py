@@ -240,7 +240,10 @@ class Links:
 
     def active(self, rank: int) -> int:
         """Transfers the link serves now (a split's bands share it with them)."""
-        return sum(1 for t in self.transfers if t.rank == rank and t.done_at is None and t.began)
+        return sum(
+            1 for t in self.transfers
+            if t.rank == rank and t.done_at is None and t.began is not None
+        )  # fmt: skip
 
     def advance(self, t0: float, t1: float) -> None:
         """Progress every transfer from ``t0`` to ``t1``."""
@@ -271,12 +274,12 @@ class Links:
                 mine = [t for t in mine if t.done_at is None]
                 now = until
 
-    def left(self, rank: int) -> float:
-        """What the transfers the link serves now have left to receive."""
-        return sum(
+    def left(self, rank: int) -> list[float]:
+        """What each transfer the link serves now has left to receive."""
+        return [
             max(0.0, t.left) for t in self.transfers
-            if t.rank == rank and t.done_at is None and t.began
-        )  # fmt: skip
+            if t.rank == rank and t.done_at is None and t.began is not None
+        ]  # fmt: skip
 
     def _of(self, owner: object) -> list[Transfer]:
         return [t for t in self.transfers if t.owner is owner]
@@ -614,14 +617,14 @@ class EngineSim:
         # each rank's link: the bands take an even share of it beside each load it serves,
         # while that load has bytes left (the bands' reads at ``split_ratio`` of the link, the
         # loads' at their share of it), then the whole; ``moved``: the bands' bytes and the
-        # loads' beside them, at the bands' rate (a worker's sample counts the link's bytes)
+        # loads' beside them, in the bands' terms (as the split figure counts a link's bytes
+        # here: the simulator's bands are slower than the link, not sharing it with more)
         noise = self._noise(s.noise)
         per_rank: list[tuple[float, float]] = []  # (a band's time, the link's bytes per band)
         for rank in range(self.d.gpus):
             rate = s.rank_bytes_per_s(rank, self.d.gpus) * s.split_ratio
             total = b * band_bytes
-            beside = self.links.active(rank)
-            moved = total + min(beside * total, self.links.left(rank) * s.split_ratio)
+            moved = total + sum(min(total, left * s.split_ratio) for left in self.links.left(rank))
             per_rank.append(((len(splits) * s.band_s + moved / rate / b) * noise, moved / b))
         x = max(t for t, _ in per_rank)
         first = s.first_s
