@@ -444,6 +444,7 @@ class _Model:
     ) -> None:
         self.hit, self.c, self.engine, self.busy, self.w = hit, compute, engine, busy, weights
         # how long the store takes for the loads in flight (their landings spread over it)
+        self.loads = loads
         rate = loads.bytes_per_s if loads is not None else math.inf
         self.load_bytes_per_s = rate
         self.loads_drain_s = max(busy.load_bytes_ahead / rate, 1e-3)
@@ -793,8 +794,8 @@ def _split_after_this_pass(model: _Model, splits: SplitFit) -> tuple[int, _Predi
         prefills=busy.prefills + math.ceil(behind / own),
         prefill_tokens_ahead=busy.prefill_tokens_ahead - take + behind,
     )
-    nxt = _Model(hit, c, engine, then, model.w)
-    nxt.loads_drain_s, nxt.load_bytes_per_s = model.loads_drain_s, model.load_bytes_per_s
+    nxt = _Model(hit, c, engine, then, model.w, model.loads)
+    nxt.loads_drain_s = model.loads_drain_s  # (the landings' spread as the step began)
     j, split = _best_split(nxt, splits)
     return j, split._replace(seconds=this_pass + split.seconds)
 

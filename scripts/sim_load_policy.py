@@ -238,12 +238,16 @@ class Links:
                          nbytes_per_rank, owner, moved_before=self.moved[rank])
             )  # fmt: skip
 
-    def active(self, rank: int) -> int:
-        """Transfers the link serves now (a split's bands share it with them)."""
-        return sum(
-            1 for t in self.transfers
+    def _served(self, rank: int) -> list[Transfer]:
+        """The transfers the link serves now (begun, not done)."""
+        return [
+            t for t in self.transfers
             if t.rank == rank and t.done_at is None and t.began is not None
-        )  # fmt: skip
+        ]  # fmt: skip
+
+    def active(self, rank: int) -> int:
+        """Transfers the link serves now (a probe shares it with them)."""
+        return len(self._served(rank))
 
     def advance(self, t0: float, t1: float) -> None:
         """Progress every transfer from ``t0`` to ``t1``."""
@@ -275,11 +279,9 @@ class Links:
                 now = until
 
     def left(self, rank: int) -> list[float]:
-        """What each transfer the link serves now has left to receive."""
-        return [
-            max(0.0, t.left) for t in self.transfers
-            if t.rank == rank and t.done_at is None and t.began is not None
-        ]  # fmt: skip
+        """What each transfer the link serves now has left to receive (a split's bands share
+        it with each while it has any)."""
+        return [max(0.0, t.left) for t in self._served(rank)]
 
     def _of(self, owner: object) -> list[Transfer]:
         return [t for t in self.transfers if t.owner is owner]
@@ -621,9 +623,9 @@ class EngineSim:
         # here: the simulator's bands are slower than the link, not sharing it with more)
         noise = self._noise(s.noise)
         per_rank: list[tuple[float, float]] = []  # (a band's time, the link's bytes per band)
+        total = b * band_bytes
         for rank in range(self.d.gpus):
             rate = s.rank_bytes_per_s(rank, self.d.gpus) * s.split_ratio
-            total = b * band_bytes
             moved = total + sum(min(total, left * s.split_ratio) for left in self.links.left(rank))
             per_rank.append(((len(splits) * s.band_s + moved / rate / b) * noise, moved / b))
         x = max(t for t, _ in per_rank)
