@@ -218,9 +218,19 @@ FIGURES = (
     "policy_load_bytes_per_second",
     "policy_load_overhead_seconds",
     "policy_split_bytes_per_second",
+    "policy_step_seconds",
     "policy_token_seconds",
+    "policy_attention_seconds",
     "load_probes_total",
 )
+# After its last step a vLLM worker keeps polling for the next one for a second (vLLM 0.32's
+# shm_broadcast busy loop, ``sched_yield`` in a loop) before it sleeps. The three servers
+# share one core here, so a request started right after two others ran beside two spinning
+# workers: on 2026-12-01 its prompt pass took 490 ms where 280-330 ms was usual, and the
+# rotation put ``auto`` there every third request (always right after ``async``, and
+# ``recompute`` after ``auto``), 1.09x behind ``async`` on the same choice. Each request
+# starts once the others' workers are idle.
+WORKERS_IDLE_AFTER_S = 1.2
 # float32 on every server: a prompt computed in one pass and one whose prefix a store gave
 # differ in bf16's last bits, enough to change a greedy token at a near tie (docs/design.md,
 # Correctness); in float32 every way's answer must be the recomputing server's
@@ -393,12 +403,15 @@ def run_instance_phase(
     phase.cached_tokens = {w: [] for w in INSTANCE_WAYS}
     phase.answers_differ = dict.fromkeys(INSTANCE_WAYS, 0)
     before = choices(servers["auto"].url)
+    last_end = time.monotonic()
     for i, doc in enumerate(docs):
         k = i % len(INSTANCE_WAYS)
         order = INSTANCE_WAYS[k:] + INSTANCE_WAYS[:k]  # each in each place: drift hits alike
         answers = {}
         for way in order:
+            time.sleep(max(0.0, last_end + WORKERS_IDLE_AFTER_S - time.monotonic()))
             took, text, cached = stream(servers[way].url, name, doc + questions[i], answer_tokens)
+            last_end = time.monotonic()
             phase.ttft_s[way].append(took)
             phase.cached_tokens[way].append(cached)
             answers[way] = text
