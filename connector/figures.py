@@ -66,9 +66,6 @@ MIN_DECODE_PASSES = 4  # passes of decodes alone before they get a line of their
 # prompt passes whose sizes span less than this factor do not tell a pass's fixed cost from
 # its per-token cost (``_fit_compute``)
 SIZES_SPAN = 2.0
-# prompt passes whose token counts and context per token are within this (natural log: 10%)
-# of each other's are of one kind (``_tell_fixed_cost``)
-SHAPE_KINDS_APART = math.log(1.1)
 # a pass that computed at least this many prompt tokens is a prefill sample
 PREFILL_TOKENS = 64
 # no sample older than this is used (seconds): a store's speed from minutes ago is not a figure
@@ -616,19 +613,18 @@ def _fit_compute(
     step, token, attention, row, context = nonnegative_fit(x, y)
     shapes = [shape for shape, _ in samples if shape.prefill_tokens > 0]
     unfit = step > floor or (token <= 0 and attention <= 0)
-    if floor > 0 and unfit and not _tell_fixed_cost(shapes):
+    if floor > 0 and unfit and not _spans(shape.prefill_tokens for shape in shapes):
         # prompts of one size (an instance that recomputed every hit of a workload, before
-        # any load), or of two computed from nothing: a line through them says little of a
-        # pass's fixed cost, and noise chose it (0.42-0.53 s on the 2-core VM, where a pass of
-        # 92 tokens took ~0.25-0.3 s: a load's last pass was predicted twice its time and auto
-        # recomputed hits that loaded 14% sooner).
+        # any load): a line through them says little of a pass's fixed cost, and noise chose
+        # it (0.42 s on the 2-core VM, where a pass of 92 tokens took ~0.25 s: a load's last
+        # pass was predicted 0.27 s long and auto recomputed hits that loaded 14% sooner).
         # Where it came out above a small decode pass's, it is that (a prompt pass's fixed
         # cost is not more, and on a GPU, where a decode pass reads every weight, less: the
         # line is kept where it is below), and the prompt tokens cost the rest; their
         # attention where the contexts they attend to tell it apart (a long prompt's chunks of
         # one size: the same tokens, ever more context)
         columns = [1, 2, 3, 4]
-        if not _spans(_per_token(shape) for shape in shapes):
+        if not _spans(shape.prefill_attention / shape.prefill_tokens for shape in shapes):
             columns = [1, 3, 4]
         coef = dict(zip(columns, nonnegative_fit(x[:, columns], y - floor), strict=True))
         if coef[1] > 0 or coef.get(2, 0.0) > 0:  # (else prompts faster than the floor: the line)
@@ -637,31 +633,6 @@ def _fit_compute(
     if token <= 0 and attention <= 0:
         return None  # nothing grows with the prompt: not a usable fit yet
     return ComputeFit(step, token, attention, row, context, len(samples), floor, decodes)
-
-
-def _tell_fixed_cost(shapes: list[StepShape]) -> bool:
-    """Whether prompt passes of these shapes tell a pass's fixed cost from what their tokens
-    and their attention cost: sizes that span ``SIZES_SPAN``, in at least three kinds of pass
-    (by tokens and context per token, ``SHAPE_KINDS_APART``). Three unknowns need three kinds:
-    prompts computed from nothing in two sizes (the CPU benchmark's 600-token warm-up beside
-    1,500-token prompts) attend n(n+1)/2 pairs each, and a line through them chose a 0.53 s
-    fixed cost and no attention, where a load's last pass -- 96 tokens over 1,408 loaded --
-    took 0.3 s; the decode pass then stands in for the fixed cost, and a load's short pass,
-    once taken, is the third kind."""
-    if not _spans(shape.prefill_tokens for shape in shapes):
-        return False
-    kinds: list[tuple[float, float]] = []
-    for shape in shapes:
-        kind = (math.log(shape.prefill_tokens), math.log1p(_per_token(shape)))
-        if all(max(abs(kind[0] - k[0]), abs(kind[1] - k[1])) > SHAPE_KINDS_APART for k in kinds):
-            kinds.append(kind)
-            if len(kinds) >= 3:
-                return True
-    return False
-
-
-def _per_token(shape: StepShape) -> float:
-    return shape.prefill_attention / shape.prefill_tokens
 
 
 def _spans(values: Iterable[float]) -> bool:

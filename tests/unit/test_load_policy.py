@@ -18,7 +18,6 @@ from connector.figures import (
     SplitFit,
     SplitRate,
     StepShape,
-    attention_work,
     step_shape,
 )
 from connector.load_policy import (
@@ -626,41 +625,6 @@ def test_prompts_of_one_size_take_their_fixed_cost_from_a_small_decode_pass() ->
     assert fit is not None
     chunk = 30e-6 * 8192 + attention_s * 8192 * (24576 + 4096)
     assert fit.seconds(24576, 32768) == pytest.approx(0.01 + chunk, rel=0.05)
-
-
-def test_prompts_of_two_sizes_from_nothing_take_their_fixed_cost_from_a_decode_pass() -> None:
-    """Prompts computed from nothing in two sizes (the CPU benchmark's servers: a 600-token
-    warm-up, then 1,500-token prompts only) do not tell a pass's fixed cost from what their
-    tokens and their attention cost: each attends n(n+1)/2 pairs, and a line through them put
-    0.53 s in the fixed cost and nothing in attention, where a load's last pass (96 tokens
-    over 1,408 loaded) took 0.3 s. The fixed cost is then a small decode pass's, which errs
-    the other way, where a load's own short pass corrects it. Passes of three kinds keep
-    their line (one long prompt among chat prompts of many sizes: a review's case)."""
-    fixed, per_token, per_pair, decode = 0.2, 0.6e-3, 0.5e-6, 0.04
-
-    def truth(first: int, end: int) -> float:
-        return fixed + per_token * (end - first) + per_pair * attention_work(end - first, first)
-
-    def decodes(rate: ComputeRate, context: int) -> None:
-        for k in range(3):
-            rate.add(step_shape([(context + k, 1, False)]), decode * rng.uniform(0.9, 1.1))
-
-    rng = random.Random(7)
-    rate = ComputeRate()
-    for n in [600] + [1500 + rng.randrange(12) for _ in range(10)]:
-        rate.add(step_shape([(0, n, True)]), truth(0, n) * rng.uniform(0.98, 1.02))
-        decodes(rate, n)
-    fit = rate.estimate()
-    assert fit is not None
-    assert fit.seconds(1408, 1504) <= truth(1408, 1504)
-    assert fit.seconds(0, 1504) == pytest.approx(truth(0, 1504), rel=0.05)
-    rate = ComputeRate()
-    for n in [rng.randrange(1000, 1800) for _ in range(12)] + [6000]:
-        rate.add(step_shape([(0, n, True)]), truth(0, n) * rng.uniform(0.99, 1.01))
-        decodes(rate, n)
-    fit = rate.estimate()
-    assert fit is not None
-    assert fit.seconds(1408, 1504) == pytest.approx(truth(1408, 1504), rel=0.1)
 
 
 def test_a_line_through_prompts_of_one_size_keeps_a_fixed_cost_below_a_decode_pass() -> None:
