@@ -443,8 +443,8 @@ class _Model:
         loads: LoadFit | None = None,
     ) -> None:
         self.hit, self.c, self.engine, self.busy, self.w = hit, compute, engine, busy, weights
+        self.loads = loads  # (the next pass's model is built with the same figure)
         # how long the store takes for the loads in flight (their landings spread over it)
-        self.loads = loads
         rate = loads.bytes_per_s if loads is not None else math.inf
         self.load_bytes_per_s = rate
         self.loads_drain_s = max(busy.load_bytes_ahead / rate, 1e-3)
