@@ -20,7 +20,10 @@ take for what they hold. Three paths, three figures; no fit mixes them:
   tokens + attention x prefill context work + decode_row x decode rows + decode_context x the
   context decodes read``. A pass is classified by the prefill tokens it holds (a batch of 64
   decodes is not a prefill); prefills and other passes keep windows of their own, so a stream
-  of decode steps never pushes out the prefills a prompt's cost is predicted from.
+  of decode steps never pushes out the prefills a prompt's cost is predicted from. The line's
+  fixed cost is believed where it was measured: a pass doing less work than any sample did is
+  predicted no longer than the straight line from a small decode pass
+  (``ComputeFit.sampled_seconds``).
 
 Every figure is per TP rank where ranks differ (the loads): the slowest rank sets the pace, so
 its figure counts. Samples age from when their rank recorded them, not from the step that
@@ -169,6 +172,9 @@ class ComputeFit:
     floor_s: float = 0.0
     # passes of decodes alone, where enough were seen (None: the line above serves them)
     decodes: DecodeLine | None = None
+    # the least work (the line's seconds above its fixed cost) of a pass the line was drawn
+    # through: a pass doing less is outside what was measured (``sampled_seconds``)
+    least_work_s: float = 0.0
 
     def pass_seconds(self, shape: StepShape) -> float:
         """A forward pass holding ``shape`` (its fixed cost alone, if nothing). Never less than
@@ -176,10 +182,29 @@ class ComputeFit:
         adding prompt tokens never makes a pass cheaper (a short prompt's line, fitted through
         compute-bound passes, lies below a weight-bound decode pass)."""
         if self.decodes is None:
-            return max(self.floor_s, self.line_seconds(shape))
+            return max(self.floor_s, self.sampled_seconds(shape))
         if shape.prefill_tokens <= 0:
             return max(self.floor_s, self.decodes.seconds(shape))
-        return max(self.floor_s, self.decodes.seconds(shape), self.line_seconds(shape))
+        return max(self.floor_s, self.decodes.seconds(shape), self.sampled_seconds(shape))
+
+    def sampled_seconds(self, shape: StepShape) -> float:
+        """The line at ``shape`` where it was measured; below the least work a sample did, the
+        line's fixed cost above a small decode pass's fades to that pass's at no work (the
+        straight line between the two passes measured there). The line's fixed cost is its
+        reach back to no work from the passes it went through: passes of one or two sizes
+        that cost less a token the larger they are (a 2-core CPU's 600 and 1,500-token
+        prompts) put 0.5-0.6 s there, where a pass of few decodes took 40 ms, and a load's
+        last pass (96 tokens over 1,408) was predicted at twice its 0.3 s, so the hits that
+        loaded 29% sooner were recomputed. Of the two, the sooner: where passes cost more a
+        token the larger they are (a GPU's, weight-bound when small) the line is below the
+        straight one and is kept; where less, the pass is predicted short, a load is chosen,
+        and its own pass is the sample that corrects the line (a recompute would never tell)."""
+        line = self.line_seconds(shape)
+        over_floor = self.step_s - self.floor_s
+        work = line - self.step_s
+        if over_floor <= 0 or self.floor_s <= 0 or not 0 <= work < self.least_work_s:
+            return line
+        return line - over_floor * (1.0 - work / self.least_work_s)
 
     def chunk_base_seconds(self, decodes: StepShape) -> float:
         """The fixed part of a pass that computes a prompt chunk beside ``decodes``, which
@@ -632,7 +657,9 @@ def _fit_compute(
             token, attention, row, context = (coef.get(k, 0.0) for k in (1, 2, 3, 4))
     if token <= 0 and attention <= 0:
         return None  # nothing grows with the prompt: not a usable fit yet
-    return ComputeFit(step, token, attention, row, context, len(samples), floor, decodes)
+    work = x[:, 1:] @ np.array([token, attention, row, context])
+    least = float(work.min()) if len(work) else 0.0
+    return ComputeFit(step, token, attention, row, context, len(samples), floor, decodes, least)
 
 
 def _spans(values: Iterable[float]) -> bool:

@@ -360,6 +360,21 @@ class LoadChoices:
         built, seen = mark
         return self._outputs_seen <= seen and self._steps_built - built < IDLE_WAIT_STEPS
 
+    def _take_compute_sample(
+        self, tokens: float, attention: float, rows: float, context: float, seconds: float
+    ) -> None:
+        shape = StepShape(int(tokens), float(attention), int(rows), int(context))
+        self.compute_rate.add(shape, seconds)
+        # (what the compute figure is fitted from, for reading a choice's prediction back)
+        logger.debug(
+            "a forward pass: %d prompt token(s) attending %.0f, %d decode(s) reading %d: %.1f ms",
+            shape.prefill_tokens,
+            shape.prefill_attention,
+            shape.decode_rows,
+            shape.decode_context,
+            seconds * 1e3,
+        )
+
     def take_samples(self, stats: Any) -> None:
         """The workers' measurements, for the load policy's figures (``figures.py``): each
         kind as the workers send it (``worker.py``); anything else teaches nothing."""
@@ -376,9 +391,7 @@ class LoadChoices:
                 b, first, between, int(bands), int(r), age
             ),
             "split_bounds": lambda r, b, s, age=0.0: self.split_rate.add_bound(b, s, int(r), age),
-            "compute_samples": lambda p, a, d, x, s: self.compute_rate.add(
-                StepShape(int(p), float(a), int(d), int(x)), s
-            ),
+            "compute_samples": self._take_compute_sample,
         }
         for key, take in kinds.items():
             for values in _entries(data, key):

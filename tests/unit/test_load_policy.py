@@ -647,6 +647,39 @@ def test_a_line_through_prompts_of_one_size_keeps_a_fixed_cost_below_a_decode_pa
     assert slow_decodes.estimate() is not None
 
 
+def test_a_pass_below_every_sampled_one_is_not_predicted_by_the_lines_reach_back() -> None:
+    """A 2-core CPU's passes cost less a token the larger they are: its warm-up (600 tokens,
+    0.71 s) and 1,500-token prompts (1.25 s) drew a line with a fixed cost of 0.35 s, where
+    a pass of one decode took 40 ms, and a load's last pass (96 tokens over 1,408 loaded,
+    0.30 s) was predicted at 0.41 s, so hits that loaded sooner were recomputed, and no
+    recomputed hit ever taught otherwise (the benchmark of 2026-12-01 at 2.2x the
+    break-even: loads 29% sooner, the first three recomputed). Below the least work a sample
+    did, the pass is predicted on the straight line from the decode pass; a load is tried,
+    and its own pass corrects the figure."""
+    rng = random.Random(7)
+    rate = ComputeRate()
+    rate.add(step_shape([(0, 600, True)]), 0.71)
+    for _ in range(8):
+        rate.add(step_shape([(0, 1500, True)]), 1.25 * rng.uniform(0.97, 1.03))
+        for k in range(3):  # (its answer's decodes)
+            rate.add(step_shape([(1500 + k, 1, False)]), 0.04 * rng.uniform(0.9, 1.1))
+    fit = rate.estimate()
+    assert fit is not None and fit.step_s > 0.3  # (the line's reach back: kept where sampled)
+    assert fit.seconds(0, 1504) == pytest.approx(1.25, rel=0.03)
+    last_pass = step_shape([(1408, 96, True)])
+    assert fit.floor_s < fit.pass_seconds(last_pass) <= 0.30
+    # the store gives the hit in 0.8 s: a load takes 1.1 s, recomputing 1.25 s
+    hit = Hit(start=0, end=88, prompt_tokens=1504, block_size=16, block_bytes=64 << 10, bands=4)
+    store = LoadFit(0.0, 88 * (64 << 10) / 0.8, samples=8)
+    assert choose(hit, Figures(store, None, fit)).way is Way.ASYNC
+    # where the guess was short, the load's pass is the sample that says so
+    rate.add(last_pass, 0.30)
+    fit = rate.estimate()
+    assert fit is not None
+    assert fit.pass_seconds(last_pass) == pytest.approx(0.30, rel=0.15)
+    assert fit.seconds(0, 1504) == pytest.approx(1.25, rel=0.03)
+
+
 def test_a_pass_full_of_decodes_is_not_a_prefill_sample() -> None:
     """Classified by its prompt tokens: 64 or more decodes once counted as a prefill, and
     recompute was predicted 3.6x too slow at 8k tokens and 11x at 32k."""
