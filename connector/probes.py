@@ -24,7 +24,8 @@ An idle engine runs no step, so no step carries a probe: while none has come for
 the first request after an idle spell waits one step for their samples (``scheduler.py``).
 
 On vLLM's CPU backend a probe waits for a quiet step (no prompt tokens computed, no load or
-split in flight), for at most ``BUSY_WAIT_S``: there a probe's receiving shares the cores of
+split in flight, and no request held back for its answer: the next step computes that one's
+prompt), for at most ``BUSY_WAIT_S``: there a probe's receiving shares the cores of
 the pass it runs beside, and on this VM every recomputed prompt's first token came 5-7% later
 than the recomputing server's while probes ran beside them. On a GPU a probe's reads land in
 host staging and the pass runs on the device, so a probe runs at once: the simulator

@@ -150,6 +150,9 @@ class RedisConnectorScheduler:
         # before, counted (and released) once its output is in
         self._splits_planned: list[str] = []
         self._splits_running: list[str] = []
+        # a request's lookup answered "not yet" in the step being scheduled: the step is empty
+        # of its prompt only for that, and the next one computes it (``build_connector_meta``)
+        self._held_back = False
         # of those, requests finished while their split's step ran -- vLLM's EngineCore takes
         # an abort that came during a forward pass after it and before its output -- kept
         # until that output: its failed blocks are still theirs to taint
@@ -350,6 +353,14 @@ class RedisConnectorScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        matched = self._matched_tokens(request, num_computed_tokens)
+        if matched[0] is None:
+            self._held_back = True
+        return matched
+
+    def _matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         st = self._state(request)
         start = num_computed_tokens // self.block_size
         if st.phase is Phase.WAITING_A_PASS:
@@ -527,6 +538,7 @@ class RedisConnectorScheduler:
     # ------------------------------------------------------------------ steps and commits
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> RedisConnectorMetadata:
         self._polls.new_step()  # the step is over: the next one may wait again
+        held_back, self._held_back = self._held_back, False
         self._finish_splits()
         self._splits_running, self._splits_planned = self._splits_planned, []
         rows = self._scheduled_rows(scheduler_output)
@@ -537,7 +549,10 @@ class RedisConnectorScheduler:
         )
         self.load_choices.next_pass(rows)
         if self.config.loads:
-            quiet_step = meta.step.prefill_tokens == 0 and not meta.loads
+            # (a step empty only because a request's answer is pending is not quiet: a probe
+            # it carried read the store through the prompt's pass after it, on the CPU bench
+            # for a second of every recomputed prompt's 1.7 s while the store was slow)
+            quiet_step = meta.step.prefill_tokens == 0 and not meta.loads and not held_back
             probe, idle = self.load_choices.step_probes(quiet_step, bool(self._splits_running))
             if probe is not None:
                 meta.probes.append(probe)
