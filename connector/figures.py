@@ -182,16 +182,19 @@ class ComputeFit:
         adding prompt tokens never makes a pass cheaper (a short prompt's line, fitted through
         compute-bound passes, lies below a weight-bound decode pass)."""
         if self.decodes is None:
-            return max(self.floor_s, self.sampled_seconds(shape))
+            return max(self.floor_s, self.sampled_seconds(shape, self.floor_s))
+        reads = max(self.floor_s, self.decodes.seconds(shape))
         if shape.prefill_tokens <= 0:
-            return max(self.floor_s, self.decodes.seconds(shape))
-        return max(self.floor_s, self.decodes.seconds(shape), self.sampled_seconds(shape))
+            return reads
+        return max(reads, self.sampled_seconds(shape, reads))
 
-    def sampled_seconds(self, shape: StepShape) -> float:
+    def sampled_seconds(self, shape: StepShape, reads_s: float) -> float:
         """The line at ``shape`` where it was measured; below the least work a sample did, the
-        line's fixed cost above a small decode pass's fades to that pass's at no work (the
-        straight line between the two passes measured there). The line's fixed cost is its
-        reach back to no work from the passes it went through: passes of one or two sizes
+        line's fixed cost above ``reads_s`` (a small decode pass's, or the pass of the shape's
+        decodes alone, so a prompt's tokens beside them never come free: a review) fades to
+        it at no work (the straight line between the two passes measured there). The line's
+        fixed cost is its reach back to no work from the passes it went through: passes of
+        one or two sizes
         that cost less a token the larger they are (a 2-core CPU's 600 and 1,500-token
         prompts) put 0.5-0.6 s there, where a pass of few decodes took 40 ms, and a load's
         last pass (96 tokens over 1,408) was predicted at twice its 0.3 s, so the hits that
@@ -200,11 +203,11 @@ class ComputeFit:
         straight one and is kept; where less, the pass is predicted short, a load is chosen,
         and its own pass is the sample that corrects the line (a recompute would never tell)."""
         line = self.line_seconds(shape)
-        over_floor = self.step_s - self.floor_s
+        over_reads = self.step_s - reads_s
         work = line - self.step_s
-        if over_floor <= 0 or self.floor_s <= 0 or not 0 <= work < self.least_work_s:
+        if over_reads <= 0 or reads_s <= 0 or not 0 <= work < self.least_work_s:
             return line
-        return line - over_floor * (1.0 - work / self.least_work_s)
+        return line - over_reads * (1.0 - work / self.least_work_s)
 
     def chunk_base_seconds(self, decodes: StepShape) -> float:
         """The fixed part of a pass that computes a prompt chunk beside ``decodes``, which
@@ -212,7 +215,10 @@ class ComputeFit:
         own line (a weight-bound decode pass costs nothing more when a compute-bound chunk
         joins it), else the pass of the decodes alone."""
         if self.decodes is None:
-            return self.pass_seconds(decodes)
+            # (the line's own fixed cost: full chunks are passes of the work it was drawn
+            # through, ``sampled_seconds``; faded, a 1,024-token prompt in one chunk of 1,024
+            # was predicted 0.32 s sooner than in one pass of 1,023: a review)
+            return max(self.floor_s, self.line_seconds(decodes))
         return self.line_seconds(decodes)
 
     def line_seconds(self, shape: StepShape) -> float:
@@ -575,6 +581,12 @@ class ComputeRate:
         self._lock = threading.Lock()
         self._prefills: deque[tuple[StepShape, float]] = deque(maxlen=window)
         self._others: deque[tuple[StepShape, float]] = deque(maxlen=window)
+        # passes of a few prompt tokens (a load's or split's last, under ``PREFILL_TOKENS``):
+        # not prefill samples, but the least work the prompts' line was measured at, which a
+        # stream of decode passes must not push out (``ComputeFit.sampled_seconds``: a load
+        # chosen on a short guess, whose pass said otherwise, was chosen again once an
+        # answer's decodes had filled the window)
+        self._short_prompts: deque[tuple[StepShape, float]] = deque(maxlen=window)
         self.count = 0
         self._fit: tuple[int, ComputeFit | None] = (-1, None)
 
@@ -584,7 +596,11 @@ class ComputeRate:
             return
         with self._lock:
             prefill = shape.prefill_tokens >= PREFILL_TOKENS
-            (self._prefills if prefill else self._others).append((shape, float(seconds)))
+            if prefill:
+                window = self._prefills
+            else:
+                window = self._short_prompts if shape.prefill_tokens > 0 else self._others
+            window.append((shape, float(seconds)))
             self.count += 1
 
     def estimate(self) -> ComputeFit | None:
@@ -592,7 +608,8 @@ class ComputeRate:
         while too few prefills were seen to predict a prompt's cost."""
         with self._lock:
             count = self.count
-            prefills, others = list(self._prefills), list(self._others)
+            prefills = list(self._prefills)
+            others = list(self._others) + list(self._short_prompts)
         if self._fit[0] != count:
             self._fit = (count, _fit_compute(prefills, others))
         return self._fit[1]

@@ -680,6 +680,56 @@ def test_a_pass_below_every_sampled_one_is_not_predicted_by_the_lines_reach_back
     assert fit.seconds(0, 1504) == pytest.approx(1.25, rel=0.03)
 
 
+def test_a_short_guess_that_its_load_proved_wrong_is_not_made_again() -> None:
+    """Where the line was right after all, the load tried on the short guess is the last:
+    its last pass (16 tokens, under a prefill sample's size) stays measured however many
+    decode passes come after it (a review: pushed out by an answer's 80 decodes, the guess
+    came back and every hit loaded, 1.09x recomputing). Prompt tokens beside decodes cost
+    something (the fade ends at the pass of those decodes, not below it), and a prompt in
+    chunks costs what its passes do where no decode line was fitted (a 1,024-token prompt
+    in one chunk was predicted 0.32 s sooner than in one pass of 1,023: a review)."""
+    rate = ComputeRate()
+
+    def line(shape: StepShape) -> float:  # passes that cost what the line says
+        return 0.355 + 0.6e-3 * shape.prefill_tokens if shape.prefill_tokens else 0.04
+
+    rate.add(step_shape([(0, 600, True)]), line(step_shape([(0, 600, True)])))
+    for _ in range(8):
+        rate.add(step_shape([(0, 1500, True)]), line(step_shape([(0, 1500, True)])))
+        for k in range(3):
+            rate.add(step_shape([(1500 + k, 1, False)]), 0.04)
+    # beside decodes, prompt tokens cost more than the decodes alone, on the short guess too
+    fit = rate.estimate()
+    assert fit is not None and fit.decodes is not None
+    decodes = StepShape(decode_rows=4, decode_context=6000)
+    beside = decodes.plus(step_shape([(1488, 16, True)]))
+    assert fit.pass_seconds(beside) > fit.pass_seconds(decodes) + 16 * 0.6e-3
+    hit = Hit(start=0, end=93, prompt_tokens=1504, block_size=16, block_bytes=64 << 10, bands=4)
+    store = LoadFit(0.0, 93 * (64 << 10) / 1.0, samples=8)  # a load: 1.0 s + its last pass
+    last_pass = step_shape([(1488, 16, True)])
+    ways = []
+    for _ in range(4):
+        fit = rate.estimate()
+        assert fit is not None
+        way = choose(hit, Figures(store, None, fit)).way
+        ways.append(way)
+        rate.add(
+            last_pass if way is Way.ASYNC else step_shape([(0, 1504, True)]),
+            line(last_pass if way is Way.ASYNC else step_shape([(0, 1504, True)])),
+        )
+        for k in range(80):  # its answer
+            rate.add(step_shape([(1504 + k, 1, False)]), 0.04)
+    assert ways == [Way.ASYNC] + [Way.RECOMPUTE] * 3
+    # without a decode line, a prompt in chunks of 1,024 costs its passes
+    alone = ComputeFit(0.355, 0.6e-3, 0.0, samples=9, floor_s=0.04, least_work_s=0.36)
+    chunked = choose(
+        Hit(0, 64, 1024, 16, 64 << 10, 4),
+        Figures(LoadFit(0.0, 1e3, samples=8), None, alone),  # (a store too slow to load)
+        engine=Engine(token_budget=1024),
+    )
+    assert chunked.predicted_s["recompute"] == pytest.approx(alone.seconds(0, 1023), rel=0.01)
+
+
 def test_a_pass_full_of_decodes_is_not_a_prefill_sample() -> None:
     """Classified by its prompt tokens: 64 or more decodes once counted as a prefill, and
     recompute was predicted 3.6x too slow at 8k tokens and 11x at 32k."""
