@@ -193,15 +193,19 @@ class ProbePlanner:
         """The probe to run now, or None. ``quiet``: the step computes no prompt tokens and
         has no load or split in flight (a probe then costs no request anything)."""
         now = self._clock()
-        if not self._names or block_bytes <= 0:
-            return None
         missing = _few(loads) or (splits_allowed and _few(splits))
         interval = MISSING_INTERVAL_S if missing else PROBE_INTERVAL_S
-        if now - self._sent_at < interval:
-            return None
         whole = _needs(loads) or self._store_too_slow
         bands = splits_allowed and (_needs(splits) or self._store_too_slow)
-        if not whole and not bands:
+        if (
+            not self._names
+            or block_bytes <= 0
+            or now - self._sent_at < interval
+            or not (whole or bands)
+        ):
+            # none due: a wait for a quiet step ends here (kept, the next probe due beside a
+            # busy step ran at once, as if it had waited since: a review)
+            self._waiting_since = None
             return None
         if not quiet:
             if self._waiting_since is None:

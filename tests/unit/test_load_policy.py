@@ -40,6 +40,7 @@ from connector.load_policy import (
     plausible_recompute_s,
 )
 from connector.probes import (
+    BUSY_WAIT_S,
     FEW_SAMPLES,
     PROBE_INTERVAL_S,
     PROBE_SECONDS,
@@ -806,6 +807,24 @@ def test_a_gpus_decode_passes_do_not_set_the_cost_of_a_prompt() -> None:
 
 
 # ---------------------------------------------------------------------- probes
+def test_a_probe_no_longer_due_ends_its_wait_for_a_quiet_step() -> None:
+    """Found in review: a probe due beside a busy step waits up to ``BUSY_WAIT_S`` for a
+    quiet one; where it stopped being due meanwhile (a load's sample refreshed the figure),
+    the wait was kept, and the next probe due, 40 s later, ran beside the first busy step."""
+    clock = Clock()
+    probes = ProbePlanner(clock=clock)
+    probes.remember([f"b{i}" for i in range(8)], "r0")
+    stale = LoadFit(0.01, 1e9, samples=8, age_s=STALE_S + 1)
+    fresh = LoadFit(0.01, 1e9, samples=8)
+    assert probes.due(stale, None, False, 1 << 16, quiet=False) is None  # waits
+    clock.now += 0.2
+    assert probes.due(fresh, None, False, 1 << 16, quiet=False) is None  # no longer due
+    clock.now += 40.0
+    assert probes.due(stale, None, False, 1 << 16, quiet=False) is None  # waits afresh
+    clock.now += BUSY_WAIT_S
+    assert probes.due(stale, None, False, 1 << 16, quiet=False) is not None  # then runs
+
+
 def test_probes_measure_a_missing_or_bounded_store_and_one_that_looked_too_slow() -> None:
     clock = Clock()
     probes = ProbePlanner(clock=clock)
