@@ -194,14 +194,14 @@ class ComputeFit:
         decodes alone, so a prompt's tokens beside them never come free: a review) fades to
         it at no work (the straight line between the two passes measured there). The line's
         fixed cost is its reach back to no work from the passes it went through: passes of
-        one or two sizes
-        that cost less a token the larger they are (a 2-core CPU's 600 and 1,500-token
-        prompts) put 0.5-0.6 s there, where a pass of few decodes took 40 ms, and a load's
-        last pass (96 tokens over 1,408) was predicted at twice its 0.3 s, so the hits that
-        loaded 29% sooner were recomputed. Of the two, the sooner: where passes cost more a
-        token the larger they are (a GPU's, weight-bound when small) the line is below the
-        straight one and is kept; where less, the pass is predicted short, a load is chosen,
-        and its own pass is the sample that corrects the line (a recompute would never tell)."""
+        one or two sizes that cost less a token the larger they are (a 2-core CPU's 600 and
+        1,500-token prompts) put 0.5-0.6 s there, where a pass of few decodes took 40 ms, and
+        a load's last pass (96 tokens over 1,408) was predicted at twice its 0.3 s, so the
+        hits that loaded 29% sooner were recomputed. Of the two, the sooner: where passes
+        cost more a token the larger they are (a GPU's, weight-bound when small) the line is
+        below the straight one and is kept; where less, the pass is predicted short, a load
+        is chosen, and its own pass is the sample that corrects the line (a recompute would
+        never tell)."""
         line = self.line_seconds(shape)
         over_reads = self.step_s - reads_s
         work = line - self.step_s
